@@ -1,0 +1,1 @@
+//! The CPU backend: pure Rust, TCP between processes (loopback or across machines).

@@ -1,0 +1,58 @@
+//! # ddp-core — level 1 of accel-rs
+//!
+//! What `torch.distributed` + `DistributedDataParallel` + torchrun give a PyTorch user, for candle:
+//!
+//! - [`store`]: a TCP rendezvous key-value store (like `TCPStore`) with a run token.
+//! - [`ProcessGroup`]: rank, world size and collectives (all_reduce, broadcast, all_gather, reduce_scatter,
+//!   send/recv, barrier, sub-groups) on slices and candle tensors, over a [`Backend`]: the CPU backend over TCP
+//!   (default, multi-process and multi-machine) or NCCL (feature `nccl`).
+//! - [`DistributedSampler`]: per-rank sample indices with PyTorch's arithmetic.
+//! - [`DistributedDataParallel`]: bucketed, averaged gradient all-reduce for candle `Var`s.
+//! - [`launcher`]: spawn N workers with torchrun's environment and fail fast when one dies.
+//!
+//! Invariant: ddp-core knows nothing of `accel` or `trainer`; it depends only on candle and small libraries.
+//!
+//! ```no_run
+//! use ddp_core::{ProcessGroup, ReduceOp};
+//! let pg = ProcessGroup::init_from_env()?;          // RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...
+//! let mut v = vec![pg.rank() as f32; 4];
+//! pg.all_reduce(&mut v, ReduceOp::Sum)?;            // every rank: [0+1+..+(P-1); 4]
+//! # Ok::<(), ddp_core::DdpError>(())
+//! ```
+
+pub mod backend;
+pub mod cpu;
+pub mod ddp;
+pub mod dtype;
+pub mod env;
+pub mod error;
+pub mod launcher;
+pub mod process_group;
+pub mod sampler;
+pub mod store;
+mod tensor_ops;
+pub mod token;
+
+pub use backend::{Backend, BackendKind};
+pub use ddp::{DdpOptions, DistributedDataParallel};
+pub use dtype::{DType, Element, ReduceOp};
+pub use env::{DistEnv, EnvSource};
+pub use error::{DdpError, Result};
+pub use launcher::{launch, LaunchConfig};
+pub use process_group::{InitOptions, ProcessGroup, DEFAULT_COLLECTIVE_TIMEOUT};
+pub use sampler::DistributedSampler;
+pub use store::{PrefixStore, Store, TcpStore, TcpStoreServer};
+pub use token::{RunToken, RUN_TOKEN_ENV};
+
+// Handles users move into threads must stay Send + Sync (checked at compile time, tokio-style).
+#[allow(dead_code)]
+const _: () = {
+    fn assert_send_sync<T: Send + Sync>() {}
+    fn check() {
+        assert_send_sync::<ProcessGroup>();
+        assert_send_sync::<TcpStore>();
+        assert_send_sync::<TcpStoreServer>();
+        assert_send_sync::<DdpError>();
+        assert_send_sync::<DistributedSampler>();
+    }
+};

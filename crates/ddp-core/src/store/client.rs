@@ -1,0 +1,3 @@
+//! store client (to be written)
+/// Client of a [`super::TcpStoreServer`].
+pub struct TcpStore {}

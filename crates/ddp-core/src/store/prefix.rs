@@ -1,0 +1,3 @@
+//! store prefix (to be written)
+/// A namespaced view of a store.
+pub struct PrefixStore {}

@@ -1,0 +1,1 @@
+//! store protocol (to be written)

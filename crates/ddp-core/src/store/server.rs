@@ -1,0 +1,3 @@
+//! store server (to be written)
+/// The store server.
+pub struct TcpStoreServer {}
