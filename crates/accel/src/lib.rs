@@ -1,5 +1,50 @@
-//! accel — level 2 (placeholder; see issue 3).
-pub mod data {
-    //! Data sets and loaders.
-    pub mod idx;
-}
+//! # accel — level 2 of accel-rs (like Hugging Face Accelerate)
+//!
+//! A single-process candle training loop becomes a distributed, mixed-precision, gradient-accumulating one by
+//! adding a handful of lines; the same program then runs on one CPU, N processes (`accel launch -n N`) or N
+//! machines, unchanged:
+//!
+//! ```no_run
+//! use accel::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig};
+//! use candle_core::Tensor;
+//! use candle_nn::{Module, VarMap};
+//! # fn batches() -> Vec<(Tensor, Tensor)> { vec![] }
+//! # fn main() -> accel::Result<()> {
+//! let acc = Accelerator::new(AcceleratorConfig::from_env()?)?;      // process group, device, precision, GA
+//! let varmap = VarMap::new();
+//! let model = candle_nn::linear(784, 10, acc.var_builder(&varmap).pp("fc"))?; // device + dtype from acc
+//! let prepared = acc.prepare_model(&varmap)?;                       // DDP + fp32 master weights
+//! let mut opt = acc.prepare_optimizer(&prepared, AdamW::new(AdamWConfig::new(1e-3))?)?;
+//! for (x, y) in batches() {
+//!     let logits = model.forward(&x)?.to_dtype(candle_core::DType::F32)?;
+//!     let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
+//!     acc.backward(&loss)?;                                         // GA, loss scaling, gradient sync
+//!     opt.step()?;                                                  // no-op between syncs
+//! }
+//! acc.print("done");                                                // main process only
+//! # Ok(()) }
+//! ```
+//!
+//! Modules: [`Accelerator`] (prepare, backward, accumulation, clipping, collectives, process control),
+//! [`config`], [`optim`] (SGD, AdamW with saveable state), [`mixed_precision`] (fp16 loss scaling), `data`
+//! (datasets, sharded loaders), `state` (checkpoints), `tracking` (JSONL / TensorBoard), `scheduler` (LR schedules).
+
+pub mod accelerator;
+pub mod cli;
+pub mod config;
+pub mod error;
+pub mod mixed_precision;
+pub mod optim;
+pub mod scheduler;
+pub mod state;
+pub mod tracking;
+
+pub mod data;
+
+pub use accelerator::{Accelerator, GradientState, PreparedModel, ReduceKind, StepCounters};
+pub use config::{AcceleratorConfig, MixedPrecision};
+pub use data::{Batch, DataLoader, DataLoaderConfig, Dataset, TensorDataset};
+pub use error::{AccelError, Result};
+pub use mixed_precision::{GradScaler, GradScalerConfig};
+pub use optim::{AcceleratedOptimizer, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
+pub use tracking::{JsonlTracker, TensorBoardTracker, Tracker, TrackerKind};

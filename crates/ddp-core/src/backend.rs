@@ -60,4 +60,9 @@ pub trait Backend: Send + Sync {
     fn recv(&self, buf: &mut [u8], src: usize) -> Result<()>;
     /// Returns once every rank has entered the barrier.
     fn barrier(&self) -> Result<()>;
+    /// The concrete backend, for backend-specific APIs (e.g. `ProcessGroup::nccl()` for device buffers).
+    /// Default: `None`.
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
 }

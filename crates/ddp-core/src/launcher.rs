@@ -1,9 +1,43 @@
 //! Worker launcher (library): spawns the local workers of a job with torchrun's environment, hosts the store,
 //! prefixes their output with the rank, and stops everything when one fails. `accel launch` is a thin CLI on it.
+//!
+//! Like torchrun's local elastic agent (static rendezvous), per machine:
+//! 1. node 0 hosts the job's [`TcpStoreServer`] on `master_addr:master_port` (port 0: a free port, single
+//!    machine only), checked with the job's run token (fresh per launch on one machine; on several machines
+//!    the same ACCEL_RUN_TOKEN must be exported on each);
+//! 2. it starts `nproc_per_node` workers, each in its own process group, with the environment of
+//!    [`LaunchConfig::worker_env`];
+//! 3. every line a worker prints goes to the console prefixed `[rank r] ` and/or to `log_dir/rank{r}.log`;
+//! 4. when a worker exits non-zero or is killed, the others get SIGTERM, then SIGKILL after `stop_grace`, and
+//!    [`launch`] returns [`DdpError::WorkerFailed`] naming the first failing rank (after up to `max_restarts`
+//!    restarts of the whole group, each with a fresh store);
+//! 5. SIGINT/SIGTERM to the launcher is forwarded to the workers, which are stopped the same way.
+//!
+//! Workers get no stdin (they run in background process groups, where reading a terminal would stop them).
+//! Anything a worker leaves running in its process group is killed when the group ends.
 
-use crate::Result;
+mod group;
+mod output;
+mod signals;
+mod status;
+
+pub use output::log_path;
+pub use status::{signal_name, WorkerExit};
+
+use crate::env::{AGENT_STORE_ENV, DEFAULT_MASTER_PORT};
+use crate::store::TcpStoreServer;
+use crate::token::{RunToken, RUN_TOKEN_ENV};
+use crate::{DdpError, Result};
+use group::{GroupOutcome, GroupSpec};
 use std::path::PathBuf;
+use std::process::Command;
 use std::time::Duration;
+
+/// Environment variable: how many times the worker group has been restarted (0 on the first run), like
+/// torchrun's TORCHELASTIC_RESTART_COUNT.
+pub const RESTART_COUNT_ENV: &str = "ACCEL_RESTART_COUNT";
+/// Environment variable: the launch's `max_restarts`, like torchrun's TORCHELASTIC_MAX_RESTARTS.
+pub const MAX_RESTARTS_ENV: &str = "ACCEL_MAX_RESTARTS";
 
 /// What to launch and how.
 #[derive(Debug, Clone)]
@@ -54,9 +88,182 @@ impl LaunchConfig {
     }
 }
 
+impl LaunchConfig {
+    /// Total number of workers in the job (`nnodes · nproc_per_node`).
+    pub fn world_size(&self) -> usize {
+        self.nnodes * self.nproc_per_node
+    }
+
+    /// Checks the configuration; errors say which field is wrong and how to fix it.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(DdpError::InvalidArgument(m));
+        if self.nproc_per_node == 0 {
+            return bad("launch: nproc_per_node must be at least 1".into());
+        }
+        if self.nnodes == 0 {
+            return bad("launch: nnodes must be at least 1".into());
+        }
+        if self.node_rank >= self.nnodes {
+            return bad(format!(
+                "launch: node_rank {} is out of range for {} machine(s) (use 0..{})",
+                self.node_rank, self.nnodes, self.nnodes
+            ));
+        }
+        if self.nnodes > 1 && self.master_port == 0 {
+            return bad(format!(
+                "launch: a job on {} machines needs a fixed master_port (0 picks a free port, which the other \
+                 machines could not know); use e.g. {DEFAULT_MASTER_PORT}",
+                self.nnodes
+            ));
+        }
+        if self.master_addr.trim().is_empty() {
+            return bad("launch: master_addr is empty".into());
+        }
+        Ok(())
+    }
+
+    /// The run token of the job: an ACCEL_RUN_TOKEN in [`LaunchConfig::env`] wins; otherwise a single-machine
+    /// job draws a fresh one and a multi-machine job reads ACCEL_RUN_TOKEN from the launcher's environment
+    /// ([`DdpError::Env`] when it is missing: every machine must use the same token).
+    pub fn run_token(&self) -> Result<RunToken> {
+        if let Some((_, v)) = self.env.iter().rev().find(|(k, _)| k == RUN_TOKEN_ENV) {
+            return RunToken::from_hex(v);
+        }
+        if self.nnodes == 1 {
+            return RunToken::generate();
+        }
+        RunToken::from_env()?.ok_or_else(|| DdpError::Env {
+            var: RUN_TOKEN_ENV.into(),
+            reason: format!(
+                "not set, but a job on {} machines needs the same run token on every machine: run \
+                 `export {RUN_TOKEN_ENV}=$(openssl rand -hex 16)` once, and export that value on each machine \
+                 before launching",
+                self.nnodes
+            ),
+        })
+    }
+
+    /// The environment of worker `local_rank`, on top of the launcher's own: [`LaunchConfig::env`], then
+    /// RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK (this machine's rank), GROUP_WORLD_SIZE,
+    /// ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT (`master_port`: the store's actual port),
+    /// ACCEL_RUN_TOKEN, ACCEL_USE_AGENT_STORE=1 (node 0's launcher hosts the store, so no worker starts one),
+    /// ACCEL_RESTART_COUNT, ACCEL_MAX_RESTARTS, and OMP_NUM_THREADS=1 when neither the launcher's environment
+    /// nor `env` sets it and more than one worker shares the machine (as torchrun, so that N workers do not
+    /// each start one OpenMP thread per core).
+    pub fn worker_env(
+        &self,
+        local_rank: usize,
+        master_port: u16,
+        token: &RunToken,
+        restart_count: usize,
+    ) -> Vec<(String, String)> {
+        let rank = self.node_rank * self.nproc_per_node + local_rank;
+        let mut env = self.env.clone();
+        let mut set = |k: &str, v: String| env.push((k.to_string(), v));
+        set("RANK", rank.to_string());
+        set("LOCAL_RANK", local_rank.to_string());
+        set("WORLD_SIZE", self.world_size().to_string());
+        set("LOCAL_WORLD_SIZE", self.nproc_per_node.to_string());
+        set("GROUP_RANK", self.node_rank.to_string());
+        set("GROUP_WORLD_SIZE", self.nnodes.to_string());
+        set("ROLE_RANK", rank.to_string());
+        set("ROLE_WORLD_SIZE", self.world_size().to_string());
+        set("MASTER_ADDR", self.master_addr.clone());
+        set("MASTER_PORT", master_port.to_string());
+        set(RUN_TOKEN_ENV, token.to_hex());
+        set(AGENT_STORE_ENV, "1".into());
+        set(RESTART_COUNT_ENV, restart_count.to_string());
+        set(MAX_RESTARTS_ENV, self.max_restarts.to_string());
+        let omp_set =
+            std::env::var_os("OMP_NUM_THREADS").is_some() || self.env.iter().any(|(k, _)| k == "OMP_NUM_THREADS");
+        if !omp_set && self.nproc_per_node > 1 {
+            set("OMP_NUM_THREADS", "1".into());
+        }
+        env
+    }
+}
+
+/// `host:port`, bracketing IPv6 literals.
+fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
 /// Runs the workers to completion. `Ok(())` when all exit 0; otherwise [`crate::DdpError::WorkerFailed`] naming
 /// the first failing rank and its status, after stopping the others.
+///
+/// Other errors: [`DdpError::InvalidArgument`] for a bad configuration, [`DdpError::Env`] for a missing run
+/// token on several machines, [`DdpError::Bind`] when node 0 cannot listen on `master_addr:master_port`,
+/// [`DdpError::Io`] when a worker cannot be started (naming the program) or when SIGINT/SIGTERM interrupted the
+/// launch (after the workers were stopped; the message names the signal).
+///
+/// ```no_run
+/// use ddp_core::{launch, LaunchConfig};
+/// let cfg = LaunchConfig::local(2, "target/release/train", vec!["--epochs".into(), "3".into()]);
+/// launch(&cfg)?;   // prints "[rank 0] ..." / "[rank 1] ..." lines
+/// # Ok::<(), ddp_core::DdpError>(())
+/// ```
 pub fn launch(cfg: &LaunchConfig) -> Result<()> {
-    let _ = cfg;
-    todo!("launcher")
+    cfg.validate()?;
+    let token = cfg.run_token()?;
+    let signals =
+        signals::SignalGuard::install().map_err(|e| DdpError::io("installing the launcher's signal handlers", e))?;
+    let first_rank = cfg.node_rank * cfg.nproc_per_node;
+    let sinks = output::Sinks::open(first_rank, cfg.nproc_per_node, cfg.log_dir.as_deref(), cfg.tee)?;
+
+    let mut restart = 0;
+    loop {
+        // A fresh store per attempt: keys of a failed generation must not leak into the next.
+        let server = if cfg.node_rank == 0 {
+            Some(TcpStoreServer::bind(&host_port(&cfg.master_addr, cfg.master_port), token)?)
+        } else {
+            None
+        };
+        let port = server.as_ref().map_or(cfg.master_port, |s| s.port());
+        tracing::info!(
+            "launcher: starting {} worker(s) (ranks {}..{} of {}), store at {}{}",
+            cfg.nproc_per_node,
+            first_rank,
+            first_rank + cfg.nproc_per_node,
+            cfg.world_size(),
+            host_port(&cfg.master_addr, port),
+            if restart > 0 { format!(", restart {restart} of {}", cfg.max_restarts) } else { String::new() }
+        );
+        let commands = (0..cfg.nproc_per_node)
+            .map(|local_rank| {
+                let mut cmd = Command::new(&cfg.program);
+                cmd.args(&cfg.args).envs(cfg.worker_env(local_rank, port, &token, restart));
+                cmd
+            })
+            .collect();
+        let spec = GroupSpec { commands, first_rank, stop_grace: cfg.stop_grace };
+        let outcome = group::run_group(spec, &sinks, &signals)?;
+        drop(server);
+        match outcome {
+            GroupOutcome::Success => return Ok(()),
+            GroupOutcome::Interrupted { signal } => {
+                return Err(DdpError::io(
+                    format!(
+                        "launcher interrupted by {}; its {} worker(s) were stopped",
+                        signal_name(signal).unwrap_or("a signal"),
+                        cfg.nproc_per_node
+                    ),
+                    std::io::Error::from(std::io::ErrorKind::Interrupted),
+                ))
+            }
+            GroupOutcome::Failed { local_rank, status } => {
+                let err =
+                    DdpError::WorkerFailed { rank: first_rank + local_rank, local_rank, status: status.to_string() };
+                if restart >= cfg.max_restarts {
+                    return Err(err);
+                }
+                restart += 1;
+                tracing::warn!("launcher: {err}; restarting the worker group ({restart} of {})", cfg.max_restarts);
+                sinks.note(&format!("{err}; restart {restart} of {}", cfg.max_restarts));
+            }
+        }
+    }
 }

@@ -27,6 +27,10 @@ pub mod dtype;
 pub mod env;
 pub mod error;
 pub mod launcher;
+#[cfg(feature = "mpi")]
+pub mod mpi;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod process_group;
 pub mod sampler;
 pub mod store;
@@ -39,7 +43,7 @@ pub use dtype::{DType, Element, ReduceOp};
 pub use env::{DistEnv, EnvSource};
 pub use error::{DdpError, Result};
 pub use launcher::{launch, LaunchConfig};
-pub use process_group::{InitOptions, ProcessGroup, DEFAULT_COLLECTIVE_TIMEOUT};
+pub use process_group::{GroupOptions, InitOptions, ProcessGroup, DEFAULT_COLLECTIVE_TIMEOUT};
 pub use sampler::DistributedSampler;
 pub use store::{PrefixStore, Store, TcpStore, TcpStoreServer};
 pub use token::{RunToken, RUN_TOKEN_ENV};

@@ -3,29 +3,136 @@
 //! Tensors are values in candle, so these return new tensors rather than mutating in place. Shapes: the result
 //! of `all_reduce_tensor` / `broadcast_tensor` has the input's shape and dtype; `all_gather_tensor` concatenates
 //! along dim 0 (`[n, ..] → [world_size·n, ..]`); `reduce_scatter_tensor` splits dim 0 (`[world_size·n, ..] → [n, ..]`).
+//!
+//! Supported dtypes: f32, f64, f16, bf16, i32, i64, u8 (every candle dtype that has a [`crate::DType`]); others
+//! are an [`DdpError::InvalidArgument`] naming the dtype. Non-contiguous inputs are made contiguous first (one
+//! copy). Every rank must pass tensors of the same shape and dtype (a different size is reported as a
+//! collective mismatch).
 
-use crate::{ProcessGroup, ReduceOp, Result};
-use candle_core::Tensor;
+use crate::{DType, DdpError, Element, ProcessGroup, ReduceOp, Result};
+use candle_core::{Device, Shape, Tensor, WithDType};
+
+/// The tensor's elements as a flat host vector, after checking device and dtype.
+fn host_vec<T: Element + WithDType>(t: &Tensor) -> Result<Vec<T>> {
+    Ok(t.flatten_all()?.to_vec1::<T>()?)
+}
+
+fn check(t: &Tensor, what: &str) -> Result<DType> {
+    if !matches!(t.device(), Device::Cpu) {
+        return Err(DdpError::InvalidArgument(format!(
+            "{what}: the tensor is on {:?}, but the CPU backend takes CPU tensors; move it with \
+             `.to_device(&Device::Cpu)` or use the nccl backend for CUDA tensors",
+            t.device()
+        )));
+    }
+    DType::from_candle(t.dtype()).ok_or_else(|| {
+        DdpError::InvalidArgument(format!(
+            "{what}: tensors of dtype {:?} are not supported by collectives (use f32, f64, f16, bf16, i32, i64 or u8)",
+            t.dtype()
+        ))
+    })
+}
+
+/// Calls `$f::<T>(..)` with `T` the Rust type of `$dtype`.
+macro_rules! dispatch {
+    ($dtype:expr, $f:ident ( $($arg:expr),* )) => {
+        match $dtype {
+            DType::F32 => $f::<f32>($($arg),*),
+            DType::F64 => $f::<f64>($($arg),*),
+            DType::F16 => $f::<half::f16>($($arg),*),
+            DType::BF16 => $f::<half::bf16>($($arg),*),
+            DType::I32 => $f::<i32>($($arg),*),
+            DType::I64 => $f::<i64>($($arg),*),
+            DType::U8 => $f::<u8>($($arg),*),
+        }
+    };
+}
+
+fn all_reduce_t<T: Element + WithDType>(pg: &ProcessGroup, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+    let mut v = host_vec::<T>(t)?;
+    pg.all_reduce(&mut v, op)?;
+    Ok(Tensor::from_vec(v, t.shape(), t.device())?)
+}
+
+fn broadcast_t<T: Element + WithDType>(pg: &ProcessGroup, t: &Tensor, root: usize) -> Result<Tensor> {
+    let mut v = host_vec::<T>(t)?;
+    pg.broadcast(&mut v, root)?;
+    Ok(Tensor::from_vec(v, t.shape(), t.device())?)
+}
+
+fn all_gather_t<T: Element + WithDType>(pg: &ProcessGroup, t: &Tensor, out_shape: Shape) -> Result<Tensor> {
+    let v = host_vec::<T>(t)?;
+    let mut out = vec![T::zeroed(); v.len() * pg.world_size()];
+    pg.all_gather(&v, &mut out)?;
+    Ok(Tensor::from_vec(out, out_shape, t.device())?)
+}
+
+fn reduce_scatter_t<T: Element + WithDType>(
+    pg: &ProcessGroup,
+    t: &Tensor,
+    op: ReduceOp,
+    out_shape: Shape,
+) -> Result<Tensor> {
+    let v = host_vec::<T>(t)?;
+    let mut out = vec![T::zeroed(); v.len() / pg.world_size()];
+    pg.reduce_scatter(&v, &mut out, op)?;
+    Ok(Tensor::from_vec(out, out_shape, t.device())?)
+}
 
 impl ProcessGroup {
     /// all_reduce of a tensor; returns the reduced tensor (same shape, dtype, device).
+    ///
+    /// Errors: unsupported dtype or device ([`DdpError::InvalidArgument`]), collective failures.
     pub fn all_reduce_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let _ = (t, op);
-        todo!("tensor all_reduce")
+        let dtype = check(t, "all_reduce_tensor")?;
+        dispatch!(dtype, all_reduce_t(self, t, op))
     }
+
     /// Broadcast of a tensor from `root`; every rank must pass a tensor of the same shape and dtype.
+    /// Returns root's values with the input's shape.
     pub fn broadcast_tensor(&self, t: &Tensor, root: usize) -> Result<Tensor> {
-        let _ = (t, root);
-        todo!("tensor broadcast")
+        let dtype = check(t, "broadcast_tensor")?;
+        if root >= self.world_size() {
+            return Err(DdpError::InvalidArgument(format!(
+                "broadcast_tensor: root {root} is out of range for a group of {} ranks",
+                self.world_size()
+            )));
+        }
+        dispatch!(dtype, broadcast_t(self, t, root))
     }
-    /// All-gather along dim 0.
+
+    /// All-gather along dim 0: `[n, d1, ..] → [world_size·n, d1, ..]`, rank r's rows at `r·n..(r+1)·n`.
+    /// A 0-d tensor gathers into shape `[world_size]`.
     pub fn all_gather_tensor(&self, t: &Tensor) -> Result<Tensor> {
-        let _ = t;
-        todo!("tensor all_gather")
+        let dtype = check(t, "all_gather_tensor")?;
+        let mut dims = t.dims().to_vec();
+        match dims.first_mut() {
+            Some(d0) => *d0 *= self.world_size(),
+            None => dims.push(self.world_size()),
+        }
+        dispatch!(dtype, all_gather_t(self, t, Shape::from(dims)))
     }
-    /// Reduce-scatter along dim 0 (dim 0 must be divisible by world_size).
+
+    /// Reduce-scatter along dim 0: `[world_size·n, d1, ..] → [n, d1, ..]`, rank r keeps the reduction of rows
+    /// `r·n..(r+1)·n`. Dim 0 must be divisible by the world size.
     pub fn reduce_scatter_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let _ = (t, op);
-        todo!("tensor reduce_scatter")
+        let dtype = check(t, "reduce_scatter_tensor")?;
+        let mut dims = t.dims().to_vec();
+        let p = self.world_size();
+        match dims.first_mut() {
+            Some(d0) if *d0 % p == 0 => *d0 /= p,
+            Some(d0) => {
+                return Err(DdpError::InvalidArgument(format!(
+                    "reduce_scatter_tensor: dim 0 of shape {:?} ({d0}) is not divisible by the world size {p}",
+                    t.dims()
+                )))
+            }
+            None => {
+                return Err(DdpError::InvalidArgument(
+                    "reduce_scatter_tensor: a 0-d tensor has no dim 0 to scatter".into(),
+                ))
+            }
+        }
+        dispatch!(dtype, reduce_scatter_t(self, t, op, Shape::from(dims)))
     }
 }

@@ -1,1 +1,51 @@
-//! placeholder
+//! # trainer — level 3 of accel-rs (like the Hugging Face `Trainer`)
+//!
+//! The training loop disappears: hand over a model builder, data, a loss function and [`TrainingArguments`];
+//! [`Trainer::train`] runs epochs with HF's step arithmetic on one process or many (through the Accelerator),
+//! evaluates, logs, checkpoints (`output_dir/checkpoint-{step}`, HF's `trainer_state.json`), resumes bit for bit,
+//! stops early, reloads the best model and plots the curves.
+//!
+//! ```no_run
+//! use trainer::{EarlyStoppingCallback, Trainer, TrainingArguments, losses, metrics};
+//! # fn data() -> accel::data::TensorDataset { unimplemented!() }
+//! # fn main() -> trainer::Result<()> {
+//! let args = TrainingArguments::from_yaml_and_cli("train.yaml")?;     // file, then --learning-rate 3e-4 ...
+//! let mut trainer = Trainer::new(args, |vb| candle_nn::linear(784, 10, vb.pp("fc")), data(), Some(data()),
+//!                                losses::cross_entropy)
+//!     .compute_metrics(metrics::classification)
+//!     .callback(EarlyStoppingCallback::new(3, 0.0));
+//! let result = trainer.train()?;        // epochs, eval, checkpoints, resume, logs, plot
+//! # Ok(()) }
+//! ```
+//!
+//! Modules, one concept each: [`args`] (TrainingArguments, CLI), [`trainer`] (the loop), [`evaluation`]
+//! (evaluate / predict), [`losses`] (sum + item count losses), [`metrics`] (accuracy, macro P/R/F1,
+//! perplexity), [`callbacks`] (control object, early stopping, progress bar, printer, trackers), [`checkpoint`]
+//! (naming, rotation, resume lookup), [`state`] (TrainerState / trainer_state.json), [`plot`] (PNG + SVG
+//! curves), [`init`] (seeded model initialisation), [`optimizer`] (AdamW / SGD from the arguments).
+
+pub mod args;
+pub mod callbacks;
+pub mod checkpoint;
+pub mod error;
+pub mod evaluation;
+pub mod init;
+pub mod losses;
+pub mod metrics;
+pub mod optimizer;
+pub mod plot;
+pub mod state;
+pub mod trainer;
+mod compat_tmp;
+
+pub use args::{IntervalStrategy, OptimizerKind, ReportTo, SaveStrategy, TrainingArguments, TrainingArgumentsCli};
+pub use callbacks::{
+    CallbackContext, DefaultFlowCallback, EarlyStoppingCallback, PrinterCallback, ProgressCallback, TrainerCallback,
+    TrainerControl,
+};
+pub use error::{Result, TrainerError};
+pub use evaluation::PredictionOutput;
+pub use losses::LossOutput;
+pub use metrics::{EvalPrediction, Metrics};
+pub use state::{CallbackState, LogEntry, TrainerState};
+pub use trainer::{TrainOutput, Trainer};

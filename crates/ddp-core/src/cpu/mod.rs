@@ -1,1 +1,493 @@
 //! The CPU backend: pure Rust, TCP between processes (loopback or across machines).
+//!
+//! - [`mesh`]: one TCP connection per pair of ranks, found through the store, run token checked on connect.
+//! - [`frame`]: the 40-byte frame header every piece of data carries (op, sequence number, size, dtype, …).
+//! - [`transport`]: the single-threaded non-blocking progress engine all algorithms run on.
+//! - [`ring`]: bandwidth-optimal segmented ring (all_reduce, reduce_scatter, all_gather).
+//! - [`small`]: latency-optimal direct exchange for small all_reduce.
+//! - [`broadcast`], [`barrier`], [`p2p`]: the other operations.
+//! - [`fault`]: abort propagation so a dead or mismatching rank fails the collective on every rank, fast.
+//!
+//! Ranks on one machine use the same TCP path (loopback); see `docs/benchmarks.md` for what it achieves.
+
+mod barrier;
+mod broadcast;
+mod fault;
+mod frame;
+mod mesh;
+mod p2p;
+mod ring;
+mod small;
+mod transport;
+
+pub use mesh::ADVERTISE_HOST_ENV;
+
+use crate::backend::Backend;
+use crate::store::Store;
+use crate::token::RunToken;
+use crate::{DType, DdpError, ReduceOp, Result};
+use fault::AbortRecord;
+use frame::{CallId, Op};
+use std::net::TcpStream;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use transport::{Buffers, Failure, Plan, Watch};
+
+/// Performance knobs of the CPU backend. Every rank of a group must use the same values (they decide how
+/// buffers are cut into frames; a difference is reported as a mismatch, never silently mis-reduced).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpuTuning {
+    /// Largest frame of a ring / broadcast / p2p transfer, bytes (default 1 MiB, as Gloo's ring).
+    pub segment_bytes: usize,
+    /// all_reduce of at most this many bytes takes the direct-exchange path instead of the ring (default 64 KiB).
+    pub small_all_reduce_bytes: usize,
+    /// Broadcasts of at least this many bytes with more than two ranks use a pipelined chain (default 256 KiB).
+    pub chain_broadcast_bytes: usize,
+    /// SO_SNDBUF / SO_RCVBUF of peer sockets in bytes; `None` keeps Linux's autotuning (default 4 MiB).
+    pub socket_buffer_bytes: Option<usize>,
+}
+
+impl Default for CpuTuning {
+    fn default() -> Self {
+        CpuTuning {
+            segment_bytes: 1 << 20,
+            small_all_reduce_bytes: 64 << 10,
+            chain_broadcast_bytes: 256 << 10,
+            socket_buffer_bytes: Some(4 << 20),
+        }
+    }
+}
+
+impl CpuTuning {
+    /// Defaults overridden by `ACCEL_CPU_SEGMENT_BYTES`, `ACCEL_CPU_SMALL_BYTES`, `ACCEL_CPU_CHAIN_BYTES` and
+    /// `ACCEL_CPU_SOCKET_BUFFER_BYTES` (0 = kernel autotuning). Malformed values are errors naming the variable.
+    pub fn from_env() -> Result<Self> {
+        let mut t = CpuTuning::default();
+        let get = |name: &str| -> Result<Option<usize>> {
+            match std::env::var(name) {
+                Ok(v) => crate::env::parse_var::<usize>(name, &v).map(Some),
+                Err(_) => Ok(None),
+            }
+        };
+        if let Some(v) = get("ACCEL_CPU_SEGMENT_BYTES")? {
+            t.segment_bytes = v.max(64);
+        }
+        if let Some(v) = get("ACCEL_CPU_SMALL_BYTES")? {
+            t.small_all_reduce_bytes = v;
+        }
+        if let Some(v) = get("ACCEL_CPU_CHAIN_BYTES")? {
+            t.chain_broadcast_bytes = v;
+        }
+        if let Some(v) = get("ACCEL_CPU_SOCKET_BUFFER_BYTES")? {
+            t.socket_buffer_bytes = (v > 0).then_some(v);
+        }
+        Ok(t)
+    }
+}
+
+/// How to build a [`CpuBackend`].
+#[derive(Debug, Clone)]
+pub struct CpuOptions {
+    /// Timeout of every collective (default 30 min). A dead peer is detected much sooner: see the module docs.
+    pub timeout: Duration,
+    /// Run token presented to and required from peers. `None`: rank 0 draws one and shares it through the store
+    /// (fine when the store itself is trusted: in-process, or a token-checking TCP store).
+    pub token: Option<RunToken>,
+    /// Address this rank listens on and advertises to peers (default `127.0.0.1`).
+    pub advertise_host: String,
+    /// Prefix of this group's backend keys in the store (default `ddp/cpu/`; must end with `/`).
+    pub key_prefix: String,
+    /// Name of the group, checked in the handshake (default `world`).
+    pub group_tag: String,
+    /// Performance knobs.
+    pub tuning: CpuTuning,
+}
+
+impl Default for CpuOptions {
+    fn default() -> Self {
+        CpuOptions {
+            timeout: crate::DEFAULT_COLLECTIVE_TIMEOUT,
+            token: None,
+            advertise_host: "127.0.0.1".into(),
+            key_prefix: "ddp/cpu/".into(),
+            group_tag: "world".into(),
+            tuning: CpuTuning::default(),
+        }
+    }
+}
+
+/// The pure-Rust CPU backend over TCP. See the module docs for the algorithms.
+///
+/// Collectives of one backend are serialised by an internal lock; every rank must issue them in the same
+/// order. On error the group is aborted (see [`fault`]): the call and every later one fail with a
+/// [`DdpError::Collective`] naming the op, its sequence number and the rank held responsible; buffer contents
+/// are then unspecified.
+pub struct CpuBackend {
+    rank: usize,
+    world_size: usize,
+    peers: Vec<Option<TcpStream>>,
+    store: Arc<dyn Store>,
+    abort_key: String,
+    timeout: Duration,
+    tuning: CpuTuning,
+    state: Mutex<State>,
+}
+
+struct State {
+    /// Sequence number of the last collective (1-based; the same on every rank).
+    seq: u64,
+    /// Per-peer counters of point-to-point messages, per direction.
+    sent: Vec<u64>,
+    received: Vec<u64>,
+    /// 8-byte aligned scratch space, reused between calls.
+    scratch: Vec<u64>,
+    /// A copy of reduce_scatter's input (the ring reduces in place).
+    work: Vec<u64>,
+    tx_mid_frame: Vec<bool>,
+    aborted: Option<AbortRecord>,
+}
+
+impl std::fmt::Debug for CpuBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuBackend").field("rank", &self.rank).field("world_size", &self.world_size).finish()
+    }
+}
+
+fn grow(v: &mut Vec<u64>, bytes: usize) -> &mut [u8] {
+    let words = bytes.div_ceil(8);
+    if v.len() < words {
+        v.resize(words, 0);
+    }
+    &mut bytemuck::cast_slice_mut(v.as_mut_slice())[..bytes]
+}
+
+impl CpuBackend {
+    /// Joins the group: connects the full mesh through `store` (every rank of the group calls this with the
+    /// same `world_size`, the same options and distinct ranks). Blocks until all peers are connected or
+    /// `opts.timeout` passes.
+    ///
+    /// Errors: [`DdpError::TokenRejected`] when a peer refuses our run token, [`DdpError::Bind`] when the
+    /// advertised host is not a local address, store errors/timeouts when peers never show up.
+    pub fn connect(store: Arc<dyn Store>, rank: usize, world_size: usize, opts: &CpuOptions) -> Result<CpuBackend> {
+        if world_size == 0 || rank >= world_size {
+            return Err(DdpError::InvalidArgument(format!("rank {rank} is out of range for world size {world_size}")));
+        }
+        let token = match opts.token {
+            Some(t) => t,
+            None if world_size == 1 => RunToken::generate()?,
+            None => shared_token(store.as_ref(), &opts.key_prefix, rank)?,
+        };
+        let peers = mesh::connect_mesh(&mesh::MeshSpec {
+            store: store.as_ref(),
+            prefix: &opts.key_prefix,
+            rank,
+            world_size,
+            token,
+            group_tag: &opts.group_tag,
+            advertise_host: &opts.advertise_host,
+            timeout: opts.timeout,
+            tuning: mesh::SocketTuning { buffer_bytes: opts.tuning.socket_buffer_bytes },
+        })?;
+        tracing::debug!(rank, world_size, group = %opts.group_tag, "cpu backend connected");
+        Ok(CpuBackend {
+            rank,
+            world_size,
+            peers,
+            store,
+            abort_key: format!("{}abort", opts.key_prefix),
+            timeout: opts.timeout,
+            tuning: opts.tuning,
+            state: Mutex::new(State {
+                seq: 0,
+                sent: vec![0; world_size],
+                received: vec![0; world_size],
+                scratch: Vec::new(),
+                work: Vec::new(),
+                tx_mid_frame: vec![false; world_size],
+                aborted: None,
+            }),
+        })
+    }
+
+    /// The performance knobs in use.
+    pub fn tuning(&self) -> CpuTuning {
+        self.tuning
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        // A panic inside a collective leaves the group in an unknown state; later calls still see `aborted`
+        // or fail on mismatching frames, so recovering the guard is safe.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Starts a collective: next sequence number, fails at once on an aborted group.
+    fn begin(&self, st: &mut State, op: Op, size: usize, dtype: Option<DType>, redop: Option<ReduceOp>, param: u64) -> Result<CallId> {
+        st.seq += 1;
+        let call = CallId { op, seq: st.seq, size: size as u64, dtype, redop, param };
+        if let Some(rec) = &st.aborted {
+            return Err(self.error(&call, rec, true));
+        }
+        Ok(call)
+    }
+
+    fn error(&self, call: &CallId, rec: &AbortRecord, earlier: bool) -> DdpError {
+        let mut reason = rec.describe(self.rank);
+        if earlier {
+            reason = format!("the group was aborted by an earlier failure: {reason}");
+        }
+        DdpError::Collective {
+            op: call.op.name(),
+            seq: call.seq,
+            rank: self.rank,
+            world_size: self.world_size,
+            peer: rec.blamed,
+            reason,
+        }
+    }
+
+    /// Runs one plan; on failure aborts the group and returns the error.
+    fn exec(&self, st: &mut State, plan: &Plan, work: &mut [u8], input: &[u8], scratch_bytes: usize) -> Result<()> {
+        let started = Instant::now();
+        let check_abort = || {
+            fault::read(self.store.as_ref(), &self.abort_key).map(|r| Failure::RemoteAbort {
+                from: Some(r.by),
+                blamed: r.blamed,
+                reason: r.reason,
+            })
+        };
+        let watch = Watch { started, deadline: started + self.timeout, check_abort: &check_abort };
+        let State { scratch, tx_mid_frame, .. } = st;
+        let mut bufs = Buffers { work, input, scratch: grow(scratch, scratch_bytes) };
+        match transport::execute(plan, &mut bufs, &self.peers, tx_mid_frame, &watch) {
+            Ok(()) => Ok(()),
+            Err(failure) => Err(self.abort(st, &plan.call, failure)),
+        }
+    }
+
+    fn abort(&self, st: &mut State, call: &CallId, failure: Failure) -> DdpError {
+        let rec = fault::record_for(&failure, self.rank, call, self.store.as_ref(), &self.abort_key);
+        let rec = fault::publish(self.store.as_ref(), &self.abort_key, rec);
+        fault::abort_links(&self.peers, &st.tx_mid_frame, call, &rec);
+        tracing::error!(rank = self.rank, "cpu backend aborted: {}", rec.describe(self.rank));
+        let err = self.error(call, &rec, false);
+        st.aborted = Some(rec);
+        err
+    }
+}
+
+/// Rank 0 draws the group's token and shares it through the (trusted) store; the others read it.
+fn shared_token(store: &dyn Store, prefix: &str, rank: usize) -> Result<RunToken> {
+    let key = format!("{prefix}token");
+    if rank == 0 {
+        let t = RunToken::generate()?;
+        store.set(&key, t.to_hex().as_bytes())?;
+        Ok(t)
+    } else {
+        let raw = store.get(&key)?;
+        RunToken::from_hex(&String::from_utf8_lossy(&raw))
+    }
+}
+
+fn check_len(op: &str, len: usize, dtype: DType) -> Result<()> {
+    if len % dtype.size_in_bytes() != 0 {
+        return Err(DdpError::InvalidArgument(format!(
+            "{op}: {len} bytes is not a whole number of {dtype:?} elements ({} bytes each)",
+            dtype.size_in_bytes()
+        )));
+    }
+    Ok(())
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn all_reduce(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        check_len("all_reduce", buf.len(), dtype)?;
+        let mut st = self.lock();
+        let call = self.begin(&mut st, Op::AllReduce, buf.len(), Some(dtype), Some(op), 0)?;
+        let (p, r, n) = (self.world_size, self.rank, buf.len());
+        if p == 1 {
+            return Ok(()); // Avg over one rank divides by 1: the identity.
+        }
+        if n <= self.tuning.small_all_reduce_bytes {
+            let plan = small::plan(r, p, n, call);
+            let scratch = small::scratch_bytes(p, n);
+            self.exec(&mut st, &plan, buf, &[], scratch)?;
+            small::combine(r, p, buf, &mut grow(&mut st.scratch, scratch)[..], dtype, op);
+            return Ok(());
+        }
+        let chunks = ring::split_even(0, n, dtype.size_in_bytes(), p);
+        let ring = ring::Ring {
+            rank: r,
+            world_size: p,
+            chunks: &chunks,
+            elem: dtype.size_in_bytes(),
+            reduce_steps: p - 1,
+            gather_steps: p - 1,
+            start: r,
+            seg: self.segmenting(),
+            divide_last_reduce_by: (op == ReduceOp::Avg).then_some(p),
+            reduce: Some((dtype, op)),
+        };
+        let plan = ring.plan(call);
+        self.exec(&mut st, &plan, buf, &[], ring.max_segment_bytes())
+    }
+
+    fn broadcast(&self, buf: &mut [u8], root: usize) -> Result<()> {
+        let mut st = self.lock();
+        let call = self.begin(&mut st, Op::Broadcast, buf.len(), None, None, root as u64)?;
+        if root >= self.world_size {
+            return Err(DdpError::InvalidArgument(format!(
+                "broadcast root {root} is out of range for a group of {} ranks",
+                self.world_size
+            )));
+        }
+        if self.world_size == 1 {
+            return Ok(());
+        }
+        let chain = buf.len() >= self.tuning.chain_broadcast_bytes;
+        let plan = broadcast::plan(self.rank, self.world_size, root, buf.len(), self.tuning.segment_bytes, chain, call);
+        self.exec(&mut st, &plan, buf, &[], 0)
+    }
+
+    fn all_gather(&self, input: &[u8], output: &mut [u8]) -> Result<()> {
+        let (p, r, n) = (self.world_size, self.rank, input.len());
+        if output.len() != n * p {
+            return Err(DdpError::InvalidArgument(format!(
+                "all_gather: output has {} bytes, expected world_size ({p}) × input ({n}) = {}",
+                output.len(),
+                n * p
+            )));
+        }
+        let mut st = self.lock();
+        let call = self.begin(&mut st, Op::AllGather, n, None, None, 0)?;
+        output[r * n..(r + 1) * n].copy_from_slice(input);
+        if p == 1 {
+            return Ok(());
+        }
+        let chunks: Vec<_> = (0..p).map(|i| i * n..(i + 1) * n).collect();
+        let ring = ring::Ring {
+            rank: r,
+            world_size: p,
+            chunks: &chunks,
+            elem: 1,
+            reduce_steps: 0,
+            gather_steps: p - 1,
+            start: r,
+            seg: self.segmenting(),
+            divide_last_reduce_by: None,
+            reduce: None,
+        };
+        let plan = ring.plan(call);
+        self.exec(&mut st, &plan, output, &[], 0)
+    }
+
+    fn reduce_scatter(&self, input: &[u8], output: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        let (p, r, n) = (self.world_size, self.rank, output.len());
+        check_len("reduce_scatter", n, dtype)?;
+        if input.len() != n * p {
+            return Err(DdpError::InvalidArgument(format!(
+                "reduce_scatter: input has {} bytes, expected world_size ({p}) × output ({n}) = {}",
+                input.len(),
+                n * p
+            )));
+        }
+        let mut st = self.lock();
+        let call = self.begin(&mut st, Op::ReduceScatter, n, Some(dtype), Some(op), 0)?;
+        if p == 1 {
+            output.copy_from_slice(input);
+            return Ok(());
+        }
+        let chunks: Vec<_> = (0..p).map(|i| i * n..(i + 1) * n).collect();
+        let ring = ring::Ring {
+            rank: r,
+            world_size: p,
+            chunks: &chunks,
+            elem: dtype.size_in_bytes(),
+            reduce_steps: p - 1,
+            gather_steps: 0,
+            // Rank r must end holding block r: the last reduce step receives chunk (start − P + 1) = start + 1.
+            start: (r + p - 1) % p,
+            seg: self.segmenting(),
+            divide_last_reduce_by: (op == ReduceOp::Avg).then_some(p),
+            reduce: Some((dtype, op)),
+        };
+        let plan = ring.plan(call);
+        let mut work = std::mem::take(&mut st.work);
+        let result = {
+            let w = grow(&mut work, input.len());
+            w.copy_from_slice(input);
+            let res = self.exec(&mut st, &plan, w, &[], ring.max_segment_bytes());
+            if res.is_ok() {
+                output.copy_from_slice(&w[r * n..(r + 1) * n]);
+            }
+            res
+        };
+        st.work = work;
+        result
+    }
+
+    fn send(&self, buf: &[u8], dst: usize) -> Result<()> {
+        self.check_peer(dst, "send destination")?;
+        let mut st = self.lock();
+        st.sent[dst] += 1;
+        let call = CallId { op: Op::Send, seq: st.sent[dst], size: buf.len() as u64, dtype: None, redop: None, param: 0 };
+        if let Some(rec) = &st.aborted {
+            return Err(self.error(&call, rec, true));
+        }
+        let plan = p2p::send_plan(dst, buf.len(), self.tuning.segment_bytes, call);
+        self.exec(&mut st, &plan, &mut [], buf, 0)
+    }
+
+    fn recv(&self, buf: &mut [u8], src: usize) -> Result<()> {
+        self.check_peer(src, "recv source")?;
+        let mut st = self.lock();
+        st.received[src] += 1;
+        let call =
+            CallId { op: Op::Send, seq: st.received[src], size: buf.len() as u64, dtype: None, redop: None, param: 0 };
+        if let Some(rec) = &st.aborted {
+            return Err(self.error(&call, rec, true));
+        }
+        let plan = p2p::recv_plan(src, buf.len(), self.tuning.segment_bytes, call);
+        self.exec(&mut st, &plan, buf, &[], 0)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let mut st = self.lock();
+        let call = self.begin(&mut st, Op::Barrier, 0, None, None, 0)?;
+        if self.world_size == 1 {
+            return Ok(());
+        }
+        let plan = barrier::plan(self.rank, self.world_size, call);
+        self.exec(&mut st, &plan, &mut [], &[], 0)
+    }
+}
+
+impl CpuBackend {
+    fn segmenting(&self) -> ring::Segmenting {
+        ring::Segmenting {
+            max_segment_bytes: self.tuning.segment_bytes.max(64),
+            split_threshold_bytes: (self.tuning.segment_bytes / 4).max(64 << 10),
+        }
+    }
+
+    fn check_peer(&self, r: usize, what: &str) -> Result<()> {
+        if r >= self.world_size || r == self.rank {
+            return Err(DdpError::InvalidArgument(format!(
+                "{what} {r} must be another rank of this group of {} (this is rank {})",
+                self.world_size, self.rank
+            )));
+        }
+        Ok(())
+    }
+}

@@ -1,3 +1,342 @@
-//! store server (to be written)
-/// The store server.
-pub struct TcpStoreServer {}
+//! The TCP store server (like PyTorch's `TCPStore` master): one accept thread plus one thread per client
+//! connection. Blocking `get`/`wait` park that connection's thread on a condition variable until the key is set,
+//! the client's timeout passes, or the server stops. A job has at most a few hundred clients, so a thread each is
+//! simpler than an event loop and costs little.
+
+use super::protocol::{self, ErrorKind, Request, Response};
+use crate::token::RunToken;
+use crate::{DdpError, Result};
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How long a freshly accepted peer has to send its hello before it is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A running store server. Serves until dropped; dropping it stops the accept thread, closes every client
+/// connection and wakes every blocked `get`/`wait` (their clients get an error).
+///
+/// ```no_run
+/// use ddp_core::{RunToken, TcpStore, TcpStoreServer, Store};
+/// use std::time::Duration;
+/// let token = RunToken::generate()?;
+/// let server = TcpStoreServer::bind("127.0.0.1:0", token)?;          // port 0: a free port
+/// let store = TcpStore::connect(&server.local_addr().to_string(), token, Duration::from_secs(30))?;
+/// store.set("hello", b"world")?;
+/// # Ok::<(), ddp_core::DdpError>(())
+/// ```
+pub struct TcpStoreServer {
+    local_addr: SocketAddr,
+    shared: Arc<Shared>,
+    accept_thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for TcpStoreServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpStoreServer").field("local_addr", &self.local_addr).finish()
+    }
+}
+
+struct Shared {
+    token: RunToken,
+    data: Mutex<Data>,
+    changed: Condvar,
+    /// Set (under the `data` lock, so no waiter misses it) when the server stops.
+    stopping: AtomicBool,
+    /// Clones of live client sockets, to shut them down when the server stops.
+    conns: Mutex<HashMap<u64, TcpStream>>,
+    next_conn_id: AtomicU64,
+}
+
+#[derive(Default)]
+struct Data {
+    map: HashMap<String, Vec<u8>>,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Data> {
+        // Every update is a single insert/remove, so a poisoned lock still guards a consistent map.
+        self.data.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl TcpStoreServer {
+    /// Binds `addr` (`"host:port"`; port 0 picks a free port, see [`Self::local_addr`]) and starts serving.
+    /// Every client must present `token` before any request is served.
+    ///
+    /// Errors: [`DdpError::Bind`] naming `addr` when the address is in use or not local.
+    pub fn bind(addr: &str, token: RunToken) -> Result<Self> {
+        let listener = TcpListener::bind(addr).map_err(|source| DdpError::Bind { addr: addr.to_string(), source })?;
+        let local_addr = listener.local_addr().map_err(|e| DdpError::io(format!("store server on {addr}"), e))?;
+        let shared = Arc::new(Shared {
+            token,
+            data: Mutex::new(Data::default()),
+            changed: Condvar::new(),
+            stopping: AtomicBool::new(false),
+            conns: Mutex::new(HashMap::new()),
+            next_conn_id: AtomicU64::new(0),
+        });
+        let accept_shared = shared.clone();
+        let accept_thread = std::thread::Builder::new()
+            .name(format!("store-accept-{}", local_addr.port()))
+            .spawn(move || accept_loop(listener, accept_shared))
+            .map_err(|e| DdpError::io("starting the store server thread", e))?;
+        tracing::debug!(%local_addr, "store server listening");
+        Ok(TcpStoreServer { local_addr, shared, accept_thread: Some(accept_thread) })
+    }
+
+    /// The bound address (with the actual port when bound with port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// The bound port.
+    pub fn port(&self) -> u16 {
+        self.local_addr.port()
+    }
+
+    /// Number of keys currently stored.
+    pub fn num_keys(&self) -> usize {
+        self.shared.lock().map.len()
+    }
+
+    /// Number of client connections currently open (after a successful handshake).
+    pub fn num_connections(&self) -> usize {
+        self.shared.conns.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+}
+
+impl Drop for TcpStoreServer {
+    fn drop(&mut self) {
+        {
+            let _data = self.shared.lock();
+            self.shared.stopping.store(true, Ordering::SeqCst);
+        }
+        self.shared.changed.notify_all();
+        // Wake the accept thread out of `accept()` by connecting to ourselves.
+        let wake = wake_addr(self.local_addr);
+        let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
+        if let Some(t) = self.accept_thread.take() {
+            let _ = t.join();
+        }
+        for (_, conn) in self.shared.conns.lock().unwrap_or_else(|e| e.into_inner()).drain() {
+            let _ = conn.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+/// The address to connect to in order to reach a listener bound to `addr` (wildcards become loopback).
+fn wake_addr(addr: SocketAddr) -> SocketAddr {
+    let ip = match addr.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        IpAddr::V6(ip) if ip.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        ip => ip,
+    };
+    SocketAddr::new(ip, addr.port())
+}
+
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    for stream in listener.incoming() {
+        if shared.stopping.load(Ordering::SeqCst) {
+            break;
+        }
+        match stream {
+            Ok(stream) => {
+                let shared = shared.clone();
+                let spawned = std::thread::Builder::new()
+                    .name("store-conn".into())
+                    .spawn(move || serve_connection(stream, shared));
+                if let Err(e) = spawned {
+                    tracing::warn!("store server: cannot start a connection thread: {e}");
+                }
+            }
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning.
+                tracing::warn!("store server: accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+fn serve_connection(mut stream: TcpStream, shared: Arc<Shared>) {
+    let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
+    if !handshake(&mut stream, &shared, &peer) {
+        return;
+    }
+    let id = shared.next_conn_id.fetch_add(1, Ordering::Relaxed);
+    match stream.try_clone() {
+        Ok(clone) => {
+            shared.conns.lock().unwrap_or_else(|e| e.into_inner()).insert(id, clone);
+        }
+        Err(e) => {
+            tracing::warn!("store server: cannot track connection from {peer}: {e}");
+            return;
+        }
+    }
+    // The server may have begun stopping before we registered; don't serve in that case.
+    if !shared.stopping.load(Ordering::SeqCst) {
+        if let Err(e) = request_loop(&mut stream, &shared) {
+            if !shared.stopping.load(Ordering::SeqCst) {
+                tracing::debug!("store server: connection from {peer} closed: {e}");
+            }
+        }
+    }
+    shared.conns.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+    let _ = stream.shutdown(Shutdown::Both);
+}
+
+/// Reads the hello and checks magic, version and token. Returns whether to serve the connection.
+fn handshake(stream: &mut TcpStream, shared: &Shared, peer: &str) -> bool {
+    let _ = stream.set_nodelay(true);
+    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+    let mut hello = [0u8; protocol::HELLO_LEN];
+    if stream.read_exact(&mut hello).is_err() {
+        return false; // includes the accept thread's own wake-up connection
+    }
+    if hello[..4] != protocol::MAGIC {
+        tracing::warn!("store server: refused {peer}: not a store client (bad magic)");
+        return false;
+    }
+    let version = u16::from_le_bytes([hello[4], hello[5]]);
+    if version != protocol::VERSION {
+        tracing::warn!("store server: refused {peer}: protocol version {version}, we speak {}", protocol::VERSION);
+        let _ = stream.write_all(&[protocol::HELLO_BAD_VERSION]);
+        return false;
+    }
+    if !shared.token.matches(&hello[8..]) {
+        tracing::warn!("store server: refused {peer}: wrong run token");
+        let _ = stream.write_all(&[protocol::HELLO_BAD_TOKEN]);
+        return false;
+    }
+    if stream.write_all(&[protocol::HELLO_OK]).is_err() {
+        return false;
+    }
+    let _ = stream.set_read_timeout(None);
+    true
+}
+
+fn request_loop(stream: &mut TcpStream, shared: &Shared) -> std::io::Result<()> {
+    loop {
+        let body = match protocol::read_frame(stream) {
+            Ok(Some(b)) => b,
+            Ok(None) => return Ok(()),
+            Err(e) => {
+                if e.kind() == std::io::ErrorKind::InvalidData {
+                    // Oversized frame: tell the client why before closing.
+                    let resp = Response::Error { kind: ErrorKind::Protocol, message: e.to_string() };
+                    if let Ok(frame) = resp.encode_frame() {
+                        let _ = protocol::write_frame(stream, &frame);
+                    }
+                }
+                return Err(e);
+            }
+        };
+        let (resp, keep_open) = match Request::decode(&body) {
+            Ok(req) => (handle(shared, req), true),
+            Err(e) => (Response::Error { kind: ErrorKind::Protocol, message: e.to_string() }, false),
+        };
+        let frame = resp.encode_frame().unwrap_or_else(|e| {
+            Response::Error { kind: ErrorKind::Protocol, message: e.to_string() }
+                .encode_frame()
+                .expect("short error frames always encode")
+        });
+        protocol::write_frame(stream, &frame)?;
+        if !keep_open {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "malformed request"));
+        }
+    }
+}
+
+fn handle(shared: &Shared, req: Request<'_>) -> Response {
+    match req {
+        Request::Set { key, value } => {
+            shared.lock().map.insert(key.to_string(), value.to_vec());
+            shared.changed.notify_all();
+            Response::Ok
+        }
+        Request::Get { key, timeout } => match wait_for(shared, &[key], timeout) {
+            Ok(data) => Response::Value(data.map.get(key).cloned().unwrap_or_default()),
+            Err(resp) => resp,
+        },
+        Request::Add { key, delta } => {
+            let mut data = shared.lock();
+            let current = match data.map.get(key) {
+                None => Some(0i64),
+                Some(v) => std::str::from_utf8(v).ok().and_then(|s| s.trim().parse::<i64>().ok()),
+            };
+            let Some(current) = current else {
+                return Response::Error {
+                    kind: ErrorKind::InvalidArgument,
+                    message: format!("store add: key {key:?} does not hold a decimal counter"),
+                };
+            };
+            let Some(new) = current.checked_add(delta) else {
+                return Response::Error {
+                    kind: ErrorKind::InvalidArgument,
+                    message: format!("store add: counter {key:?} would overflow ({current} + {delta})"),
+                };
+            };
+            data.map.insert(key.to_string(), new.to_string().into_bytes());
+            drop(data);
+            shared.changed.notify_all();
+            Response::Int(new)
+        }
+        Request::CompareSet { key, expected, desired } => {
+            let mut data = shared.lock();
+            let matches = match data.map.get(key) {
+                None => expected.is_empty(),
+                Some(v) => v == expected,
+            };
+            if matches {
+                data.map.insert(key.to_string(), desired.to_vec());
+                drop(data);
+                shared.changed.notify_all();
+                Response::Value(desired.to_vec())
+            } else {
+                Response::Value(data.map.get(key).cloned().unwrap_or_default())
+            }
+        }
+        Request::Wait { keys, timeout } => match wait_for(shared, &keys, timeout) {
+            Ok(_) => Response::Ok,
+            Err(resp) => resp,
+        },
+        Request::Check { keys } => {
+            let data = shared.lock();
+            Response::Bool(keys.iter().all(|k| data.map.contains_key(*k)))
+        }
+        Request::Delete { key } => Response::Bool(shared.lock().map.remove(key).is_some()),
+        Request::NumKeys => Response::Int(shared.lock().map.len() as i64),
+    }
+}
+
+/// Blocks until every key exists (returning the locked data), or answers Timeout / ShuttingDown.
+fn wait_for<'a>(
+    shared: &'a Shared,
+    keys: &[&str],
+    timeout: Duration,
+) -> std::result::Result<MutexGuard<'a, Data>, Response> {
+    let start = Instant::now();
+    let mut data = shared.lock();
+    loop {
+        if shared.stopping.load(Ordering::SeqCst) {
+            return Err(Response::Error {
+                kind: ErrorKind::ShuttingDown,
+                message: "the store server is shutting down".into(),
+            });
+        }
+        let missing: Vec<String> = keys.iter().filter(|k| !data.map.contains_key(**k)).map(|k| k.to_string()).collect();
+        if missing.is_empty() {
+            return Ok(data);
+        }
+        let waited = start.elapsed();
+        if waited >= timeout {
+            return Err(Response::Timeout { waited, missing });
+        }
+        data = shared.changed.wait_timeout(data, timeout - waited).unwrap_or_else(|e| e.into_inner()).0;
+    }
+}

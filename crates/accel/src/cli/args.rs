@@ -1,0 +1,189 @@
+//! The `accel` command line, as clap definitions (parsed by the binary, executed by [`super::run`]).
+//!
+//! Flag names follow `accelerate launch` with dashes; the underscore spellings of Accelerate
+//! (`--num_processes`) and torchrun's names (`--nnodes`, `--node-rank`, `--master-addr`, `--master-port`,
+//! `--nproc-per-node`) are accepted as aliases so existing launch scripts migrate by changing the program name.
+
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+
+/// `accel`: configure, launch and check distributed candle training (like `accelerate` / `torchrun`).
+#[derive(Debug, Parser)]
+#[command(name = "accel", version, about, long_about = None, propagate_version = true)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+#[allow(clippy::large_enum_variant)] // parsed once per process; boxing would only add noise to every match
+pub enum Command {
+    /// Write an Accelerate config file by answering questions on stdin (or `accel config default`).
+    Config(ConfigArgs),
+    /// Run a program on N processes (on one or several machines) with torchrun's environment.
+    Launch(LaunchArgs),
+    /// Run the built-in distributed self-check (collectives and a tiny training run) and print PASS/FAIL.
+    Test(TestArgs),
+    /// Print versions, hardware and the active config: the text to paste into a bug report.
+    Env(EnvArgs),
+    /// Internal: one rank of `accel test` (started by `accel test` itself).
+    #[command(name = "self-test-worker", hide = true)]
+    SelfTestWorker,
+}
+
+/// `accel config [--config-file F]` and `accel config default ...`.
+#[derive(Debug, Args)]
+pub struct ConfigArgs {
+    /// Where to write the config (default: $HF_HOME/accelerate/default_config.yaml).
+    #[arg(long, alias = "config_file", value_name = "FILE")]
+    pub config_file: Option<PathBuf>,
+    /// Write a default config without questions.
+    #[command(subcommand)]
+    pub action: Option<ConfigAction>,
+}
+
+/// Subcommands of `accel config`.
+#[derive(Debug, Subcommand)]
+pub enum ConfigAction {
+    /// Write a config for this machine without asking (one process; GPUs when built with CUDA and present).
+    Default(ConfigDefaultArgs),
+}
+
+/// `accel config default`.
+#[derive(Debug, Args)]
+pub struct ConfigDefaultArgs {
+    /// Compute precision to record.
+    #[arg(long, alias = "mixed_precision", value_name = "MODE", default_value = "no",
+          value_parser = ["no", "fp16", "bf16"])]
+    pub mixed_precision: String,
+    /// Where to write the config (default: $HF_HOME/accelerate/default_config.yaml).
+    #[arg(long, alias = "config_file", value_name = "FILE")]
+    pub config_file: Option<PathBuf>,
+    /// Replace an existing file (by default an existing config is kept, as `accelerate config default` does).
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// `accel launch [flags] <program> [args...]`. Every flag overrides the config file, which overrides the defaults.
+#[derive(Debug, Args, Default, Clone)]
+pub struct LaunchArgs {
+    /// Config file (default: $HF_HOME/accelerate/default_config.yaml when it exists).
+    #[arg(long, alias = "config_file", value_name = "FILE")]
+    pub config_file: Option<PathBuf>,
+    /// Total number of processes over all machines (default 1).
+    #[arg(short = 'n', long, alias = "num_processes", value_name = "N", conflicts_with = "nproc_per_node")]
+    pub num_processes: Option<usize>,
+    /// torchrun spelling: processes PER MACHINE (the total is this × --num-machines).
+    #[arg(long, alias = "nproc_per_node", value_name = "N")]
+    pub nproc_per_node: Option<usize>,
+    /// Number of machines (default 1). Run `accel launch` once on each.
+    #[arg(long, visible_alias = "nnodes", alias = "num_machines", value_name = "N")]
+    pub num_machines: Option<usize>,
+    /// Rank of this machine, 0..num_machines (default 0; machine 0 hosts the rendezvous store).
+    #[arg(long, visible_alias = "node-rank", aliases = ["machine_rank", "node_rank"], value_name = "R")]
+    pub machine_rank: Option<usize>,
+    /// Address of the machine of rank 0 (default 127.0.0.1; required with several machines).
+    #[arg(long, visible_alias = "master-addr", aliases = ["main_process_ip", "master_addr"], value_name = "ADDR")]
+    pub main_process_ip: Option<String>,
+    /// Rendezvous port on machine 0 (single machine default: a free port; several machines: 29500).
+    #[arg(long, visible_alias = "master-port", aliases = ["main_process_port", "master_port"], value_name = "PORT")]
+    pub main_process_port: Option<u16>,
+    /// Compute precision passed to the workers (ACCELERATE_MIXED_PRECISION).
+    #[arg(long, alias = "mixed_precision", value_name = "MODE", value_parser = ["no", "fp16", "bf16"])]
+    pub mixed_precision: Option<String>,
+    /// Micro-batches per optimizer step (ACCELERATE_GRADIENT_ACCUMULATION_STEPS).
+    #[arg(long, alias = "gradient_accumulation_steps", value_name = "K",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub gradient_accumulation_steps: Option<u64>,
+    /// Run on the CPU even where GPUs exist (ACCELERATE_USE_CPU=true).
+    #[arg(long, alias = "use_cpu")]
+    pub cpu: bool,
+    /// GPUs the workers may use (`all` or `0,1`): CUDA_VISIBLE_DEVICES.
+    #[arg(long, alias = "gpu_ids", value_name = "IDS")]
+    pub gpu_ids: Option<String>,
+    /// Restart all workers up to this many times after a failure (default 0).
+    #[arg(long, alias = "max_restarts", value_name = "N")]
+    pub max_restarts: Option<usize>,
+    /// Write each rank's output to DIR/ (with --log-dir, output goes to the files only unless --tee).
+    #[arg(long, aliases = ["log_dir", "logs-dir"], value_name = "DIR")]
+    pub log_dir: Option<PathBuf>,
+    /// With --log-dir, also print worker output on the console. torchrun's `--tee=0..3` is accepted (0 = off).
+    #[arg(long, value_name = "STREAMS", num_args = 0..=1, require_equals = true, default_missing_value = "3")]
+    pub tee: Option<String>,
+    /// Accelerate's debug mode for the workers (ACCELERATE_DEBUG_MODE=true: collective checks).
+    #[arg(long)]
+    pub debug: bool,
+    /// The program to run on every process (a path, or a name looked up on PATH).
+    #[arg(value_name = "PROGRAM", required = true)]
+    pub program: PathBuf,
+    /// Arguments passed to the program.
+    #[arg(value_name = "ARGS", trailing_var_arg = true, allow_hyphen_values = true)]
+    pub args: Vec<String>,
+}
+
+/// `accel test`.
+#[derive(Debug, Args)]
+pub struct TestArgs {
+    /// Number of processes to check with (at least 1).
+    #[arg(short = 'n', long, aliases = ["num_processes"], value_name = "N", default_value_t = 2,
+          value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub num_processes: u64,
+}
+
+/// `accel env`.
+#[derive(Debug, Args)]
+pub struct EnvArgs {
+    /// Config file to report (default: $HF_HOME/accelerate/default_config.yaml).
+    #[arg(long, alias = "config_file", value_name = "FILE")]
+    pub config_file: Option<PathBuf>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn clap_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn launch_keeps_program_arguments_verbatim() {
+        let cli =
+            Cli::parse_from(["accel", "launch", "-n", "2", "--mixed-precision", "bf16", "prog", "--lr", "0.1", "-x"]);
+        let Command::Launch(a) = cli.command else { panic!("not launch") };
+        assert_eq!(a.num_processes, Some(2));
+        assert_eq!(a.mixed_precision.as_deref(), Some("bf16"));
+        assert_eq!(a.program, PathBuf::from("prog"));
+        assert_eq!(a.args, ["--lr", "0.1", "-x"]);
+    }
+
+    #[test]
+    fn torchrun_and_underscore_spellings_are_accepted() {
+        let cli = Cli::parse_from([
+            "accel",
+            "launch",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "10.0.0.1",
+            "--master_port",
+            "1234",
+            "--nproc-per-node",
+            "4",
+            "--tee",
+            "prog",
+        ]);
+        let Command::Launch(a) = cli.command else { panic!("not launch") };
+        assert_eq!((a.num_machines, a.machine_rank, a.nproc_per_node), (Some(2), Some(1), Some(4)));
+        assert_eq!(a.main_process_ip.as_deref(), Some("10.0.0.1"));
+        assert_eq!(a.main_process_port, Some(1234));
+        assert_eq!(a.tee.as_deref(), Some("3"));
+        assert_eq!(a.program, PathBuf::from("prog"));
+    }
+}

@@ -1,0 +1,684 @@
+//! Python Accelerate's YAML config file (`accelerate config` writes it, `accelerate launch` reads it), read and
+//! written by `accel`.
+//!
+//! Format reference: Accelerate's `ClusterConfig` (`src/accelerate/commands/config/config_args.py`). Python writes
+//! it with `yaml.safe_dump` (keys sorted, `None` and empty mappings dropped), so this model serialises its fields in
+//! alphabetical order and skips unset ones; a file `accel config` writes loads in Python Accelerate unchanged.
+//!
+//! Reading is lenient where Python's YAML 1.1 reader is: a bare `mixed_precision: no` arrives as the boolean `false`
+//! and means `"no"`; `downcast_bf16` may be a boolean or `'no'`/`'yes'`; `gpu_ids` may be `all`, `0,1`, a number or a
+//! list. Keys accel does not know are reported as warnings (never an error), and keys Accelerate knows but accel has
+//! no use for (FSDP, DeepSpeed, TPU, dynamo, ...) are accepted, with a warning when they ask for a feature accel
+//! lacks. Malformed YAML is an error with line and column ([`CliError::ConfigSyntax`]).
+//!
+//! Writing always quotes `"no"`, because a YAML 1.1 reader (PyYAML) would read a bare `no` as `false`.
+
+use super::error::{CliError, CliResult};
+use crate::config::MixedPrecision;
+use serde::de::{self, Deserializer, Visitor};
+use serde::{Deserialize, Serialize, Serializer};
+use std::collections::BTreeMap;
+use std::fmt;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// Environment variable naming the Hugging Face cache root (default `~/.cache/huggingface`).
+pub const HF_HOME_ENV: &str = "HF_HOME";
+
+/// Accelerate's `compute_environment` for a local machine or cluster (the only one accel launches on).
+pub const LOCAL_MACHINE: &str = "LOCAL_MACHINE";
+
+/// Keys of Accelerate's format that accel reads but has no use for (other parallelism plugins, TPU pods, dynamo).
+/// They never cause an "unknown key" warning; a non-empty / `true` value gets a "not supported, ignored" warning.
+pub const ACCELERATE_ONLY_KEYS: &[&str] = &[
+    "command_file",
+    "commands",
+    "deepspeed_config",
+    "dynamo_backend",
+    "dynamo_config",
+    "fp16",
+    "fp8_config",
+    "fsdp_config",
+    "ipex_config",
+    "megatron_lm_config",
+    "mpirun_config",
+    "tp_config",
+    "tpu_name",
+    "tpu_vm",
+    "tpu_zone",
+];
+
+/// Accelerate's `distributed_type`. accel runs plain data parallelism; the value records what the file asked for.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum DistributedType {
+    /// One process (`NO`).
+    #[default]
+    No,
+    /// Several CPU processes (`MULTI_CPU`).
+    MultiCpu,
+    /// Several GPU processes (`MULTI_GPU`).
+    MultiGpu,
+    /// Any other value Accelerate knows (`FSDP`, `DEEPSPEED`, `XLA`, `MULTI_NPU`, ...), kept verbatim; launched
+    /// as plain data parallelism with a warning.
+    Other(String),
+}
+
+impl DistributedType {
+    /// Accelerate's spelling.
+    pub fn as_str(&self) -> &str {
+        match self {
+            DistributedType::No => "NO",
+            DistributedType::MultiCpu => "MULTI_CPU",
+            DistributedType::MultiGpu => "MULTI_GPU",
+            DistributedType::Other(s) => s,
+        }
+    }
+
+    /// Parses Accelerate's spelling (case-insensitive); anything unknown becomes [`DistributedType::Other`].
+    pub fn parse(s: &str) -> Self {
+        match s.trim().to_ascii_uppercase().as_str() {
+            "NO" | "FALSE" => DistributedType::No,
+            "MULTI_CPU" => DistributedType::MultiCpu,
+            "MULTI_GPU" => DistributedType::MultiGpu,
+            other => DistributedType::Other(other.to_string()),
+        }
+    }
+
+    /// The natural type for a job: `NO` for one process, else `MULTI_CPU` or `MULTI_GPU`.
+    pub fn for_job(num_processes: usize, use_cpu: bool) -> Self {
+        match (num_processes > 1, use_cpu) {
+            (false, _) => DistributedType::No,
+            (true, true) => DistributedType::MultiCpu,
+            (true, false) => DistributedType::MultiGpu,
+        }
+    }
+}
+
+impl Serialize for DistributedType {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for DistributedType {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        // `distributed_type: NO` written bare is the boolean false to a YAML 1.1 reader.
+        Ok(DistributedType::parse(&d.deserialize_any(ScalarText("distributed_type"))?))
+    }
+}
+
+/// Accelerate's `parallelism_config` block (Accelerate ≥ 1.10). accel implements data parallelism across
+/// replicas (`dp_replicate`) only; the other sizes must be 1 to launch.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParallelismConfig {
+    /// Context-parallel communication strategy (`allgather` / `alltoall`), kept verbatim.
+    #[serde(rename = "parallelism_config_cp_comm_strategy", default, skip_serializing_if = "Option::is_none")]
+    pub cp_comm_strategy: Option<String>,
+    /// Context-parallel size (1 = off).
+    #[serde(rename = "parallelism_config_cp_size", default = "one")]
+    pub cp_size: usize,
+    /// Data-parallel replicas (DDP): the parallelism accel implements.
+    #[serde(rename = "parallelism_config_dp_replicate_size", default = "one")]
+    pub dp_replicate_size: usize,
+    /// Sharded data parallelism (FSDP) size (1 = off).
+    #[serde(rename = "parallelism_config_dp_shard_size", default = "one")]
+    pub dp_shard_size: usize,
+    /// Tensor-parallel size (1 = off).
+    #[serde(rename = "parallelism_config_tp_size", default = "one")]
+    pub tp_size: usize,
+}
+
+impl ParallelismConfig {
+    /// Pure data parallelism over `n` processes.
+    pub fn data_parallel(n: usize) -> Self {
+        ParallelismConfig { cp_comm_strategy: None, cp_size: 1, dp_replicate_size: n, dp_shard_size: 1, tp_size: 1 }
+    }
+
+    /// dp_replicate × dp_shard × tp × cp: the number of processes the layout needs.
+    pub fn total_size(&self) -> usize {
+        self.dp_replicate_size * self.dp_shard_size * self.tp_size * self.cp_size
+    }
+
+    /// Checks the layout against accel's capabilities and the process count: every size ≥ 1, the product equal to
+    /// `num_processes`, and dp_shard / tp / cp equal to 1 (accel has no FSDP, tensor or context parallelism).
+    pub fn validate(&self, num_processes: usize) -> CliResult<()> {
+        for (name, v) in self.sizes() {
+            if v == 0 {
+                return Err(CliError::invalid(format!("parallelism_config_{name}_size"), "0", "sizes are at least 1"));
+            }
+        }
+        for (name, v) in self.sizes().into_iter().skip(1) {
+            if v != 1 {
+                return Err(CliError::invalid(
+                    format!("parallelism_config_{name}_size"),
+                    v.to_string(),
+                    "accel implements data parallelism (dp_replicate) only; set it to 1".to_string(),
+                ));
+            }
+        }
+        if self.total_size() != num_processes {
+            return Err(CliError::invalid(
+                "parallelism_config",
+                format!(
+                    "dp_replicate {} × dp_shard {} × tp {} × cp {}",
+                    self.dp_replicate_size, self.dp_shard_size, self.tp_size, self.cp_size
+                ),
+                format!("the product ({}) must equal num_processes ({num_processes})", self.total_size()),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `(name, size)` in the order dp_replicate, dp_shard, tp, cp.
+    pub fn sizes(&self) -> [(&'static str, usize); 4] {
+        [
+            ("dp_replicate", self.dp_replicate_size),
+            ("dp_shard", self.dp_shard_size),
+            ("tp", self.tp_size),
+            ("cp", self.cp_size),
+        ]
+    }
+}
+
+fn one() -> usize {
+    1
+}
+
+/// One Accelerate config file (`ClusterConfig`). Field names are Accelerate's keys; fields are declared in
+/// alphabetical order so the YAML comes out sorted like PyYAML's `safe_dump`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AccelerateConfig {
+    /// `LOCAL_MACHINE` (cloud values such as `AMAZON_SAGEMAKER` are kept, and warned about at launch).
+    #[serde(default = "local_machine")]
+    pub compute_environment: String,
+    /// Accelerate's debug mode (collective shape checks): passed to workers as `ACCELERATE_DEBUG_MODE=true`.
+    #[serde(default)]
+    pub debug: bool,
+    /// `NO`, `MULTI_CPU`, `MULTI_GPU`, ...
+    #[serde(default)]
+    pub distributed_type: DistributedType,
+    /// TPU-only flag Accelerate writes as `'no'` / `'yes'`; accel keeps it for round trips.
+    #[serde(default = "no_string", deserialize_with = "yes_no")]
+    pub downcast_bf16: String,
+    /// Pin each worker to its CPU cores (`ACCELERATE_CPU_AFFINITY=1`).
+    #[serde(default)]
+    pub enable_cpu_affinity: bool,
+    /// `all` or a comma-separated list of GPU indices (`CUDA_VISIBLE_DEVICES` of the workers).
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "gpu_ids")]
+    pub gpu_ids: Option<String>,
+    /// accel extension (Accelerate keeps it in its gradient accumulation plugin): micro-batches per optimizer step.
+    /// Never written by `accel config`, so files stay loadable by Python Accelerate, which rejects unknown keys.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gradient_accumulation_steps: Option<usize>,
+    /// Rank of this machine, `0..num_machines`.
+    #[serde(default)]
+    pub machine_rank: usize,
+    /// Address of the machine of rank 0 (required with several machines).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub main_process_ip: Option<String>,
+    /// Store port on the machine of rank 0 (0 = pick a free one, single machine only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub main_process_port: Option<u16>,
+    /// Python entry point name; unused by accel, kept for round trips.
+    #[serde(default = "main_string")]
+    pub main_training_function: String,
+    /// `"no"`, `"fp16"` or `"bf16"`.
+    #[serde(default, serialize_with = "precision_out", deserialize_with = "precision_in")]
+    pub mixed_precision: MixedPrecision,
+    /// Machines in the job.
+    #[serde(default = "one")]
+    pub num_machines: usize,
+    /// Processes in the job, TOTAL over all machines (Accelerate writes -1 for "unset").
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "num_processes")]
+    pub num_processes: Option<usize>,
+    /// Layout over data / tensor / context parallelism (Accelerate ≥ 1.10).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parallelism_config: Option<ParallelismConfig>,
+    /// torchrun rendezvous backend (`static`, `c10d`); accel's launcher always uses its own TCP store.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rdzv_backend: Option<String>,
+    /// All machines share a network (Accelerate asks this for multi-node jobs).
+    #[serde(default)]
+    pub same_network: bool,
+    /// TPU pod environment; written empty for compatibility.
+    #[serde(default)]
+    pub tpu_env: Vec<String>,
+    /// TPU pod flag; written for compatibility.
+    #[serde(default)]
+    pub tpu_use_cluster: bool,
+    /// TPU pod flag; written for compatibility.
+    #[serde(default)]
+    pub tpu_use_sudo: bool,
+    /// Run on the CPU even when GPUs exist.
+    #[serde(default)]
+    pub use_cpu: bool,
+}
+
+fn local_machine() -> String {
+    LOCAL_MACHINE.to_string()
+}
+fn no_string() -> String {
+    "no".to_string()
+}
+fn main_string() -> String {
+    "main".to_string()
+}
+
+impl Default for AccelerateConfig {
+    fn default() -> Self {
+        AccelerateConfig {
+            compute_environment: local_machine(),
+            debug: false,
+            distributed_type: DistributedType::No,
+            downcast_bf16: no_string(),
+            enable_cpu_affinity: false,
+            gpu_ids: None,
+            gradient_accumulation_steps: None,
+            machine_rank: 0,
+            main_process_ip: None,
+            main_process_port: None,
+            main_training_function: main_string(),
+            mixed_precision: MixedPrecision::No,
+            num_machines: 1,
+            num_processes: Some(1),
+            parallelism_config: None,
+            rdzv_backend: Some("static".to_string()),
+            same_network: true,
+            tpu_env: Vec::new(),
+            tpu_use_cluster: false,
+            tpu_use_sudo: false,
+            use_cpu: false,
+        }
+    }
+}
+
+/// Keys of [`AccelerateConfig`] (kept in sync with its fields by a unit test).
+pub const TYPED_KEYS: &[&str] = &[
+    "compute_environment",
+    "debug",
+    "distributed_type",
+    "downcast_bf16",
+    "enable_cpu_affinity",
+    "gpu_ids",
+    "gradient_accumulation_steps",
+    "machine_rank",
+    "main_process_ip",
+    "main_process_port",
+    "main_training_function",
+    "mixed_precision",
+    "num_machines",
+    "num_processes",
+    "parallelism_config",
+    "rdzv_backend",
+    "same_network",
+    "tpu_env",
+    "tpu_use_cluster",
+    "tpu_use_sudo",
+    "use_cpu",
+];
+
+/// A config file as read from disk: the model, its source text and the warnings reading it produced.
+#[derive(Debug, Clone)]
+pub struct LoadedConfig {
+    /// Where it was read from.
+    pub path: PathBuf,
+    /// The parsed values.
+    pub config: AccelerateConfig,
+    /// The file's text, verbatim (`accel env` prints it).
+    pub text: String,
+    /// Keys neither accel nor Accelerate knows, sorted.
+    pub unknown_keys: Vec<String>,
+    /// Human-readable warnings (unknown keys, ignored Accelerate features), one per line.
+    pub warnings: Vec<String>,
+}
+
+/// `$HF_HOME/accelerate/default_config.yaml`, with `HF_HOME` defaulting to `$XDG_CACHE_HOME/huggingface` and then
+/// `~/.cache/huggingface` (as Python Accelerate). `None` when neither HF_HOME, XDG_CACHE_HOME nor HOME is set.
+pub fn default_config_path() -> Option<PathBuf> {
+    default_config_path_from(|k| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from))
+}
+
+/// [`default_config_path`] with any lookup function (tests pass a map).
+pub fn default_config_path_from(get: impl Fn(&str) -> Option<PathBuf>) -> Option<PathBuf> {
+    let hf_home = match get(HF_HOME_ENV) {
+        Some(p) => p,
+        None => match get("XDG_CACHE_HOME") {
+            Some(cache) => cache.join("huggingface"),
+            None => get("HOME")?.join(".cache").join("huggingface"),
+        },
+    };
+    Some(hf_home.join("accelerate").join("default_config.yaml"))
+}
+
+/// Which config file a command uses: the `--config-file` given (which must exist), else the default path when a
+/// file is there, else none (built-in defaults).
+pub fn resolve_config_path(explicit: Option<&Path>) -> CliResult<Option<PathBuf>> {
+    match explicit {
+        Some(p) if p.is_file() => Ok(Some(p.to_path_buf())),
+        Some(p) => Err(CliError::ConfigMissing { path: p.to_path_buf() }),
+        None => Ok(default_config_path().filter(|p| p.is_file())),
+    }
+}
+
+impl AccelerateConfig {
+    /// Reads and parses a config file (YAML, or JSON, which is YAML too).
+    pub fn load(path: &Path) -> CliResult<LoadedConfig> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| CliError::io(format!("cannot read config file {}", path.display()), e))?;
+        Self::parse(&text, path)
+    }
+
+    /// Parses config text; `path` is only used in messages.
+    pub fn parse(text: &str, path: &Path) -> CliResult<LoadedConfig> {
+        if text.trim().is_empty() {
+            return Err(CliError::ConfigValue {
+                path: path.to_path_buf(),
+                message: "the file is empty; write one with `accel config` or `accel config default`".into(),
+            });
+        }
+        let config: AccelerateConfig = serde_saphyr::from_str(text).map_err(|e| syntax_error(path, &e))?;
+        // Second pass over the raw mapping, only to find keys the typed model ignored.
+        let raw: BTreeMap<String, serde_json::Value> = serde_saphyr::from_str(text).unwrap_or_default();
+        let mut unknown_keys = Vec::new();
+        let mut warnings = Vec::new();
+        for (key, value) in &raw {
+            if TYPED_KEYS.contains(&key.as_str()) {
+                continue;
+            }
+            if ACCELERATE_ONLY_KEYS.contains(&key.as_str()) {
+                if requests_feature(key, value) {
+                    warnings.push(format!(
+                        "{}: `{key}` asks for an Accelerate feature accel does not implement (accel runs plain \
+                         data parallelism); it is ignored",
+                        path.display()
+                    ));
+                }
+                continue;
+            }
+            unknown_keys.push(key.clone());
+        }
+        if !unknown_keys.is_empty() {
+            warnings.push(format!(
+                "{}: unknown key(s) {} ignored (not part of Accelerate's config format as accel knows it)",
+                path.display(),
+                unknown_keys.iter().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ")
+            ));
+        }
+        if config.compute_environment != LOCAL_MACHINE {
+            warnings.push(format!(
+                "{}: compute_environment {} is not supported; accel launches on this machine as LOCAL_MACHINE",
+                path.display(),
+                config.compute_environment
+            ));
+        }
+        if let DistributedType::Other(t) = &config.distributed_type {
+            warnings.push(format!(
+                "{}: distributed_type {t} is not implemented by accel; launching plain data parallelism (DDP)",
+                path.display()
+            ));
+        }
+        for w in &warnings {
+            tracing::warn!("{w}");
+        }
+        Ok(LoadedConfig { path: path.to_path_buf(), config, text: text.to_string(), unknown_keys, warnings })
+    }
+
+    /// The YAML text of this config (sorted keys, `"no"` quoted).
+    pub fn to_yaml(&self) -> CliResult<String> {
+        serde_saphyr::to_string(self).map_err(|e| CliError::invalid("config", format!("{self:?}"), e.to_string()))
+    }
+
+    /// Writes the config atomically: the YAML goes to a temporary file in the same directory, which is renamed
+    /// over `path` only once complete, so an error never leaves a partial file. Creates missing parent
+    /// directories.
+    pub fn save(&self, path: &Path) -> CliResult<()> {
+        let yaml = self.to_yaml()?;
+        write_atomically(path, yaml.as_bytes())
+    }
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same directory and a rename (atomic on POSIX).
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> CliResult<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&dir).map_err(|e| CliError::io(format!("cannot create directory {}", dir.display()), e))?;
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".accel-config-")
+        .suffix(".tmp")
+        .tempfile_in(&dir)
+        .map_err(|e| CliError::io(format!("cannot create a temporary file in {}", dir.display()), e))?;
+    tmp.write_all(bytes)
+        .and_then(|_| tmp.as_file().sync_all())
+        .map_err(|e| CliError::io(format!("cannot write {}", tmp.path().display()), e))?;
+    // On error the NamedTempFile is dropped and deletes itself.
+    tmp.persist(path)
+        .map_err(|e| CliError::io(format!("cannot rename the new config into {}", path.display()), e.error))?;
+    Ok(())
+}
+
+fn syntax_error(path: &Path, e: &serde_saphyr::Error) -> CliError {
+    match e.location() {
+        Some(loc) => CliError::ConfigSyntax {
+            path: path.to_path_buf(),
+            line: loc.line(),
+            column: loc.column(),
+            message: e.to_string(),
+        },
+        None => CliError::ConfigValue { path: path.to_path_buf(), message: e.to_string() },
+    }
+}
+
+/// Whether an Accelerate-only key's value turns on something (non-empty mapping/list/string, `true`, a dynamo
+/// backend other than NO).
+fn requests_feature(key: &str, value: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    // A bare `NO` is the boolean false to a YAML 1.1 reader.
+    let is_off = |v: &Value| match v {
+        Value::Null | Value::Bool(false) => true,
+        Value::String(s) => s.is_empty() || s.eq_ignore_ascii_case("no"),
+        _ => false,
+    };
+    match value {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::Number(_) => true,
+        Value::String(s) => !(s.is_empty() || (key == "dynamo_backend" && is_off(value))),
+        Value::Array(a) => !a.is_empty(),
+        // dynamo_config: {dynamo_backend: NO} is Accelerate's "off".
+        Value::Object(o) => !(o.is_empty() || (key == "dynamo_config" && o.get("dynamo_backend").is_some_and(is_off))),
+    }
+}
+
+/// Visitor that turns any YAML scalar into its text (booleans as `true`/`false`, null as empty).
+struct ScalarText(&'static str);
+
+impl<'de> Visitor<'de> for ScalarText {
+    type Value = String;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        write!(f, "a string, number or boolean for `{}`", self.0)
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<String, E> {
+        Ok(v.to_string())
+    }
+    fn visit_string<E: de::Error>(self, v: String) -> Result<String, E> {
+        Ok(v)
+    }
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<String, E> {
+        Ok(v.to_string())
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<String, E> {
+        Ok(v.to_string())
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<String, E> {
+        Ok(v.to_string())
+    }
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<String, E> {
+        Ok(v.to_string())
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<String, E> {
+        Ok(String::new())
+    }
+    fn visit_none<E: de::Error>(self) -> Result<String, E> {
+        Ok(String::new())
+    }
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<String, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+fn precision_in<'de, D: Deserializer<'de>>(d: D) -> Result<MixedPrecision, D::Error> {
+    let text = d.deserialize_any(ScalarText("mixed_precision"))?;
+    if text == "true" {
+        return Err(de::Error::custom(format!(
+            "mixed_precision: true is ambiguous; write one of {}",
+            MixedPrecision::CHOICES
+        )));
+    }
+    text.parse::<MixedPrecision>().map_err(|_| {
+        de::Error::custom(format!("unknown mixed_precision {text:?}; choose one of {}", MixedPrecision::CHOICES))
+    })
+}
+
+fn precision_out<S: Serializer>(mp: &MixedPrecision, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(mp.as_str())
+}
+
+fn yes_no<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    let text = d.deserialize_any(ScalarText("downcast_bf16"))?;
+    Ok(match text.to_ascii_lowercase().as_str() {
+        "false" | "no" | "" => "no".to_string(),
+        "true" | "yes" => "yes".to_string(),
+        _ => text,
+    })
+}
+
+fn gpu_ids<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    struct Ids;
+    impl<'de> Visitor<'de> for Ids {
+        type Value = Option<String>;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("`all`, a comma-separated list of GPU indices, a number or a list of numbers for `gpu_ids`")
+        }
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+            Ok(Some(v.trim().to_string()).filter(|s| !s.is_empty()))
+        }
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
+            Ok(Some(v.to_string()))
+        }
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
+            Ok(Some(v.to_string()))
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            d.deserialize_any(self)
+        }
+        fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            let mut ids = Vec::new();
+            while let Some(id) = seq.next_element::<u64>()? {
+                ids.push(id.to_string());
+            }
+            Ok(Some(ids.join(",")))
+        }
+    }
+    d.deserialize_any(Ids)
+}
+
+fn num_processes<'de, D: Deserializer<'de>>(d: D) -> Result<Option<usize>, D::Error> {
+    let n: Option<i64> = Option::deserialize(d)?;
+    match n {
+        None => Ok(None),
+        Some(n) if n <= 0 => Ok(None), // Accelerate's -1: "not set, decided by the launcher"
+        Some(n) => Ok(Some(n as usize)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn typed_keys_match_the_struct() {
+        let value = serde_json::to_value(AccelerateConfig {
+            gpu_ids: Some("all".into()),
+            gradient_accumulation_steps: Some(2),
+            main_process_ip: Some("h".into()),
+            main_process_port: Some(1),
+            parallelism_config: Some(ParallelismConfig::data_parallel(1)),
+            ..AccelerateConfig::default()
+        })
+        .unwrap();
+        let keys: Vec<&str> = value.as_object().unwrap().keys().map(String::as_str).collect();
+        assert_eq!(keys, TYPED_KEYS);
+    }
+
+    #[test]
+    fn default_path_follows_hf_home_then_xdg_then_home() {
+        let p = default_config_path_from(|k| (k == "HF_HOME").then(|| PathBuf::from("/hf")));
+        assert_eq!(p.unwrap(), Path::new("/hf/accelerate/default_config.yaml"));
+        let p = default_config_path_from(|k| (k == "XDG_CACHE_HOME").then(|| PathBuf::from("/c")));
+        assert_eq!(p.unwrap(), Path::new("/c/huggingface/accelerate/default_config.yaml"));
+        let p = default_config_path_from(|k| (k == "HOME").then(|| PathBuf::from("/home/u")));
+        assert_eq!(p.unwrap(), Path::new("/home/u/.cache/huggingface/accelerate/default_config.yaml"));
+        assert_eq!(default_config_path_from(|_| None), None);
+    }
+
+    #[test]
+    fn bare_no_is_read_as_no_and_written_quoted() {
+        let loaded = AccelerateConfig::parse("distributed_type: NO\nmixed_precision: no\n", Path::new("x")).unwrap();
+        assert_eq!(loaded.config.mixed_precision, MixedPrecision::No);
+        let yaml = loaded.config.to_yaml().unwrap();
+        assert!(yaml.contains("mixed_precision: \"no\"") || yaml.contains("mixed_precision: 'no'"), "{yaml}");
+        assert!(yaml.contains("downcast_bf16: \"no\"") || yaml.contains("downcast_bf16: 'no'"), "{yaml}");
+    }
+
+    #[test]
+    fn accelerate_value_variants_are_accepted() {
+        let text = "distributed_type: MULTI_GPU\ngpu_ids: 1,3\nnum_processes: -1\ndowncast_bf16: false\n";
+        let c = AccelerateConfig::parse(text, Path::new("x")).unwrap().config;
+        assert_eq!(c.gpu_ids.as_deref(), Some("1,3"));
+        assert_eq!(c.num_processes, None);
+        assert_eq!(c.downcast_bf16, "no");
+        let c = AccelerateConfig::parse("gpu_ids: [0, 2]\n", Path::new("x")).unwrap().config;
+        assert_eq!(c.gpu_ids.as_deref(), Some("0,2"));
+        let c = AccelerateConfig::parse("gpu_ids: 0\n", Path::new("x")).unwrap().config;
+        assert_eq!(c.gpu_ids.as_deref(), Some("0"));
+    }
+
+    #[test]
+    fn bad_mixed_precision_is_an_error_with_a_location() {
+        let e = AccelerateConfig::parse("num_machines: 1\nmixed_precision: fp8\n", Path::new("c.yaml")).unwrap_err();
+        match &e {
+            CliError::ConfigSyntax { line, .. } => assert_eq!(*line, 2, "{e}"),
+            other => panic!("{other}"),
+        }
+        assert!(e.to_string().contains("fp8") && e.to_string().contains("bf16"), "{e}");
+    }
+
+    #[test]
+    fn feature_keys_are_warned_only_when_they_ask_for_something() {
+        let l =
+            AccelerateConfig::parse("fsdp_config: {}\ndynamo_config:\n  dynamo_backend: NO\n", Path::new("x")).unwrap();
+        assert!(l.warnings.is_empty(), "{:?}", l.warnings);
+        let l = AccelerateConfig::parse("fsdp_config:\n  fsdp_version: 2\n", Path::new("x")).unwrap();
+        assert_eq!(l.warnings.len(), 1);
+        assert!(l.warnings[0].contains("fsdp_config"), "{:?}", l.warnings);
+        assert!(l.unknown_keys.is_empty());
+    }
+
+    #[test]
+    fn parallelism_layout_is_checked() {
+        ParallelismConfig::data_parallel(4).validate(4).unwrap();
+        let e = ParallelismConfig::data_parallel(2).validate(4).unwrap_err().to_string();
+        assert!(e.contains("must equal num_processes (4)"), "{e}");
+        let p = ParallelismConfig { tp_size: 2, ..ParallelismConfig::data_parallel(2) };
+        let e = p.validate(4).unwrap_err().to_string();
+        assert!(e.contains("tp_size") && e.contains("data parallelism"), "{e}");
+    }
+}

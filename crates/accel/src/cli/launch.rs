@@ -1,0 +1,423 @@
+//! `accel launch`: resolves flags, config file and defaults into a [`LaunchPlan`], then runs it with
+//! [`ddp_core::launch`] (one call per machine, as torchrun).
+//!
+//! Precedence, per setting: command-line flag, then the config file, then the default. `num_processes` is the
+//! TOTAL over all machines (Accelerate's meaning); each machine runs `num_processes / num_machines` workers.
+//! Workers get torchrun's variables from the launcher (RANK, LOCAL_RANK, WORLD_SIZE, ...) plus Accelerate's
+//! (`ACCELERATE_MIXED_PRECISION`, `ACCELERATE_USE_CPU`, `ACCELERATE_GRADIENT_ACCUMULATION_STEPS`, ...), which
+//! [`crate::AcceleratorConfig::from_env`] reads.
+
+use super::args::LaunchArgs;
+use super::config_file::{AccelerateConfig, DistributedType, ParallelismConfig};
+use super::error::{CliError, CliResult};
+use crate::config::{MixedPrecision, GRADIENT_ACCUMULATION_STEPS_ENV, MIXED_PRECISION_ENV, USE_CPU_ENV};
+use ddp_core::env::{DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT};
+use ddp_core::LaunchConfig;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Environment variable: `true` turns on Accelerate's debug mode in the workers.
+pub const DEBUG_MODE_ENV: &str = "ACCELERATE_DEBUG_MODE";
+/// Environment variable: `1` asks workers to pin themselves to their CPU cores.
+pub const CPU_AFFINITY_ENV: &str = "ACCELERATE_CPU_AFFINITY";
+/// Environment variable: `true` when a parallelism layout is given (with `PARALLELISM_CONFIG_*_SIZE`).
+pub const USE_PARALLELISM_CONFIG_ENV: &str = "ACCELERATE_USE_PARALLELISM_CONFIG";
+
+/// A fully resolved launch of this machine's workers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LaunchPlan {
+    /// Processes over all machines.
+    pub num_processes: usize,
+    /// Machines in the job.
+    pub num_machines: usize,
+    /// This machine's rank.
+    pub machine_rank: usize,
+    /// Address of machine 0 (the rendezvous store).
+    pub main_process_ip: String,
+    /// Store port (0 = a free one, single machine only).
+    pub main_process_port: u16,
+    /// Compute precision for the workers.
+    pub mixed_precision: MixedPrecision,
+    /// Micro-batches per optimizer step, when set by a flag or the file (else the program's own choice).
+    pub gradient_accumulation_steps: Option<usize>,
+    /// Workers run on the CPU.
+    pub use_cpu: bool,
+    /// Accelerate debug mode.
+    pub debug: bool,
+    /// CUDA_VISIBLE_DEVICES for the workers (`None` or `all`: unchanged).
+    pub gpu_ids: Option<String>,
+    /// Pin workers to their cores.
+    pub enable_cpu_affinity: bool,
+    /// Parallelism layout (data parallel only).
+    pub parallelism: Option<ParallelismConfig>,
+    /// Group restarts after a failure.
+    pub max_restarts: usize,
+    /// Per-rank log files.
+    pub log_dir: Option<PathBuf>,
+    /// Print worker output on the console too (always true without `log_dir`).
+    pub tee: bool,
+    /// The program and its arguments.
+    pub program: PathBuf,
+    /// Arguments of the program.
+    pub args: Vec<String>,
+}
+
+impl LaunchPlan {
+    /// Combines `flags` (highest precedence), `file` and the defaults, and checks the result: counts ≥ 1,
+    /// `num_processes` divisible by `num_machines`, `machine_rank < num_machines`, an address and a fixed port for
+    /// several machines, a parallelism layout accel can run.
+    pub fn resolve(flags: &LaunchArgs, file: Option<&AccelerateConfig>) -> CliResult<Self> {
+        let num_machines = flags.num_machines.or(file.map(|f| f.num_machines)).unwrap_or(1);
+        if num_machines == 0 {
+            return Err(CliError::invalid("num_machines", "0", "at least 1 machine"));
+        }
+        let num_processes = match (flags.num_processes, flags.nproc_per_node) {
+            (Some(n), _) => n,
+            (None, Some(per_node)) => per_node * num_machines,
+            (None, None) => file.and_then(|f| f.num_processes).unwrap_or(num_machines),
+        };
+        if num_processes == 0 {
+            return Err(CliError::invalid("num_processes", "0", "at least 1 process"));
+        }
+        if num_processes % num_machines != 0 {
+            return Err(CliError::Launch(format!(
+                "num_processes ({num_processes}) is not divisible by num_machines ({num_machines}): num_processes is \
+                 the TOTAL over all machines and each machine runs num_processes / num_machines workers; give a \
+                 multiple of {num_machines}"
+            )));
+        }
+        let machine_rank = flags.machine_rank.or(file.map(|f| f.machine_rank)).unwrap_or(0);
+        if machine_rank >= num_machines {
+            return Err(CliError::invalid(
+                "machine_rank",
+                machine_rank.to_string(),
+                format!("must be below num_machines ({num_machines}): 0..{}", num_machines - 1),
+            ));
+        }
+        let ip = flags.main_process_ip.clone().or_else(|| file.and_then(|f| f.main_process_ip.clone()));
+        let port = flags.main_process_port.or(file.and_then(|f| f.main_process_port));
+        let (main_process_ip, main_process_port) = if num_machines > 1 {
+            let ip = ip.ok_or_else(|| {
+                CliError::Launch(format!(
+                    "a job on {num_machines} machines needs the address of machine 0: pass --main-process-ip (or \
+                     set main_process_ip in the config file)"
+                ))
+            })?;
+            let port = port.unwrap_or(DEFAULT_MASTER_PORT);
+            if port == 0 {
+                return Err(CliError::invalid(
+                    "main_process_port",
+                    "0",
+                    "a job on several machines needs a fixed port that every machine is told (e.g. 29500)",
+                ));
+            }
+            (ip, port)
+        } else {
+            // One machine: a free port unless one was asked for, so concurrent jobs never collide.
+            (ip.unwrap_or_else(|| DEFAULT_MASTER_ADDR.to_string()), port.unwrap_or(0))
+        };
+
+        let mixed_precision = match &flags.mixed_precision {
+            Some(s) => s.parse::<MixedPrecision>().map_err(|_| {
+                CliError::invalid("--mixed-precision", s.clone(), format!("choose one of {}", MixedPrecision::CHOICES))
+            })?,
+            None => file.map(|f| f.mixed_precision).unwrap_or_default(),
+        };
+        let gradient_accumulation_steps = match flags.gradient_accumulation_steps {
+            Some(k) => Some(k as usize),
+            None => file.and_then(|f| f.gradient_accumulation_steps),
+        };
+        if gradient_accumulation_steps == Some(0) {
+            return Err(CliError::invalid("gradient_accumulation_steps", "0", "at least 1"));
+        }
+        let use_cpu = flags.cpu || file.is_some_and(|f| f.use_cpu || f.distributed_type == DistributedType::MultiCpu);
+        let parallelism = file.and_then(|f| f.parallelism_config.clone());
+        if let Some(p) = &parallelism {
+            p.validate(num_processes)?;
+        }
+        let tee = match (&flags.log_dir, &flags.tee) {
+            (None, _) => true,
+            (Some(_), None) => false,
+            (Some(_), Some(v)) => v.trim() != "0",
+        };
+        Ok(LaunchPlan {
+            num_processes,
+            num_machines,
+            machine_rank,
+            main_process_ip,
+            main_process_port,
+            mixed_precision,
+            gradient_accumulation_steps,
+            use_cpu,
+            debug: flags.debug || file.is_some_and(|f| f.debug),
+            gpu_ids: flags.gpu_ids.clone().or_else(|| file.and_then(|f| f.gpu_ids.clone())),
+            enable_cpu_affinity: file.is_some_and(|f| f.enable_cpu_affinity),
+            parallelism,
+            max_restarts: flags.max_restarts.unwrap_or(0),
+            log_dir: flags.log_dir.clone(),
+            tee,
+            program: flags.program.clone(),
+            args: flags.args.clone(),
+        })
+    }
+
+    /// Workers on this machine.
+    pub fn nproc_per_node(&self) -> usize {
+        self.num_processes / self.num_machines
+    }
+
+    /// The variables every worker gets on top of the launcher's torchrun set, named as Python Accelerate's
+    /// launcher names them.
+    pub fn worker_env(&self) -> Vec<(String, String)> {
+        let mut env = vec![
+            (MIXED_PRECISION_ENV.to_string(), self.mixed_precision.as_str().to_string()),
+            (USE_CPU_ENV.to_string(), self.use_cpu.to_string()),
+        ];
+        if let Some(k) = self.gradient_accumulation_steps {
+            env.push((GRADIENT_ACCUMULATION_STEPS_ENV.to_string(), k.to_string()));
+        }
+        if self.debug {
+            env.push((DEBUG_MODE_ENV.to_string(), "true".to_string()));
+        }
+        if self.enable_cpu_affinity {
+            env.push((CPU_AFFINITY_ENV.to_string(), "1".to_string()));
+        }
+        if let Some(ids) = self.gpu_ids.as_deref().filter(|ids| !ids.eq_ignore_ascii_case("all") && !self.use_cpu) {
+            env.push(("CUDA_VISIBLE_DEVICES".to_string(), ids.to_string()));
+        }
+        if let Some(p) = &self.parallelism {
+            env.push((USE_PARALLELISM_CONFIG_ENV.to_string(), "true".to_string()));
+            for (name, size) in p.sizes() {
+                env.push((format!("PARALLELISM_CONFIG_{}_SIZE", name.to_ascii_uppercase()), size.to_string()));
+            }
+        }
+        env
+    }
+
+    /// The ddp-core launcher configuration of this machine.
+    pub fn to_launch_config(&self) -> LaunchConfig {
+        let mut cfg = LaunchConfig::local(self.nproc_per_node(), self.program.clone(), self.args.clone());
+        cfg.nnodes = self.num_machines;
+        cfg.node_rank = self.machine_rank;
+        cfg.master_addr = self.main_process_ip.clone();
+        cfg.master_port = self.main_process_port;
+        cfg.env = self.worker_env();
+        cfg.log_dir = self.log_dir.clone();
+        cfg.tee = self.tee;
+        cfg.max_restarts = self.max_restarts;
+        cfg.stop_grace = Duration::from_secs(5);
+        cfg
+    }
+
+    /// One line describing the launch, printed before it starts.
+    pub fn summary(&self) -> String {
+        let machines = if self.num_machines > 1 {
+            format!(
+                " on machine {}/{} (main {}:{})",
+                self.machine_rank, self.num_machines, self.main_process_ip, self.main_process_port
+            )
+        } else {
+            String::new()
+        };
+        format!(
+            "accel launch: {} process(es){machines}, {} here, mixed precision {}{}: {}",
+            self.num_processes,
+            self.nproc_per_node(),
+            self.mixed_precision,
+            if self.use_cpu { ", CPU forced" } else { "" },
+            self.program.display()
+        )
+    }
+}
+
+/// Checks that `program` can be started: a path must name an existing file, a bare name must be on PATH.
+pub fn check_program(program: &Path) -> CliResult<()> {
+    let has_dir = program.components().count() > 1 || program.is_absolute();
+    if has_dir {
+        if program.is_file() {
+            return Ok(());
+        }
+        return Err(CliError::Launch(format!(
+            "program {} not found: no such file (build it first, or check the path)",
+            program.display()
+        )));
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    if std::env::split_paths(&path).any(|dir| dir.join(program).is_file()) {
+        return Ok(());
+    }
+    Err(CliError::Launch(format!(
+        "program `{}` not found: not on PATH (give a path such as ./{} or target/release/{})",
+        program.display(),
+        program.display(),
+        program.display()
+    )))
+}
+
+/// On the machine that hosts the store, fails early with [`CliError::PortInUse`] when the port is taken
+/// (a plain bind attempt; other bind errors, e.g. an address of another machine, are left to the launcher).
+pub fn check_port(plan: &LaunchPlan) -> CliResult<()> {
+    if plan.machine_rank != 0 || plan.main_process_port == 0 {
+        return Ok(());
+    }
+    match std::net::TcpListener::bind((plan.main_process_ip.as_str(), plan.main_process_port)) {
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+            Err(CliError::PortInUse { addr: plan.main_process_ip.clone(), port: plan.main_process_port })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Runs the workers of `plan` to completion; errors name the first failing rank and its exit status.
+pub fn run_plan(plan: &LaunchPlan) -> CliResult<()> {
+    check_program(&plan.program)?;
+    check_port(plan)?;
+    ddp_core::launch(&plan.to_launch_config()).map_err(|e| match e {
+        ddp_core::DdpError::Bind { source, .. } if source.kind() == std::io::ErrorKind::AddrInUse => {
+            CliError::PortInUse { addr: plan.main_process_ip.clone(), port: plan.main_process_port }
+        }
+        e => CliError::Ddp(e),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flags(program: &str) -> LaunchArgs {
+        LaunchArgs { program: program.into(), ..LaunchArgs::default() }
+    }
+
+    #[test]
+    fn defaults_without_file() {
+        let p = LaunchPlan::resolve(&flags("prog"), None).unwrap();
+        assert_eq!((p.num_processes, p.num_machines, p.machine_rank), (1, 1, 0));
+        assert_eq!((p.main_process_ip.as_str(), p.main_process_port), ("127.0.0.1", 0));
+        assert_eq!(p.mixed_precision, MixedPrecision::No);
+        assert_eq!(p.gradient_accumulation_steps, None);
+        assert!(p.tee);
+    }
+
+    #[test]
+    fn flags_override_file_which_overrides_defaults() {
+        let file = AccelerateConfig {
+            num_processes: Some(4),
+            num_machines: 2,
+            machine_rank: 1,
+            main_process_ip: Some("10.0.0.1".into()),
+            main_process_port: Some(7000),
+            mixed_precision: MixedPrecision::Bf16,
+            gradient_accumulation_steps: Some(3),
+            ..AccelerateConfig::default()
+        };
+        let p = LaunchPlan::resolve(&flags("prog"), Some(&file)).unwrap();
+        assert_eq!((p.num_processes, p.num_machines, p.machine_rank, p.nproc_per_node()), (4, 2, 1, 2));
+        assert_eq!((p.main_process_ip.as_str(), p.main_process_port), ("10.0.0.1", 7000));
+        assert_eq!((p.mixed_precision, p.gradient_accumulation_steps), (MixedPrecision::Bf16, Some(3)));
+
+        let f = LaunchArgs {
+            num_processes: Some(6),
+            machine_rank: Some(0),
+            main_process_port: Some(7100),
+            mixed_precision: Some("fp16".into()),
+            gradient_accumulation_steps: Some(2),
+            ..flags("prog")
+        };
+        let p = LaunchPlan::resolve(&f, Some(&file)).unwrap();
+        assert_eq!((p.num_processes, p.nproc_per_node(), p.machine_rank, p.main_process_port), (6, 3, 0, 7100));
+        assert_eq!((p.mixed_precision, p.gradient_accumulation_steps), (MixedPrecision::Fp16, Some(2)));
+        let cfg = p.to_launch_config();
+        assert_eq!((cfg.nproc_per_node, cfg.nnodes, cfg.node_rank, cfg.master_port), (3, 2, 0, 7100));
+    }
+
+    #[test]
+    fn torchrun_per_node_count_multiplies() {
+        let f = LaunchArgs {
+            nproc_per_node: Some(2),
+            num_machines: Some(3),
+            main_process_ip: Some("h".into()),
+            ..flags("p")
+        };
+        let p = LaunchPlan::resolve(&f, None).unwrap();
+        assert_eq!((p.num_processes, p.nproc_per_node(), p.main_process_port), (6, 2, 29500));
+    }
+
+    #[test]
+    fn inconsistent_layouts_are_refused() {
+        let e = LaunchPlan::resolve(&LaunchArgs { num_processes: Some(3), num_machines: Some(2), ..flags("p") }, None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not divisible by num_machines (2)"), "{e}");
+        let e = LaunchPlan::resolve(&LaunchArgs { num_machines: Some(2), ..flags("p") }, None).unwrap_err().to_string();
+        assert!(e.contains("--main-process-ip"), "{e}");
+        let e = LaunchPlan::resolve(&LaunchArgs { machine_rank: Some(1), ..flags("p") }, None).unwrap_err().to_string();
+        assert!(e.contains("machine_rank"), "{e}");
+        let e =
+            LaunchPlan::resolve(&LaunchArgs { num_processes: Some(0), ..flags("p") }, None).unwrap_err().to_string();
+        assert!(e.contains("at least 1"), "{e}");
+        let e = LaunchPlan::resolve(&LaunchArgs { mixed_precision: Some("fp8".into()), ..flags("p") }, None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("fp8") && e.contains("bf16"), "{e}");
+    }
+
+    #[test]
+    fn worker_env_uses_accelerate_names() {
+        let file = AccelerateConfig {
+            debug: true,
+            gpu_ids: Some("0,1".into()),
+            use_cpu: false,
+            parallelism_config: Some(ParallelismConfig::data_parallel(2)),
+            ..AccelerateConfig::default()
+        };
+        let f = LaunchArgs {
+            num_processes: Some(2),
+            mixed_precision: Some("bf16".into()),
+            gradient_accumulation_steps: Some(4),
+            ..flags("p")
+        };
+        let p = LaunchPlan::resolve(&f, Some(&file)).unwrap();
+        let env = p.worker_env();
+        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        assert_eq!(get("ACCELERATE_MIXED_PRECISION"), Some("bf16"));
+        assert_eq!(get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"), Some("4"));
+        assert_eq!(get("ACCELERATE_DEBUG_MODE"), Some("true"));
+        assert_eq!(get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE"), Some("2"));
+        assert_eq!(get("PARALLELISM_CONFIG_TP_SIZE"), Some("1"));
+        assert_eq!(get("ACCELERATE_USE_CPU"), Some("false"));
+        assert_eq!(get("CUDA_VISIBLE_DEVICES"), Some("0,1"));
+        // The values parse back into the Accelerator's config.
+        let acc = crate::AcceleratorConfig::from_lookup(|k| get(k).map(str::to_string)).unwrap();
+        assert_eq!((acc.mixed_precision, acc.gradient_accumulation_steps), (MixedPrecision::Bf16, 4));
+    }
+
+    #[test]
+    fn log_dir_without_tee_writes_files_only() {
+        let p = LaunchPlan::resolve(&LaunchArgs { log_dir: Some("logs".into()), ..flags("p") }, None).unwrap();
+        assert!(!p.tee);
+        let p = LaunchPlan::resolve(
+            &LaunchArgs { log_dir: Some("logs".into()), tee: Some("3".into()), ..flags("p") },
+            None,
+        )
+        .unwrap();
+        assert!(p.tee);
+    }
+
+    #[test]
+    fn missing_programs_are_reported() {
+        let e = check_program(Path::new("./definitely/not/here")).unwrap_err().to_string();
+        assert!(e.contains("not found"), "{e}");
+        let e = check_program(Path::new("accel-no-such-program-xyz")).unwrap_err().to_string();
+        assert!(e.contains("not on PATH"), "{e}");
+        check_program(Path::new("sh")).unwrap();
+    }
+
+    #[test]
+    fn busy_port_is_detected() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let p = LaunchPlan::resolve(&LaunchArgs { main_process_port: Some(port), ..flags("p") }, None).unwrap();
+        let e = check_port(&p).unwrap_err();
+        assert!(matches!(e, CliError::PortInUse { port: q, .. } if q == port), "{e}");
+    }
+}

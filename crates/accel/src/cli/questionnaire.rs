@@ -1,0 +1,305 @@
+//! `accel config`: the questions of `accelerate config`, answered line by line on any reader (stdin, or a pipe in
+//! tests), producing an [`AccelerateConfig`].
+//!
+//! Every answer is validated where it is given: an invalid one prints why and asks again (at most
+//! [`MAX_ATTEMPTS`] times); input ending early is an error. An empty answer takes the default shown in brackets.
+//! Nothing is written here: the caller saves the result atomically, so an aborted questionnaire leaves no file.
+
+use super::config_file::{AccelerateConfig, DistributedType, ParallelismConfig};
+use super::error::{CliError, CliResult};
+use crate::config::MixedPrecision;
+use std::io::{BufRead, Write};
+
+/// How many invalid answers to one question are tolerated before giving up.
+pub const MAX_ATTEMPTS: usize = 5;
+
+/// What the questionnaire knows about the machine (for defaults only).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MachineDefaults {
+    /// GPUs this build can use (0 without the `cuda` feature or without GPUs).
+    pub gpus: usize,
+}
+
+/// Asks the questions on `input`, writing prompts and complaints to `out`, and returns the config.
+///
+/// Order: CPU or GPU; number of machines; for several machines this machine's rank, the main machine's address
+/// and port and whether all share a network; total number of processes; GPU ids; mixed precision; and, for more
+/// than one process, an optional parallelism layout. Errors: [`CliError::Questionnaire`] when the input ends or a
+/// question got [`MAX_ATTEMPTS`] invalid answers.
+pub fn ask(input: &mut dyn BufRead, out: &mut dyn Write, machine: MachineDefaults) -> CliResult<AccelerateConfig> {
+    let mut q = Asker { input, out };
+    let default_device = if machine.gpus > 0 { "gpu" } else { "cpu" };
+    let use_cpu = q.ask("Compute on the CPU or on GPUs? [cpu/gpu]", Some(default_device), |s| {
+        match s.to_ascii_lowercase().as_str() {
+            "cpu" => Ok(true),
+            "gpu" | "cuda" => Ok(false),
+            _ => Err("answer `cpu` or `gpu`".to_string()),
+        }
+    })?;
+    let num_machines = q.ask("How many machines (nodes) will run the job?", Some("1"), |s| positive("machines", s))?;
+
+    let mut cfg = AccelerateConfig { num_machines, use_cpu, ..AccelerateConfig::default() };
+    if num_machines > 1 {
+        let last = num_machines - 1;
+        cfg.machine_rank = q.ask(&format!("What is the rank of this machine (0..{last})?"), Some("0"), |s| {
+            let r: usize = s.parse().map_err(|_| format!("{s:?} is not a whole number"))?;
+            if r > last {
+                return Err(format!("the rank must be between 0 and {last}"));
+            }
+            Ok(r)
+        })?;
+        cfg.main_process_ip =
+            Some(q.ask("What is the IP address (or host name) of the machine of rank 0?", None, |s| {
+                if s.contains(char::is_whitespace) || s.contains('/') {
+                    return Err(format!("{s:?} is not an address"));
+                }
+                Ok(s.to_string())
+            })?);
+        cfg.main_process_port = Some(q.ask(
+            "Which port should the machine of rank 0 listen on?",
+            Some("29500"),
+            |s| match s.parse::<u16>() {
+                Ok(0) => {
+                    Err("a multi-machine job needs a fixed port (0 would pick a different one per run)".to_string())
+                }
+                Ok(p) => Ok(p),
+                Err(_) => Err(format!("{s:?} is not a port number (1..65535)")),
+            },
+        )?);
+        cfg.same_network = q.ask("Are all the machines on the same local network? [yes/no]", Some("yes"), yes_no)?;
+    }
+
+    let per_machine_default = if use_cpu { 1 } else { machine.gpus.max(1) };
+    let default_total = (per_machine_default * num_machines).to_string();
+    let num_processes = q.ask("How many processes in total, over all machines?", Some(&default_total), |s| {
+        let n = positive("processes", s)?;
+        if n % num_machines != 0 {
+            return Err(format!(
+                "{n} processes cannot be spread evenly over {num_machines} machines; give a multiple of {num_machines}"
+            ));
+        }
+        Ok(n)
+    })?;
+    cfg.num_processes = Some(num_processes);
+    cfg.distributed_type = DistributedType::for_job(num_processes, use_cpu);
+
+    if !use_cpu {
+        let ids = q.ask("Which GPUs should be used (comma-separated indices, or `all`)?", Some("all"), |s| {
+            if s.eq_ignore_ascii_case("all") {
+                return Ok("all".to_string());
+            }
+            let ids: Result<Vec<usize>, _> = s.split(',').map(|p| p.trim().parse::<usize>()).collect();
+            match ids {
+                Ok(ids) if !ids.is_empty() => Ok(ids.iter().map(usize::to_string).collect::<Vec<_>>().join(",")),
+                _ => Err(format!("{s:?} is not `all` or a list like `0,1`")),
+            }
+        })?;
+        cfg.gpu_ids = Some(ids);
+    }
+
+    cfg.mixed_precision =
+        q.ask("Mixed precision? [no/fp16/bf16]", Some("no"), |s| match s.to_ascii_lowercase().as_str() {
+            "no" | "fp16" | "bf16" => s.parse::<MixedPrecision>().map_err(|e| e.to_string()),
+            _ => Err(format!("choose one of {}", MixedPrecision::CHOICES)),
+        })?;
+
+    if num_processes > 1
+        && q.ask("Write a parallelism config (dp_replicate/dp_shard/tp/cp sizes)? [yes/no]", Some("no"), yes_no)?
+    {
+        cfg.parallelism_config = Some(ask_parallelism(&mut q, num_processes)?);
+    }
+    Ok(cfg)
+}
+
+/// The four sizes; dp_replicate must make up the whole job since accel implements data parallelism only.
+fn ask_parallelism(q: &mut Asker<'_>, num_processes: usize) -> CliResult<ParallelismConfig> {
+    let dp = q.ask(
+        &format!("Data-parallel replicas (dp_replicate size; must equal the {num_processes} processes)?"),
+        Some(&num_processes.to_string()),
+        |s| {
+            let n = positive("dp_replicate size", s)?;
+            if n != num_processes {
+                return Err(format!(
+                    "accel implements data parallelism only, so dp_replicate must be the number of processes ({num_processes})"
+                ));
+            }
+            Ok(n)
+        },
+    )?;
+    let mut cfg = ParallelismConfig::data_parallel(dp);
+    for (name, slot) in
+        [("dp_shard (FSDP)", &mut cfg.dp_shard_size), ("tp", &mut cfg.tp_size), ("cp", &mut cfg.cp_size)]
+    {
+        *slot = q.ask(&format!("{name} size?"), Some("1"), |s| {
+            let n = positive("size", s)?;
+            if n != 1 {
+                return Err(format!("accel has no {name} parallelism; only 1 is supported"));
+            }
+            Ok(n)
+        })?;
+    }
+    cfg.validate(num_processes)?;
+    Ok(cfg)
+}
+
+struct Asker<'a> {
+    input: &'a mut dyn BufRead,
+    out: &'a mut dyn Write,
+}
+
+impl Asker<'_> {
+    /// Prints `question [default]: `, reads one line, validates it; re-asks on an invalid answer.
+    fn ask<T>(
+        &mut self,
+        question: &str,
+        default: Option<&str>,
+        mut parse: impl FnMut(&str) -> Result<T, String>,
+    ) -> CliResult<T> {
+        for _ in 0..MAX_ATTEMPTS {
+            let prompt = match default {
+                Some(d) => format!("{question} (default: {d}): "),
+                None => format!("{question}: "),
+            };
+            self.say(&prompt)?;
+            let mut line = String::new();
+            let n =
+                self.input.read_line(&mut line).map_err(|e| CliError::io("cannot read the answer from stdin", e))?;
+            if n == 0 {
+                self.say("\n")?;
+                return Err(CliError::Questionnaire(format!(
+                    "the input ended before the question {question:?} was answered"
+                )));
+            }
+            let answer = line.trim();
+            let answer = match (answer.is_empty(), default) {
+                (true, Some(d)) => d,
+                (true, None) => {
+                    self.say("  this question has no default; please answer it\n")?;
+                    continue;
+                }
+                (false, _) => answer,
+            };
+            match parse(answer) {
+                Ok(v) => return Ok(v),
+                Err(why) => self.say(&format!("  invalid answer {answer:?}: {why}\n"))?,
+            }
+        }
+        Err(CliError::Questionnaire(format!("{MAX_ATTEMPTS} invalid answers to the question {question:?}")))
+    }
+
+    fn say(&mut self, text: &str) -> CliResult<()> {
+        self.out
+            .write_all(text.as_bytes())
+            .and_then(|_| self.out.flush())
+            .map_err(|e| CliError::io("cannot write the question to stdout", e))
+    }
+}
+
+fn positive(what: &str, s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err(format!("the number of {what} must be at least 1")),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("{s:?} is not a whole number")),
+    }
+}
+
+fn yes_no(s: &str) -> Result<bool, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "y" | "yes" | "true" | "1" => Ok(true),
+        "n" | "no" | "false" | "0" => Ok(false),
+        _ => Err("answer yes or no".to_string()),
+    }
+}
+
+/// The config `accel config default` writes: Accelerate's `write_basic_config` (one process on the CPU, or one per
+/// GPU when CUDA is compiled in and GPUs are present) with the given precision.
+pub fn basic_config(mixed_precision: MixedPrecision, machine: MachineDefaults) -> AccelerateConfig {
+    let use_cpu = machine.gpus == 0;
+    let num_processes = machine.gpus.max(1);
+    AccelerateConfig {
+        distributed_type: DistributedType::for_job(num_processes, use_cpu),
+        gpu_ids: (!use_cpu).then(|| "all".to_string()),
+        mixed_precision,
+        num_processes: Some(num_processes),
+        use_cpu,
+        ..AccelerateConfig::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(answers: &str, gpus: usize) -> (CliResult<AccelerateConfig>, String) {
+        let mut input = answers.as_bytes();
+        let mut out = Vec::new();
+        let r = ask(&mut input, &mut out, MachineDefaults { gpus });
+        (r, String::from_utf8(out).unwrap())
+    }
+
+    #[test]
+    fn defaults_give_one_cpu_process() {
+        let (cfg, _) = run("\n\n\n\n", 0);
+        let cfg = cfg.unwrap();
+        assert!(cfg.use_cpu);
+        assert_eq!((cfg.num_machines, cfg.num_processes), (1, Some(1)));
+        assert_eq!(cfg.distributed_type, DistributedType::No);
+        assert_eq!(cfg.mixed_precision, MixedPrecision::No);
+    }
+
+    #[test]
+    fn multi_machine_answers_are_recorded() {
+        let (cfg, _) = run("gpu\n2\n1\n10.1.2.3\n6000\nno\n8\n0,1,2,3\nbf16\nyes\n\n\n\n\n", 0);
+        let cfg = cfg.unwrap();
+        assert!(!cfg.use_cpu);
+        assert_eq!((cfg.num_machines, cfg.machine_rank, cfg.num_processes), (2, 1, Some(8)));
+        assert_eq!(cfg.main_process_ip.as_deref(), Some("10.1.2.3"));
+        assert_eq!(cfg.main_process_port, Some(6000));
+        assert!(!cfg.same_network);
+        assert_eq!(cfg.gpu_ids.as_deref(), Some("0,1,2,3"));
+        assert_eq!(cfg.mixed_precision, MixedPrecision::Bf16);
+        assert_eq!(cfg.distributed_type, DistributedType::MultiGpu);
+        assert_eq!(cfg.parallelism_config, Some(ParallelismConfig::data_parallel(8)));
+    }
+
+    #[test]
+    fn invalid_answers_are_asked_again() {
+        let (cfg, out) = run("cpu\n2\n0\n127.0.0.1\n0\n29501\nyes\n3\n4\nfp8\nfp16\nno\n", 0);
+        let cfg = cfg.unwrap();
+        assert_eq!(cfg.num_processes, Some(4));
+        assert_eq!(cfg.main_process_port, Some(29501));
+        assert_eq!(cfg.mixed_precision, MixedPrecision::Fp16);
+        assert!(out.contains("cannot be spread evenly over 2 machines"), "{out}");
+        assert!(out.contains("invalid answer \"fp8\""), "{out}");
+        assert!(out.contains("fixed port"), "{out}");
+    }
+
+    #[test]
+    fn early_end_of_input_is_an_error() {
+        let (r, _) = run("cpu\n", 0);
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains("input ended") && e.contains("no config file was written"), "{e}");
+    }
+
+    #[test]
+    fn too_many_invalid_answers_is_an_error() {
+        let (r, _) = run("x\nx\nx\nx\nx\nx\n", 0);
+        assert!(r.unwrap_err().to_string().contains("5 invalid answers"));
+    }
+
+    #[test]
+    fn unsupported_parallelism_is_refused() {
+        let (cfg, out) = run("cpu\n1\n2\nno\nyes\n2\n1\n2\n1\n1\n", 0);
+        assert_eq!(cfg.unwrap().parallelism_config, Some(ParallelismConfig::data_parallel(2)));
+        assert!(out.contains("accel has no tp parallelism"), "{out}");
+    }
+
+    #[test]
+    fn basic_config_matches_accelerate_write_basic_config() {
+        let c = basic_config(MixedPrecision::Bf16, MachineDefaults { gpus: 0 });
+        assert!(c.use_cpu);
+        assert_eq!((c.num_processes, c.distributed_type.clone()), (Some(1), DistributedType::No));
+        let c = basic_config(MixedPrecision::No, MachineDefaults { gpus: 4 });
+        assert_eq!((c.num_processes, c.distributed_type), (Some(4), DistributedType::MultiGpu));
+    }
+}

@@ -1,0 +1,85 @@
+//! The one error type of the `accel` crate.
+//!
+//! Every variant says what went wrong and, where it can, what to do about it. Errors from ddp-core (store,
+//! collectives, DDP) and from candle are wrapped unchanged so their own context (rank, op, sequence number) is kept.
+
+use std::path::PathBuf;
+
+/// Result alias used across `accel`.
+pub type Result<T> = std::result::Result<T, AccelError>;
+
+/// Errors raised by the Accelerator, its optimizers, data loaders, checkpoint state, trackers and the CLI.
+#[derive(Debug, thiserror::Error)]
+pub enum AccelError {
+    /// A distributed operation failed (store, collective, DDP check); see the wrapped error for rank and op.
+    #[error(transparent)]
+    Ddp(#[from] ddp_core::DdpError),
+
+    /// An error from candle (shape mismatch, dtype, device, ...).
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+
+    /// A configuration value (from code, the environment or a config file) is invalid.
+    #[error("invalid configuration {key} = {value:?}: {reason}")]
+    Config {
+        /// Field or environment variable name, e.g. `ACCELERATE_MIXED_PRECISION`.
+        key: String,
+        /// The offending value as given.
+        value: String,
+        /// What is wrong and which values are accepted.
+        reason: String,
+    },
+
+    /// A caller passed an argument that cannot work (wrong shape, rank out of range, ...).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    /// The API was used in an order that cannot work (e.g. `backward` before `prepare_model`).
+    #[error("{0}")]
+    Usage(String),
+
+    /// Data set / data loader problems (unreadable file, bad record, inconsistent sizes).
+    #[error("data: {0}")]
+    Data(String),
+
+    /// Checkpoint save/load problems (missing file, mismatched tensor, different world size).
+    #[error("checkpoint {}: {reason}", path.display())]
+    Checkpoint {
+        /// The checkpoint directory or file involved.
+        path: PathBuf,
+        /// What is wrong and how to fix it.
+        reason: String,
+    },
+
+    /// JSON (de)serialisation failed, with what we were doing.
+    #[error("{context}: {source}")]
+    Json {
+        /// What we were doing.
+        context: String,
+        /// The serde_json error.
+        #[source]
+        source: serde_json::Error,
+    },
+
+    /// Other I/O errors, with what we were doing.
+    #[error("{context}: {source}")]
+    Io {
+        /// What we were doing (which file).
+        context: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl AccelError {
+    /// Wraps an I/O error with what we were doing.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        AccelError::Io { context: context.into(), source }
+    }
+
+    /// Wraps a JSON error with what we were doing.
+    pub fn json(context: impl Into<String>, source: serde_json::Error) -> Self {
+        AccelError::Json { context: context.into(), source }
+    }
+}

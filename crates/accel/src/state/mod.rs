@@ -1,0 +1,29 @@
+//! Checkpoint state: [`StateDict`] / [`Stateful`] (what each object saves), the checkpoint directory format,
+//! atomic writes, automatic naming with a total limit, and per-rank RNG state; `Accelerator::save_state`,
+//! `load_state`, `register_for_checkpointing` and `register_scheduler` live in `accelerator_state.rs`.
+//!
+//! Directory layout written by `Accelerator::save_state` (Accelerate's names where one exists; the `_{i}`
+//! suffix appears from the second object of a kind on):
+//!
+//! | file                              | content                                                        | written by |
+//! |-----------------------------------|----------------------------------------------------------------|------------|
+//! | `model[_i].safetensors`           | fp32 master weights, names = `VarMap` names                    | rank 0     |
+//! | `optimizer[_i].safetensors/.json` | optimizer buffers (moments, momentum) + hyper-parameters, step | rank 0     |
+//! | `scaler.json`                     | fp16 GradScaler (scale, growth tracker)                        | rank 0     |
+//! | `scheduler[_i].json`              | LR schedulers given to `register_scheduler`                    | rank 0     |
+//! | `data_loader[_i].json`            | prepared data-loader positions (epoch, batches consumed)       | rank 0     |
+//! | `custom_checkpoint_{i}.json/.safetensors` | objects given to `register_for_checkpointing`          | rank 0     |
+//! | `random_states_{rank}.json`       | the ChaCha8 state of the rank's Accelerator RNG                | each rank  |
+//! | `accelerator.json`                | format, world size, precision, GA, step counters, contents     | rank 0     |
+//!
+//! Automatic naming: `project_dir/checkpoints/checkpoint_{i}`, `i` one past the highest existing index.
+
+mod accelerator_state;
+pub mod checkpoint_dir;
+pub mod rng;
+mod state_dict;
+
+pub use accelerator_state::{SharedStateful, ACCELERATOR_FILE};
+pub use checkpoint_dir::{checkpoint_name, list_checkpoints, newest_checkpoint, CHECKPOINTS_SUBDIR};
+pub use rng::RngState;
+pub use state_dict::{load_safetensors, save_safetensors, StateDict, Stateful};

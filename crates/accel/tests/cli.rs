@@ -1,0 +1,263 @@
+//! The `accel` binary end to end (assert_cmd): config (interactive and default), launch, bad inputs, env, test.
+
+use accel::cli::{AccelerateConfig, DistributedType};
+use accel::MixedPrecision;
+use assert_cmd::Command;
+use predicates::prelude::*;
+use std::path::Path;
+use std::time::Duration;
+
+/// The binary with a clean environment for config lookups: HF_HOME points into `home` so the user's own
+/// default config never leaks into a test.
+fn accel(home: &Path) -> Command {
+    let mut c = Command::cargo_bin("accel").unwrap();
+    c.env("HF_HOME", home.join("hf")).env_remove("RANK").env_remove("WORLD_SIZE").timeout(Duration::from_secs(300));
+    c
+}
+
+fn fixture(name: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+#[test]
+fn interactive_config_with_piped_answers_round_trips() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cfg.yaml");
+    // cpu; 2 machines; rank 1; main 10.0.0.5; port 0 (refused) then 29600; same network; 3 processes (refused:
+    // not divisible) then 4; fp8 (refused) then bf16; no parallelism config.
+    let answers = "cpu\n2\n1\n10.0.0.5\n0\n29600\nyes\n3\n4\nfp8\nbf16\nno\n";
+    accel(dir.path())
+        .args(["config", "--config-file"])
+        .arg(&path)
+        .write_stdin(answers)
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("invalid answer \"3\""))
+        .stdout(predicate::str::contains("invalid answer \"fp8\""))
+        .stdout(predicate::str::contains("wrote"));
+    let c = AccelerateConfig::load(&path).unwrap().config;
+    assert_eq!((c.num_machines, c.machine_rank, c.num_processes), (2, 1, Some(4)));
+    assert_eq!((c.main_process_ip.as_deref(), c.main_process_port), (Some("10.0.0.5"), Some(29600)));
+    assert_eq!(
+        (c.mixed_precision, c.distributed_type, c.use_cpu),
+        (MixedPrecision::Bf16, DistributedType::MultiCpu, true)
+    );
+}
+
+#[test]
+fn interactive_config_that_ends_early_writes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("out/cfg.yaml");
+    accel(dir.path())
+        .args(["config", "--config-file"])
+        .arg(&path)
+        .write_stdin("cpu\n1\n")
+        .assert()
+        .failure()
+        .code(1)
+        .stderr(predicate::str::contains("input ended").and(predicate::str::contains("no config file was written")));
+    assert!(!path.exists());
+}
+
+#[test]
+fn config_default_writes_to_hf_home_and_keeps_an_existing_file() {
+    let dir = tempfile::tempdir().unwrap();
+    accel(dir.path()).args(["config", "default", "--mixed-precision", "bf16"]).assert().success();
+    let path = dir.path().join("hf/accelerate/default_config.yaml");
+    let c = AccelerateConfig::load(&path).unwrap().config;
+    assert_eq!((c.mixed_precision, c.num_processes), (MixedPrecision::Bf16, Some(1)));
+    // Refuses to overwrite, as `accelerate config default` does; --force replaces it.
+    accel(dir.path())
+        .args(["config", "default"])
+        .assert()
+        .failure()
+        .stderr(predicate::str::contains("already exists").and(predicate::str::contains("--force")));
+    accel(dir.path()).args(["config", "default", "--force"]).assert().success();
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.contains("mixed_precision: \"no\"") || text.contains("mixed_precision: 'no'"), "{text}");
+}
+
+#[test]
+fn launch_runs_two_ranks_with_the_torchrun_and_accelerate_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = "echo \"rank=$RANK local=$LOCAL_RANK world=$WORLD_SIZE mp=$ACCELERATE_MIXED_PRECISION \
+                  ga=$ACCELERATE_GRADIENT_ACCUMULATION_STEPS cpu=$ACCELERATE_USE_CPU arg=$1\"";
+    let out = accel(dir.path())
+        .args(["launch", "--num-processes", "2", "--mixed-precision", "bf16", "--gradient-accumulation-steps", "4"])
+        .args(["--cpu", "sh", "-c", script, "sh", "--flag-for-program"])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let out = String::from_utf8(out).unwrap();
+    for r in 0..2 {
+        let want = format!("rank={r} local={r} world=2 mp=bf16 ga=4 cpu=true arg=--flag-for-program");
+        assert!(out.contains(&want), "missing {want:?} in:\n{out}");
+    }
+}
+
+#[test]
+fn launch_takes_settings_from_the_config_file_and_flags_override_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("cfg.yaml");
+    std::fs::write(&cfg, "distributed_type: MULTI_CPU\nnum_processes: 2\nmixed_precision: fp16\nuse_cpu: true\n")
+        .unwrap();
+    let script = "echo \"rank=$RANK world=$WORLD_SIZE mp=$ACCELERATE_MIXED_PRECISION\"";
+    let out =
+        accel(dir.path()).args(["launch", "--config-file"]).arg(&cfg).args(["sh", "-c", script]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("rank=1 world=2 mp=fp16"), "{stdout}");
+    let out = accel(dir.path())
+        .args(["launch", "--config-file"])
+        .arg(&cfg)
+        .args(["--num-processes", "1", "--mixed-precision", "no", "sh", "-c", script])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("rank=0 world=1 mp=no") && !stdout.contains("rank=1"), "{stdout}");
+}
+
+#[test]
+fn launch_reports_the_first_failing_rank_and_its_status() {
+    let dir = tempfile::tempdir().unwrap();
+    // Rank 1 fails at once; rank 0 would sleep for a long time and must be stopped by the launcher.
+    accel(dir.path())
+        .args(["launch", "-n", "2", "sh", "-c", "if [ \"$RANK\" = 1 ]; then exit 3; fi; sleep 120"])
+        .assert()
+        .failure()
+        .code(1)
+        .stderr(predicate::str::contains("rank 1").and(predicate::str::contains("exit code 3")));
+}
+
+#[test]
+fn launch_refuses_bad_inputs_with_clear_messages() {
+    let dir = tempfile::tempdir().unwrap();
+    let home = dir.path();
+    accel(home)
+        .args(["launch", "--mixed-precision", "fp8", "sh", "-c", "true"])
+        .assert()
+        .failure()
+        .code(2)
+        .stderr(predicate::str::contains("fp8").and(predicate::str::contains("bf16")));
+    accel(home)
+        .args(["launch", "-n", "3", "--num-machines", "2", "--main-process-ip", "127.0.0.1", "sh", "-c", "true"])
+        .assert()
+        .failure()
+        .code(1)
+        .stderr(predicate::str::contains("not divisible by num_machines (2)"));
+    accel(home).args(["launch", "-n", "2"]).assert().failure().code(2).stderr(predicate::str::contains("<PROGRAM>"));
+    accel(home)
+        .args(["launch", "./no/such/program"])
+        .assert()
+        .failure()
+        .code(1)
+        .stderr(predicate::str::contains("not found"));
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = busy.local_addr().unwrap().port().to_string();
+    accel(home)
+        .args(["launch", "--main-process-port", &port, "sh", "-c", "true"])
+        .assert()
+        .failure()
+        .code(1)
+        .stderr(predicate::str::contains(format!("port {port}")).and(predicate::str::contains("already in use")));
+    accel(home)
+        .args(["launch", "--config-file"])
+        .arg(home.join("missing.yaml"))
+        .args(["sh", "-c", "true"])
+        .assert()
+        .failure()
+        .stderr(predicate::str::contains("does not exist"));
+}
+
+#[test]
+fn launch_with_malformed_yaml_shows_line_and_column() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("bad.yaml");
+    std::fs::write(&cfg, "distributed_type: MULTI_CPU\nnum_processes: 2\nmixed_precision: {bf16\n").unwrap();
+    accel(dir.path())
+        .args(["launch", "--config-file"])
+        .arg(&cfg)
+        .args(["sh", "-c", "true"])
+        .assert()
+        .failure()
+        .code(1)
+        .stderr(predicate::str::contains("bad.yaml").and(predicate::str::is_match(r"line 3, column \d+").unwrap()));
+}
+
+#[test]
+fn launch_with_a_real_accelerate_file_and_an_unknown_key_warns_and_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("accelerate.yaml");
+    let text = std::fs::read_to_string(fixture("accelerate_multi_gpu.yaml")).unwrap() + "my_team_setting: 3\n";
+    std::fs::write(&cfg, text).unwrap();
+    accel(dir.path())
+        .args(["launch", "--cpu", "--config-file"])
+        .arg(&cfg)
+        .args(["sh", "-c", "echo \"rank=$RANK mp=$ACCELERATE_MIXED_PRECISION\""])
+        .assert()
+        .success()
+        .stderr(predicate::str::contains("warning").and(predicate::str::contains("`my_team_setting`")))
+        .stdout(predicate::str::contains("rank=1 mp=bf16"));
+}
+
+#[test]
+fn env_reports_versions_hardware_and_the_active_config() {
+    let dir = tempfile::tempdir().unwrap();
+    accel(dir.path())
+        .arg("env")
+        .assert()
+        .success()
+        .stdout(predicate::str::contains(format!("accel version: {}", env!("CARGO_PKG_VERSION"))))
+        .stdout(predicate::str::contains("candle version:"))
+        .stdout(predicate::str::contains("rustc"))
+        .stdout(predicate::str::contains("CPU cores available:"))
+        .stdout(predicate::str::contains("GPUs:"))
+        .stdout(predicate::str::contains("config file: none"));
+    if !cfg!(feature = "cuda") {
+        accel(dir.path()).arg("env").assert().stdout(predicate::str::contains("CUDA support: not compiled in"));
+    }
+    let cfg = dir.path().join("hf/accelerate/default_config.yaml");
+    std::fs::create_dir_all(cfg.parent().unwrap()).unwrap();
+    std::fs::copy(fixture("accelerate_multi_gpu.yaml"), &cfg).unwrap();
+    accel(dir.path())
+        .arg("env")
+        .assert()
+        .success()
+        .stdout(predicate::str::contains(format!("config file: {}", cfg.display())))
+        .stdout(predicate::str::contains("    distributed_type: MULTI_GPU"));
+}
+
+#[test]
+fn self_test_passes_on_two_processes() {
+    let dir = tempfile::tempdir().unwrap();
+    accel(dir.path())
+        .args(["test", "--num-processes", "2"])
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("PASS"))
+        .stdout(predicate::str::contains("FAIL").not())
+        .stdout(predicate::str::contains("DDP 2×4 = 1×8 (fp32)"))
+        .stdout(predicate::str::contains("DDP 2×4 = 1×8 (bf16)"))
+        .stdout(predicate::str::contains("Accelerator 2×4 = 1×8 (fp32)"))
+        .stdout(predicate::str::contains("Accelerator 2×4 = 1×8 (bf16)"))
+        .stdout(predicate::str::contains("all 11 checks PASSED"));
+}
+
+#[test]
+fn self_test_reports_a_wrong_collective_and_exits_non_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = accel(dir.path()).args(["test", "-n", "2"]).env("ACCEL_SELF_TEST_FAULT_RANK", "1").output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    let sum_line = stdout.lines().find(|l| l.starts_with("all_reduce sum (f32)")).expect("the table has the sum row");
+    assert!(
+        sum_line.contains("FAIL") && sum_line.contains("expected [3.0, -3.0, 1.0], got [4.0, -3.0, 1.0]"),
+        "{sum_line}"
+    );
+    assert_eq!(stdout.matches("FAIL").count(), 1, "only the faulty check fails:\n{stdout}");
+    assert!(stderr.contains("1 of 11 checks FAILED"), "{stderr}");
+}

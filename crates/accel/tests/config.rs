@@ -1,0 +1,150 @@
+//! Accelerate's YAML config: reading files Python Accelerate wrote, writing files it can read, errors with
+//! locations, atomic writes.
+
+use accel::cli::{AccelerateConfig, CliError, DistributedType, LaunchArgs, LaunchPlan, ParallelismConfig};
+use accel::MixedPrecision;
+use std::path::{Path, PathBuf};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+#[test]
+fn reads_the_file_accelerate_config_writes() {
+    let loaded = AccelerateConfig::load(&fixture("accelerate_multi_gpu.yaml")).unwrap();
+    let c = &loaded.config;
+    assert_eq!(c.compute_environment, "LOCAL_MACHINE");
+    assert_eq!(c.distributed_type, DistributedType::MultiGpu);
+    assert_eq!(c.mixed_precision, MixedPrecision::Bf16);
+    assert_eq!((c.num_processes, c.num_machines, c.machine_rank), (Some(2), 1, 0));
+    assert_eq!(c.gpu_ids.as_deref(), Some("all"));
+    assert_eq!(c.downcast_bf16, "no");
+    assert_eq!(c.rdzv_backend.as_deref(), Some("static"));
+    assert!(c.same_network && !c.use_cpu && !c.debug);
+    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+    assert!(loaded.unknown_keys.is_empty());
+}
+
+#[test]
+fn reads_a_two_machine_fsdp_file_and_warns_about_what_accel_ignores() {
+    let loaded = AccelerateConfig::load(&fixture("accelerate_fsdp_two_machines.yaml")).unwrap();
+    let c = &loaded.config;
+    assert_eq!(c.distributed_type, DistributedType::Other("FSDP".into()));
+    assert_eq!(c.mixed_precision, MixedPrecision::No);
+    assert_eq!((c.num_processes, c.num_machines, c.machine_rank), (Some(4), 2, 1));
+    assert_eq!(c.main_process_ip.as_deref(), Some("192.168.1.1"));
+    assert_eq!(c.main_process_port, Some(7878));
+    assert_eq!(
+        c.parallelism_config,
+        Some(ParallelismConfig {
+            cp_comm_strategy: None,
+            cp_size: 1,
+            dp_replicate_size: 2,
+            dp_shard_size: 2,
+            tp_size: 1
+        })
+    );
+    assert!(loaded.unknown_keys.is_empty(), "{:?}", loaded.unknown_keys);
+    let all = loaded.warnings.join("\n");
+    assert!(all.contains("fsdp_config") && all.contains("FSDP"), "{all}");
+    // Launching its dp_shard layout is refused with a reason.
+    let flags = LaunchArgs { program: "prog".into(), ..LaunchArgs::default() };
+    let e = LaunchPlan::resolve(&flags, Some(c)).unwrap_err().to_string();
+    assert!(e.contains("dp_shard_size") && e.contains("data parallelism"), "{e}");
+}
+
+#[test]
+fn unknown_keys_are_warned_about_not_fatal() {
+    let text = std::fs::read_to_string(fixture("accelerate_multi_gpu.yaml")).unwrap()
+        + "my_cluster_queue: gpu-long\nzz_extra: {a: 1}\n";
+    let loaded = AccelerateConfig::parse(&text, Path::new("cfg.yaml")).unwrap();
+    assert_eq!(loaded.unknown_keys, ["my_cluster_queue", "zz_extra"]);
+    assert_eq!(loaded.warnings.len(), 1, "{:?}", loaded.warnings);
+    assert!(loaded.warnings[0].contains("`my_cluster_queue`") && loaded.warnings[0].contains("`zz_extra`"));
+    assert_eq!(loaded.config.num_processes, Some(2));
+}
+
+#[test]
+fn written_files_round_trip_and_quote_no() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nested/dir/default_config.yaml");
+    let cfg = AccelerateConfig {
+        distributed_type: DistributedType::MultiCpu,
+        num_processes: Some(4),
+        num_machines: 2,
+        machine_rank: 1,
+        main_process_ip: Some("10.0.0.7".into()),
+        main_process_port: Some(29555),
+        use_cpu: true,
+        parallelism_config: Some(ParallelismConfig::data_parallel(4)),
+        ..AccelerateConfig::default()
+    };
+    cfg.save(&path).unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    // YAML 1.1 readers (PyYAML) turn a bare `no` into false: it must be quoted.
+    assert!(text.contains("mixed_precision: \"no\"") || text.contains("mixed_precision: 'no'"), "{text}");
+    assert!(!text.contains("null"), "unset keys are omitted like Python's to_dict: {text}");
+    // Keys come out sorted, like yaml.safe_dump.
+    let keys: Vec<&str> = text.lines().filter(|l| !l.starts_with(' ')).filter_map(|l| l.split(':').next()).collect();
+    let mut sorted = keys.clone();
+    sorted.sort();
+    assert_eq!(keys, sorted);
+    let back = AccelerateConfig::load(&path).unwrap();
+    assert_eq!(back.config, cfg);
+    assert!(back.warnings.is_empty(), "{:?}", back.warnings);
+}
+
+#[test]
+fn a_bare_no_and_other_yaml_1_1_spellings_are_read() {
+    let text = "distributed_type: NO\nmixed_precision: no\ndowncast_bf16: no\nuse_cpu: yes\nnum_processes: 1\n";
+    let c = AccelerateConfig::parse(text, Path::new("x.yaml")).unwrap().config;
+    assert_eq!(c.mixed_precision, MixedPrecision::No);
+    assert_eq!(c.distributed_type, DistributedType::No);
+    assert_eq!(c.downcast_bf16, "no");
+    assert!(c.use_cpu);
+}
+
+#[test]
+fn json_configs_are_read_too() {
+    let text = r#"{"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_CPU", "mixed_precision": "fp16",
+                   "num_processes": 3, "use_cpu": true}"#;
+    let c = AccelerateConfig::parse(text, Path::new("default_config.json")).unwrap().config;
+    assert_eq!(
+        (c.distributed_type, c.mixed_precision, c.num_processes),
+        (DistributedType::MultiCpu, MixedPrecision::Fp16, Some(3))
+    );
+}
+
+#[test]
+fn malformed_yaml_reports_line_and_column() {
+    let text = "compute_environment: LOCAL_MACHINE\nnum_processes: 2\nmixed_precision: [bf16\nuse_cpu: false\n";
+    let e = AccelerateConfig::parse(text, Path::new("bad.yaml")).unwrap_err();
+    let CliError::ConfigSyntax { line, column, .. } = &e else { panic!("expected a syntax error, got {e}") };
+    assert_eq!(*line, 3, "{e}");
+    assert!(*column >= 1, "{e}");
+    let msg = e.to_string();
+    assert!(msg.contains("bad.yaml") && msg.contains("line 3, column"), "{msg}");
+
+    let e = AccelerateConfig::parse("num_machines: 1\nnum_processes: two\n", Path::new("t.yaml")).unwrap_err();
+    assert!(matches!(e, CliError::ConfigSyntax { line: 2, .. }), "{e}");
+    let e = AccelerateConfig::parse("   \n", Path::new("empty.yaml")).unwrap_err();
+    assert!(e.to_string().contains("empty"), "{e}");
+}
+
+#[test]
+fn a_failed_save_leaves_no_partial_file() {
+    let dir = tempfile::tempdir().unwrap();
+    // The parent "directory" is a file: creating the temporary file fails before anything is written.
+    let blocker = dir.path().join("not_a_dir");
+    std::fs::write(&blocker, "x").unwrap();
+    let target = blocker.join("default_config.yaml");
+    assert!(AccelerateConfig::default().save(&target).is_err());
+    assert!(!target.exists());
+    // Renaming onto a directory fails after the temporary file was written: it is removed again.
+    let target = dir.path().join("occupied");
+    std::fs::create_dir(&target).unwrap();
+    std::fs::write(target.join("keep"), "x").unwrap();
+    assert!(AccelerateConfig::default().save(&target).is_err());
+    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(left.len(), 2, "only the blocker file and the directory remain: {left:?}");
+}

@@ -1,0 +1,254 @@
+//! The connection mesh: one TCP connection between every pair of ranks, found through the store.
+//!
+//! Each rank listens on `advertise_host:0` (the address peers can reach it at: loopback on one machine, the IP of
+//! the interface that routes to the store across machines), publishes `host:port` under `{prefix}addr/{rank}`,
+//! then connects to every *lower* rank and accepts every *higher* one. Rank j's connects only need lower ranks to
+//! be accepting, and rank 0 only accepts, so the order cannot deadlock.
+//!
+//! Handshake (client → server): magic `b"ACLH"`, version u16, rank u32, world size u32, the 16-byte run token,
+//! group tag length u16 + bytes. Server → client: one status byte (1 accepted, 2 token refused, 3 refused for
+//! another reason) and its rank u32. A connection with a wrong token is answered `2`, closed and logged; the
+//! listener keeps waiting for the real peer.
+
+use crate::store::Store;
+use crate::token::RunToken;
+use crate::{DdpError, Result};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+const HELLO_MAGIC: [u8; 4] = *b"ACLH";
+const VERSION: u16 = 1;
+const ACCEPTED: u8 = 1;
+const TOKEN_REFUSED: u8 = 2;
+const OTHER_REFUSED: u8 = 3;
+/// How long one handshake may take once TCP is connected (a silent client must not stall the listener forever).
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+const MAX_TAG: usize = 1024;
+
+/// Socket tuning for mesh connections.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SocketTuning {
+    /// SO_SNDBUF / SO_RCVBUF in bytes; `None` leaves Linux's autotuning on.
+    pub buffer_bytes: Option<usize>,
+}
+
+/// Everything needed to build one group's mesh.
+pub(crate) struct MeshSpec<'a> {
+    pub store: &'a dyn Store,
+    /// Store key prefix of this group's backend keys (ends with `/`).
+    pub prefix: &'a str,
+    pub rank: usize,
+    pub world_size: usize,
+    pub token: RunToken,
+    /// Distinguishes groups formed at the same time (e.g. `world`, `sub3`).
+    pub group_tag: &'a str,
+    pub advertise_host: &'a str,
+    pub timeout: Duration,
+    pub tuning: SocketTuning,
+}
+
+/// Connects the full mesh; returns the connections indexed by peer rank (`None` at our own rank).
+pub(crate) fn connect_mesh(spec: &MeshSpec<'_>) -> Result<Vec<Option<TcpStream>>> {
+    let mut peers: Vec<Option<TcpStream>> = (0..spec.world_size).map(|_| None).collect();
+    if spec.world_size <= 1 {
+        return Ok(peers);
+    }
+    let bind = format!("{}:0", spec.advertise_host);
+    let listener = TcpListener::bind(&bind).map_err(|source| DdpError::Bind { addr: bind.clone(), source })?;
+    let local = listener.local_addr().map_err(|e| DdpError::io("reading the CPU backend listener address", e))?;
+    let advertised = format!("{}:{}", spec.advertise_host, local.port());
+    spec.store.set(&format!("{}addr/{}", spec.prefix, spec.rank), advertised.as_bytes())?;
+    tracing::debug!(rank = spec.rank, addr = %advertised, group = spec.group_tag, "cpu backend listening");
+
+    let deadline = Instant::now() + spec.timeout;
+    for (peer, slot) in peers.iter_mut().enumerate().take(spec.rank) {
+        let raw = spec.store.get(&format!("{}addr/{}", spec.prefix, peer))?;
+        let addr = String::from_utf8_lossy(&raw).into_owned();
+        *slot = Some(connect_to(spec, peer, &addr, deadline)?);
+    }
+    accept_higher(spec, &listener, &mut peers, deadline)?;
+    for s in peers.iter().flatten() {
+        tune(s, spec.tuning)?;
+    }
+    Ok(peers)
+}
+
+fn connect_to(spec: &MeshSpec<'_>, peer: usize, addr: &str, deadline: Instant) -> Result<TcpStream> {
+    let start = Instant::now();
+    let target: SocketAddr = addr
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .ok_or_else(|| DdpError::Protocol(format!("rank {peer} published an unusable address {addr:?}")))?;
+    let mut last_err;
+    loop {
+        match TcpStream::connect_timeout(&target, Duration::from_secs(5)) {
+            Ok(mut s) => {
+                s.set_nodelay(true).map_err(|e| DdpError::io("setting TCP_NODELAY", e))?;
+                s.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(|e| DdpError::io("setting a read timeout", e))?;
+                let mut hello = Vec::with_capacity(32 + spec.group_tag.len());
+                hello.extend_from_slice(&HELLO_MAGIC);
+                hello.extend_from_slice(&VERSION.to_le_bytes());
+                hello.extend_from_slice(&(spec.rank as u32).to_le_bytes());
+                hello.extend_from_slice(&(spec.world_size as u32).to_le_bytes());
+                hello.extend_from_slice(spec.token.as_bytes());
+                hello.extend_from_slice(&(spec.group_tag.len() as u16).to_le_bytes());
+                hello.extend_from_slice(spec.group_tag.as_bytes());
+                s.write_all(&hello).map_err(|e| DdpError::io(format!("sending the handshake to rank {peer} at {addr}"), e))?;
+                let mut reply = [0u8; 5];
+                s.read_exact(&mut reply)
+                    .map_err(|e| DdpError::io(format!("reading the handshake reply of rank {peer} at {addr}"), e))?;
+                let their_rank = u32::from_le_bytes(reply[1..5].try_into().expect("4 bytes")) as usize;
+                return match reply[0] {
+                    ACCEPTED if their_rank == peer => {
+                        s.set_read_timeout(None).map_err(|e| DdpError::io("clearing a read timeout", e))?;
+                        Ok(s)
+                    }
+                    ACCEPTED => Err(DdpError::Protocol(format!(
+                        "{addr} was published as rank {peer} but answered as rank {their_rank} (two jobs sharing a store?)"
+                    ))),
+                    TOKEN_REFUSED => Err(DdpError::TokenRejected { peer: format!("rank {peer} at {addr}") }),
+                    _ => Err(DdpError::Protocol(format!(
+                        "rank {peer} at {addr} refused our handshake (different world size or group; see its log)"
+                    ))),
+                };
+            }
+            Err(e) => last_err = e.to_string(),
+        }
+        if Instant::now() >= deadline {
+            return Err(DdpError::Connect { addr: addr.to_string(), waited: start.elapsed(), reason: last_err });
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn accept_higher(
+    spec: &MeshSpec<'_>,
+    listener: &TcpListener,
+    peers: &mut [Option<TcpStream>],
+    deadline: Instant,
+) -> Result<()> {
+    let start = Instant::now();
+    listener.set_nonblocking(true).map_err(|e| DdpError::io("making the listener non-blocking", e))?;
+    let missing = |peers: &[Option<TcpStream>]| -> Vec<usize> {
+        (spec.rank + 1..spec.world_size).filter(|&r| peers[r].is_none()).collect()
+    };
+    loop {
+        let waiting = missing(peers);
+        if waiting.is_empty() {
+            return Ok(());
+        }
+        match listener.accept() {
+            Ok((stream, from)) => match serve_handshake(spec, stream, from) {
+                Ok((rank, stream)) => {
+                    if rank <= spec.rank || rank >= spec.world_size || peers[rank].is_some() {
+                        tracing::warn!(%from, rank, "cpu backend: unexpected connection for rank {rank}; ignored");
+                    } else {
+                        peers[rank] = Some(stream);
+                    }
+                }
+                Err(reason) => tracing::warn!(%from, "cpu backend: refused a connection: {reason}"),
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    return Err(DdpError::Collective {
+                        op: "init",
+                        seq: 0,
+                        rank: spec.rank,
+                        world_size: spec.world_size,
+                        peer: waiting.first().copied(),
+                        reason: format!(
+                            "ranks {waiting:?} did not connect within {:.0} s (did they start? same run token?)",
+                            start.elapsed().as_secs_f64()
+                        ),
+                    });
+                }
+                wait_readable(listener.as_raw_fd(), Duration::from_millis(100));
+            }
+            Err(e) => return Err(DdpError::io("accepting a peer connection", e)),
+        }
+    }
+}
+
+/// Reads and checks a client's hello; answers it. Returns the client's rank.
+fn serve_handshake(
+    spec: &MeshSpec<'_>,
+    mut s: TcpStream,
+    from: SocketAddr,
+) -> std::result::Result<(usize, TcpStream), String> {
+    s.set_nonblocking(false).map_err(|e| e.to_string())?;
+    s.set_nodelay(true).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(|e| e.to_string())?;
+    let mut fixed = [0u8; 4 + 2 + 4 + 4 + 16 + 2];
+    s.read_exact(&mut fixed).map_err(|e| format!("reading the handshake from {from}: {e}"))?;
+    let reply = |s: &mut TcpStream, code: u8| {
+        let mut r = [0u8; 5];
+        r[0] = code;
+        r[1..5].copy_from_slice(&(spec.rank as u32).to_le_bytes());
+        let _ = s.write_all(&r);
+    };
+    if fixed[0..4] != HELLO_MAGIC || u16::from_le_bytes([fixed[4], fixed[5]]) != VERSION {
+        reply(&mut s, OTHER_REFUSED);
+        return Err(format!("{from} is not an accel-rs CPU backend peer of this version"));
+    }
+    let rank = u32::from_le_bytes(fixed[6..10].try_into().expect("4 bytes")) as usize;
+    let world = u32::from_le_bytes(fixed[10..14].try_into().expect("4 bytes")) as usize;
+    if !spec.token.matches(&fixed[14..30]) {
+        reply(&mut s, TOKEN_REFUSED);
+        return Err(format!("{from} (claiming rank {rank}) presented a wrong run token"));
+    }
+    let tag_len = u16::from_le_bytes([fixed[30], fixed[31]]) as usize;
+    if tag_len > MAX_TAG {
+        reply(&mut s, OTHER_REFUSED);
+        return Err(format!("{from}: group tag of {tag_len} bytes is too long"));
+    }
+    let mut tag = vec![0u8; tag_len];
+    s.read_exact(&mut tag).map_err(|e| format!("reading the handshake from {from}: {e}"))?;
+    if world != spec.world_size || tag != spec.group_tag.as_bytes() {
+        reply(&mut s, OTHER_REFUSED);
+        return Err(format!(
+            "{from} (rank {rank}) belongs to group {:?} of {world} ranks, we are {:?} of {}",
+            String::from_utf8_lossy(&tag),
+            spec.group_tag,
+            spec.world_size
+        ));
+    }
+    reply(&mut s, ACCEPTED);
+    s.set_read_timeout(None).map_err(|e| e.to_string())?;
+    Ok((rank, s))
+}
+
+fn tune(s: &TcpStream, tuning: SocketTuning) -> Result<()> {
+    s.set_nodelay(true).map_err(|e| DdpError::io("setting TCP_NODELAY", e))?;
+    if let Some(bytes) = tuning.buffer_bytes {
+        let v = bytes.min(i32::MAX as usize) as libc::c_int;
+        for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+            // SAFETY: setsockopt on a valid fd with a pointer to a live c_int of the size we pass.
+            let rc = unsafe {
+                libc::setsockopt(
+                    s.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    opt,
+                    (&v as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
+            if rc != 0 {
+                return Err(DdpError::io("setting socket buffer sizes", std::io::Error::last_os_error()));
+            }
+        }
+    }
+    s.set_nonblocking(true).map_err(|e| DdpError::io("making a peer socket non-blocking", e))
+}
+
+fn wait_readable(fd: std::os::fd::RawFd, timeout: Duration) {
+    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd for the duration of the call.
+    unsafe { libc::poll(&mut p, 1, timeout.as_millis() as libc::c_int) };
+}
+
+/// Environment variable: the address this rank's CPU backend listens on and advertises (default: the local IP
+/// of the store connection — loopback on one machine — or 127.0.0.1 for groups built on an in-process store).
+pub const ADVERTISE_HOST_ENV: &str = "ACCEL_CPU_HOST";

@@ -1,0 +1,28 @@
+//! Point-to-point send/recv.
+//!
+//! Messages between two ranks are framed with a per-pair, per-direction counter (the n-th send from A to B is
+//! the n-th recv on B from A) and the byte count, so a recv of a different size than the matching send is an
+//! error naming both. They travel on the same ordered connection as collectives: between two ranks, sends,
+//! receives and collectives must be issued in an order that matches (as with blocking MPI calls).
+
+use super::frame::CallId;
+use super::ring::split_even;
+use super::transport::{Buf, OnRecv, Plan, RecvUnit, SendUnit};
+
+/// `n` bytes of the input to `dst`, in segments of at most `segment_bytes`.
+pub(crate) fn send_plan(dst: usize, n: usize, segment_bytes: usize, call: CallId) -> Plan {
+    let mut plan = Plan::new(call);
+    for s in split_even(0, n, 1, n.div_ceil(segment_bytes.max(1)).max(1)) {
+        plan.sends.push(SendUnit { peer: dst, buf: Buf::Input, range: s, after_recv: None });
+    }
+    plan
+}
+
+/// `n` bytes from `src` into the work buffer.
+pub(crate) fn recv_plan(src: usize, n: usize, segment_bytes: usize, call: CallId) -> Plan {
+    let mut plan = Plan::new(call);
+    for s in split_even(0, n, 1, n.div_ceil(segment_bytes.max(1)).max(1)) {
+        plan.recvs.push(RecvUnit { peer: src, buf: Buf::Work, range: s, on_recv: OnRecv::Keep });
+    }
+    plan
+}

@@ -1,0 +1,104 @@
+//! Flat buffers: several tensors of one dtype copied into one contiguous, 8-byte aligned byte buffer (a bucket)
+//! and back. The buffer is `Vec<u64>` underneath so it can be viewed as any element type collectives carry.
+
+use crate::{DType, DdpError, Element, Result};
+use candle_core::{Device, Shape, Storage, Tensor, WithDType};
+
+/// An 8-byte aligned byte buffer of `len` bytes, reused across steps.
+#[derive(Debug, Default)]
+pub(crate) struct FlatBuffer {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl FlatBuffer {
+    /// Resizes to `len` bytes (contents unspecified; callers overwrite every byte they use).
+    pub fn resize(&mut self, len: usize) {
+        let words = len.div_ceil(8);
+        if self.words.len() < words {
+            self.words.resize(words, 0);
+        }
+        self.len = len;
+    }
+
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(self.words.as_mut_slice())[..self.len]
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(self.words.as_slice())[..self.len]
+    }
+}
+
+/// Calls `$body` with `$T` bound to the Rust element type of a ddp-core [`DType`]; every such type is also a
+/// candle `WithDType`.
+macro_rules! with_type {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            DType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+            DType::I32 => {
+                type $T = i32;
+                $body
+            }
+            DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            DType::U8 => {
+                type $T = u8;
+                $body
+            }
+        }
+    };
+}
+
+/// Copies `t` (any layout, any device; `elem_count` elements of `dtype`) into `dst`, which holds exactly
+/// `t.elem_count()` elements' bytes. Contiguous CPU tensors are copied straight from their storage.
+pub(crate) fn copy_in(t: &Tensor, dtype: DType, dst: &mut [u8]) -> Result<()> {
+    with_type!(dtype, T => copy_in_typed::<T>(t, bytemuck::cast_slice_mut(dst)))
+}
+
+fn copy_in_typed<T: Element + WithDType>(t: &Tensor, dst: &mut [T]) -> Result<()> {
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (Storage::Cpu(cpu), Some((start, end))) = (&*storage, layout.contiguous_offsets()) {
+            dst.copy_from_slice(&cpu.as_slice::<T>()?[start..end]);
+            return Ok(());
+        }
+    }
+    // Strided or device tensors: one copy through candle.
+    let v = t.flatten_all()?.to_vec1::<T>()?;
+    dst.copy_from_slice(&v);
+    Ok(())
+}
+
+/// A new tensor of `shape` on `device` holding `src`'s `dtype` elements.
+pub(crate) fn tensor_from(src: &[u8], dtype: DType, shape: &Shape, device: &Device) -> Result<Tensor> {
+    with_type!(dtype, T => Ok(Tensor::from_slice(bytemuck::cast_slice::<u8, T>(src), shape, device)?))
+}
+
+/// The ddp-core dtype of a parameter, or an error naming it when collectives cannot carry that dtype.
+pub(crate) fn dtype_of(name: &str, t: &Tensor) -> Result<DType> {
+    DType::from_candle(t.dtype()).ok_or_else(|| {
+        DdpError::InvalidArgument(format!(
+            "DDP: parameter `{name}` has dtype {:?}, which collectives do not support (use f32, f64, f16, bf16, \
+             i32, i64 or u8)",
+            t.dtype()
+        ))
+    })
+}

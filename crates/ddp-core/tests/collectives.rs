@@ -1,0 +1,336 @@
+//! Every collective of the CPU backend × dtype × op against a single-process reference, world sizes 1–4,
+//! sizes 0, 1, odd, non-divisible by the world size, and larger than several segments; ranks are threads over a
+//! MemoryStore (the multi-process TCP variant is in `multiprocess.rs`).
+//!
+//! Inputs are small integers, exact in every dtype, so the reference must match bit for bit whatever order the
+//! backend reduces in; `random_floats_are_bit_identical_across_ranks` covers inexact data.
+
+mod common;
+
+use common::*;
+use ddp_core::{DType, DdpError, ProcessGroup, ReduceOp};
+
+/// Sizes in elements: empty, one, odd, not divisible by 2/3/4, and (with 256-byte segments) many segments.
+const SIZES: [usize; 5] = [0, 1, 7, 1001, 3 * 1024 + 5];
+
+fn check_all_reduce<T: FromSmall>(pg: &ProcessGroup) {
+    let world = pg.world_size();
+    for op in OPS {
+        for n in SIZES {
+            let mut v = input::<T>(pg.rank(), n);
+            pg.all_reduce(&mut v, op).unwrap();
+            assert_eq!(
+                bits(&v),
+                bits(&reference::<T>(world, n, op)),
+                "all_reduce {:?} {op:?} n={n} world={world} rank={}",
+                T::DTYPE,
+                pg.rank()
+            );
+        }
+    }
+}
+
+fn all_dtypes_all_reduce(pg: &ProcessGroup) {
+    check_all_reduce::<f32>(pg);
+    check_all_reduce::<f64>(pg);
+    check_all_reduce::<half::f16>(pg);
+    check_all_reduce::<half::bf16>(pg);
+    check_all_reduce::<i32>(pg);
+    check_all_reduce::<i64>(pg);
+    check_all_reduce::<u8>(pg);
+}
+
+#[test]
+fn all_reduce_every_dtype_op_size_and_world_size() {
+    for world in 1..=4 {
+        // Tiny segments: every path (direct exchange, ring with one and many segments) at small sizes.
+        run_ranks(world, Some(tiny_segments()), |pg| all_dtypes_all_reduce(&pg));
+        // Default tuning: sizes up to 3 KiB take the direct path.
+        run_ranks(world, None, |pg| check_all_reduce::<f32>(&pg));
+    }
+}
+
+#[test]
+fn all_reduce_larger_than_several_default_segments() {
+    // 3 MiB of f32 and of bf16 with the default 1 MiB segments: ring with several segments per chunk.
+    for world in [2, 3] {
+        run_ranks(world, None, |pg| {
+            let n = 3 * (1 << 20) / 4 + 3;
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                let mut v = input::<f32>(pg.rank(), n);
+                pg.all_reduce(&mut v, op).unwrap();
+                assert!(bits(&v) == bits(&reference::<f32>(pg.world_size(), n, op)), "f32 {op:?}");
+            }
+            let n = 3 * (1 << 20) / 2 + 1;
+            let mut v = input::<half::bf16>(pg.rank(), n);
+            pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+            assert!(bits(&v) == bits(&reference::<half::bf16>(pg.world_size(), n, ReduceOp::Sum)), "bf16");
+        });
+    }
+}
+
+#[test]
+fn two_rank_example_from_the_docs() {
+    let out = run_ranks(2, None, |pg| {
+        let mine = if pg.rank() == 0 { [1.0f32, 2.0] } else { [3.0, 4.0] };
+        OPS.map(|op| {
+            let mut v = mine;
+            pg.all_reduce(&mut v, op).unwrap();
+            v
+        })
+    });
+    for r in out {
+        assert_eq!(r, [[4.0, 6.0], [2.0, 3.0], [3.0, 4.0], [1.0, 2.0], [3.0, 8.0]]);
+    }
+}
+
+#[test]
+fn random_floats_are_bit_identical_across_ranks() {
+    use rand::{Rng, SeedableRng};
+    for (world, tuning) in [(2, None), (3, Some(tiny_segments())), (4, None)] {
+        let out = run_ranks(world, tuning, |pg| {
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(pg.rank() as u64);
+            let mut results = Vec::new();
+            for n in [5usize, 3000, 300_001] {
+                let v0: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
+                let mut v = v0.clone();
+                pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+                results.push((v0, v));
+            }
+            results
+        });
+        for (i, (_, result0)) in out[0].iter().enumerate() {
+            // Close to the sum in f64 …
+            for (j, got) in result0.iter().enumerate() {
+                let want: f64 = out.iter().map(|r| r[i].0[j] as f64).sum();
+                assert!((*got as f64 - want).abs() < 1e-5, "world {world} n#{i} [{j}]: {got} vs {want}");
+            }
+            // … and the same bits on every rank.
+            for r in &out[1..] {
+                assert!(bits(&r[i].1) == bits(result0), "world {world}: ranks disagree on n#{i}");
+            }
+        }
+    }
+}
+
+fn check_reduce_scatter<T: FromSmall>(pg: &ProcessGroup) {
+    let (world, rank) = (pg.world_size(), pg.rank());
+    for op in OPS {
+        for n in [0usize, 1, 7, 300] {
+            let inp = input::<T>(rank, n * world);
+            let mut out = vec![T::zeroed(); n];
+            pg.reduce_scatter(&inp, &mut out, op).unwrap();
+            let full = reference::<T>(world, n * world, op);
+            assert_eq!(bits(&out), bits(&full[rank * n..(rank + 1) * n]), "reduce_scatter {:?} {op:?} n={n}", T::DTYPE);
+        }
+    }
+}
+
+#[test]
+fn reduce_scatter_every_dtype_and_op() {
+    for world in 1..=4 {
+        run_ranks(world, Some(tiny_segments()), |pg| {
+            check_reduce_scatter::<f32>(&pg);
+            check_reduce_scatter::<f64>(&pg);
+            check_reduce_scatter::<half::f16>(&pg);
+            check_reduce_scatter::<half::bf16>(&pg);
+            check_reduce_scatter::<i32>(&pg);
+            check_reduce_scatter::<i64>(&pg);
+            check_reduce_scatter::<u8>(&pg);
+        });
+    }
+}
+
+fn check_all_gather<T: FromSmall>(pg: &ProcessGroup) {
+    let world = pg.world_size();
+    for n in [0usize, 1, 7, 1001] {
+        let mut out = vec![T::zeroed(); n * world];
+        pg.all_gather(&input::<T>(pg.rank(), n), &mut out).unwrap();
+        let want: Vec<T> = (0..world).flat_map(|r| input::<T>(r, n)).collect();
+        assert_eq!(bits(&out), bits(&want), "all_gather {:?} n={n}", T::DTYPE);
+    }
+}
+
+fn check_broadcast<T: FromSmall>(pg: &ProcessGroup) {
+    for root in 0..pg.world_size() {
+        for n in [0usize, 1, 7, 1001] {
+            let mut v = input::<T>(pg.rank(), n);
+            pg.broadcast(&mut v, root).unwrap();
+            assert_eq!(bits(&v), bits(&input::<T>(root, n)), "broadcast {:?} root={root} n={n}", T::DTYPE);
+        }
+    }
+}
+
+#[test]
+fn all_gather_and_broadcast_every_dtype() {
+    for world in 1..=4 {
+        for tuning in [Some(tiny_segments()), None] {
+            run_ranks(world, tuning, |pg| {
+                check_all_gather::<f32>(&pg);
+                check_all_gather::<f64>(&pg);
+                check_all_gather::<half::f16>(&pg);
+                check_all_gather::<half::bf16>(&pg);
+                check_all_gather::<i32>(&pg);
+                check_all_gather::<i64>(&pg);
+                check_all_gather::<u8>(&pg);
+                check_broadcast::<f32>(&pg);
+                check_broadcast::<f64>(&pg);
+                check_broadcast::<half::f16>(&pg);
+                check_broadcast::<half::bf16>(&pg);
+                check_broadcast::<i32>(&pg);
+                check_broadcast::<i64>(&pg);
+                check_broadcast::<u8>(&pg);
+            });
+        }
+    }
+}
+
+#[test]
+fn send_recv_ring_and_barrier() {
+    for world in 2..=4 {
+        run_ranks(world, Some(tiny_segments()), |pg| {
+            let (p, r) = (pg.world_size(), pg.rank());
+            for n in [0usize, 1, 1001] {
+                // Even ranks send first, odd ranks receive first: no two ranks block on each other's send.
+                let mine = input::<i64>(r, n);
+                let mut got = vec![0i64; n];
+                let (right, left) = ((r + 1) % p, (r + p - 1) % p);
+                if r % 2 == 0 {
+                    pg.send(&mine, right).unwrap();
+                    pg.recv(&mut got, left).unwrap();
+                } else {
+                    pg.recv(&mut got, left).unwrap();
+                    pg.send(&mine, right).unwrap();
+                }
+                assert_eq!(got, input::<i64>(left, n));
+                pg.barrier().unwrap();
+            }
+        });
+    }
+}
+
+#[test]
+fn self_send_and_bad_lengths_are_invalid_arguments() {
+    run_ranks(2, None, |pg| {
+        let err = pg.send(&[1.0f32], pg.rank()).unwrap_err();
+        assert!(matches!(err, DdpError::InvalidArgument(_)), "{err}");
+        let mut out = vec![0.0f32; 3];
+        let err = pg.all_gather(&[1.0f32, 2.0], &mut out).unwrap_err();
+        assert!(err.to_string().contains("expected world_size (2)"), "{err}");
+        let err = pg.broadcast(&mut out, 5).unwrap_err();
+        assert!(err.to_string().contains("root 5"), "{err}");
+        // Byte-level all_reduce with a partial element.
+        let err = pg.all_reduce_bytes(&mut [0u8; 6], DType::F32, ReduceOp::Sum).unwrap_err();
+        assert!(err.to_string().contains("not a whole number"), "{err}");
+    });
+}
+
+#[test]
+fn mismatched_sizes_fail_on_every_rank_naming_both_calls() {
+    let errs = run_ranks(2, None, |pg| {
+        let mut v = vec![1.0f32; if pg.rank() == 0 { 10 } else { 12 }];
+        let first = pg.all_reduce(&mut v, ReduceOp::Sum).unwrap_err().to_string();
+        // The group is aborted: later calls fail at once with the same cause.
+        let later = pg.barrier().unwrap_err().to_string();
+        (first, later)
+    });
+    for (rank, (first, later)) in errs.iter().enumerate() {
+        assert!(first.contains("all_reduce") && first.contains("sequence number 1"), "rank {rank}: {first}");
+        assert!(first.contains("40 bytes") && first.contains("48 bytes"), "rank {rank}: {first}");
+        assert!(later.contains("barrier") && later.contains("aborted"), "rank {rank}: {later}");
+    }
+}
+
+#[test]
+fn mismatched_collectives_fail_naming_both_ops() {
+    let errs = run_ranks(3, None, |pg| {
+        let mut v = vec![1i64; 4];
+        if pg.rank() == 1 {
+            pg.broadcast(&mut v, 0).unwrap_err().to_string()
+        } else {
+            pg.all_reduce(&mut v, ReduceOp::Max).unwrap_err().to_string()
+        }
+    });
+    for (rank, e) in errs.iter().enumerate() {
+        assert!(e.contains("failed on rank"), "rank {rank}: {e}");
+    }
+    // The rank that saw the other's frame names both collectives.
+    assert!(errs.iter().any(|e| e.contains("broadcast") && e.contains("all_reduce")), "{errs:?}");
+}
+
+#[test]
+fn sequence_numbers_count_collectives() {
+    let errs = run_ranks(2, None, |pg| {
+        pg.barrier().unwrap();
+        let mut v = [0u8; 3];
+        pg.broadcast(&mut v, 0).unwrap();
+        // Third collective: rank 0 barrier, rank 1 all_reduce.
+        if pg.rank() == 0 {
+            pg.barrier().unwrap_err().to_string()
+        } else {
+            pg.all_reduce(&mut v, ReduceOp::Sum).unwrap_err().to_string()
+        }
+    });
+    for e in &errs {
+        assert!(e.contains("sequence number 3"), "{e}");
+    }
+}
+
+#[test]
+fn tensor_collectives() {
+    use candle_core::{DType as C, Device, Tensor};
+    run_ranks(3, None, |pg| {
+        let (p, r) = (pg.world_size(), pg.rank() as f64);
+        for dt in [C::F32, C::F64, C::F16, C::BF16, C::I64, C::U8, C::I32] {
+            let t = (Tensor::ones((2, 3), dt, &Device::Cpu).unwrap() * (r + 1.0)).unwrap();
+            let sum = pg.all_reduce_tensor(&t, ReduceOp::Sum).unwrap();
+            assert_eq!(sum.dims(), &[2, 3]);
+            assert_eq!(sum.dtype(), dt);
+            let v: Vec<f64> = sum.to_dtype(C::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            assert_eq!(v, vec![6.0; 6], "{dt:?}");
+
+            let b = pg.broadcast_tensor(&t, 2).unwrap();
+            let v: Vec<f64> = b.to_dtype(C::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            assert_eq!(v, vec![3.0; 6], "{dt:?}");
+
+            let g = pg.all_gather_tensor(&t).unwrap();
+            assert_eq!(g.dims(), &[2 * p, 3]);
+            let v: Vec<f64> = g.to_dtype(C::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let want: Vec<f64> = (0..p).flat_map(|q| vec![q as f64 + 1.0; 6]).collect();
+            assert_eq!(v, want, "{dt:?}");
+
+            let big = Tensor::arange(0u8, (3 * p) as u8, &Device::Cpu).unwrap().to_dtype(dt).unwrap();
+            let big = big.reshape((3 * p, 1)).unwrap();
+            let rs = pg.reduce_scatter_tensor(&big, ReduceOp::Max).unwrap();
+            assert_eq!(rs.dims(), &[3, 1]);
+            let v: Vec<f64> = rs.to_dtype(C::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let base = 3.0 * pg.rank() as f64;
+            assert_eq!(v, vec![base, base + 1.0, base + 2.0], "{dt:?}");
+        }
+        // Scalars gather into a vector; non-divisible dim 0 and unsupported dtypes are clear errors.
+        let s = Tensor::new(r as f32, &Device::Cpu).unwrap();
+        assert_eq!(pg.all_gather_tensor(&s).unwrap().to_vec1::<f32>().unwrap(), vec![0.0, 1.0, 2.0]);
+        let odd = Tensor::zeros((4, 2), C::F32, &Device::Cpu).unwrap();
+        let e = pg.reduce_scatter_tensor(&odd, ReduceOp::Sum).unwrap_err().to_string();
+        assert!(e.contains("not divisible by the world size 3"), "{e}");
+        let nc = Tensor::zeros((2, 3), C::F32, &Device::Cpu).unwrap().t().unwrap();
+        let out = pg.all_reduce_tensor(&nc, ReduceOp::Sum).unwrap();
+        assert_eq!(out.dims(), &[3, 2]);
+        pg.barrier().unwrap();
+    });
+}
+
+#[test]
+fn single_process_group_is_the_identity() {
+    let pg = ProcessGroup::single_process().unwrap();
+    assert_eq!((pg.rank(), pg.world_size(), pg.backend_name()), (0, 1, "cpu"));
+    let mut v = [1.5f32, -2.0];
+    for op in OPS {
+        pg.all_reduce(&mut v, op).unwrap();
+    }
+    assert_eq!(v, [1.5, -2.0]);
+    let mut out = [0.0f32; 2];
+    pg.reduce_scatter(&v, &mut out, ReduceOp::Avg).unwrap();
+    assert_eq!(out, v);
+    pg.barrier().unwrap();
+}

@@ -1,0 +1,147 @@
+//! Faults: a killed worker, a stuck worker and a wrong run token each end in a prompt error on every surviving
+//! rank that names the op, its sequence number and the responsible rank — never a hang.
+
+mod common;
+
+use common::procs;
+use ddp_core::store::MemoryStore;
+use ddp_core::{DdpError, GroupOptions, ProcessGroup, ReduceOp, RunToken, Store};
+use std::io::{BufRead, BufReader};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Worker: all_reduce in a loop (a small buffer on the direct path and a 1 MiB one on the ring) until an
+/// error, which it prints before exiting with code 3.
+#[test]
+fn worker() {
+    let Some(scenario) = procs::scenario() else { return };
+    assert_eq!(scenario, "loop");
+    let pg = ProcessGroup::init_from_env().unwrap();
+    let mut small = vec![1.0f32; 256];
+    let mut large = vec![1.0f32; 1 << 18];
+    for iter in 0u64.. {
+        let res = pg.all_reduce(&mut small, ReduceOp::Sum).and_then(|_| pg.all_reduce(&mut large, ReduceOp::Avg));
+        if let Err(e) = res {
+            eprintln!("worker error: {e}");
+            std::process::exit(3);
+        }
+        println!("iter {iter}");
+    }
+}
+
+#[test]
+fn killed_worker_fails_every_other_rank_within_seconds() {
+    // The collective timeout is 10 minutes: only fault propagation can end the survivors' calls quickly.
+    let mut job = procs::spawn("worker", "loop", 3, &[("ACCEL_TIMEOUT", "600".to_string())]);
+    let progress: Vec<Arc<Mutex<u64>>> = (0..3).map(|_| Arc::new(Mutex::new(0))).collect();
+    for (c, p) in job.children.iter_mut().zip(&progress) {
+        let out = c.stdout.take().unwrap();
+        let p = p.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if let Some(n) = line.strip_prefix("iter ").and_then(|n| n.parse().ok()) {
+                    *p.lock().unwrap() = n;
+                }
+            }
+        });
+    }
+    let start = Instant::now();
+    while progress.iter().any(|p| *p.lock().unwrap() < 20) {
+        assert!(start.elapsed() < Duration::from_secs(120), "workers did not make progress");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    job.children[1].kill().unwrap(); // SIGKILL, mid-all_reduce: the survivors are looping on it
+    let killed_at = Instant::now();
+    let mut survivors = Vec::new();
+    for (rank, mut c) in job.children.into_iter().enumerate() {
+        if rank == 1 {
+            let _ = c.wait();
+            continue;
+        }
+        while c.try_wait().unwrap().is_none() {
+            if killed_at.elapsed() > Duration::from_secs(60) {
+                let _ = c.kill();
+                panic!("rank {rank} still running 60 s after rank 1 was killed: a hang");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let elapsed = killed_at.elapsed();
+        let out = c.wait_with_output().unwrap();
+        survivors.push((rank, out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned(), elapsed));
+    }
+    for (rank, code, stderr, elapsed) in survivors {
+        assert_eq!(code, Some(3), "rank {rank}: {stderr}");
+        let line = stderr.lines().find(|l| l.starts_with("worker error:")).unwrap_or_else(|| panic!("{stderr}"));
+        assert!(line.contains("all_reduce") && line.contains("sequence number"), "rank {rank}: {line}");
+        assert!(line.contains("[peer rank 1]") && line.contains("rank 1 is gone"), "rank {rank}: {line}");
+        eprintln!("rank {rank} after {elapsed:?}: {line}");
+        // "Within a few seconds": generous for a loaded 2-core machine, far below the 600 s timeout.
+        assert!(elapsed < Duration::from_secs(20), "rank {rank} took {elapsed:?}");
+    }
+}
+
+#[test]
+fn stuck_worker_times_out_on_every_rank_naming_it() {
+    let errs = run_ranks_with_timeout(3, Duration::from_millis(1500), |pg| {
+        let mut v = [1.0f64; 8];
+        if pg.rank() == 1 {
+            std::thread::sleep(Duration::from_secs(4));
+            // The others' inputs may all have arrived before they gave up, so this call can complete; the
+            // group is aborted all the same and the next call must say so.
+            if pg.all_reduce(&mut v, ReduceOp::Sum).is_ok() {
+                return pg.all_reduce(&mut v, ReduceOp::Sum).unwrap_err();
+            }
+        }
+        pg.all_reduce(&mut v, ReduceOp::Sum).unwrap_err()
+    });
+    for (rank, e) in errs.iter().enumerate() {
+        let DdpError::Collective { op, peer, .. } = e else { panic!("rank {rank}: {e}") };
+        assert_eq!((*op, *peer), ("all_reduce", Some(1)), "rank {rank}: {e}");
+        assert!(e.to_string().contains("timed out") && e.to_string().contains("rank 1"), "rank {rank}: {e}");
+    }
+    for e in [&errs[0], &errs[2]] {
+        assert!(e.to_string().contains("sequence number 1"), "{e}");
+    }
+}
+
+#[test]
+fn wrong_run_token_is_refused() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new(Duration::from_secs(30)));
+    let handles: Vec<_> = (0..2)
+        .map(|rank| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let opts = GroupOptions {
+                    token: Some(RunToken::generate().unwrap()), // a different token on each rank
+                    timeout: Duration::from_secs(2),
+                    ..GroupOptions::default()
+                };
+                ProcessGroup::from_store(store, rank, 2, opts).unwrap_err()
+            })
+        })
+        .collect();
+    let errs: Vec<DdpError> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert!(matches!(errs[1], DdpError::TokenRejected { .. }), "{}", errs[1]);
+    assert!(errs[1].to_string().contains("rank 0"), "{}", errs[1]);
+    // Rank 0 never got a trustworthy rank 1.
+    assert!(errs[0].to_string().contains("did not connect"), "{}", errs[0]);
+}
+
+fn run_ranks_with_timeout<T: Send + 'static>(
+    world: usize,
+    timeout: Duration,
+    f: impl Fn(ProcessGroup) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new(Duration::from_secs(30)));
+    let f = Arc::new(f);
+    let handles: Vec<_> = (0..world)
+        .map(|rank| {
+            let (store, f) = (store.clone(), f.clone());
+            std::thread::spawn(move || {
+                let opts = GroupOptions { timeout, ..GroupOptions::default() };
+                f(ProcessGroup::from_store(store, rank, world, opts).unwrap())
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}

@@ -1,0 +1,376 @@
+//! The worker launcher: environment, rendezvous through the launcher's store, failure propagation, output
+//! prefixing and log files, restarts, Ctrl-C forwarding, and configuration errors.
+//!
+//! Workers are `sh -c` scripts, or this test binary itself re-executed with [`MODE_ENV`] selecting a role (a
+//! real Rust worker, or a launcher whose console output and signal handling the test observes from outside).
+
+use ddp_core::launcher::log_path;
+use ddp_core::store::Store;
+use ddp_core::{launch, DdpError, DistEnv, InitOptions, LaunchConfig, RunToken, TcpStore};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Selects what a re-executed copy of this binary does (see `zz_child_entry`).
+const MODE_ENV: &str = "DDP_CORE_LAUNCHER_TEST_MODE";
+/// Far below the workers' `sleep 60`, far above what stopping takes even on a loaded machine.
+const STOPPED_WELL_BEFORE: Duration = Duration::from_secs(40);
+
+fn sh(n: usize, script: &str) -> LaunchConfig {
+    let mut cfg = LaunchConfig::local(n, "sh", vec!["-c".into(), script.into()]);
+    cfg.stop_grace = Duration::from_secs(5);
+    cfg
+}
+
+fn with_out(mut cfg: LaunchConfig, dir: &Path) -> LaunchConfig {
+    cfg.env.push(("OUT".into(), dir.display().to_string()));
+    cfg
+}
+
+fn read(path: impl AsRef<Path>) -> String {
+    std::fs::read_to_string(path.as_ref()).unwrap_or_else(|e| panic!("{}: {e}", path.as_ref().display()))
+}
+
+fn self_exe_args() -> Vec<String> {
+    ["zz_child_entry", "--exact", "--nocapture", "--test-threads=1", "-q"].map(String::from).to_vec()
+}
+
+fn process_gone(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks for existence.
+    unsafe { libc::kill(pid, 0) != 0 }
+}
+
+#[test]
+fn three_workers_succeed_and_see_torchrun_variables() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = with_out(
+        sh(
+            3,
+            r#"echo "$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK $ROLE_RANK $MASTER_ADDR $ACCEL_USE_AGENT_STORE ${#ACCEL_RUN_TOKEN} $ACCEL_RESTART_COUNT $EXTRA $1" > "$OUT/rank$RANK"; echo "$MASTER_PORT" > "$OUT/port$RANK"; echo "${OMP_NUM_THREADS-unset}" > "$OUT/omp$RANK""#,
+        ),
+        dir.path(),
+    );
+    cfg.args.push("sh".into()); // $0
+    cfg.args.push("first-arg".into()); // $1
+    cfg.env.push(("EXTRA".into(), "extra-value".into()));
+    launch(&cfg).unwrap();
+    let omp_preset = std::env::var_os("OMP_NUM_THREADS");
+    let mut ports = Vec::new();
+    for r in 0..3 {
+        assert_eq!(
+            read(dir.path().join(format!("rank{r}"))).trim(),
+            format!("{r} 3 {r} 3 0 {r} 127.0.0.1 1 32 0 extra-value first-arg")
+        );
+        ports.push(read(dir.path().join(format!("port{r}"))).trim().parse::<u16>().unwrap());
+        let omp = read(dir.path().join(format!("omp{r}")));
+        match &omp_preset {
+            None => assert_eq!(omp.trim(), "1", "OMP_NUM_THREADS=1 when unset and more than one worker"),
+            Some(v) => assert_eq!(omp.trim(), v.to_str().unwrap(), "a user's OMP_NUM_THREADS is kept"),
+        }
+    }
+    assert!(ports[0] != 0 && ports.iter().all(|p| *p == ports[0]), "{ports:?}");
+}
+
+#[test]
+fn rust_workers_rendezvous_through_the_launchers_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = LaunchConfig::local(3, std::env::current_exe().unwrap(), self_exe_args());
+    cfg.env.push((MODE_ENV.into(), "store-worker".into()));
+    cfg.env.push(("OUT".into(), dir.path().display().to_string()));
+    launch(&cfg).unwrap();
+    for r in 0..3 {
+        // Each worker saw every rank's key in the launcher's store, with the job's token.
+        assert_eq!(read(dir.path().join(format!("store{r}"))), format!("rank {r} of 3, local {r} of 3, saw 0,1,2"));
+    }
+}
+
+#[test]
+fn a_failing_worker_stops_the_others_and_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = with_out(
+        sh(3, r#"if [ "$RANK" = 1 ]; then sleep 0.3; exit 3; fi; echo $$ > "$OUT/pid$RANK"; exec sleep 60"#),
+        dir.path(),
+    );
+    let start = Instant::now();
+    let err = launch(&cfg).unwrap_err();
+    let elapsed = start.elapsed();
+    match &err {
+        DdpError::WorkerFailed { rank, local_rank, status } => {
+            assert_eq!((*rank, *local_rank, status.as_str()), (1, 1, "exit code 3"));
+        }
+        other => panic!("expected WorkerFailed, got {other:?}"),
+    }
+    let msg = err.to_string();
+    assert!(msg.contains("rank 1") && msg.contains("exit code 3"), "{msg}");
+    assert!(elapsed < STOPPED_WELL_BEFORE, "the sleeping workers were not stopped: {elapsed:?}");
+    for r in [0, 2] {
+        if let Ok(pid) = std::fs::read_to_string(dir.path().join(format!("pid{r}"))) {
+            assert!(process_gone(pid.trim().parse().unwrap()), "worker {r} still running");
+        }
+    }
+}
+
+#[test]
+fn a_worker_killed_by_a_signal_is_reported_with_the_signal_name() {
+    let cfg = sh(3, r#"if [ "$RANK" = 2 ]; then kill -9 $$; fi; exec sleep 60"#);
+    let start = Instant::now();
+    match launch(&cfg) {
+        Err(DdpError::WorkerFailed { rank: 2, local_rank: 2, status }) => {
+            assert_eq!(status, "killed by signal 9 (SIGKILL)");
+        }
+        other => panic!("expected WorkerFailed for rank 2, got {other:?}"),
+    }
+    assert!(start.elapsed() < STOPPED_WELL_BEFORE);
+}
+
+#[test]
+fn workers_that_ignore_sigterm_are_killed_after_the_grace_period() {
+    let mut cfg = sh(2, r#"trap '' TERM; if [ "$RANK" = 0 ]; then exit 7; fi; sleep 60"#);
+    cfg.stop_grace = Duration::from_millis(500);
+    let start = Instant::now();
+    match launch(&cfg) {
+        Err(DdpError::WorkerFailed { rank: 0, status, .. }) => assert_eq!(status, "exit code 7"),
+        other => panic!("expected WorkerFailed for rank 0, got {other:?}"),
+    }
+    assert!(start.elapsed() < STOPPED_WELL_BEFORE);
+}
+
+#[test]
+fn output_is_prefixed_with_the_rank_and_teed_to_log_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let logs = dir.path().join("logs");
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(self_exe_args())
+        .env(MODE_ENV, "launcher")
+        .env("LAUNCH_N", "2")
+        .env(
+            "LAUNCH_SCRIPT",
+            r#"echo "out-$RANK"; echo "err-$RANK" >&2; echo "two words $RANK"; printf "no-newline-$RANK""#,
+        )
+        .env("LAUNCH_LOG_DIR", &logs)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stdout.contains("LAUNCH_RESULT ok"), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    for r in 0..2 {
+        for line in
+            [format!("[rank {r}] out-{r}"), format!("[rank {r}] two words {r}"), format!("[rank {r}] no-newline-{r}")]
+        {
+            assert!(stdout.lines().any(|l| l == line), "missing {line:?} in stdout:\n{stdout}");
+        }
+        let err_line = format!("[rank {r}] err-{r}");
+        assert!(stderr.lines().any(|l| l == err_line), "missing {err_line:?} in stderr:\n{stderr}");
+        assert!(!stdout.contains(&format!("err-{r}")), "stderr lines stay on stderr");
+        // Log files hold the rank's lines unprefixed; stdout lines keep their order.
+        let log = read(log_path(&logs, r));
+        let lines: Vec<&str> = log.lines().collect();
+        assert!(lines.contains(&format!("err-{r}").as_str()), "{log}");
+        let stdout_lines: Vec<&str> = lines.iter().copied().filter(|l| !l.starts_with("err-")).collect();
+        assert_eq!(stdout_lines, [format!("out-{r}"), format!("two words {r}"), format!("no-newline-{r}")], "{log}");
+    }
+}
+
+#[test]
+fn without_tee_output_goes_only_to_the_log_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(self_exe_args())
+        .env(MODE_ENV, "launcher")
+        .env("LAUNCH_N", "2")
+        .env("LAUNCH_SCRIPT", r#"echo "hello from $RANK"; echo "oops $RANK" >&2; exit $RANK"#)
+        .env("LAUNCH_LOG_DIR", dir.path())
+        .env("LAUNCH_NO_TEE", "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stdout.contains("LAUNCH_RESULT err worker rank 1 (local rank 1) failed first: exit code 1"),
+        "{:?}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        out.status
+    );
+    assert!(!stdout.contains("hello from") && !stderr.contains("oops"), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert_eq!(out.status.code(), Some(1));
+    for r in 0..2 {
+        let log = read(log_path(dir.path(), r));
+        assert!(log.contains(&format!("hello from {r}\n")) && log.contains(&format!("oops {r}\n")), "{log}");
+    }
+}
+
+#[test]
+fn ctrl_c_to_the_launcher_stops_the_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let child = Command::new(std::env::current_exe().unwrap())
+        .args(self_exe_args())
+        .env(MODE_ENV, "launcher")
+        .env("LAUNCH_N", "2")
+        .env("OUT", dir.path())
+        .env("LAUNCH_SCRIPT", r#"echo $$ > "$OUT/pid$RANK.tmp"; mv "$OUT/pid$RANK.tmp" "$OUT/pid$RANK"; exec sleep 60"#)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let pid_files = [dir.path().join("pid0"), dir.path().join("pid1")];
+    while !pid_files.iter().all(|p| p.exists()) {
+        assert!(Instant::now() < deadline, "workers did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pids: Vec<i32> = pid_files.iter().map(|p| read(p).trim().parse().unwrap()).collect();
+    let start = Instant::now();
+    // SAFETY: signalling our own child process.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(start.elapsed() < STOPPED_WELL_BEFORE);
+    assert!(stdout.contains("LAUNCH_RESULT err launcher interrupted by SIGINT"), "{stdout}");
+    assert_eq!(out.status.code(), Some(1));
+    for pid in pids {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !process_gone(pid) {
+            assert!(Instant::now() < deadline, "worker {pid} survived the launcher's Ctrl-C");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+#[test]
+fn the_group_is_restarted_up_to_max_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    // Rank 0 fails on the first run only.
+    let script = r#"echo "$MASTER_PORT" > "$OUT/run$ACCEL_RESTART_COUNT.rank$RANK"; if [ "$ACCEL_RESTART_COUNT" = 0 ] && [ "$RANK" = 0 ]; then exit 5; fi; [ "$ACCEL_MAX_RESTARTS" = 2 ]"#;
+    let mut cfg = with_out(sh(2, script), dir.path());
+    cfg.max_restarts = 2;
+    launch(&cfg).unwrap();
+    assert!(dir.path().join("run1.rank0").exists() && dir.path().join("run1.rank1").exists());
+    assert!(!dir.path().join("run2.rank0").exists(), "no restart after success");
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = with_out(sh(2, r#"echo x > "$OUT/run$ACCEL_RESTART_COUNT.rank$RANK"; exit 4"#), dir.path());
+    cfg.max_restarts = 1;
+    match launch(&cfg) {
+        Err(DdpError::WorkerFailed { status, .. }) => assert_eq!(status, "exit code 4"),
+        other => panic!("expected WorkerFailed, got {other:?}"),
+    }
+    assert!(dir.path().join("run1.rank0").exists() || dir.path().join("run1.rank1").exists());
+    assert!(!dir.path().join("run2.rank0").exists() && !dir.path().join("run2.rank1").exists());
+}
+
+#[test]
+fn a_non_zero_node_rank_gets_global_ranks_and_hosts_no_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = RunToken::generate().unwrap();
+    let mut cfg = with_out(
+        sh(
+            2,
+            r#"echo "$RANK $LOCAL_RANK $WORLD_SIZE $GROUP_RANK $GROUP_WORLD_SIZE $MASTER_ADDR $MASTER_PORT $ACCEL_RUN_TOKEN" > "$OUT/rank$RANK""#,
+        ),
+        dir.path(),
+    );
+    cfg.nnodes = 2;
+    cfg.node_rank = 1;
+    cfg.master_addr = "10.1.2.3".into(); // not ours: node 1 must not bind it
+    cfg.master_port = 29999;
+    cfg.env.push(("ACCEL_RUN_TOKEN".into(), token.to_hex()));
+    launch(&cfg).unwrap();
+    for (r, local) in [(2, 0), (3, 1)] {
+        assert_eq!(
+            read(dir.path().join(format!("rank{r}"))).trim(),
+            format!("{r} {local} 4 1 2 10.1.2.3 29999 {}", token.to_hex())
+        );
+    }
+}
+
+#[test]
+fn bad_configurations_are_refused_with_a_reason() {
+    let check = |cfg: &LaunchConfig, words: &[&str]| {
+        let msg = launch(cfg).unwrap_err().to_string();
+        for w in words {
+            assert!(msg.contains(w), "{msg:?} should contain {w:?}");
+        }
+    };
+    check(&sh(0, "true"), &["nproc_per_node"]);
+    let mut cfg = sh(1, "true");
+    cfg.nnodes = 2;
+    cfg.node_rank = 2;
+    check(&cfg, &["node_rank 2"]);
+    cfg.node_rank = 0;
+    cfg.master_port = 0;
+    check(&cfg, &["master_port"]);
+    if std::env::var_os("ACCEL_RUN_TOKEN").is_none() {
+        cfg.master_port = 29998;
+        check(&cfg, &["ACCEL_RUN_TOKEN", "openssl rand -hex 16"]);
+    }
+    let mut cfg = sh(1, "true");
+    cfg.env.push(("ACCEL_RUN_TOKEN".into(), "short".into()));
+    check(&cfg, &["ACCEL_RUN_TOKEN", "32 hex digits"]);
+
+    check(&LaunchConfig::local(2, "/nonexistent/worker-binary", vec![]), &["rank 0", "/nonexistent/worker-binary"]);
+
+    // The port is taken: the error names host:port.
+    let token = RunToken::generate().unwrap();
+    let server = ddp_core::TcpStoreServer::bind("127.0.0.1:0", token).unwrap();
+    let mut cfg = sh(1, "true");
+    cfg.master_port = server.port();
+    check(&cfg, &[&format!("127.0.0.1:{}", server.port())]);
+}
+
+/// Entry point of the re-executed copies of this binary; does nothing in a normal test run.
+#[test]
+fn zz_child_entry() {
+    let Ok(mode) = std::env::var(MODE_ENV) else { return };
+    let code = match mode.as_str() {
+        "store-worker" => store_worker(),
+        "launcher" => launcher_child(),
+        other => panic!("unknown {MODE_ENV} {other}"),
+    };
+    std::process::exit(code);
+}
+
+/// A Rust worker: reads its layout like a real program, connects to the launcher's store with the job's token,
+/// publishes its rank and waits for everyone else's.
+fn store_worker() -> i32 {
+    let env = DistEnv::from_env().unwrap();
+    let opts = InitOptions::from_env().unwrap();
+    assert!(env.agent_store && !opts.host_store, "the launcher hosts the store");
+    let addr = format!("{}:{}", opts.master_addr, opts.master_port);
+    let store =
+        TcpStore::connect(&addr, opts.token.expect("launcher sets the token"), Duration::from_secs(60)).unwrap();
+    store.set(&format!("rank/{}", env.rank), env.rank.to_string().as_bytes()).unwrap();
+    let keys: Vec<String> = (0..env.world_size).map(|r| format!("rank/{r}")).collect();
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    store.wait(&refs, Duration::from_secs(60)).unwrap();
+    let seen: Vec<String> = refs.iter().map(|k| String::from_utf8(store.get(k).unwrap()).unwrap()).collect();
+    let out = std::env::var("OUT").unwrap();
+    let text = format!(
+        "rank {} of {}, local {} of {}, saw {}",
+        env.rank,
+        env.world_size,
+        env.local_rank,
+        env.local_world_size,
+        seen.join(",")
+    );
+    std::fs::write(Path::new(&out).join(format!("store{}", env.rank)), text).unwrap();
+    0
+}
+
+/// A launcher run from outside, so that the test can read its console and send it signals.
+fn launcher_child() -> i32 {
+    let n: usize = std::env::var("LAUNCH_N").unwrap().parse().unwrap();
+    let mut cfg = sh(n, &std::env::var("LAUNCH_SCRIPT").unwrap());
+    cfg.log_dir = std::env::var_os("LAUNCH_LOG_DIR").map(Into::into);
+    cfg.tee = std::env::var_os("LAUNCH_NO_TEE").is_none();
+    let result = launch(&cfg);
+    // One write, after the workers' output threads are done.
+    match result {
+        Ok(()) => {
+            println!("LAUNCH_RESULT ok");
+            0
+        }
+        Err(e) => {
+            println!("LAUNCH_RESULT err {e}");
+            1
+        }
+    }
+}

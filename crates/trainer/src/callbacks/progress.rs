@@ -1,0 +1,109 @@
+//! [`ProgressCallback`]: an indicatif progress bar over the optimizer steps, on rank 0 only and only when stderr
+//! is a terminal (HF's tqdm bar), and [`ConsoleWriter`], which prints lines above the bar when one is shown.
+
+use std::io::IsTerminal;
+use std::sync::{Arc, Mutex};
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use super::{CallbackContext, TrainerCallback, TrainerControl};
+use crate::error::Result;
+use crate::metrics::Metrics;
+
+/// Prints whole lines to stdout, or through the active progress bar (so the bar is redrawn below the line).
+/// Cheap to clone; shared by [`ProgressCallback`] and [`super::PrinterCallback`].
+#[derive(Debug, Clone, Default)]
+pub struct ConsoleWriter {
+    bar: Arc<Mutex<Option<ProgressBar>>>,
+}
+
+impl ConsoleWriter {
+    /// A writer with no bar attached (plain stdout).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Prints `line` followed by a newline.
+    pub fn println(&self, line: &str) {
+        let bar = self.bar.lock().unwrap_or_else(|p| p.into_inner());
+        match bar.as_ref() {
+            Some(b) if !b.is_hidden() => b.println(line),
+            _ => println!("{line}"),
+        }
+    }
+
+    fn attach(&self, bar: Option<ProgressBar>) {
+        *self.bar.lock().unwrap_or_else(|p| p.into_inner()) = bar;
+    }
+}
+
+/// A progress bar `global_step / max_steps` with the latest training loss, drawn on stderr by rank 0 when stderr is
+/// a terminal and `disable_tqdm` is false; otherwise it does nothing (cheap: one atomic store per step).
+#[derive(Debug)]
+pub struct ProgressCallback {
+    console: ConsoleWriter,
+    bar: Option<ProgressBar>,
+}
+
+impl ProgressCallback {
+    /// A progress callback printing through `console` (share it with the [`super::PrinterCallback`]).
+    pub fn new(console: ConsoleWriter) -> Self {
+        ProgressCallback { console, bar: None }
+    }
+
+    /// Whether a bar is currently shown.
+    pub fn is_visible(&self) -> bool {
+        self.bar.as_ref().is_some_and(|b| !b.is_hidden())
+    }
+}
+
+impl TrainerCallback for ProgressCallback {
+    fn on_train_begin(&mut self, ctx: &CallbackContext, _control: &mut TrainerControl) -> Result<()> {
+        if !ctx.is_world_process_zero() || ctx.args.disable_tqdm || !std::io::stderr().is_terminal() {
+            return Ok(());
+        }
+        let bar = ProgressBar::with_draw_target(Some(ctx.state.max_steps), ProgressDrawTarget::stderr_with_hz(10));
+        let style = ProgressStyle::with_template("{bar:40.cyan/blue} {pos}/{len} [{elapsed_precise}<{eta_precise}, {per_sec}] {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("█▉▊▋▌▍▎▏ ");
+        bar.set_style(style);
+        bar.set_position(ctx.state.global_step);
+        self.console.attach(Some(bar.clone()));
+        self.bar = Some(bar);
+        Ok(())
+    }
+
+    fn on_step_end(&mut self, ctx: &CallbackContext, _control: &mut TrainerControl) -> Result<()> {
+        if let Some(bar) = &self.bar {
+            bar.set_position(ctx.state.global_step);
+        }
+        Ok(())
+    }
+
+    fn on_evaluate(&mut self, _ctx: &CallbackContext, _c: &mut TrainerControl, metrics: &Metrics) -> Result<()> {
+        if let (Some(bar), Some(loss)) = (&self.bar, metrics.get("eval_loss")) {
+            bar.set_message(format!("eval_loss {loss:.4}"));
+        }
+        Ok(())
+    }
+
+    fn on_log(
+        &mut self,
+        _ctx: &CallbackContext,
+        _control: &mut TrainerControl,
+        logs: &crate::state::LogEntry,
+    ) -> Result<()> {
+        if let (Some(bar), Some(loss)) = (&self.bar, logs.get("loss")) {
+            bar.set_message(format!("loss {loss:.4}"));
+        }
+        Ok(())
+    }
+
+    fn on_train_end(&mut self, _ctx: &CallbackContext, _control: &mut TrainerControl) -> Result<()> {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
+        self.console.attach(None);
+        Ok(())
+    }
+}

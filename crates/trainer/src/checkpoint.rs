@@ -1,0 +1,215 @@
+//! Trainer checkpoints: `output_dir/checkpoint-{global_step}/` directories, finding the newest one, and
+//! `save_total_limit` rotation that never deletes the best checkpoint (HF's `_sorted_checkpoints` /
+//! `_rotate_checkpoints`).
+//!
+//! A checkpoint directory holds what `Accelerator::save_state` writes (model, optimizer, scheduler, scaler,
+//! data-loader position, per-rank RNG; itself written to a temporary directory and renamed) plus
+//! `trainer_state.json`, written last and atomically. A directory without `trainer_state.json` is an
+//! interrupted save: it is never resumed from ("latest" skips it) and rotation deletes it like any other old one.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Result, TrainerError};
+use crate::state::{TrainerState, TRAINER_STATE_NAME};
+
+/// Prefix of checkpoint directory names (HF's `PREFIX_CHECKPOINT_DIR`).
+pub const CHECKPOINT_PREFIX: &str = "checkpoint";
+
+/// `output_dir/checkpoint-{global_step}`.
+pub fn checkpoint_dir(output_dir: &Path, global_step: u64) -> PathBuf {
+    output_dir.join(format!("{CHECKPOINT_PREFIX}-{global_step}"))
+}
+
+/// The global step in a checkpoint directory's name (`checkpoint-120` → 120).
+pub fn step_of(dir: &Path) -> Option<u64> {
+    dir.file_name()?.to_str()?.strip_prefix(&format!("{CHECKPOINT_PREFIX}-"))?.parse().ok()
+}
+
+/// Whether `dir` is a complete checkpoint (its `trainer_state.json` exists).
+pub fn is_complete(dir: &Path) -> bool {
+    dir.join(TRAINER_STATE_NAME).is_file()
+}
+
+/// Every `checkpoint-N` directory under `output_dir` in increasing step order, with the best one (if among them)
+/// moved to the second-to-last place so rotation, which deletes from the front, reaches it last (HF's
+/// `_sorted_checkpoints`).
+pub fn sorted_checkpoints(output_dir: &Path, best: Option<&Path>) -> Result<Vec<PathBuf>> {
+    let mut found: Vec<(u64, PathBuf)> = Vec::new();
+    let entries = match std::fs::read_dir(output_dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(TrainerError::io(format!("listing {}", output_dir.display()), e)),
+    };
+    for entry in entries {
+        let entry = entry.map_err(|e| TrainerError::io(format!("listing {}", output_dir.display()), e))?;
+        let path = entry.path();
+        if path.is_dir() {
+            if let Some(step) = step_of(&path) {
+                found.push((step, path));
+            }
+        }
+    }
+    found.sort();
+    let mut sorted: Vec<PathBuf> = found.into_iter().map(|(_, p)| p).collect();
+    if let Some(best) = best {
+        if let Some(i) = sorted.iter().position(|p| same_dir(p, best)) {
+            // Bubble the best towards the end, stopping before the newest (HF's loop to len - 2).
+            for j in i..sorted.len().saturating_sub(2) {
+                sorted.swap(j, j + 1);
+            }
+        }
+    }
+    Ok(sorted)
+}
+
+fn same_dir(a: &Path, b: &Path) -> bool {
+    a == b || (a.file_name() == b.file_name() && a.parent().map(std::fs::canonicalize).and_then(|r| r.ok())
+        == b.parent().map(std::fs::canonicalize).and_then(|r| r.ok()))
+}
+
+/// The newest complete checkpoint under `output_dir` (highest step with a `trainer_state.json`), if any.
+pub fn latest_checkpoint(output_dir: &Path) -> Result<Option<PathBuf>> {
+    Ok(sorted_checkpoints(output_dir, None)?.into_iter().rev().find(|p| is_complete(p)))
+}
+
+/// Deletes the oldest checkpoints beyond `limit`, never the best (HF's `_rotate_checkpoints`): with limit 1 and
+/// a best checkpoint that is not the newest, two are kept (the best and the newest, so training can resume).
+/// Returns the deleted directories. Call on the main process only.
+pub fn rotate_checkpoints(output_dir: &Path, limit: Option<usize>, best: Option<&Path>) -> Result<Vec<PathBuf>> {
+    let Some(limit) = limit.filter(|l| *l > 0) else { return Ok(Vec::new()) };
+    let sorted = sorted_checkpoints(output_dir, best)?;
+    if sorted.len() <= limit {
+        return Ok(Vec::new());
+    }
+    let mut keep = limit;
+    if let (Some(best), Some(newest)) = (best, sorted.last()) {
+        if limit == 1 && !same_dir(newest, best) {
+            keep = 2;
+        }
+    }
+    let n_delete = sorted.len().saturating_sub(keep);
+    let doomed: Vec<PathBuf> = sorted.into_iter().take(n_delete).collect();
+    for dir in &doomed {
+        std::fs::remove_dir_all(dir).map_err(|e| TrainerError::io(format!("deleting old checkpoint {}", dir.display()), e))?;
+    }
+    Ok(doomed)
+}
+
+/// Resolves `resume_from_checkpoint` ("latest"/"true" or a path) to a complete checkpoint directory.
+/// Errors: "latest" with no checkpoint under `output_dir`; a path that is not a directory or has no
+/// `trainer_state.json`.
+pub fn resolve_resume(spec: &str, output_dir: &Path) -> Result<PathBuf> {
+    if matches!(spec.trim(), "latest" | "true" | "True") {
+        return latest_checkpoint(output_dir)?.ok_or_else(|| {
+            TrainerError::checkpoint(
+                output_dir,
+                "resume_from_checkpoint is \"latest\" but there is no complete checkpoint-N directory here; \
+                 train without resuming first, or pass the checkpoint's path",
+            )
+        });
+    }
+    let dir = PathBuf::from(spec);
+    if !dir.is_dir() {
+        return Err(TrainerError::checkpoint(&dir, "resume_from_checkpoint: no such directory"));
+    }
+    if !is_complete(&dir) {
+        return Err(TrainerError::checkpoint(
+            &dir,
+            format!("has no {TRAINER_STATE_NAME}: the save was interrupted or this is not a trainer checkpoint"),
+        ));
+    }
+    Ok(dir)
+}
+
+/// Refuses to resume a checkpoint written with another world size or gradient accumulation: the same global
+/// step would then be a different position in the data, so the run would silently diverge.
+pub fn check_compatible(dir: &Path, state: &TrainerState, world_size: usize, grad_accum: usize) -> Result<()> {
+    if let Some(ws) = state.world_size {
+        if ws != world_size as u64 {
+            return Err(TrainerError::checkpoint(
+                dir,
+                format!(
+                    "was written by {ws} processes but this run has {world_size}; resume with {ws} processes \
+                     (e.g. `--nproc {ws}`), or start a new run in another output_dir"
+                ),
+            ));
+        }
+    }
+    if let Some(ga) = state.gradient_accumulation_steps {
+        if ga != grad_accum as u64 {
+            return Err(TrainerError::checkpoint(
+                dir,
+                format!(
+                    "was written with gradient_accumulation_steps {ga} but this run uses {grad_accum}; resume with \
+                     --gradient-accumulation-steps {ga}"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn make(out: &Path, steps: &[u64]) {
+        for s in steps {
+            let d = checkpoint_dir(out, *s);
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join(TRAINER_STATE_NAME), "{}").unwrap();
+        }
+    }
+
+    fn remaining(out: &Path) -> Vec<u64> {
+        sorted_checkpoints(out, None).unwrap().iter().filter_map(|p| step_of(p)).collect()
+    }
+
+    #[test]
+    fn rotation_keeps_best_and_newest_for_limits_1_2_3() {
+        for (limit, best, expected) in [
+            (1, Some(20), vec![20, 50]),  // limit 1 but best != newest: keep both
+            (1, Some(50), vec![50]),      // best is the newest
+            (1, None, vec![50]),
+            (2, Some(10), vec![10, 50]),  // oldest is best: survives with the newest
+            (2, Some(30), vec![30, 50]),
+            (2, None, vec![40, 50]),
+            (3, Some(10), vec![10, 40, 50]),
+            (3, Some(40), vec![30, 40, 50]),
+            (3, None, vec![30, 40, 50]),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            make(dir.path(), &[10, 20, 30, 40, 50]);
+            let best_dir = best.map(|b| checkpoint_dir(dir.path(), b));
+            rotate_checkpoints(dir.path(), Some(limit), best_dir.as_deref()).unwrap();
+            assert_eq!(remaining(dir.path()), expected, "limit {limit}, best {best:?}");
+        }
+    }
+
+    #[test]
+    fn numeric_order_latest_and_incomplete_dirs() {
+        let dir = tempfile::tempdir().unwrap();
+        make(dir.path(), &[9, 100, 20]);
+        std::fs::create_dir_all(checkpoint_dir(dir.path(), 200)).unwrap(); // interrupted: no trainer_state.json
+        std::fs::create_dir_all(dir.path().join("checkpoint-x")).unwrap();
+        assert_eq!(remaining(dir.path()), vec![9, 20, 100, 200]);
+        assert_eq!(latest_checkpoint(dir.path()).unwrap(), Some(checkpoint_dir(dir.path(), 100)));
+        assert_eq!(resolve_resume("latest", dir.path()).unwrap(), checkpoint_dir(dir.path(), 100));
+        let e = resolve_resume(checkpoint_dir(dir.path(), 200).to_str().unwrap(), dir.path()).unwrap_err();
+        assert!(e.to_string().contains("trainer_state.json"), "{e}");
+        let empty = tempfile::tempdir().unwrap();
+        let e = resolve_resume("latest", empty.path()).unwrap_err().to_string();
+        assert!(e.contains("no complete checkpoint"), "{e}");
+        assert_eq!(rotate_checkpoints(dir.path(), None, None).unwrap(), Vec::<PathBuf>::new());
+    }
+
+    #[test]
+    fn other_world_size_is_refused_with_the_fix() {
+        let st = TrainerState { world_size: Some(2), gradient_accumulation_steps: Some(1), ..Default::default() };
+        let e = check_compatible(Path::new("out/checkpoint-5"), &st, 4, 1).unwrap_err().to_string();
+        assert!(e.contains("2 processes") && e.contains("has 4") && e.contains("--nproc 2"), "{e}");
+        check_compatible(Path::new("x"), &st, 2, 1).unwrap();
+        let e = check_compatible(Path::new("x"), &st, 2, 3).unwrap_err().to_string();
+        assert!(e.contains("gradient_accumulation_steps 1"), "{e}");
+    }
+}

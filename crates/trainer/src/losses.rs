@@ -1,0 +1,106 @@
+//! Loss functions in the form the trainer needs: the **sum** of per-item losses and the **number of items**
+//! ([`LossOutput`]), so the trainer can normalise by the item count of a whole gradient-accumulation window summed
+//! across processes. That makes `GA = k` with batch `b` give the same update as `GA = 1` with batch `k·b`, even
+//! when the number of target tokens differs between micro-batches — the bug HF fixed in transformers 4.46 (2024),
+//! where averaging per-micro-batch means weighted short sequences too much.
+
+use candle_core::{DType, Tensor, D};
+
+use crate::metrics::IGNORE_INDEX;
+
+/// What a loss function returns for one micro-batch.
+#[derive(Debug, Clone)]
+pub struct LossOutput {
+    /// Scalar (0-d) tensor: the sum of the per-item losses (F32; it carries the autograd graph).
+    pub loss_sum: Tensor,
+    /// How many items (samples, target tokens) that sum is over.
+    pub num_items: usize,
+}
+
+impl LossOutput {
+    /// A sum of `num_items` per-item losses.
+    pub fn new(loss_sum: Tensor, num_items: usize) -> Self {
+        LossOutput { loss_sum, num_items }
+    }
+
+    /// From a mean over `num_items` items (e.g. `candle_nn::loss::cross_entropy`'s output): sum = mean · n.
+    pub fn from_mean(mean: &Tensor, num_items: usize) -> candle_core::Result<Self> {
+        Ok(LossOutput { loss_sum: mean.affine(num_items as f64, 0.0)?, num_items })
+    }
+}
+
+/// A loss function: model outputs (F32; the trainer casts bf16/fp16 outputs up first) and targets → [`LossOutput`].
+pub type LossFn = dyn Fn(&Tensor, &Tensor) -> candle_core::Result<LossOutput> + Send + Sync;
+
+/// Classification cross-entropy, one item per row: `logits` `[b, classes]`, `targets` `[b]` class indices (any
+/// integer dtype) → `Σ_i −log softmax(logits_i)[targets_i]` over `b` items.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> candle_core::Result<LossOutput> {
+    let b = logits.dim(0)?;
+    let log_p = candle_nn::ops::log_softmax(logits, D::Minus1)?;
+    let picked = log_p.gather(&targets.to_dtype(DType::U32)?.unsqueeze(1)?, 1)?;
+    Ok(LossOutput { loss_sum: picked.sum_all()?.neg()?, num_items: b })
+}
+
+/// Token-level cross-entropy for sequences with padding: `logits` `[b, T, vocab]`, `targets` `[b, T]` (I64 with
+/// [`IGNORE_INDEX`] = −100 where there is no target, or U32/U8 without padding) → the summed negative
+/// log-likelihood over the non-ignored positions, and their count.
+pub fn token_cross_entropy(logits: &Tensor, targets: &Tensor) -> candle_core::Result<LossOutput> {
+    let (b, t, v) = logits.dims3()?;
+    let flat_logits = logits.reshape((b * t, v))?;
+    let flat_targets = targets.reshape(b * t)?;
+    let (mask, safe_targets) = if flat_targets.dtype() == DType::I64 {
+        let ignore = Tensor::full(IGNORE_INDEX, b * t, targets.device())?;
+        let mask = flat_targets.ne(&ignore)?;
+        // Ignored positions look up class 0 (any valid index) and are then zeroed by the mask.
+        let safe = mask.where_cond(&flat_targets, &flat_targets.zeros_like()?)?;
+        (Some(mask), safe)
+    } else {
+        (None, flat_targets)
+    };
+    let log_p = candle_nn::ops::log_softmax(&flat_logits, D::Minus1)?;
+    let picked = log_p.gather(&safe_targets.to_dtype(DType::U32)?.unsqueeze(1)?, 1)?.squeeze(1)?;
+    match mask {
+        Some(mask) => {
+            let count = mask.to_dtype(DType::U32)?.sum_all()?.to_scalar::<u32>()? as usize;
+            let masked = (picked * mask.to_dtype(DType::F32)?)?;
+            Ok(LossOutput { loss_sum: masked.sum_all()?.neg()?, num_items: count })
+        }
+        None => Ok(LossOutput { loss_sum: picked.sum_all()?.neg()?, num_items: b * t }),
+    }
+}
+
+/// Squared error summed over all elements, one item per element (mean = MSE).
+pub fn mse(outputs: &Tensor, targets: &Tensor) -> candle_core::Result<LossOutput> {
+    let diff = (outputs - targets.to_dtype(outputs.dtype())?)?;
+    Ok(LossOutput { loss_sum: diff.sqr()?.sum_all()?, num_items: outputs.elem_count() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn cross_entropy_matches_candle_nn_mean_times_rows() {
+        let dev = Device::Cpu;
+        let logits = Tensor::new(&[[1.0f32, 2.0, 0.5], [0.1, -1.0, 3.0]], &dev).unwrap();
+        let targets = Tensor::new(&[1u32, 2], &dev).unwrap();
+        let ours = cross_entropy(&logits, &targets).unwrap();
+        let mean = candle_nn::loss::cross_entropy(&logits, &targets).unwrap().to_scalar::<f32>().unwrap();
+        assert_eq!(ours.num_items, 2);
+        assert!((ours.loss_sum.to_scalar::<f32>().unwrap() - 2.0 * mean).abs() < 1e-6);
+    }
+
+    #[test]
+    fn token_cross_entropy_ignores_padding() {
+        let dev = Device::Cpu;
+        // One sequence of 3 positions over 2 classes; the last target is padding.
+        let logits = Tensor::new(&[[[0.0f32, 0.0], [0.0, 2.0f32.ln()], [9.0, -9.0]]], &dev).unwrap();
+        let targets = Tensor::new(&[[0i64, 1, IGNORE_INDEX]], &dev).unwrap();
+        let out = token_cross_entropy(&logits, &targets).unwrap();
+        assert_eq!(out.num_items, 2);
+        // −ln(1/2) − ln(2/3)
+        let expected = 2f32.ln() + 1.5f32.ln();
+        assert!((out.loss_sum.to_scalar::<f32>().unwrap() - expected).abs() < 1e-6);
+    }
+}

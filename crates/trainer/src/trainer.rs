@@ -1,0 +1,682 @@
+//! [`Trainer`]: the training loop of HF's `Trainer.train()` on top of the Accelerator — epochs and global steps
+//! with HF's arithmetic, gradient accumulation with token-exact loss normalisation, clipping, LR schedules stepped
+//! only on real optimizer steps, logging, evaluation, checkpoints with rotation, exact resume, callbacks,
+//! early stopping, best-model reloading and plots.
+//!
+//! Step arithmetic (HF): with `L` micro-batches per epoch on each process and accumulation `GA`, an epoch has
+//! `upe = max(ceil(L / GA), 1)` optimizer steps; `max_steps` (if > 0) wins, else `max_steps =
+//! ceil(num_train_epochs · upe)`. An optimizer step consumes a *window* of `GA` micro-batches (fewer at the end
+//! of an epoch). Resuming at global step `g` skips `g / upe` epochs and `(g % upe) · GA` micro-batches.
+//!
+//! Loss normalisation: the loss function returns (sum of per-item losses, item count) per micro-batch. For each
+//! window the trainer all-reduces (sum over ranks) the window's item count `N` together with its loss sum, and
+//! back-propagates `loss_sum · GA · W / N` per micro-batch, which the Accelerator divides by `GA` and DDP averages
+//! over the `W` ranks: the applied gradient is exactly `∇(Σ loss) / N` over the whole window and all ranks. So
+//! `GA = k` with batch `b` equals `GA = 1` with batch `k·b` for any mix of sequence lengths.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use accel::data::{Batch, DataLoader, DataLoaderConfig, Dataset};
+use accel::optim::AcceleratedOptimizer;
+use accel::scheduler::{warmup_steps_from, LrScheduler, Scheduler};
+use accel::state::Stateful;
+use accel::{Accelerator, AcceleratorConfig, MixedPrecision, PreparedModel};
+use candle_core::{DType, ModuleT, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use ddp_core::ProcessGroup;
+
+use crate::args::{SaveStrategy, TrainingArguments};
+use crate::callbacks::{
+    CallbackContext, CallbackHandler, ConsoleWriter, DefaultFlowCallback, EarlyStoppingCallback, PrinterCallback,
+    ProgressCallback, TrackersCallback, TrainerCallback, TrainerControl,
+};
+use crate::checkpoint;
+#[allow(unused_imports)]
+use crate::compat_tmp::CheckpointShim;
+use crate::error::{Result, TrainerError};
+use crate::losses::{LossFn, LossOutput};
+use crate::metrics::{EvalPrediction, Metrics};
+use crate::optimizer::TrainerOptimizer;
+use crate::state::{LogEntry, TrainerState, TRAINER_STATE_NAME};
+
+/// Builds the model from a `VarBuilder` (device, dtype and seeded initialisation chosen by the trainer).
+pub type ModelInit<M> = Box<dyn Fn(VarBuilder<'static>) -> candle_core::Result<M> + Send>;
+/// Computes metrics from everything predicted on the evaluation set (gathered from all processes).
+pub type ComputeMetrics = Box<dyn Fn(&EvalPrediction) -> Result<Metrics> + Send>;
+
+/// What [`Trainer::train`] returns (HF's `TrainOutput`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainOutput {
+    /// Optimizer steps taken in total (including those before a resume).
+    pub global_step: u64,
+    /// Mean training loss over the steps of this run.
+    pub training_loss: f64,
+    /// `train_runtime` (s), `train_samples_per_second`, `train_steps_per_second`, `train_loss`, `epoch`.
+    pub metrics: Metrics,
+}
+
+/// The model and everything the Accelerator prepared for it; created on first use.
+pub(crate) struct Runtime<M, D> {
+    pub(crate) acc: Accelerator,
+    pub(crate) varmap: VarMap,
+    pub(crate) model: M,
+    pub(crate) prepared: PreparedModel,
+    pub(crate) optimizer: AcceleratedOptimizer<TrainerOptimizer>,
+    pub(crate) train_loader: DataLoader<D>,
+    pub(crate) scheduler: Option<Arc<Mutex<Scheduler>>>,
+    pub(crate) callbacks: CallbackHandler,
+}
+
+/// An HF-style trainer. See the module documentation for the loop's semantics.
+///
+/// ```no_run
+/// use trainer::{Trainer, TrainingArguments, losses, metrics};
+/// # fn data() -> accel::data::TensorDataset { unimplemented!() }
+/// # fn main() -> trainer::Result<()> {
+/// let args = TrainingArguments { num_train_epochs: 3.0, learning_rate: 1e-3, ..Default::default() };
+/// let mut t = Trainer::new(args, |vb| candle_nn::linear(784, 10, vb.pp("fc")), data(), Some(data()),
+///                          losses::cross_entropy)
+///     .compute_metrics(metrics::classification);
+/// let out = t.train()?;
+/// println!("{} steps, loss {:.4}", out.global_step, out.training_loss);
+/// # Ok(()) }
+/// ```
+pub struct Trainer<M, D> {
+    pub(crate) args: TrainingArguments,
+    model_init: ModelInit<M>,
+    train_dataset: Arc<D>,
+    pub(crate) eval_dataset: Option<Arc<D>>,
+    pub(crate) loss_fn: Arc<LossFn>,
+    pub(crate) compute_metrics: Option<ComputeMetrics>,
+    user_callbacks: Vec<Box<dyn TrainerCallback>>,
+    process_group: Option<ProcessGroup>,
+    pub(crate) rt: Option<Runtime<M, D>>,
+    pub(crate) state: TrainerState,
+    pub(crate) control: TrainerControl,
+    trained: bool,
+}
+
+/// A callback event (to dispatch with split borrows of the trainer).
+pub(crate) enum Event<'a> {
+    TrainBegin,
+    TrainEnd,
+    EpochBegin,
+    EpochEnd,
+    StepBegin,
+    StepEnd,
+    Save,
+    Evaluate(&'a Metrics),
+    Log(&'a LogEntry),
+}
+
+pub(crate) fn fire(
+    callbacks: &mut CallbackHandler,
+    args: &TrainingArguments,
+    state: &TrainerState,
+    acc: &Accelerator,
+    control: &mut TrainerControl,
+    event: Event,
+) -> Result<()> {
+    let ctx = CallbackContext { args, state, rank: acc.rank(), world_size: acc.world_size() };
+    match event {
+        Event::TrainBegin => callbacks.on_train_begin(&ctx, control),
+        Event::TrainEnd => callbacks.on_train_end(&ctx, control),
+        Event::EpochBegin => callbacks.on_epoch_begin(&ctx, control),
+        Event::EpochEnd => callbacks.on_epoch_end(&ctx, control),
+        Event::StepBegin => callbacks.on_step_begin(&ctx, control),
+        Event::StepEnd => callbacks.on_step_end(&ctx, control),
+        Event::Save => callbacks.on_save(&ctx, control),
+        Event::Evaluate(m) => callbacks.on_evaluate(&ctx, control, m),
+        Event::Log(l) => callbacks.on_log(&ctx, control, l),
+    }
+}
+
+/// Casts floating-point inputs to the compute dtype (integer inputs such as token ids are left alone).
+pub(crate) fn cast_input(x: &Tensor, dtype: DType) -> Result<Tensor> {
+    Ok(if x.dtype().is_float() && x.dtype() != dtype { x.to_dtype(dtype)? } else { x.clone() })
+}
+
+/// Model outputs in F32 for the loss (autocast-style upcast of bf16/fp16 logits).
+pub(crate) fn outputs_f32(y: Tensor) -> Result<Tensor> {
+    Ok(if y.dtype() != DType::F32 && y.dtype().is_float() { y.to_dtype(DType::F32)? } else { y })
+}
+
+impl<M, D> Trainer<M, D>
+where
+    M: ModuleT + 'static,
+    D: Dataset + 'static,
+{
+    /// A trainer for the model `model_init` builds, trained on `train_dataset`, evaluated on `eval_dataset`,
+    /// with `loss_fn` (see [`crate::losses`]). Nothing runs until [`Self::train`], [`Self::evaluate`] or
+    /// [`Self::predict`]; those set up the Accelerator (from the environment — `accel launch` / torchrun
+    /// variables — or [`Self::process_group`]), build the model with seeded initialisation and prepare it.
+    pub fn new<F, L>(args: TrainingArguments, model_init: F, train_dataset: D, eval_dataset: Option<D>, loss_fn: L) -> Self
+    where
+        F: Fn(VarBuilder<'static>) -> candle_core::Result<M> + Send + 'static,
+        L: Fn(&Tensor, &Tensor) -> candle_core::Result<LossOutput> + Send + Sync + 'static,
+    {
+        Trainer {
+            args,
+            model_init: Box::new(model_init),
+            train_dataset: Arc::new(train_dataset),
+            eval_dataset: eval_dataset.map(Arc::new),
+            loss_fn: Arc::new(loss_fn),
+            compute_metrics: None,
+            user_callbacks: Vec::new(),
+            process_group: None,
+            rt: None,
+            state: TrainerState::default(),
+            control: TrainerControl::default(),
+            trained: false,
+        }
+    }
+
+    /// Sets the metrics computed at each evaluation from the gathered predictions (e.g.
+    /// [`crate::metrics::classification`]); their names get the `eval_` prefix.
+    pub fn compute_metrics(mut self, f: impl Fn(&EvalPrediction) -> Result<Metrics> + Send + 'static) -> Self {
+        self.compute_metrics = Some(Box::new(f));
+        self
+    }
+
+    /// Adds a callback (after the built-in ones).
+    pub fn callback(mut self, cb: impl TrainerCallback + 'static) -> Self {
+        self.user_callbacks.push(Box::new(cb));
+        self
+    }
+
+    /// Runs on this process group instead of the one described by the environment (tests run ranks as threads).
+    pub fn process_group(mut self, pg: ProcessGroup) -> Self {
+        self.process_group = Some(pg);
+        self
+    }
+
+    /// The arguments (finalized once the trainer has been set up).
+    pub fn args(&self) -> &TrainingArguments {
+        &self.args
+    }
+
+    /// The training state (global step, log history, best metric...).
+    pub fn state(&self) -> &TrainerState {
+        &self.state
+    }
+
+    /// The model (after setup: built on the first `train` / `evaluate` / `predict`).
+    pub fn model(&self) -> Option<&M> {
+        self.rt.as_ref().map(|r| &r.model)
+    }
+
+    /// The model's variables (compute dtype), after setup.
+    pub fn varmap(&self) -> Option<&VarMap> {
+        self.rt.as_ref().map(|r| &r.varmap)
+    }
+
+    /// The prepared model (fp32 master weights, gradients), after setup.
+    pub fn prepared_model(&self) -> Option<&PreparedModel> {
+        self.rt.as_ref().map(|r| &r.prepared)
+    }
+
+    /// The Accelerator, after setup.
+    pub fn accelerator(&self) -> Option<&Accelerator> {
+        self.rt.as_ref().map(|r| &r.acc)
+    }
+
+    /// Sets up the Accelerator, model, optimizer, train loader and callbacks (idempotent).
+    pub fn setup(&mut self) -> Result<()> {
+        if self.rt.is_some() {
+            return Ok(());
+        }
+        let acc = self.build_accelerator()?;
+        self.args.finalize()?;
+        let varmap = VarMap::new();
+        let vb = crate::init::seeded_var_builder(&varmap, self.args.seed, acc.compute_dtype(), acc.device());
+        let model = (self.model_init)(vb)?;
+        let prepared = acc.prepare_model(&varmap)?;
+        let optimizer = acc.prepare_optimizer(&prepared, TrainerOptimizer::from_args(&self.args)?)?;
+        let cfg = DataLoaderConfig {
+            batch_size: self.args.per_device_train_batch_size,
+            shuffle: true,
+            seed: self.args.data_seed_resolved(),
+            drop_last: self.args.dataloader_drop_last,
+            split_batches: acc.config().split_batches,
+            even_batches: acc.config().even_batches,
+            prefetch: true,
+        };
+        let train_loader = acc.prepare_data_loader(DataLoader::from_arc(self.train_dataset.clone(), cfg))?;
+        let callbacks = self.build_callbacks(&acc);
+        if acc.is_main_process() {
+            std::fs::create_dir_all(&self.args.output_dir)
+                .map_err(|e| TrainerError::io(format!("creating output_dir {}", self.args.output_dir.display()), e))?;
+        }
+        self.rt = Some(Runtime { acc, varmap, model, prepared, optimizer, train_loader, scheduler: None, callbacks });
+        Ok(())
+    }
+
+    /// The Accelerator: the environment's configuration (`accel launch` flags) unless the arguments set mixed
+    /// precision / accumulation explicitly; the arguments are then updated to what is in effect.
+    fn build_accelerator(&mut self) -> Result<Accelerator> {
+        let mut cfg = AcceleratorConfig::from_env()?;
+        if self.args.mixed_precision != MixedPrecision::No {
+            cfg.mixed_precision = self.args.mixed_precision;
+        }
+        if self.args.gradient_accumulation_steps != 1 {
+            cfg.gradient_accumulation_steps = self.args.gradient_accumulation_steps;
+        }
+        cfg.seed = Some(self.args.seed);
+        self.args.mixed_precision = cfg.mixed_precision;
+        self.args.gradient_accumulation_steps = cfg.gradient_accumulation_steps;
+        Ok(match self.process_group.take() {
+            Some(pg) => Accelerator::with_process_group(cfg, pg)?,
+            None => Accelerator::new(cfg)?,
+        })
+    }
+
+    fn build_callbacks(&mut self, acc: &Accelerator) -> CallbackHandler {
+        let mut handler = CallbackHandler::new();
+        handler.push(Box::new(DefaultFlowCallback));
+        if let Some(patience) = self.args.early_stopping_patience {
+            handler.push(Box::new(EarlyStoppingCallback::new(patience, self.args.early_stopping_threshold)));
+        }
+        let console = ConsoleWriter::new();
+        handler.push(Box::new(ProgressCallback::new(console.clone())));
+        handler.push(Box::new(PrinterCallback::new(console)));
+        let mut kinds = Vec::new();
+        if self.args.report_to.contains("jsonl") {
+            kinds.push(accel::tracking::TrackerKind::Jsonl);
+        }
+        if self.args.report_to.contains("tensorboard") {
+            kinds.push(accel::tracking::TrackerKind::TensorBoard);
+        }
+        if !kinds.is_empty() && !self.args.report_to.0.iter().any(|r| r == "none") {
+            let logging_dir = self.args.logging_dir.clone().unwrap_or_else(|| self.args.output_dir.join("runs"));
+            let project = self.args.run_name.clone().unwrap_or_else(|| {
+                self.args
+                    .output_dir
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .filter(|n| !n.is_empty() && *n != "." && *n != "..")
+                    .unwrap_or("trainer")
+                    .to_string()
+            });
+            handler.push(Box::new(TrackersCallback::new(acc.clone(), project, kinds, logging_dir)));
+        }
+        for cb in self.user_callbacks.drain(..) {
+            handler.push(cb);
+        }
+        handler
+    }
+
+    /// Trains: see the module documentation. Resumes when `resume_from_checkpoint` is set. Call once per
+    /// Trainer.
+    pub fn train(&mut self) -> Result<TrainOutput> {
+        if self.trained {
+            return Err(TrainerError::Usage("train() was already called on this Trainer; build a new Trainer to train again".into()));
+        }
+        self.setup()?;
+        self.trained = true;
+        let mut rt = self.rt.take().expect("setup created the runtime");
+        let result = self.train_loop(&mut rt);
+        self.rt = Some(rt);
+        result
+    }
+
+    fn train_loop(&mut self, rt: &mut Runtime<M, D>) -> Result<TrainOutput> {
+        let start = Instant::now();
+        let ga = self.args.gradient_accumulation_steps;
+        let world = rt.acc.world_size();
+        let loader_len = rt.train_loader.len();
+        if loader_len == 0 {
+            return Err(TrainerError::Usage(format!(
+                "the training data loader is empty on rank {} ({} samples, per_device_train_batch_size {}, {} \
+                 processes, dataloader_drop_last {}); use a smaller batch or more data",
+                rt.acc.rank(),
+                self.train_dataset.len(),
+                self.args.per_device_train_batch_size,
+                world,
+                self.args.dataloader_drop_last
+            )));
+        }
+        let upe = loader_len.div_ceil(ga).max(1) as u64;
+        let (max_steps, num_epochs) = if self.args.max_steps > 0 {
+            let m = self.args.max_steps as u64;
+            (m, m.div_ceil(upe))
+        } else {
+            ((self.args.num_train_epochs * upe as f64).ceil() as u64, self.args.num_train_epochs.ceil() as u64)
+        };
+        self.state = TrainerState {
+            max_steps,
+            logging_steps: self.args.logging_interval(max_steps),
+            eval_steps: self.args.eval_interval(max_steps),
+            save_steps: self.args.save_interval(max_steps),
+            train_batch_size: (self.args.per_device_train_batch_size * world) as u64,
+            num_train_epochs: num_epochs,
+            world_size: Some(world as u64),
+            gradient_accumulation_steps: Some(ga as u64),
+            is_local_process_zero: rt.acc.is_local_main_process(),
+            is_world_process_zero: rt.acc.is_main_process(),
+            ..TrainerState::default()
+        };
+        let warmup = warmup_steps_from(self.args.warmup_steps, self.args.warmup_ratio, max_steps);
+        let scheduler =
+            Arc::new(Mutex::new(Scheduler::new(self.args.lr_scheduler_type, self.args.learning_rate, warmup, max_steps)));
+        rt.acc.register_for_checkpointing(scheduler.clone() as Arc<Mutex<dyn Stateful + Send>>);
+        rt.scheduler = Some(scheduler.clone());
+        if rt.acc.is_main_process() {
+            let yaml = self.args.to_yaml()?;
+            let path = self.args.output_dir.join("training_args.yaml");
+            std::fs::write(&path, yaml).map_err(|e| TrainerError::io(format!("writing {}", path.display()), e))?;
+        }
+
+        // Resume: restore everything, then skip what was already trained (HF's arithmetic).
+        let mut epochs_trained = 0u64;
+        let mut skip_micro = 0usize;
+        if let Some(spec) = self.args.resume_from_checkpoint.clone() {
+            let dir = checkpoint::resolve_resume(&spec, &self.args.output_dir)?;
+            let saved = TrainerState::load_from_json(&dir.join(TRAINER_STATE_NAME))?;
+            checkpoint::check_compatible(&dir, &saved, world, ga)?;
+            rt.acc.load_state(Some(&dir))?;
+            self.state.global_step = saved.global_step;
+            self.state.epoch = saved.epoch;
+            self.state.log_history = saved.log_history;
+            self.state.best_metric = saved.best_metric;
+            self.state.best_global_step = saved.best_global_step;
+            self.state.best_model_checkpoint = saved.best_model_checkpoint;
+            self.state.num_input_tokens_seen = saved.num_input_tokens_seen;
+            rt.callbacks.load_states(&saved.stateful_callbacks)?;
+            epochs_trained = saved.global_step / upe;
+            skip_micro = ((saved.global_step % upe) as usize) * ga;
+            rt.acc.print(format!(
+                "Resuming from {} at global step {} (epoch {epochs_trained}, skipping {skip_micro} micro-batches)",
+                dir.display(),
+                saved.global_step
+            ));
+        }
+        {
+            let lr = scheduler.lock().unwrap_or_else(|p| p.into_inner()).lr();
+            rt.optimizer.set_learning_rate(lr);
+        }
+        self.control = TrainerControl::default();
+        fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::TrainBegin)?;
+
+        let start_step = self.state.global_step;
+        let mut total_loss = 0.0f64; // sum of step losses of this run
+        let mut loss_since_log = 0.0f64;
+        let mut steps_since_log = 0u64;
+        let mut last_grad_norm: Option<f64> = None;
+
+        for epoch in epochs_trained..num_epochs {
+            if self.state.global_step >= max_steps {
+                break;
+            }
+            rt.train_loader.set_epoch(epoch);
+            let first_epoch_skip = if epoch == epochs_trained { skip_micro } else { 0 };
+            rt.train_loader.skip_first_batches(first_epoch_skip);
+            self.control.new_epoch();
+            fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::EpochBegin)?;
+            let mut consumed = first_epoch_skip;
+            let mut iter = rt.train_loader.iter();
+            loop {
+                let mut window: Vec<Batch> = Vec::with_capacity(ga);
+                for _ in 0..ga {
+                    match iter.next() {
+                        Some(b) => window.push(b?),
+                        None => break,
+                    }
+                }
+                if window.is_empty() {
+                    break;
+                }
+                consumed += window.len();
+                fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::StepBegin)?;
+                let step = self.training_step(rt, &window)?;
+                drop(window);
+                total_loss += step.loss;
+                loss_since_log += step.loss;
+                steps_since_log += 1;
+                if step.grad_norm.is_some() {
+                    last_grad_norm = step.grad_norm;
+                }
+                self.state.global_step += 1;
+                self.state.epoch = epoch as f64 + consumed as f64 / loader_len as f64;
+                fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::StepEnd)?;
+                self.maybe_log_save_evaluate(rt, &mut loss_since_log, &mut steps_since_log, last_grad_norm)?;
+                if self.control.should_epoch_stop || self.control.should_training_stop {
+                    break;
+                }
+            }
+            drop(iter);
+            fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::EpochEnd)?;
+            self.maybe_log_save_evaluate(rt, &mut loss_since_log, &mut steps_since_log, last_grad_norm)?;
+            if self.control.should_training_stop {
+                break;
+            }
+        }
+
+        let runtime = start.elapsed().as_secs_f64();
+        let steps_this_run = self.state.global_step - start_step;
+        let training_loss = if steps_this_run > 0 { total_loss / steps_this_run as f64 } else { 0.0 };
+        let samples = steps_this_run as f64 * (self.args.per_device_train_batch_size * ga * world) as f64;
+        let metrics = Metrics::from([
+            ("train_runtime".to_string(), runtime),
+            ("train_samples_per_second".to_string(), samples / runtime.max(1e-9)),
+            ("train_steps_per_second".to_string(), steps_this_run as f64 / runtime.max(1e-9)),
+            ("train_loss".to_string(), training_loss),
+        ]);
+        self.log(rt, metrics.clone())?;
+        if self.args.load_best_model_at_end {
+            self.load_best_model(rt)?;
+        }
+        fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::TrainEnd)?;
+        if rt.acc.is_main_process() {
+            self.state.save_to_json(&self.args.output_dir.join(TRAINER_STATE_NAME))?;
+            if self.args.save_plots {
+                match crate::plot::plot_training_curves(&self.state, &self.args.output_dir) {
+                    Ok(_) => {}
+                    // A missing plot must not fail a finished training run.
+                    Err(e) => tracing::warn!("could not write the training curves: {e}"),
+                }
+            }
+        }
+        rt.acc.wait_for_everyone()?;
+        let mut metrics = metrics;
+        metrics.insert("epoch".into(), self.state.epoch);
+        Ok(TrainOutput { global_step: self.state.global_step, training_loss, metrics })
+    }
+
+    /// One optimizer step over a window of micro-batches. See the module documentation for the normalisation.
+    fn training_step(&mut self, rt: &mut Runtime<M, D>, window: &[Batch]) -> Result<StepOutcome> {
+        let acc = &rt.acc;
+        let dtype = acc.compute_dtype();
+        let mut sums = Vec::with_capacity(window.len());
+        let mut local_sum = 0.0f64;
+        let mut local_items = 0usize;
+        for batch in window {
+            let x = cast_input(&batch.inputs, dtype)?;
+            let y = outputs_f32(rt.model.forward_t(&x, true)?)?;
+            let out = (self.loss_fn)(&y, &batch.targets)?;
+            local_sum += out.loss_sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            local_items += out.num_items;
+            sums.push(out.loss_sum);
+        }
+        let world = acc.world_size();
+        let global = world > 1 && self.args.average_tokens_across_devices;
+        let (sum, items) = if global {
+            let mut buf = [local_sum, local_items as f64];
+            acc.process_group().all_reduce(&mut buf, ddp_core::ReduceOp::Sum)?;
+            (buf[0], buf[1])
+        } else {
+            (local_sum, local_items as f64)
+        };
+        // backward() divides by GA and DDP averages over ranks: pre-multiply so both cancel (see module docs).
+        let ga = acc.gradient_accumulation_steps() as f64;
+        let scale = if items > 0.0 { ga * if global { world as f64 } else { 1.0 } / items } else { 0.0 };
+        let last = sums.len() - 1;
+        for (i, s) in sums.iter().enumerate() {
+            // The trainer decides where a window ends; tell the Accelerator so it syncs exactly there.
+            acc.gradient_state().set_end_of_dataloader(i == last);
+            acc.backward(&s.affine(scale, 0.0)?)?;
+        }
+        let grad_norm =
+            if self.args.max_grad_norm > 0.0 { Some(acc.clip_grad_norm(self.args.max_grad_norm)?) } else { None };
+        let stepped = rt.optimizer.step()?;
+        if stepped {
+            // Only real optimizer steps move the schedule (not fp16-skipped ones).
+            if let Some(s) = &rt.scheduler {
+                let mut s = s.lock().unwrap_or_else(|p| p.into_inner());
+                s.step();
+                rt.optimizer.set_learning_rate(s.lr());
+            }
+        }
+        let loss = if items > 0.0 { sum / items } else { 0.0 };
+        Ok(StepOutcome { loss, grad_norm })
+    }
+
+    /// HF's `_maybe_log_save_evaluate`: log the running loss, evaluate (and track the best metric), checkpoint,
+    /// as the control flags ask.
+    fn maybe_log_save_evaluate(
+        &mut self,
+        rt: &mut Runtime<M, D>,
+        loss_since_log: &mut f64,
+        steps_since_log: &mut u64,
+        grad_norm: Option<f64>,
+    ) -> Result<()> {
+        if self.control.should_log && *steps_since_log > 0 {
+            let mut loss = *loss_since_log / *steps_since_log as f64;
+            if rt.acc.world_size() > 1 && !self.args.average_tokens_across_devices {
+                // Per-rank losses: average them for the log (every rank logs at the same steps).
+                let mut buf = [loss];
+                rt.acc.process_group().all_reduce(&mut buf, ddp_core::ReduceOp::Avg)?;
+                loss = buf[0];
+            }
+            let mut values = Metrics::from([
+                ("loss".to_string(), loss),
+                ("learning_rate".to_string(), rt.optimizer.learning_rate()),
+            ]);
+            if let Some(g) = grad_norm {
+                values.insert("grad_norm".into(), g);
+            }
+            *loss_since_log = 0.0;
+            *steps_since_log = 0;
+            self.log(rt, values)?;
+        }
+        if self.control.should_evaluate && self.eval_dataset.is_some() {
+            let metrics = self.evaluate_in(rt, None, "eval")?;
+            let new_best = self.determine_best_metric(&metrics)?;
+            if self.args.save_strategy == SaveStrategy::Best {
+                self.control.should_save = new_best;
+            }
+        }
+        if self.control.should_save {
+            self.save_checkpoint(rt)?;
+            fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::Save)?;
+        }
+        self.control.new_step();
+        Ok(())
+    }
+
+    /// Appends a log entry at the current step and dispatches `on_log`.
+    pub(crate) fn log(&mut self, rt: &mut Runtime<M, D>, values: Metrics) -> Result<()> {
+        let entry = LogEntry { epoch: self.state.epoch, step: self.state.global_step, values };
+        self.state.log_history.push(entry.clone());
+        fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::Log(&entry))
+    }
+
+    /// HF's `_determine_best_metric`: updates `best_metric` / `best_global_step`; true when this evaluation is a
+    /// new best.
+    fn determine_best_metric(&mut self, metrics: &Metrics) -> Result<bool> {
+        let Some(key) = self.args.best_metric_key() else { return Ok(false) };
+        let value = *metrics
+            .get(&key)
+            .ok_or_else(|| TrainerError::MissingMetric { name: key.clone(), available: metrics.keys().cloned().collect() })?;
+        let greater = self.args.greater_is_better_resolved();
+        let better = match self.state.best_metric {
+            None => true,
+            Some(best) => {
+                if greater {
+                    value > best
+                } else {
+                    value < best
+                }
+            }
+        };
+        if better {
+            self.state.best_metric = Some(value);
+            if self.args.save_strategy != SaveStrategy::No {
+                self.state.best_global_step = Some(self.state.global_step);
+            }
+        }
+        Ok(better)
+    }
+
+    /// Writes `output_dir/checkpoint-{global_step}`: the Accelerator's state (all ranks), then
+    /// `trainer_state.json` (main process, atomically, last), then rotation.
+    fn save_checkpoint(&mut self, rt: &mut Runtime<M, D>) -> Result<()> {
+        let dir = checkpoint::checkpoint_dir(&self.args.output_dir, self.state.global_step);
+        if checkpoint::is_complete(&dir) {
+            // Already written at this step (e.g. an epoch end that coincides with a step save).
+            return Ok(());
+        }
+        let mut callbacks: std::collections::BTreeMap<_, _> = rt.callbacks.states().into_iter().collect();
+        callbacks.insert("TrainerControl".to_string(), self.control.to_state());
+        self.state.stateful_callbacks = callbacks;
+        rt.acc.save_state(Some(&dir))?;
+        if let Some(best_step) = self.state.best_global_step {
+            let best_dir = checkpoint::checkpoint_dir(&self.args.output_dir, best_step);
+            if best_step == self.state.global_step || best_dir.is_dir() {
+                self.state.best_model_checkpoint = Some(best_dir.to_string_lossy().into_owned());
+            }
+        }
+        if rt.acc.is_main_process() {
+            self.state.save_to_json(&dir.join(TRAINER_STATE_NAME))?;
+            let best = self.state.best_model_checkpoint.as_ref().map(PathBuf::from);
+            checkpoint::rotate_checkpoints(&self.args.output_dir, self.args.save_total_limit, best.as_deref())?;
+        }
+        rt.acc.wait_for_everyone()?;
+        Ok(())
+    }
+
+    /// Loads the weights of `best_model_checkpoint` into the model (every rank).
+    fn load_best_model(&mut self, rt: &mut Runtime<M, D>) -> Result<()> {
+        let Some(best) = self.state.best_model_checkpoint.clone() else {
+            rt.acc.print("load_best_model_at_end: no best checkpoint was saved; keeping the final weights");
+            return Ok(());
+        };
+        let path = Path::new(&best).join("model.safetensors");
+        let weights = accel::state::load_safetensors(&path, rt.acc.device())?;
+        rt.prepared.load_state_dict(&weights)?;
+        rt.acc.print(format!(
+            "Loading best model from {best} (score: {})",
+            self.state.best_metric.map(|m| format!("{m:.6}")).unwrap_or_default()
+        ));
+        Ok(())
+    }
+
+    /// Writes the fp32 weights (`model.safetensors`, names = `VarMap` names) and `training_args.yaml` to `dir`
+    /// (default `output_dir`), from the main process; returns the weights file.
+    pub fn save_model(&mut self, dir: Option<&Path>) -> Result<PathBuf> {
+        self.setup()?;
+        let rt = self.rt.as_ref().expect("setup created the runtime");
+        let dir = dir.map(Path::to_path_buf).unwrap_or_else(|| self.args.output_dir.clone());
+        let path = dir.join("model.safetensors");
+        if rt.acc.is_main_process() {
+            std::fs::create_dir_all(&dir).map_err(|e| TrainerError::io(format!("creating {}", dir.display()), e))?;
+            let tmp = dir.join("model.safetensors.tmp");
+            accel::state::save_safetensors(&rt.prepared.state_dict(), &tmp)?;
+            std::fs::rename(&tmp, &path).map_err(|e| TrainerError::io(format!("renaming {}", tmp.display()), e))?;
+            let args_path = dir.join("training_args.yaml");
+            std::fs::write(&args_path, self.args.to_yaml()?)
+                .map_err(|e| TrainerError::io(format!("writing {}", args_path.display()), e))?;
+        }
+        rt.acc.wait_for_everyone()?;
+        Ok(path)
+    }
+}
+
+/// Result of one optimizer step.
+struct StepOutcome {
+    /// Mean loss per item over the window (all ranks when `average_tokens_across_devices`).
+    loss: f64,
+    /// Total gradient norm before clipping, when clipping is on.
+    grad_norm: Option<f64>,
+}

@@ -1,0 +1,81 @@
+//! Gradient accumulation with token-level losses: sequences of very different lengths (targets padded with
+//! -100), normalised by the number of target tokens of the whole accumulation window summed over all ranks, so
+//! that GA = k with batch b gives the same parameters as GA = 1 with batch k·b, on 2 ranks and on 1 — and the
+//! per-micro-batch-mean normalisation (the pre-4.46 HF Trainer bug) would not.
+//!
+//! Tolerance: 1e-5 relative (denominator floored at 1e-3). The runs see the same samples in every optimizer step
+//! but sum them in a different order, so only f32 rounding differs; SGD keeps that rounding from being amplified.
+
+mod common;
+
+use std::path::Path;
+
+use common::{max_rel_diff, run_ranks, snapshot, TokenData, TokenModel};
+use ddp_core::ProcessGroup;
+use trainer::losses::{self, LossOutput};
+use trainer::{OptimizerKind, ReportTo, SaveStrategy, Trainer, TrainingArguments};
+
+const TOLERANCE: f64 = 1e-5;
+
+fn args(out: &Path, batch: usize, ga: usize) -> TrainingArguments {
+    TrainingArguments {
+        output_dir: out.to_path_buf(),
+        max_steps: 8, // 64 samples / 16 per step = 4 steps per epoch: two epochs
+        per_device_train_batch_size: batch,
+        gradient_accumulation_steps: ga,
+        optim: OptimizerKind::Sgd,
+        learning_rate: 0.5,
+        lr_scheduler_type: accel::scheduler::SchedulerKind::Constant,
+        save_strategy: SaveStrategy::No,
+        report_to: ReportTo(vec!["none".into()]),
+        save_plots: false,
+        disable_tqdm: true,
+        ..Default::default()
+    }
+}
+
+type Snapshot = Vec<(String, Vec<u32>)>;
+
+fn train(batch: usize, ga: usize, pg: Option<ProcessGroup>, mean_of_means: bool) -> Snapshot {
+    let dir = tempfile::tempdir().unwrap();
+    let loss = move |y: &candle_core::Tensor, t: &candle_core::Tensor| {
+        let out = losses::token_cross_entropy(y, t)?;
+        if mean_of_means {
+            // Each micro-batch's mean counts as one item: the normalisation the bug used.
+            let mean = out.loss_sum.affine(1.0 / out.num_items.max(1) as f64, 0.0)?;
+            return Ok(LossOutput::new(mean, 1));
+        }
+        Ok(out)
+    };
+    let mut t = Trainer::new(args(dir.path(), batch, ga), TokenModel::new, TokenData::new(64), None, loss);
+    if let Some(pg) = pg {
+        t = t.process_group(pg);
+    }
+    let out = t.train().unwrap();
+    assert_eq!(out.global_step, 8);
+    snapshot(&t)
+}
+
+fn on_two_ranks(batch: usize, ga: usize, mean_of_means: bool) -> Snapshot {
+    let mut r = run_ranks(2, move |pg| train(batch, ga, Some(pg), mean_of_means));
+    assert_eq!(r[0], r[1], "ranks hold the same parameters");
+    r.remove(0)
+}
+
+#[test]
+fn accumulation_equals_larger_batches_with_variable_length_targets() {
+    let reference = train(16, 1, None, false); // 1 process, 16 sequences per step
+    let cases = [
+        ("2 ranks, GA 2, batch 4", on_two_ranks(4, 2, false)),
+        ("2 ranks, GA 1, batch 8", on_two_ranks(8, 1, false)),
+        ("1 rank, GA 4, batch 4", train(4, 4, None, false)),
+    ];
+    for (name, params) in &cases {
+        let d = max_rel_diff(params, &reference);
+        assert!(d <= TOLERANCE, "{name}: max relative difference {d:e} > {TOLERANCE:e}");
+    }
+    // The test can tell: averaging per-micro-batch means weighs short sequences more and ends elsewhere.
+    let buggy = on_two_ranks(4, 2, true);
+    let d = max_rel_diff(&buggy, &reference);
+    assert!(d > 1e-3, "mean-of-means normalisation should differ, max relative difference only {d:e}");
+}

@@ -1,0 +1,145 @@
+//! Level 2: the MNIST MLP trained with the Accelerator (compare `ddp_mnist.rs`, the same job on raw ddp-core).
+//!
+//! ```text
+//! cargo run --release -p accel-examples --bin accel_mnist -- --nproc 2
+//! cargo run --release -p accel-examples --bin accel_mnist -- --nproc 2 --mixed-precision bf16 --gradient-accumulation-steps 2
+//! accel launch -n 2 target/release/accel_mnist          # the same program under the launcher
+//! ```
+//!
+//! Without RANK in the environment and with `--nproc N > 1` the program launches N copies of itself (ddp-core's
+//! launcher) and waits for them; with RANK set (or `--nproc 1`) it is a worker. Mixed precision and gradient
+//! accumulation come from the flags, else from `accel launch` (ACCELERATE_* variables): no model code changes.
+//!
+//! Compared with a plain single-process candle loop, the lines that change are marked `// accel:`.
+
+use accel::{AdamW, AdamWConfig, Accelerator, AcceleratorConfig, DataLoader, DataLoaderConfig, MixedPrecision};
+use accel::{ReduceKind, TensorDataset};
+use accel_examples::{default_data_dir, load_mnist, Mlp};
+use anyhow::{bail, Context};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::VarMap;
+use clap::Parser;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Train the MNIST MLP (784-256-10) with the Accelerator on the shipped 10k/10k MNIST subsets.
+#[derive(Parser, Debug)]
+struct Args {
+    /// Processes to launch on this machine when not started by a launcher (RANK unset).
+    #[arg(long, default_value_t = 1)]
+    nproc: usize,
+    /// Passes over the training set.
+    #[arg(long, default_value_t = 6)]
+    epochs: usize,
+    /// Micro-batch size per process.
+    #[arg(long, default_value_t = 64)]
+    batch_size: usize,
+    /// AdamW learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f64,
+    /// Shuffle seed (the same on every process).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Directory with {train10k,t10k}-{images-idx3,labels-idx1}-ubyte[.gz].
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// no | fp16 | bf16 (default: ACCELERATE_MIXED_PRECISION, else no).
+    #[arg(long)]
+    mixed_precision: Option<MixedPrecision>,
+    /// Micro-batches per optimizer step (default: ACCELERATE_GRADIENT_ACCUMULATION_STEPS, else 1).
+    #[arg(long)]
+    gradient_accumulation_steps: Option<usize>,
+    /// Minimum test accuracy; the program fails below it (0 disables the check).
+    #[arg(long, default_value_t = 0.95)]
+    min_accuracy: f64,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if std::env::var_os("RANK").is_none() && args.nproc > 1 {
+        let exe = std::env::current_exe().context("locating this program to launch its workers")?;
+        let cfg = ddp_core::LaunchConfig::local(args.nproc, exe, std::env::args().skip(1).collect());
+        ddp_core::launch(&cfg).context("running the workers")?;
+        return Ok(());
+    }
+    train(&args)
+}
+
+fn train(args: &Args) -> anyhow::Result<()> {
+    let mut cfg = AcceleratorConfig::from_env()?;
+    if let Some(mp) = args.mixed_precision {
+        cfg.mixed_precision = mp;
+    }
+    if let Some(ga) = args.gradient_accumulation_steps {
+        cfg.gradient_accumulation_steps = ga;
+    }
+    let acc = Accelerator::new(cfg)?; // accel: process group, device, precision, accumulation
+
+    let dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
+    let train = load_mnist(&dir, "train10k", &Device::Cpu)?;
+    let test = load_mnist(&dir, "t10k", &Device::Cpu)?;
+    let n_test = test.len();
+    let train_cfg = DataLoaderConfig { batch_size: args.batch_size, shuffle: true, seed: args.seed, ..Default::default() };
+    let train_loader = DataLoader::new(TensorDataset::new(train.images, train.labels)?, train_cfg);
+    let test_loader = DataLoader::new(TensorDataset::new(test.images, test.labels)?, DataLoaderConfig::with_batch_size(500));
+
+    let varmap = VarMap::new();
+    let model = Mlp::new(acc.var_builder(&varmap))?; // accel: device and dtype from the Accelerator
+    let opt = AdamW::new(AdamWConfig { lr: args.lr, weight_decay: 0.0, ..Default::default() })?;
+    let (_prepared, mut opt, train_loader) = acc.prepare(&varmap, opt, train_loader)?; // accel: DDP, shards, masters
+    let test_loader = acc.prepare_data_loader(test_loader)?; // accel
+
+    acc.print(format!(
+        "accel_mnist: {} process(es), {}, gradient accumulation {}, batch {} per process ({} per optimizer step), {} \
+         train batches per process per epoch",
+        acc.world_size(),
+        acc.mixed_precision(),
+        acc.gradient_accumulation_steps(),
+        args.batch_size,
+        args.batch_size * acc.world_size() * acc.gradient_accumulation_steps(),
+        train_loader.len()
+    ));
+    let start = Instant::now();
+    let mut accuracy = 0.0;
+    for epoch in 0..args.epochs {
+        let t0 = Instant::now();
+        let (mut loss_sum, mut batches) = (0f64, 0usize);
+        for batch in &train_loader {
+            let batch = batch?;
+            let x = batch.inputs.to_dtype(acc.compute_dtype())?;
+            let logits = model.forward(&x)?.to_dtype(DType::F32)?;
+            let loss = candle_nn::loss::cross_entropy(&logits, &batch.targets)?;
+            acc.backward(&loss)?; // accel: instead of loss.backward() / opt.backward_step(&loss)
+            opt.step()?; // accel: a no-op between gradient-accumulation syncs
+            loss_sum += f64::from(loss.to_scalar::<f32>()?);
+            batches += 1;
+        }
+        let mean_loss = Tensor::new(&[(loss_sum / batches.max(1) as f64) as f32], acc.device())?;
+        let mean_loss = acc.reduce(&mean_loss, ReduceKind::Mean)?.to_vec1::<f32>()?[0];
+
+        let (mut correct, mut seen) = (0usize, 0usize);
+        for batch in &test_loader {
+            let batch = batch?;
+            let logits = model.forward(&batch.inputs.to_dtype(acc.compute_dtype())?)?;
+            let predictions = acc.gather_for_metrics(&logits.argmax(1)?)?; // accel: all ranks' rows, padding dropped
+            let labels = acc.gather_for_metrics(&batch.targets)?;
+            correct += predictions.eq(&labels)?.to_dtype(DType::U32)?.sum_all()?.to_scalar::<u32>()? as usize;
+            seen += labels.dim(0)?;
+        }
+        if seen != n_test {
+            bail!("evaluation saw {seen} test rows, expected {n_test}");
+        }
+        accuracy = correct as f64 / seen as f64;
+        acc.print(format!(
+            "epoch {epoch}: train loss {mean_loss:.4}, test accuracy {accuracy:.4} ({correct}/{seen}), {:.1} s, {} \
+             optimizer steps",
+            t0.elapsed().as_secs_f64(),
+            acc.optimizer_step_count()
+        )); // accel: printed once, by the main process
+    }
+    acc.print(format!("final test accuracy {accuracy:.4} after {:.1} s", start.elapsed().as_secs_f64()));
+    if accuracy < args.min_accuracy {
+        bail!("test accuracy {accuracy:.4} is below --min-accuracy {}", args.min_accuracy);
+    }
+    Ok(())
+}

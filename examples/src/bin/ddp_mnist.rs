@@ -1,0 +1,171 @@
+//! Level 1 of accel-rs: an MLP trained on the shipped MNIST subset with raw ddp-core — the process group, the
+//! DistributedSampler, DistributedDataParallel and the gradient sync between backward and step, all explicit.
+//!
+//! One command runs the 2-process job (the program launches its own workers with `ddp_core::launch`):
+//!
+//! ```text
+//! cargo run --release -p accel-examples --bin ddp_mnist -- --nproc 2
+//! ```
+//!
+//! Started with RANK in the environment (by this launcher, `accel launch`, torchrun-style scripts, Slurm or
+//! mpirun) it is one worker; without RANK and with `--nproc 1` it trains in a single process.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use accel_examples::{correct_count, default_data_dir, load_mnist, seed_parameters, Mlp, Mnist};
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Module};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use clap::Parser;
+use ddp_core::{launch, DdpOptions, DistributedDataParallel, DistributedSampler, LaunchConfig, ProcessGroup, ReduceOp};
+
+/// Data-parallel MNIST training with raw ddp-core (level 1).
+#[derive(Parser, Debug)]
+#[command(about)]
+struct Cli {
+    /// Worker processes to launch when RANK is not set (ignored inside a worker). 1 trains in this process.
+    #[arg(long, default_value_t = 2)]
+    nproc: usize,
+    /// Passes over the training set.
+    #[arg(long, default_value_t = 5)]
+    epochs: u64,
+    /// Micro-batch size per rank (the global batch is this × world size).
+    #[arg(long, default_value_t = 64)]
+    batch_size: usize,
+    /// AdamW learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f64,
+    /// Seed of the parameter initialisation and of the sampler's shuffling.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Hidden layer widths, comma-separated (784-…-10).
+    #[arg(long, value_delimiter = ',', default_value = "256")]
+    hidden: Vec<usize>,
+    /// Directory holding {train10k,t10k}-{images-idx3,labels-idx1}-ubyte.gz (default: the repository's data/mnist).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Exit with an error when the final test accuracy is below this (e.g. 0.95 in CI).
+    #[arg(long)]
+    min_accuracy: Option<f64>,
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    if std::env::var_os("RANK").is_none() && cli.nproc > 1 {
+        return launch_workers(cli.nproc);
+    }
+    let pg = if std::env::var_os("RANK").is_some() {
+        ProcessGroup::init_from_env().context("joining the process group (RANK is set)")?
+    } else {
+        ProcessGroup::single_process()?
+    };
+    train(&cli, &pg)
+}
+
+/// Re-runs this executable `nproc` times as ranks 0..nproc with torchrun's environment; returns when all exit.
+fn launch_workers(nproc: usize) -> Result<()> {
+    let exe = std::env::current_exe().context("locating this executable to launch its workers")?;
+    let mut cfg = LaunchConfig::local(nproc, exe, std::env::args().skip(1).collect());
+    // Share the cores between the workers instead of letting each one's candle/rayon pool take them all.
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        cfg.env.push(("RAYON_NUM_THREADS".into(), (cores / nproc).max(1).to_string()));
+    }
+    launch(&cfg)?;
+    Ok(())
+}
+
+fn train(cli: &Cli, pg: &ProcessGroup) -> Result<()> {
+    let (rank, world) = (pg.rank(), pg.world_size());
+    let device = Device::Cpu;
+    let data_dir = cli.data_dir.clone().unwrap_or_else(default_data_dir);
+    let train_set = load_mnist(&data_dir, "train10k", &device)?;
+    let test_set = load_mnist(&data_dir, "t10k", &device)?;
+
+    // The model: every rank builds it; DDP checks that they agree and copies rank 0's values to all.
+    let varmap = VarMap::new();
+    let model = Mlp::with_hidden(VarBuilder::from_varmap(&varmap, DType::F32, &device), &cli.hidden)?;
+    seed_parameters(&varmap, cli.seed)?;
+    let ddp = DistributedDataParallel::new(pg, &varmap, DdpOptions::default())?;
+    let mut opt = AdamW::new(varmap.all_vars(), ParamsAdamW { lr: cli.lr, ..ParamsAdamW::default() })?;
+
+    // Each rank reads its own shard of a per-epoch shuffle; every rank uses the same seed.
+    let mut sampler = DistributedSampler::for_group(train_set.len(), pg)?.seed(cli.seed);
+    if rank == 0 {
+        let hidden: Vec<String> = cli.hidden.iter().map(ToString::to_string).collect();
+        println!(
+            "MLP 784-{}-10, {} ranks × batch {} (global {}), AdamW lr {}, {} train / {} test images, {} steps per epoch",
+            hidden.join("-"),
+            world,
+            cli.batch_size,
+            cli.batch_size * world,
+            cli.lr,
+            train_set.len(),
+            test_set.len(),
+            sampler.num_samples().div_ceil(cli.batch_size)
+        );
+    }
+    let start = Instant::now();
+    let mut accuracy = 0.0;
+    for epoch in 0..cli.epochs {
+        let epoch_start = Instant::now();
+        sampler.set_epoch(epoch);
+        // [Σ loss·rows, rows] over this rank's batches, summed across ranks below.
+        let mut loss_sum = [0f64; 2];
+        for batch in sampler.batches(cli.batch_size)? {
+            let (x, y) = train_set.batch(&batch)?;
+            let loss = candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?;
+            let mut grads = loss.backward()?;
+            ddp.sync_gradients(&mut grads)?; // bucketed, averaged all_reduce
+            opt.step(&grads)?;
+            loss_sum[0] += f64::from(loss.to_scalar::<f32>()?) * batch.len() as f64;
+            loss_sum[1] += batch.len() as f64;
+        }
+        pg.all_reduce(&mut loss_sum, ReduceOp::Sum)?;
+        let (correct, total) = evaluate(&model, &test_set, pg)?;
+        accuracy = correct as f64 / total as f64;
+        if rank == 0 {
+            println!(
+                "epoch {}/{}: train loss {:.4}, test accuracy {:.4} ({correct}/{total}), {:.1} s",
+                epoch + 1,
+                cli.epochs,
+                loss_sum[0] / loss_sum[1],
+                accuracy,
+                epoch_start.elapsed().as_secs_f64()
+            );
+        }
+    }
+    if rank == 0 {
+        println!(
+            "final test accuracy {accuracy:.4} after {} epochs on {world} rank(s) in {:.1} s",
+            cli.epochs,
+            start.elapsed().as_secs_f64()
+        );
+    }
+    if let Some(min) = cli.min_accuracy {
+        if accuracy < min {
+            bail!("final test accuracy {accuracy:.4} is below --min-accuracy {min}");
+        }
+    }
+    Ok(())
+}
+
+/// Test accuracy over the whole test set: each rank scores its shard, counts are summed across ranks.
+/// Padding of the sampler (when the set does not split evenly) is skipped so every image counts once.
+fn evaluate(model: &Mlp, test: &Mnist, pg: &ProcessGroup) -> Result<(u64, u64)> {
+    let sampler = DistributedSampler::for_group(test.len(), pg)?.shuffle(false);
+    let (rank, world) = (pg.rank(), pg.world_size());
+    // Rank r's j-th index sits at position j·world + r of the padded order; positions ≥ len are padding.
+    let shard: Vec<usize> =
+        sampler.indices().into_iter().enumerate().filter(|(j, _)| j * world + rank < test.len()).map(|(_, i)| i).collect();
+    let mut counts = [0u64; 2];
+    for batch in shard.chunks(1000) {
+        let (x, y) = test.batch(batch)?;
+        counts[0] += correct_count(&model.forward(&x)?, &y)? as u64;
+        counts[1] += batch.len() as u64;
+    }
+    let mut reduced = [counts[0] as i64, counts[1] as i64];
+    pg.all_reduce(&mut reduced, ReduceOp::Sum)?;
+    Ok((reduced[0] as u64, reduced[1] as u64))
+}

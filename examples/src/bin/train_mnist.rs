@@ -1,0 +1,129 @@
+//! The MNIST MLP at the Trainer level — the README's first command:
+//!
+//! ```text
+//! cargo run --release -p accel-examples --bin train_mnist
+//! cargo run --release -p accel-examples --bin train_mnist -- --resume-from-checkpoint latest
+//! ```
+//!
+//! Without `RANK` in the environment it launches `--nproc` copies of itself (default 2) with
+//! `ddp_core::launch`, which set RANK / WORLD_SIZE / MASTER_ADDR / ...; each copy is a data-parallel worker. The
+//! Trainer does the rest: 9 000 training images (the first 9 000 of the shipped `train10k`), evaluation on the
+//! other 1 000 every epoch, a checkpoint every epoch (the best and the newest kept), early stopping on validation
+//! accuracy, the best model reloaded at the end, curves in `output_dir/training_curves.{png,svg}`; then the test
+//! accuracy on the 10 000 `t10k` images.
+//!
+//! Every training argument can be given as a flag (`--learning-rate 3e-4`, `--num-train-epochs 3`, ...) or in a
+//! YAML/JSON file (`--config train.yaml`); `--help` lists them.
+
+use std::path::PathBuf;
+
+use accel::data::TensorDataset;
+use accel_examples::{default_data_dir, load_mnist, Mlp};
+use anyhow::Context;
+use candle_core::Device;
+use clap::Parser;
+use trainer::{losses, metrics, IntervalStrategy, SaveStrategy, Trainer, TrainingArguments, TrainingArgumentsCli};
+
+/// Train an MLP on MNIST with the Trainer, data-parallel over several processes.
+#[derive(Parser, Debug)]
+#[command(name = "train_mnist", version)]
+struct Cli {
+    /// Processes to launch when not started by a launcher (RANK unset).
+    #[arg(long, default_value_t = 2)]
+    nproc: usize,
+    /// Directory with the MNIST files (default: the repository's data/mnist).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Hidden layer widths of the MLP (784 → ... → 10).
+    #[arg(long, value_delimiter = ',', default_value = "256")]
+    hidden: Vec<usize>,
+    /// Training samples taken from train10k (the rest is the validation set).
+    #[arg(long, default_value_t = 9000)]
+    train_size: usize,
+    #[command(flatten)]
+    train: TrainingArgumentsCli,
+}
+
+/// This example's defaults; the file given with `--config` and the flags override them.
+fn defaults() -> TrainingArguments {
+    TrainingArguments {
+        output_dir: PathBuf::from("runs/train_mnist"),
+        num_train_epochs: 8.0,
+        per_device_train_batch_size: 64,
+        per_device_eval_batch_size: 500,
+        learning_rate: 1e-3,
+        weight_decay: 0.01,
+        lr_scheduler_type: accel::scheduler::SchedulerKind::Linear,
+        warmup_ratio: 0.05,
+        eval_strategy: IntervalStrategy::Epoch,
+        save_strategy: SaveStrategy::Epoch,
+        save_total_limit: Some(2),
+        load_best_model_at_end: true,
+        metric_for_best_model: Some("accuracy".into()),
+        early_stopping_patience: Some(2),
+        early_stopping_threshold: 0.001,
+        logging_steps: 35.0,
+        ..TrainingArguments::default()
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    if std::env::var_os("RANK").is_none() && cli.nproc > 1 {
+        let exe = std::env::current_exe().context("locating this program to launch its workers")?;
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        let cfg = ddp_core::LaunchConfig::local(cli.nproc, exe, args);
+        ddp_core::launch(&cfg).context("the training workers failed")?;
+        return Ok(());
+    }
+    worker(cli)
+}
+
+fn worker(cli: Cli) -> anyhow::Result<()> {
+    let args = cli.train.resolve(defaults())?;
+    let data_dir = cli.data_dir.clone().unwrap_or_else(default_data_dir);
+    let train_all = load_mnist(&data_dir, "train10k", &Device::Cpu)?;
+    let test = load_mnist(&data_dir, "t10k", &Device::Cpu)?;
+    let n = train_all.len();
+    anyhow::ensure!(cli.train_size < n, "--train-size must be below the {n} images of train10k");
+    let all = TensorDataset::new(train_all.images, train_all.labels)?;
+    let train = all.narrow(0, cli.train_size)?;
+    let validation = all.narrow(cli.train_size, n - cli.train_size)?;
+    let test = TensorDataset::new(test.images, test.labels)?;
+
+    let hidden = cli.hidden.clone();
+    let output_dir = args.output_dir.clone();
+    let mut trainer = Trainer::new(
+        args,
+        move |vb| Mlp::with_hidden(vb, &hidden),
+        train,
+        Some(validation),
+        losses::cross_entropy,
+    )
+    .compute_metrics(metrics::classification);
+
+    let out = trainer.train()?;
+    let test_metrics = trainer.evaluate_dataset(test, "test")?;
+    let acc = trainer.accelerator().expect("the trainer is set up after train()").clone();
+    let accuracy = test_metrics.get("test_accuracy").copied().unwrap_or(f64::NAN);
+    acc.print(format!(
+        "\ntrained {} optimizer steps ({:.2} epochs) on {} processes in {:.1} s, mean training loss {:.4}",
+        out.global_step,
+        out.metrics.get("epoch").copied().unwrap_or_default(),
+        acc.world_size(),
+        out.metrics.get("train_runtime").copied().unwrap_or_default(),
+        out.training_loss
+    ));
+    if let (Some(best), Some(metric)) = (&trainer.state().best_model_checkpoint, trainer.state().best_metric) {
+        acc.print(format!("best checkpoint: {best} (validation accuracy {metric:.4})"));
+    }
+    acc.print(format!(
+        "test accuracy (t10k, 10000 images): {accuracy:.4}   test loss {:.4}",
+        test_metrics.get("test_loss").copied().unwrap_or(f64::NAN)
+    ));
+    acc.print(format!(
+        "files: {0}/checkpoint-*/  {0}/trainer_state.json  {0}/training_curves.png|svg  {0}/runs/",
+        output_dir.display()
+    ));
+    Ok(())
+}

@@ -1,0 +1,258 @@
+//! Shared pieces of the MNIST examples (the same task written at each level of accel-rs):
+//!
+//! - [`Mlp`]: a multi-layer perceptron 784 → hidden… → 10 with ReLU, built from a candle `VarBuilder` so the
+//!   level-1 (raw ddp-core), level-2 (Accelerator) and level-3 (Trainer) programs train the exact same model.
+//! - [`load_mnist`]: the shipped MNIST subsets (`data/mnist/{train10k,t10k}-*-idx*-ubyte.gz`) as tensors.
+//! - [`seed_parameters`]: a reproducible re-initialisation (candle's CPU RNG cannot be seeded).
+//! - [`default_data_dir`], [`select_rows`], [`correct_count`]: small helpers every level needs.
+//!
+//! Keep this file small: it is what the three examples have in common, nothing more.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{Linear, VarBuilder, VarMap};
+use rand::{Rng, SeedableRng};
+
+/// Pixels per MNIST image (28 × 28), the model's input width.
+pub const MNIST_PIXELS: usize = 28 * 28;
+/// Number of MNIST classes (digits 0–9), the model's output width.
+pub const MNIST_CLASSES: usize = 10;
+/// Hidden widths of [`Mlp::new`]: 784-256-10 reaches ≥ 0.95 test accuracy on t10k in a few epochs of AdamW.
+pub const DEFAULT_HIDDEN: &[usize] = &[256];
+
+/// A multi-layer perceptron for MNIST: `Linear(784, h1) → ReLU → … → Linear(h_last, 10)`, logits out.
+///
+/// Parameters are named `fc1.weight` (shape `[h1, 784]`), `fc1.bias` (`[h1]`), `fc2.weight`, … in the
+/// `VarBuilder`'s namespace, initialised by candle_nn's `linear` (Kaiming-uniform weights, uniform bias, as
+/// PyTorch's `nn.Linear`). The dtype and device are those of the `VarBuilder`.
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    layers: Vec<Linear>,
+}
+
+impl Mlp {
+    /// The default model, 784-256-10 ([`DEFAULT_HIDDEN`]).
+    pub fn new(vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::with_hidden(vb, DEFAULT_HIDDEN)
+    }
+
+    /// A model 784 → `hidden[0]` → … → 10. An empty `hidden` gives multinomial logistic regression (784-10).
+    pub fn with_hidden(vb: VarBuilder, hidden: &[usize]) -> candle_core::Result<Self> {
+        let widths: Vec<usize> =
+            std::iter::once(MNIST_PIXELS).chain(hidden.iter().copied()).chain([MNIST_CLASSES]).collect();
+        let layers = widths
+            .windows(2)
+            .enumerate()
+            .map(|(i, w)| candle_nn::linear(w[0], w[1], vb.pp(format!("fc{}", i + 1))))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Self { layers })
+    }
+}
+
+impl Module for Mlp {
+    /// `xs`: `[batch, 784]` (the VarBuilder's dtype) → logits `[batch, 10]`.
+    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        let last = self.layers.len() - 1;
+        let mut h = xs.clone();
+        for (i, layer) in self.layers.iter().enumerate() {
+            h = layer.forward(&h)?;
+            if i != last {
+                h = h.relu()?;
+            }
+        }
+        Ok(h)
+    }
+}
+
+/// Re-initialises every `<layer>.weight` / `<layer>.bias` of `varmap` like PyTorch's `nn.Linear.reset_parameters`
+/// — uniform in `±1/sqrt(fan_in)` with `fan_in = weight.dims()[1]` — from a ChaCha8 stream seeded with `seed`,
+/// visiting variables in name order, so the same seed gives the same model on every run and every machine
+/// (candle's own CPU initialisers draw from an unseedable thread RNG). Other variables are left alone.
+///
+/// Errors: a `.weight` that is not 2-D, or a `.bias` without its `.weight`, naming the variable.
+pub fn seed_parameters(varmap: &VarMap, seed: u64) -> anyhow::Result<()> {
+    let data = varmap.data().lock().map_err(|_| anyhow::anyhow!("VarMap lock poisoned"))?;
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    for name in names {
+        let layer = match name.strip_suffix(".weight").or_else(|| name.strip_suffix(".bias")) {
+            Some(layer) => layer,
+            None => continue,
+        };
+        let weight = data
+            .get(&format!("{layer}.weight"))
+            .with_context(|| format!("{name} has no matching {layer}.weight to take fan_in from"))?;
+        let fan_in = match weight.dims() {
+            [_, fan_in] => *fan_in,
+            dims => bail!("{layer}.weight has shape {dims:?}, expected [out, in]"),
+        };
+        let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
+        let var = &data[name];
+        let values: Vec<f64> = (0..var.elem_count()).map(|_| rng.random_range(-bound..bound)).collect();
+        let t = Tensor::from_vec(values, var.shape(), var.device())?.to_dtype(var.dtype())?;
+        var.set(&t)?;
+    }
+    Ok(())
+}
+
+/// One MNIST split held in memory.
+#[derive(Debug, Clone)]
+pub struct Mnist {
+    /// `[n, 784]` f32, pixel intensities scaled to `[0, 1]` (byte / 255), row-major 28 × 28.
+    pub images: Tensor,
+    /// `[n]` u32, digits 0–9.
+    pub labels: Tensor,
+}
+
+impl Mnist {
+    /// Number of examples `n`.
+    pub fn len(&self) -> usize {
+        self.labels.dim(0).unwrap_or(0)
+    }
+
+    /// Whether the split has no examples.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The rows `indices` (e.g. one micro-batch from a `DistributedSampler`): images `[b, 784]`, labels `[b]`.
+    pub fn batch(&self, indices: &[usize]) -> candle_core::Result<(Tensor, Tensor)> {
+        Ok((select_rows(&self.images, indices)?, select_rows(&self.labels, indices)?))
+    }
+}
+
+/// Loads the split `split` of MNIST from `dir`: the files `{split}-images-idx3-ubyte[.gz]` and
+/// `{split}-labels-idx1-ubyte[.gz]` (the repository ships `train10k` — the first 10 000 training images — and
+/// `t10k`, the full test set). Tensors are created on `device`.
+///
+/// Errors name the missing or malformed file, or the mismatch between image and label counts.
+pub fn load_mnist(dir: &Path, split: &str, device: &Device) -> anyhow::Result<Mnist> {
+    let images = accel::data::idx::read_idx(&idx_path(dir, split, "images-idx3-ubyte")?)?;
+    let labels = accel::data::idx::read_idx(&idx_path(dir, split, "labels-idx1-ubyte")?)?;
+    if images.dims.len() != 3 || images.dims[1] * images.dims[2] != MNIST_PIXELS {
+        bail!("MNIST {split} images in {} have dims {:?}, expected [n, 28, 28]", dir.display(), images.dims);
+    }
+    if labels.dims.len() != 1 || labels.dims[0] != images.dims[0] {
+        bail!("MNIST {split} in {}: {:?} labels for {} images", dir.display(), labels.dims, images.dims[0]);
+    }
+    if let Some(bad) = labels.data.iter().find(|&&l| l as usize >= MNIST_CLASSES) {
+        bail!("MNIST {split} labels in {} contain {bad}, expected digits 0-9", dir.display());
+    }
+    let n = images.dims[0];
+    let pixels: Vec<f32> = images.data.iter().map(|&b| f32::from(b) / 255.0).collect();
+    let digits: Vec<u32> = labels.data.iter().map(|&l| u32::from(l)).collect();
+    Ok(Mnist {
+        images: Tensor::from_vec(pixels, (n, MNIST_PIXELS), device)?,
+        labels: Tensor::from_vec(digits, n, device)?,
+    })
+}
+
+/// `{dir}/{split}-{stem}.gz`, or the uncompressed file when only that exists.
+fn idx_path(dir: &Path, split: &str, stem: &str) -> anyhow::Result<PathBuf> {
+    let gz = dir.join(format!("{split}-{stem}.gz"));
+    let plain = dir.join(format!("{split}-{stem}"));
+    if gz.is_file() {
+        return Ok(gz);
+    }
+    if plain.is_file() {
+        return Ok(plain);
+    }
+    bail!("MNIST file not found: neither {} nor {} exists (pass --data-dir)", gz.display(), plain.display())
+}
+
+/// The repository's `data/mnist`, found from this crate's manifest directory (so it works from any working
+/// directory of a `cargo run` in this workspace).
+pub fn default_data_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("data").join("mnist")
+}
+
+/// Rows `indices` of `t` along dimension 0 (`index_select` with a u32 index on `t`'s device).
+pub fn select_rows(t: &Tensor, indices: &[usize]) -> candle_core::Result<Tensor> {
+    let idx: Vec<u32> = indices.iter().map(|&i| i as u32).collect();
+    let idx = Tensor::from_vec(idx, indices.len(), t.device())?;
+    t.index_select(&idx, 0)
+}
+
+/// How many rows of `logits` (`[b, classes]`) have their arg-max equal to `labels` (`[b]`, u32).
+pub fn correct_count(logits: &Tensor, labels: &Tensor) -> candle_core::Result<usize> {
+    let predicted = logits.argmax(1)?;
+    let hits = predicted.eq(&labels.to_dtype(predicted.dtype())?)?.to_dtype(DType::U32)?.sum_all()?;
+    Ok(hits.to_scalar::<u32>()? as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_nn::VarMap;
+
+    #[test]
+    fn mlp_names_and_shapes() {
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+        let mlp = Mlp::with_hidden(vb, &[32, 16]).unwrap();
+        let out = mlp.forward(&Tensor::zeros((5, MNIST_PIXELS), DType::F32, &Device::Cpu).unwrap()).unwrap();
+        assert_eq!(out.dims(), &[5, MNIST_CLASSES]);
+        let data = varmap.data().lock().unwrap();
+        let mut names: Vec<_> = data.iter().map(|(k, v)| (k.clone(), v.dims().to_vec())).collect();
+        names.sort();
+        assert_eq!(
+            names,
+            vec![
+                ("fc1.bias".to_string(), vec![32]),
+                ("fc1.weight".to_string(), vec![32, 784]),
+                ("fc2.bias".to_string(), vec![16]),
+                ("fc2.weight".to_string(), vec![16, 32]),
+                ("fc3.bias".to_string(), vec![10]),
+                ("fc3.weight".to_string(), vec![10, 16]),
+            ]
+        );
+    }
+
+    #[test]
+    fn seeded_parameters_are_reproducible_and_bounded() {
+        let build = |seed| {
+            let varmap = VarMap::new();
+            Mlp::with_hidden(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu), &[16]).unwrap();
+            seed_parameters(&varmap, seed).unwrap();
+            let data = varmap.data().lock().unwrap();
+            let w = data["fc1.weight"].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let b = data["fc2.bias"].to_vec1::<f32>().unwrap();
+            (w, b)
+        };
+        let (w, b) = build(7);
+        assert_eq!((w.clone(), b.clone()), build(7));
+        assert_ne!(w, build(8).0);
+        let bound = 1.0 / (MNIST_PIXELS as f32).sqrt();
+        assert!(w.iter().all(|v| v.abs() <= bound) && w.iter().any(|v| v.abs() > bound / 2.0));
+        assert!(b.iter().all(|v| v.abs() <= 0.25), "fc2's fan_in is 16");
+    }
+
+    #[test]
+    fn loads_the_shipped_test_split() {
+        let test = load_mnist(&default_data_dir(), "t10k", &Device::Cpu).unwrap();
+        assert_eq!(test.len(), 10_000);
+        assert_eq!(test.images.dims(), &[10_000, MNIST_PIXELS]);
+        let (x, y) = test.batch(&[0, 1, 2, 3, 4]).unwrap();
+        // The first MNIST test labels are 7, 2, 1, 0, 4.
+        assert_eq!(y.to_vec1::<u32>().unwrap(), vec![7, 2, 1, 0, 4]);
+        let max = x.max_all().unwrap().to_scalar::<f32>().unwrap();
+        let min = x.min_all().unwrap().to_scalar::<f32>().unwrap();
+        assert!(min == 0.0 && max == 1.0, "pixels scaled to [0, 1], got [{min}, {max}]");
+    }
+
+    #[test]
+    fn missing_split_names_the_file() {
+        let err = load_mnist(&default_data_dir(), "nope", &Device::Cpu).unwrap_err().to_string();
+        assert!(err.contains("nope-images-idx3-ubyte.gz"), "{err}");
+    }
+
+    #[test]
+    fn counts_correct_predictions() {
+        let logits = Tensor::new(&[[0.0f32, 1.0, 0.0], [2.0, 0.0, 1.0], [0.0, 0.0, 3.0]], &Device::Cpu).unwrap();
+        let labels = Tensor::new(&[1u32, 2, 2], &Device::Cpu).unwrap();
+        assert_eq!(correct_count(&logits, &labels).unwrap(), 2);
+    }
+}
