@@ -19,14 +19,22 @@ use rand::{Rng, SeedableRng};
 pub const MNIST_PIXELS: usize = 28 * 28;
 /// Number of MNIST classes (digits 0–9), the model's output width.
 pub const MNIST_CLASSES: usize = 10;
-/// Hidden widths of [`Mlp::new`]: 784-256-10 reaches ≥ 0.95 test accuracy on t10k in a few epochs of AdamW.
+/// Mean pixel intensity of the MNIST training set (in `[0, 1]`), as used by PyTorch's MNIST example.
+pub const MNIST_MEAN: f64 = 0.1307;
+/// Standard deviation of the MNIST training set's pixel intensities, as used by PyTorch's MNIST example.
+pub const MNIST_STD: f64 = 0.3081;
+/// Hidden widths of [`Mlp::new`]: 784-256-10 reaches ≥ 0.95 test accuracy on t10k (≈ 0.959) after 10 epochs of
+/// AdamW (lr 2e-3, global batch 128) on the shipped 10k training images.
 pub const DEFAULT_HIDDEN: &[usize] = &[256];
 
-/// A multi-layer perceptron for MNIST: `Linear(784, h1) → ReLU → … → Linear(h_last, 10)`, logits out.
+/// A multi-layer perceptron for MNIST: standardise → `Linear(784, h1) → ReLU → … → Linear(h_last, 10)`, logits out.
 ///
-/// Parameters are named `fc1.weight` (shape `[h1, 784]`), `fc1.bias` (`[h1]`), `fc2.weight`, … in the
-/// `VarBuilder`'s namespace, initialised by candle_nn's `linear` (Kaiming-uniform weights, uniform bias, as
-/// PyTorch's `nn.Linear`). The dtype and device are those of the `VarBuilder`.
+/// The input (pixels in `[0, 1]`) is first standardised with the fixed constants [`MNIST_MEAN`] / [`MNIST_STD`]
+/// (`(x − mean) / std`, as torchvision's MNIST examples do); it has no parameters and makes AdamW converge in
+/// fewer epochs. Parameters are named `fc1.weight` (shape `[h1, 784]`), `fc1.bias` (`[h1]`), `fc2.weight`, … in
+/// the `VarBuilder`'s namespace, initialised by candle_nn's `linear` (Kaiming-normal weights, uniform bias;
+/// call [`seed_parameters`] for a reproducible PyTorch-style init). The dtype and device are those of the
+/// `VarBuilder`.
 #[derive(Debug, Clone)]
 pub struct Mlp {
     layers: Vec<Linear>,
@@ -55,7 +63,7 @@ impl Module for Mlp {
     /// `xs`: `[batch, 784]` (the VarBuilder's dtype) → logits `[batch, 10]`.
     fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
         let last = self.layers.len() - 1;
-        let mut h = xs.clone();
+        let mut h = xs.affine(1.0 / MNIST_STD, -MNIST_MEAN / MNIST_STD)?;
         for (i, layer) in self.layers.iter().enumerate() {
             h = layer.forward(&h)?;
             if i != last {

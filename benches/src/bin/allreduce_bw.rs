@@ -40,6 +40,9 @@ struct Args {
     /// Most timed iterations per size.
     #[arg(long, default_value_t = 2000)]
     max_iters: usize,
+    /// Pin worker LOCAL_RANK to CPU LOCAL_RANK mod #CPUs (steadier numbers on a busy machine).
+    #[arg(long)]
+    pin: bool,
 }
 
 fn parse_size(s: &str) -> std::result::Result<usize, String> {
@@ -75,6 +78,9 @@ fn main() -> Result<()> {
 
 fn worker(args: &Args) -> Result<()> {
     let pg = ProcessGroup::init_from_env().context("joining the benchmark's process group")?;
+    if args.pin {
+        pin_to_cpu(pg.local_rank())?;
+    }
     let p = pg.world_size();
     if pg.rank() == 0 {
         println!("# ddp-core CPU backend all_reduce, {p} processes, f32 SUM in place, tuning {:?}", tuning());
@@ -126,4 +132,18 @@ fn tuning() -> String {
         ),
         Err(e) => format!("invalid: {e}"),
     }
+}
+
+/// Restricts this process to one CPU.
+fn pin_to_cpu(local_rank: usize) -> Result<()> {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET and sched_setaffinity get valid pointers.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(local_rank % cpus, &mut set);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            return Err(std::io::Error::last_os_error()).context("pinning the worker to a CPU");
+        }
+    }
+    Ok(())
 }

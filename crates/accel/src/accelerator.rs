@@ -215,7 +215,22 @@ impl Accelerator {
     /// parameters not on the Accelerator's device, mismatches across ranks.
     pub fn prepare_model(&self, varmap: &VarMap) -> Result<PreparedModel> {
         let model = PreparedModel::new(self, varmap)?;
-        lock(&self.inner.models).push(model.clone());
+        let mut models = lock(&self.inner.models);
+        for other in models.iter() {
+            if let Some(shared) = model
+                .names()
+                .iter()
+                .zip(model.parameters())
+                .find(|(_, v)| other.parameters().iter().any(|o| o.as_tensor().id() == v.as_tensor().id()))
+            {
+                return Err(AccelError::Usage(format!(
+                    "prepare_model: parameter {:?} belongs to a model that was already prepared; prepare each model \
+                     once and reuse the PreparedModel",
+                    shared.0
+                )));
+            }
+        }
+        models.push(model.clone());
         Ok(model)
     }
 
@@ -305,19 +320,20 @@ pub(crate) fn distributed_env_present(get: impl Fn(&str) -> Option<String>) -> b
         .any(|k| get(k).and_then(|v| v.trim().parse::<usize>().ok()).is_some_and(|n| n > 1))
 }
 
+/// The CPU when asked for (or when CUDA is not built in), else CUDA device `local_rank`.
 fn pick_device(cfg: &AcceleratorConfig, local_rank: usize) -> Result<Device> {
     if cfg.cpu {
         return Ok(Device::Cpu);
     }
-    #[cfg(feature = "cuda")]
-    {
-        return Ok(Device::cuda_if_available(local_rank)?);
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = local_rank;
-        Ok(Device::Cpu)
-    }
+    // Without the `cuda` feature candle reports CUDA as unavailable and this is the CPU.
+    Device::cuda_if_available(local_rank).map_err(|e| AccelError::Config {
+        key: "device".into(),
+        value: format!("cuda:{local_rank}"),
+        reason: format!(
+            "cannot open CUDA device {local_rank} (local rank {local_rank}): {e}; run one process per GPU, or force \
+             the CPU with AcceleratorConfig::cpu / ACCELERATE_USE_CPU=1 / accel launch --cpu"
+        ),
+    })
 }
 
 #[cfg(test)]

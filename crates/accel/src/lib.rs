@@ -48,3 +48,16 @@ pub use error::{AccelError, Result};
 pub use mixed_precision::{GradScaler, GradScalerConfig};
 pub use optim::{AcceleratedOptimizer, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 pub use tracking::{JsonlTracker, TensorBoardTracker, Tracker, TrackerKind};
+
+// Handles users move into threads (and the Trainer shares) must stay Send + Sync; checked at compile time.
+#[allow(dead_code)]
+const _: () = {
+    fn assert_send_sync<T: Send + Sync>() {}
+    fn check() {
+        assert_send_sync::<Accelerator>();
+        assert_send_sync::<PreparedModel>();
+        assert_send_sync::<GradientState>();
+        assert_send_sync::<AcceleratedOptimizer<AdamW>>();
+        assert_send_sync::<AccelError>();
+    }
+};

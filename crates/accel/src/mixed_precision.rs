@@ -49,7 +49,7 @@ impl GradScaler {
         if !(cfg.init_scale > 0.0 && cfg.init_scale.is_finite()) {
             return Err(bad("init_scale", cfg.init_scale.to_string(), "must be a finite number > 0"));
         }
-        if !(cfg.growth_factor > 1.0) {
+        if cfg.growth_factor.is_nan() || cfg.growth_factor <= 1.0 {
             return Err(bad("growth_factor", cfg.growth_factor.to_string(), "must be > 1"));
         }
         if !(cfg.backoff_factor > 0.0 && cfg.backoff_factor < 1.0) {

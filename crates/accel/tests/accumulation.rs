@@ -16,7 +16,8 @@ fn train(world: usize, ga: usize, global: usize) -> BTreeMap<String, Vec<f32>> {
     let out = run_ranks(world, cfg, move |acc| {
         let (model, varmap) = tiny_model(&acc, 3)?;
         let prepared = acc.prepare_model(&varmap)?;
-        let mut opt = acc.prepare_optimizer(&prepared, Sgd::new(SgdConfig { momentum: 0.9, ..SgdConfig::new(0.2) })?)?;
+        let mut opt =
+            acc.prepare_optimizer(&prepared, Sgd::new(SgdConfig { momentum: 0.9, ..SgdConfig::new(0.2) })?)?;
         let (x, y) = dataset(ROWS, 5);
         let micro = global / world / ga;
         let mut steps = 0;

@@ -261,3 +261,50 @@ fn self_test_reports_a_wrong_collective_and_exits_non_zero() {
     assert_eq!(stdout.matches("FAIL").count(), 1, "only the faulty check fails:\n{stdout}");
     assert!(stderr.contains("1 of 11 checks FAILED"), "{stderr}");
 }
+
+#[test]
+fn launch_log_dir_writes_per_rank_files_and_tee_also_prints() {
+    let dir = tempfile::tempdir().unwrap();
+    let logs = dir.path().join("logs");
+    let out = accel(dir.path())
+        .args(["launch", "-n", "2", "--log-dir"])
+        .arg(&logs)
+        .args(["sh", "-c", "echo quiet-line-$RANK"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("quiet-line"), "without --tee output goes to files only");
+    let all_logs: String = std::fs::read_dir(&logs)
+        .unwrap()
+        .map(|e| std::fs::read_to_string(e.unwrap().path()).unwrap())
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(all_logs.contains("quiet-line-0") && all_logs.contains("quiet-line-1"), "{all_logs}");
+
+    accel(dir.path())
+        .args(["launch", "-n", "2", "--tee", "--log-dir"])
+        .arg(dir.path().join("logs2"))
+        .args(["sh", "-c", "echo teed-line-$RANK"])
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("teed-line-0").and(predicate::str::contains("teed-line-1")));
+}
+
+#[test]
+fn launch_max_restarts_reruns_a_failed_group() {
+    let dir = tempfile::tempdir().unwrap();
+    // Fails the first time (leaving a marker), succeeds when restarted.
+    let marker = dir.path().join("attempted");
+    let script = format!("if [ -f '{0}' ]; then echo second-attempt; else touch '{0}'; exit 7; fi", marker.display());
+    accel(dir.path())
+        .args(["launch", "-n", "1", "sh", "-c", &script])
+        .assert()
+        .failure()
+        .stderr(predicate::str::contains("exit code 7"));
+    std::fs::remove_file(&marker).unwrap();
+    accel(dir.path())
+        .args(["launch", "-n", "1", "--max-restarts", "1", "sh", "-c", &script])
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("second-attempt"));
+}

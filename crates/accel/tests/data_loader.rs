@@ -21,8 +21,11 @@ use proptest::prelude::*;
 fn index_dataset(n: usize) -> TensorDataset {
     let x: Vec<f32> = (0..n).map(|i| i as f32).collect();
     let y: Vec<u32> = (0..n as u32).collect();
-    TensorDataset::new(Tensor::from_vec(x, (n, 1), &Device::Cpu).unwrap(), Tensor::from_vec(y, n, &Device::Cpu).unwrap())
-        .unwrap()
+    TensorDataset::new(
+        Tensor::from_vec(x, (n, 1), &Device::Cpu).unwrap(),
+        Tensor::from_vec(y, n, &Device::Cpu).unwrap(),
+    )
+    .unwrap()
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -67,8 +70,7 @@ fn check_layout(l: Layout) {
     let g = if l.split { l.b } else { l.b * l.p };
     let s = g / l.p;
     let order = epoch_order(l.n, l.shuffle, 17, 0);
-    let per_rank: Vec<(Vec<Vec<u32>>, Vec<BatchInfo>)> =
-        (0..l.p).map(|r| run_epoch(&loader(l, r).unwrap())).collect();
+    let per_rank: Vec<(Vec<Vec<u32>>, Vec<BatchInfo>)> = (0..l.p).map(|r| run_epoch(&loader(l, r).unwrap())).collect();
     for (r, (batches, infos)) in per_rank.iter().enumerate() {
         assert_eq!(batches.len(), loader(l, r).unwrap().len(), "{l:?} rank {r}: len() vs yielded");
         assert_eq!(infos.len(), batches.len());

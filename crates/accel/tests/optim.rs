@@ -32,9 +32,9 @@ fn sgd_momentum_weight_decay_matches_hand_computed() {
     let cfg = SgdConfig { momentum: 0.9, weight_decay: 0.01, ..SgdConfig::new(0.1) };
     let mut opt = Sgd::new(cfg).unwrap();
     let p = param(&[1.0, -2.0]);
-    opt.step(&[p.clone()], &[grad(&[0.5, 0.25])]).unwrap();
+    opt.step(std::slice::from_ref(&p), &[grad(&[0.5, 0.25])]).unwrap();
     assert_close(&values(&p), &[0.949, -2.023], 1e-6, "step 1");
-    opt.step(&[p.clone()], &[grad(&[0.5, 0.25])]).unwrap();
+    opt.step(std::slice::from_ref(&p), &[grad(&[0.5, 0.25])]).unwrap();
     assert_close(&values(&p), &[0.852151, -2.066677], 1e-6, "step 2");
 }
 
@@ -47,9 +47,9 @@ fn sgd_nesterov_matches_hand_computed() {
     let cfg = SgdConfig { momentum: 0.9, weight_decay: 0.01, nesterov: true, ..SgdConfig::new(0.1) };
     let mut opt = Sgd::new(cfg).unwrap();
     let p = param(&[1.0, -2.0]);
-    opt.step(&[p.clone()], &[grad(&[0.5, 0.25])]).unwrap();
+    opt.step(std::slice::from_ref(&p), &[grad(&[0.5, 0.25])]).unwrap();
     assert_close(&values(&p), &[0.9031, -2.0437], 1e-6, "step 1");
-    opt.step(&[p.clone()], &[grad(&[0.5, 0.25])]).unwrap();
+    opt.step(std::slice::from_ref(&p), &[grad(&[0.5, 0.25])]).unwrap();
     assert_close(&values(&p), &[0.76507411, -2.10594697], 1e-6, "step 2");
 }
 
@@ -60,12 +60,12 @@ fn sgd_dampening_and_plain_sgd() {
     let mut opt = Sgd::new(SgdConfig { momentum: 0.9, dampening: 0.5, ..SgdConfig::new(0.1) }).unwrap();
     let p = param(&[1.0, -2.0]);
     for _ in 0..2 {
-        opt.step(&[p.clone()], &[grad(&[0.5, 0.25])]).unwrap();
+        opt.step(std::slice::from_ref(&p), &[grad(&[0.5, 0.25])]).unwrap();
     }
     assert_close(&values(&p), &[0.88, -2.06], 1e-6, "dampened");
     let mut plain = Sgd::new(SgdConfig::new(0.5)).unwrap();
     let q = param(&[1.0, 1.0]);
-    plain.step(&[q.clone()], &[grad(&[2.0, -4.0])]).unwrap();
+    plain.step(std::slice::from_ref(&q), &[grad(&[2.0, -4.0])]).unwrap();
     assert_close(&values(&q), &[0.0, 3.0], 0.0, "plain SGD p − lr·g");
 }
 
@@ -79,11 +79,11 @@ fn adamw_matches_hand_computed() {
     let cfg = AdamWConfig { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 };
     let mut opt = AdamW::new(cfg).unwrap();
     let p = param(&[1.0, -2.0]);
-    opt.step(&[p.clone()], &[grad(&[0.5, 0.25])]).unwrap();
+    opt.step(std::slice::from_ref(&p), &[grad(&[0.5, 0.25])]).unwrap();
     assert_close(&values(&p), &[0.89, -2.08], 1e-6, "step 1");
-    opt.step(&[p.clone()], &[grad(&[0.5, 0.25])]).unwrap();
+    opt.step(std::slice::from_ref(&p), &[grad(&[0.5, 0.25])]).unwrap();
     assert_close(&values(&p), &[0.7811, -2.1592], 1e-6, "step 2");
-    opt.step(&[p.clone()], &[grad(&[-1.0, 0.5])]).unwrap();
+    opt.step(std::slice::from_ref(&p), &[grad(&[-1.0, 0.5])]).unwrap();
     // Step 3 by hand (f64): m = 0.9·m₂ + 0.1·g, v = 0.999·v₂ + 0.001·g², with m₂ = [0.095, 0.0475],
     // v₂ = [4.9975e-4, 1.249375e-4].
     let (b1, b2): (f64, f64) = (0.9, 0.999);
@@ -107,8 +107,8 @@ fn optimizer_state_round_trip_is_exact() {
     fn check(mut a: Box<dyn Optimizer>, mut b: Box<dyn Optimizer>) {
         let pa = param(&[0.3, -0.7, 1.1]);
         let grads = [grad(&[0.1, -0.2, 0.3]), grad(&[-0.4, 0.5, 0.05]), grad(&[0.2, 0.2, -0.9])];
-        a.step(&[pa.clone()], &[grads[0].clone()]).unwrap();
-        a.step(&[pa.clone()], &[grads[1].clone()]).unwrap();
+        a.step(std::slice::from_ref(&pa), std::slice::from_ref(&grads[0])).unwrap();
+        a.step(std::slice::from_ref(&pa), std::slice::from_ref(&grads[1])).unwrap();
         let sd: StateDict = a.state_dict().unwrap();
         // Through the on-disk format too.
         let dir = tempfile::tempdir().unwrap();
@@ -117,10 +117,13 @@ fn optimizer_state_round_trip_is_exact() {
         let pb = param(&values(&pa));
         b.load_state_dict(&sd).unwrap();
         assert_eq!(b.learning_rate(), a.learning_rate());
-        a.step(&[pa.clone()], &[grads[2].clone()]).unwrap();
-        b.step(&[pb.clone()], &[grads[2].clone()]).unwrap();
+        a.step(std::slice::from_ref(&pa), std::slice::from_ref(&grads[2])).unwrap();
+        b.step(std::slice::from_ref(&pb), std::slice::from_ref(&grads[2])).unwrap();
         let (va, vb) = (values(&pa), values(&pb));
-        assert_eq!(va.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), vb.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+        assert_eq!(
+            va.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            vb.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
     }
     let sgd = || Sgd::new(SgdConfig { momentum: 0.9, nesterov: true, ..SgdConfig::new(0.05) }).unwrap();
     check(Box::new(sgd()), Box::new(sgd()));

@@ -241,3 +241,39 @@ fn accelerator_trackers_write_under_logging_dir_and_project() {
     let e = acc.init_trackers("../escape", &[TrackerKind::Jsonl], dir.path()).unwrap_err().to_string();
     assert!(e.contains("project name"), "{e}");
 }
+
+#[test]
+fn only_the_main_process_writes() {
+    use ddp_core::store::MemoryStore;
+    use ddp_core::{GroupOptions, ProcessGroup, Store};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    let dir = tempfile::tempdir().unwrap();
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new(Duration::from_secs(120)));
+    let handles: Vec<_> = (0..2)
+        .map(|rank| {
+            let (store, logging_dir) = (store.clone(), dir.path().to_path_buf());
+            std::thread::spawn(move || {
+                let opts = GroupOptions { timeout: Duration::from_secs(120), ..Default::default() };
+                let pg = ProcessGroup::from_store(store, rank, 2, opts).unwrap();
+                let acc = Accelerator::with_process_group(AcceleratorConfig::default(), pg).unwrap();
+                acc.init_trackers("run", &TrackerKind::ALL, &logging_dir).unwrap();
+                for step in 1..=3u64 {
+                    acc.log(&[("loss", 1.0 / step as f64), ("rank", rank as f64)], step).unwrap();
+                }
+                let dir = acc.tracker_dir();
+                acc.wait_for_everyone().unwrap();
+                acc.end_training().unwrap();
+                dir
+            })
+        })
+        .collect();
+    let dirs: Vec<Option<PathBuf>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(dirs, [Some(dir.path().join("run")), None]);
+    let text = std::fs::read_to_string(dir.path().join("run/metrics.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    assert!(lines.iter().all(|l| l["values"]["rank"] == 0.0), "{text}");
+    assert_eq!(event_files(&dir.path().join("run")).len(), 1);
+}

@@ -50,7 +50,12 @@ pub struct DdpOptions {
 
 impl Default for DdpOptions {
     fn default() -> Self {
-        DdpOptions { bucket_cap_mb: 25.0, first_bucket_cap_mb: 1.0, find_unused_parameters: false, broadcast_parameters: true }
+        DdpOptions {
+            bucket_cap_mb: 25.0,
+            first_bucket_cap_mb: 1.0,
+            find_unused_parameters: false,
+            broadcast_parameters: true,
+        }
     }
 }
 
@@ -130,12 +135,15 @@ impl DistributedDataParallel {
             if mb.is_finite() && mb >= 0.0 {
                 Ok((mb * MIB) as usize)
             } else {
-                Err(DdpError::InvalidArgument(format!("DdpOptions::{what} must be a finite number ≥ 0 (MiB), got {mb}")))
+                Err(DdpError::InvalidArgument(format!(
+                    "DdpOptions::{what} must be a finite number ≥ 0 (MiB), got {mb}"
+                )))
             }
         };
         let first_cap = cap(opts.first_bucket_cap_mb, "first_bucket_cap_mb")?;
         let later_cap = cap(opts.bucket_cap_mb, "bucket_cap_mb")?;
-        let dtypes = vars.iter().map(|(name, var)| flat::dtype_of(name, var.as_tensor())).collect::<Result<Vec<_>>>()?;
+        let dtypes =
+            vars.iter().map(|(name, var)| flat::dtype_of(name, var.as_tensor())).collect::<Result<Vec<_>>>()?;
         let sizes: Vec<usize> =
             vars.iter().zip(&dtypes).map(|((_, v), d)| v.as_tensor().elem_count() * d.size_in_bytes()).collect();
         let sigs: Vec<ParamSig> = vars
@@ -148,7 +156,11 @@ impl DistributedDataParallel {
             .collect();
         fingerprint::check_across_ranks(pg, &sigs)?;
 
-        let layout = bucket::assign(&sizes.iter().copied().zip(dtypes.iter().copied()).collect::<Vec<_>>(), first_cap, later_cap);
+        let layout = bucket::assign(
+            &sizes.iter().copied().zip(dtypes.iter().copied()).collect::<Vec<_>>(),
+            first_cap,
+            later_cap,
+        );
         let buckets = layout
             .into_iter()
             .map(|b| {
@@ -358,7 +370,12 @@ impl DistributedDataParallel {
                 for (&p, &off) in plan.params.iter().zip(&plan.offsets) {
                     let var = &self.vars[p].1;
                     let t = var.as_tensor();
-                    var.set(&flat::tensor_from(&buf.bytes()[off..off + self.sizes[p]], plan.dtype, t.shape(), t.device())?)?;
+                    var.set(&flat::tensor_from(
+                        &buf.bytes()[off..off + self.sizes[p]],
+                        plan.dtype,
+                        t.shape(),
+                        t.device(),
+                    )?)?;
                 }
             }
         }

@@ -12,7 +12,7 @@ pub type Result<T> = std::result::Result<T, DdpError>;
 #[derive(Debug, thiserror::Error)]
 pub enum DdpError {
     /// A blocking store call (`get`, `wait`) did not see its key(s) in time.
-    #[error("store: timed out after {:.1} s waiting for key(s) {keys:?}; another rank may have died or not started (raise the timeout with ACCEL_STORE_TIMEOUT / InitOptions::timeout)", waited.as_secs_f64())]
+    #[error("store: timed out after {:.1} s waiting for key(s) {keys:?}; another rank may have died or not started (raise the timeout with ACCEL_TIMEOUT=seconds or InitOptions::timeout)", waited.as_secs_f64())]
     StoreTimeout {
         /// The keys that were still missing.
         keys: Vec<String>,

@@ -29,6 +29,7 @@ pub mod error;
 pub mod launcher;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod mpirun;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod process_group;

@@ -84,6 +84,10 @@ impl ProcessGroup {
     ///
     /// Errors: unsupported dtype or device ([`DdpError::InvalidArgument`]), collective failures.
     pub fn all_reduce_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        #[cfg(all(feature = "nccl", feature = "cuda"))] // CUDA tensor on an NCCL group: on the GPU
+        if let Some(r) = crate::nccl::tensor::dispatch(self, t, crate::nccl::tensor::Collective::AllReduce(op)) {
+            return r;
+        }
         let dtype = check(t, "all_reduce_tensor")?;
         dispatch!(dtype, all_reduce_t(self, t, op))
     }
@@ -91,6 +95,10 @@ impl ProcessGroup {
     /// Broadcast of a tensor from `root`; every rank must pass a tensor of the same shape and dtype.
     /// Returns root's values with the input's shape.
     pub fn broadcast_tensor(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        #[cfg(all(feature = "nccl", feature = "cuda"))] // CUDA tensor on an NCCL group: on the GPU
+        if let Some(r) = crate::nccl::tensor::dispatch(self, t, crate::nccl::tensor::Collective::Broadcast(root)) {
+            return r;
+        }
         let dtype = check(t, "broadcast_tensor")?;
         if root >= self.world_size() {
             return Err(DdpError::InvalidArgument(format!(
@@ -104,6 +112,10 @@ impl ProcessGroup {
     /// All-gather along dim 0: `[n, d1, ..] → [world_size·n, d1, ..]`, rank r's rows at `r·n..(r+1)·n`.
     /// A 0-d tensor gathers into shape `[world_size]`.
     pub fn all_gather_tensor(&self, t: &Tensor) -> Result<Tensor> {
+        #[cfg(all(feature = "nccl", feature = "cuda"))] // CUDA tensor on an NCCL group: on the GPU
+        if let Some(r) = crate::nccl::tensor::dispatch(self, t, crate::nccl::tensor::Collective::AllGather) {
+            return r;
+        }
         let dtype = check(t, "all_gather_tensor")?;
         let mut dims = t.dims().to_vec();
         match dims.first_mut() {
@@ -116,6 +128,10 @@ impl ProcessGroup {
     /// Reduce-scatter along dim 0: `[world_size·n, d1, ..] → [n, d1, ..]`, rank r keeps the reduction of rows
     /// `r·n..(r+1)·n`. Dim 0 must be divisible by the world size.
     pub fn reduce_scatter_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        #[cfg(all(feature = "nccl", feature = "cuda"))] // CUDA tensor on an NCCL group: on the GPU
+        if let Some(r) = crate::nccl::tensor::dispatch(self, t, crate::nccl::tensor::Collective::ReduceScatter(op)) {
+            return r;
+        }
         let dtype = check(t, "reduce_scatter_tensor")?;
         let mut dims = t.dims().to_vec();
         let p = self.world_size();

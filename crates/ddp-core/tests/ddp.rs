@@ -70,8 +70,14 @@ fn var(varmap: &VarMap, name: &str) -> Var {
 }
 
 fn forward(varmap: &VarMap, x: &Tensor) -> Tensor {
-    let fc1 = candle_nn::Linear::new(var(varmap, "fc1.weight").as_tensor().clone(), Some(var(varmap, "fc1.bias").as_tensor().clone()));
-    let fc2 = candle_nn::Linear::new(var(varmap, "fc2.weight").as_tensor().clone(), Some(var(varmap, "fc2.bias").as_tensor().clone()));
+    let fc1 = candle_nn::Linear::new(
+        var(varmap, "fc1.weight").as_tensor().clone(),
+        Some(var(varmap, "fc1.bias").as_tensor().clone()),
+    );
+    let fc2 = candle_nn::Linear::new(
+        var(varmap, "fc2.weight").as_tensor().clone(),
+        Some(var(varmap, "fc2.bias").as_tensor().clone()),
+    );
     fc2.forward(&fc1.forward(x).unwrap().relu().unwrap()).unwrap()
 }
 
@@ -146,7 +152,11 @@ fn ddp_training(world: usize, b: usize, steps: usize, lr: f64, opts: DdpOptions)
 /// Tiny caps so the 4 parameters (192 + 32 + 96 + 12 bytes) spread over several buckets and the comm thread
 /// pipeline runs.
 fn tiny_buckets() -> DdpOptions {
-    DdpOptions { first_bucket_cap_mb: 40.0 / (1 << 20) as f64, bucket_cap_mb: 100.0 / (1 << 20) as f64, ..DdpOptions::default() }
+    DdpOptions {
+        first_bucket_cap_mb: 40.0 / (1 << 20) as f64,
+        bucket_cap_mb: 100.0 / (1 << 20) as f64,
+        ..DdpOptions::default()
+    }
 }
 
 /// 2 ranks × batch b for k steps == 1 rank × batch 2b (and 3 ranks × b == 1 × 3b), one bucket and many.

@@ -178,8 +178,14 @@ fn without_tee_output_goes_only_to_the_log_files() {
         .args(self_exe_args())
         .env(MODE_ENV, "launcher")
         .env("LAUNCH_N", "2")
-        .env("LAUNCH_SCRIPT", r#"echo "hello from $RANK"; echo "oops $RANK" >&2; exit $RANK"#)
-        .env("LAUNCH_LOG_DIR", dir.path())
+        // Rank 1 fails only once rank 0 has written everything (else rank 0 may be stopped before).
+        .env(
+            "LAUNCH_SCRIPT",
+            r#"echo "hello from $RANK"; echo "oops $RANK" >&2; [ "$RANK" = 0 ] && touch "$OUT/done0";
+               while [ ! -e "$OUT/done0" ]; do sleep 0.05; done; exit $RANK"#,
+        )
+        .env("OUT", dir.path())
+        .env("LAUNCH_LOG_DIR", dir.path().join("logs"))
         .env("LAUNCH_NO_TEE", "1")
         .output()
         .unwrap();
@@ -193,7 +199,7 @@ fn without_tee_output_goes_only_to_the_log_files() {
     assert!(!stdout.contains("hello from") && !stderr.contains("oops"), "stdout:\n{stdout}\nstderr:\n{stderr}");
     assert_eq!(out.status.code(), Some(1));
     for r in 0..2 {
-        let log = read(log_path(dir.path(), r));
+        let log = read(log_path(&dir.path().join("logs"), r));
         assert!(log.contains(&format!("hello from {r}\n")) && log.contains(&format!("oops {r}\n")), "{log}");
     }
 }

@@ -87,12 +87,21 @@ macro_rules! impl_enum_text {
         }
     };
 }
-impl_enum_text!(IntervalStrategy, "strategy", [
-    (IntervalStrategy::No, "no"), (IntervalStrategy::Steps, "steps"), (IntervalStrategy::Epoch, "epoch")
-]);
-impl_enum_text!(SaveStrategy, "save_strategy", [
-    (SaveStrategy::No, "no"), (SaveStrategy::Steps, "steps"), (SaveStrategy::Epoch, "epoch"), (SaveStrategy::Best, "best")
-]);
+impl_enum_text!(
+    IntervalStrategy,
+    "strategy",
+    [(IntervalStrategy::No, "no"), (IntervalStrategy::Steps, "steps"), (IntervalStrategy::Epoch, "epoch")]
+);
+impl_enum_text!(
+    SaveStrategy,
+    "save_strategy",
+    [
+        (SaveStrategy::No, "no"),
+        (SaveStrategy::Steps, "steps"),
+        (SaveStrategy::Epoch, "epoch"),
+        (SaveStrategy::Best, "best")
+    ]
+);
 impl_enum_text!(OptimizerKind, "optim", [(OptimizerKind::AdamW, "adamw"), (OptimizerKind::Sgd, "sgd")]);
 
 /// Where logs go besides the console (HF's `report_to`): any of "jsonl" (`logging_dir/<project>.jsonl`...),
@@ -368,7 +377,7 @@ impl TrainingArguments {
         let cli = Cli::parse();
         let mut base = Self::default();
         let file = file.as_ref();
-        if file.as_os_str().len() > 0 && cli.args.config.is_none() {
+        if !file.as_os_str().is_empty() && cli.args.config.is_none() {
             base = base.overlay_file(file)?;
         }
         cli.args.resolve(base)
@@ -413,7 +422,9 @@ impl TrainingArguments {
 
     /// The metric name used for the best model and early stopping, with the "eval_" prefix (after finalize).
     pub fn best_metric_key(&self) -> Option<String> {
-        self.metric_for_best_model.as_ref().map(|m| if m.starts_with("eval_") { m.clone() } else { format!("eval_{m}") })
+        self.metric_for_best_model
+            .as_ref()
+            .map(|m| if m.starts_with("eval_") { m.clone() } else { format!("eval_{m}") })
     }
 
     /// Whether a larger best-model metric is better (HF's default: false for names ending in "loss").
@@ -490,7 +501,10 @@ impl TrainingArguments {
         if !(0.0..=1.0).contains(&self.warmup_ratio) {
             return Err(err(
                 "warmup_ratio",
-                format!("is {}; it is a fraction of the training steps in [0, 1] (or use warmup_steps)", self.warmup_ratio),
+                format!(
+                    "is {}; it is a fraction of the training steps in [0, 1] (or use warmup_steps)",
+                    self.warmup_ratio
+                ),
             ));
         }
         if self.logging_strategy == IntervalStrategy::Steps {
@@ -566,7 +580,10 @@ impl TrainingArguments {
                 ));
             }
             if self.eval_strategy == IntervalStrategy::No {
-                return Err(err("save_strategy", "\"best\" saves after evaluations: set eval_strategy to steps or epoch"));
+                return Err(err(
+                    "save_strategy",
+                    "\"best\" saves after evaluations: set eval_strategy to steps or epoch",
+                ));
             }
         }
         if let Some(p) = self.early_stopping_patience {
@@ -599,10 +616,7 @@ impl TrainingArguments {
         }
         if let Some(r) = &self.resume_from_checkpoint {
             if r.trim().is_empty() {
-                return Err(err(
-                    "resume_from_checkpoint",
-                    "is empty; give a checkpoint directory or \"latest\"",
-                ));
+                return Err(err("resume_from_checkpoint", "is empty; give a checkpoint directory or \"latest\""));
             }
         }
         Ok(())
@@ -794,8 +808,16 @@ mod tests {
             assert_eq!(field_of(e), field, "{msg}");
         };
         let d = TrainingArguments::default;
-        check(TrainingArguments { per_device_train_batch_size: 0, ..d() }, "per_device_train_batch_size", &["at least 1"]);
-        check(TrainingArguments { per_device_eval_batch_size: 0, ..d() }, "per_device_eval_batch_size", &["at least 1"]);
+        check(
+            TrainingArguments { per_device_train_batch_size: 0, ..d() },
+            "per_device_train_batch_size",
+            &["at least 1"],
+        );
+        check(
+            TrainingArguments { per_device_eval_batch_size: 0, ..d() },
+            "per_device_eval_batch_size",
+            &["at least 1"],
+        );
         check(TrainingArguments { gradient_accumulation_steps: 0, ..d() }, "gradient_accumulation_steps", &["1"]);
         check(
             TrainingArguments { load_best_model_at_end: true, eval_strategy: IntervalStrategy::Epoch, ..d() },

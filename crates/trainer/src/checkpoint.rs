@@ -63,8 +63,10 @@ pub fn sorted_checkpoints(output_dir: &Path, best: Option<&Path>) -> Result<Vec<
 }
 
 fn same_dir(a: &Path, b: &Path) -> bool {
-    a == b || (a.file_name() == b.file_name() && a.parent().map(std::fs::canonicalize).and_then(|r| r.ok())
-        == b.parent().map(std::fs::canonicalize).and_then(|r| r.ok()))
+    a == b
+        || (a.file_name() == b.file_name()
+            && a.parent().map(std::fs::canonicalize).and_then(|r| r.ok())
+                == b.parent().map(std::fs::canonicalize).and_then(|r| r.ok()))
 }
 
 /// The newest complete checkpoint under `output_dir` (highest step with a `trainer_state.json`), if any.
@@ -90,7 +92,8 @@ pub fn rotate_checkpoints(output_dir: &Path, limit: Option<usize>, best: Option<
     let n_delete = sorted.len().saturating_sub(keep);
     let doomed: Vec<PathBuf> = sorted.into_iter().take(n_delete).collect();
     for dir in &doomed {
-        std::fs::remove_dir_all(dir).map_err(|e| TrainerError::io(format!("deleting old checkpoint {}", dir.display()), e))?;
+        std::fs::remove_dir_all(dir)
+            .map_err(|e| TrainerError::io(format!("deleting old checkpoint {}", dir.display()), e))?;
     }
     Ok(doomed)
 }
@@ -168,10 +171,10 @@ mod tests {
     #[test]
     fn rotation_keeps_best_and_newest_for_limits_1_2_3() {
         for (limit, best, expected) in [
-            (1, Some(20), vec![20, 50]),  // limit 1 but best != newest: keep both
-            (1, Some(50), vec![50]),      // best is the newest
+            (1, Some(20), vec![20, 50]), // limit 1 but best != newest: keep both
+            (1, Some(50), vec![50]),     // best is the newest
             (1, None, vec![50]),
-            (2, Some(10), vec![10, 50]),  // oldest is best: survives with the newest
+            (2, Some(10), vec![10, 50]), // oldest is best: survives with the newest
             (2, Some(30), vec![30, 50]),
             (2, None, vec![40, 50]),
             (3, Some(10), vec![10, 40, 50]),

@@ -179,7 +179,7 @@ where
             let rows = batch.len();
             let keep = rows - acc.gradient_state().padding_in_batch().min(rows);
             if keep > 0 {
-                let out = (self.loss_fn)(&y.narrow(0, 0, keep)?, &batch.targets.narrow(0, 0, keep)?)?;
+                let out = self.loss.compute(&y.narrow(0, 0, keep)?, &batch.targets.narrow(0, 0, keep)?)?;
                 loss_sum += out.loss_sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
                 items += out.num_items;
             }

@@ -36,7 +36,6 @@ pub mod optimizer;
 pub mod plot;
 pub mod state;
 pub mod trainer;
-mod compat_tmp;
 
 pub use args::{IntervalStrategy, OptimizerKind, ReportTo, SaveStrategy, TrainingArguments, TrainingArgumentsCli};
 pub use callbacks::{

@@ -29,8 +29,67 @@ impl LossOutput {
     }
 }
 
-/// A loss function: model outputs (F32; the trainer casts bf16/fp16 outputs up first) and targets → [`LossOutput`].
-pub type LossFn = dyn Fn(&Tensor, &Tensor) -> candle_core::Result<LossOutput> + Send + Sync;
+/// A loss function for the trainer: model outputs (F32; the trainer casts bf16/fp16 outputs up first) and targets
+/// → [`LossOutput`]. Closures `Fn(&Tensor, &Tensor) -> candle_core::Result<LossOutput>` implement it; the
+/// built-in [`CrossEntropy`], [`TokenCrossEntropy`] and [`Mse`] also say whether their item count is fixed per
+/// row, which lets the trainer skip one collective per optimizer step.
+pub trait Loss: Send + Sync {
+    /// The loss of one micro-batch.
+    fn compute(&self, outputs: &Tensor, targets: &Tensor) -> candle_core::Result<LossOutput>;
+
+    /// Whether `num_items` is always the batch's row count times a constant (one item per sample, or per
+    /// element of a fixed-size output). Then, as every rank holds the same number of rows at every step
+    /// (`even_batches` or `drop_last`), the window's item count over all ranks is `world_size ×` the local one
+    /// and needs no communication. Default false (token-level losses: counts differ between ranks).
+    fn items_fixed_per_row(&self) -> bool {
+        false
+    }
+}
+
+impl<F> Loss for F
+where
+    F: Fn(&Tensor, &Tensor) -> candle_core::Result<LossOutput> + Send + Sync,
+{
+    fn compute(&self, outputs: &Tensor, targets: &Tensor) -> candle_core::Result<LossOutput> {
+        self(outputs, targets)
+    }
+}
+
+/// [`cross_entropy`] as a [`Loss`] with one item per row.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CrossEntropy;
+
+impl Loss for CrossEntropy {
+    fn compute(&self, outputs: &Tensor, targets: &Tensor) -> candle_core::Result<LossOutput> {
+        cross_entropy(outputs, targets)
+    }
+    fn items_fixed_per_row(&self) -> bool {
+        true
+    }
+}
+
+/// [`token_cross_entropy`] as a [`Loss`] (item counts vary with the sequences' lengths).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TokenCrossEntropy;
+
+impl Loss for TokenCrossEntropy {
+    fn compute(&self, outputs: &Tensor, targets: &Tensor) -> candle_core::Result<LossOutput> {
+        token_cross_entropy(outputs, targets)
+    }
+}
+
+/// [`mse`] as a [`Loss`] (one item per output element: fixed per row).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Mse;
+
+impl Loss for Mse {
+    fn compute(&self, outputs: &Tensor, targets: &Tensor) -> candle_core::Result<LossOutput> {
+        mse(outputs, targets)
+    }
+    fn items_fixed_per_row(&self) -> bool {
+        true
+    }
+}
 
 /// Classification cross-entropy, one item per row: `logits` `[b, classes]`, `targets` `[b]` class indices (any
 /// integer dtype) → `Σ_i −log softmax(logits_i)[targets_i]` over `b` items.

@@ -97,8 +97,10 @@ pub fn plot_training_curves(state: &TrainerState, output_dir: &Path) -> Result<V
         return Ok(Vec::new());
     }
     let text = font_available();
-    let panels: Vec<(&str, &[Series])> =
-        [("loss", losses.as_slice()), ("evaluation metrics", metrics.as_slice())].into_iter().filter(|(_, s)| !s.is_empty()).collect();
+    let panels: Vec<(&str, &[Series])> = [("loss", losses.as_slice()), ("evaluation metrics", metrics.as_slice())]
+        .into_iter()
+        .filter(|(_, s)| !s.is_empty())
+        .collect();
     let size = (560 * panels.len() as u32, 420);
     let png = output_dir.join(format!("{PLOT_STEM}.png"));
     let svg = output_dir.join(format!("{PLOT_STEM}.svg"));
@@ -109,7 +111,15 @@ pub fn plot_training_curves(state: &TrainerState, output_dir: &Path) -> Result<V
     Ok(vec![png, svg])
 }
 
-fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, panels: &[(&str, &[Series])], text: bool) -> std::result::Result<(), String> {
+fn step_label(x: &f64) -> String {
+    format!("{x:.0}")
+}
+
+fn draw<DB: DrawingBackend>(
+    root: DrawingArea<DB, Shift>,
+    panels: &[(&str, &[Series])],
+    text: bool,
+) -> std::result::Result<(), String> {
     let e = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
     root.fill(&WHITE).map_err(e)?;
     let areas = root.split_evenly((1, panels.len()));
@@ -132,7 +142,7 @@ fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, panels: &[(&str, &[Ser
         let mut chart = builder.build_cartesian_2d(0f64..x_max, (y_min - pad)..(y_max + pad)).map_err(e)?;
         let mut mesh = chart.configure_mesh();
         if text {
-            mesh.x_desc("optimizer step").label_style(("sans-serif", 13));
+            mesh.x_desc("optimizer step").x_label_formatter(&step_label).label_style(("sans-serif", 13));
         } else {
             mesh.disable_x_axis().disable_y_axis();
         }
@@ -141,7 +151,9 @@ fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, panels: &[(&str, &[Ser
             let color = Palette99::pick(i).to_rgba();
             let drawn = chart.draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2))).map_err(e)?;
             if text {
-                drawn.label(name.as_str()).legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], color.stroke_width(2)));
+                drawn
+                    .label(name.as_str())
+                    .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], color.stroke_width(2)));
             }
             if pts.len() <= 40 {
                 chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, color.filled()))).map_err(e)?;

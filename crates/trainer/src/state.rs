@@ -189,7 +189,8 @@ mod tests {
     use super::*;
 
     fn sample() -> TrainerState {
-        let mut s = TrainerState { epoch: 1.5, global_step: 120, max_steps: 240, world_size: Some(2), ..Default::default() };
+        let mut s =
+            TrainerState { epoch: 1.5, global_step: 120, max_steps: 240, world_size: Some(2), ..Default::default() };
         s.log_history.push(LogEntry {
             epoch: 0.5,
             step: 40,
@@ -231,7 +232,10 @@ mod tests {
         assert_eq!(entry["loss"], 0.75);
         assert_eq!(entry["epoch"], 0.5);
         assert_eq!(v["best_model_checkpoint"], "out/checkpoint-80");
-        assert_eq!(v["stateful_callbacks"]["EarlyStoppingCallback"]["attributes"]["early_stopping_patience_counter"], 1);
+        assert_eq!(
+            v["stateful_callbacks"]["EarlyStoppingCallback"]["attributes"]["early_stopping_patience_counter"],
+            1
+        );
         for key in ["epoch", "global_step", "max_steps", "log_history", "best_metric", "best_global_step"] {
             assert!(v.get(key).is_some(), "missing {key}");
         }

@@ -8,11 +8,16 @@
 //! ceil(num_train_epochs · upe)`. An optimizer step consumes a *window* of `GA` micro-batches (fewer at the end
 //! of an epoch). Resuming at global step `g` skips `g / upe` epochs and `(g % upe) · GA` micro-batches.
 //!
-//! Loss normalisation: the loss function returns (sum of per-item losses, item count) per micro-batch. For each
-//! window the trainer all-reduces (sum over ranks) the window's item count `N` together with its loss sum, and
-//! back-propagates `loss_sum · GA · W / N` per micro-batch, which the Accelerator divides by `GA` and DDP averages
-//! over the `W` ranks: the applied gradient is exactly `∇(Σ loss) / N` over the whole window and all ranks. So
-//! `GA = k` with batch `b` equals `GA = 1` with batch `k·b` for any mix of sequence lengths.
+//! Loss normalisation: the loss returns (sum of per-item losses, item count) per micro-batch. For each window
+//! the trainer needs `N`, the window's item count summed over all ranks, and back-propagates
+//! `loss_sum · GA · W / N` per micro-batch, which the Accelerator divides by `GA` and DDP averages over the `W`
+//! ranks: the applied gradient is exactly `∇(Σ loss) / N` over the whole window and all ranks, so `GA = k` with
+//! batch `b` equals `GA = 1` with batch `k·b` for any mix of sequence lengths. `N` comes from one all-reduce of
+//! (loss sum, count) per optimizer step — except when the loss has a fixed item count per row
+//! ([`crate::losses::Loss::items_fixed_per_row`], e.g. [`crate::losses::CrossEntropy`]) and every rank holds the
+//! same number of rows (`even_batches` or `dataloader_drop_last`): then `N = W ×` the local count, with no
+//! communication. With `average_tokens_across_devices = false` each rank normalises by its own count (DDP then
+//! averages per-rank means, HF's behaviour with that flag).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -33,10 +38,8 @@ use crate::callbacks::{
     ProgressCallback, TrackersCallback, TrainerCallback, TrainerControl,
 };
 use crate::checkpoint;
-#[allow(unused_imports)]
-use crate::compat_tmp::CheckpointShim;
 use crate::error::{Result, TrainerError};
-use crate::losses::{LossFn, LossOutput};
+use crate::losses::Loss;
 use crate::metrics::{EvalPrediction, Metrics};
 use crate::optimizer::TrainerOptimizer;
 use crate::state::{LogEntry, TrainerState, TRAINER_STATE_NAME};
@@ -88,7 +91,7 @@ pub struct Trainer<M, D> {
     model_init: ModelInit<M>,
     train_dataset: Arc<D>,
     pub(crate) eval_dataset: Option<Arc<D>>,
-    pub(crate) loss_fn: Arc<LossFn>,
+    pub(crate) loss: Arc<dyn Loss>,
     pub(crate) compute_metrics: Option<ComputeMetrics>,
     user_callbacks: Vec<Box<dyn TrainerCallback>>,
     process_group: Option<ProcessGroup>,
@@ -149,20 +152,25 @@ where
     D: Dataset + 'static,
 {
     /// A trainer for the model `model_init` builds, trained on `train_dataset`, evaluated on `eval_dataset`,
-    /// with `loss_fn` (see [`crate::losses`]). Nothing runs until [`Self::train`], [`Self::evaluate`] or
+    /// with `loss` (a closure or one of [`crate::losses`]). Nothing runs until [`Self::train`], [`Self::evaluate`] or
     /// [`Self::predict`]; those set up the Accelerator (from the environment — `accel launch` / torchrun
     /// variables — or [`Self::process_group`]), build the model with seeded initialisation and prepare it.
-    pub fn new<F, L>(args: TrainingArguments, model_init: F, train_dataset: D, eval_dataset: Option<D>, loss_fn: L) -> Self
+    pub fn new<F>(
+        args: TrainingArguments,
+        model_init: F,
+        train_dataset: D,
+        eval_dataset: Option<D>,
+        loss: impl Loss + 'static,
+    ) -> Self
     where
         F: Fn(VarBuilder<'static>) -> candle_core::Result<M> + Send + 'static,
-        L: Fn(&Tensor, &Tensor) -> candle_core::Result<LossOutput> + Send + Sync + 'static,
     {
         Trainer {
             args,
             model_init: Box::new(model_init),
             train_dataset: Arc::new(train_dataset),
             eval_dataset: eval_dataset.map(Arc::new),
-            loss_fn: Arc::new(loss_fn),
+            loss: Arc::new(loss),
             compute_metrics: None,
             user_callbacks: Vec::new(),
             process_group: None,
@@ -311,7 +319,9 @@ where
     /// Trainer.
     pub fn train(&mut self) -> Result<TrainOutput> {
         if self.trained {
-            return Err(TrainerError::Usage("train() was already called on this Trainer; build a new Trainer to train again".into()));
+            return Err(TrainerError::Usage(
+                "train() was already called on this Trainer; build a new Trainer to train again".into(),
+            ));
         }
         self.setup()?;
         self.trained = true;
@@ -358,9 +368,13 @@ where
             ..TrainerState::default()
         };
         let warmup = warmup_steps_from(self.args.warmup_steps, self.args.warmup_ratio, max_steps);
-        let scheduler =
-            Arc::new(Mutex::new(Scheduler::new(self.args.lr_scheduler_type, self.args.learning_rate, warmup, max_steps)));
-        rt.acc.register_for_checkpointing(scheduler.clone() as Arc<Mutex<dyn Stateful + Send>>);
+        let scheduler = Arc::new(Mutex::new(Scheduler::new(
+            self.args.lr_scheduler_type,
+            self.args.learning_rate,
+            warmup,
+            max_steps,
+        )));
+        rt.acc.register_scheduler(scheduler.clone() as Arc<Mutex<dyn Stateful + Send>>);
         rt.scheduler = Some(scheduler.clone());
         if rt.acc.is_main_process() {
             let yaml = self.args.to_yaml()?;
@@ -387,9 +401,11 @@ where
             epochs_trained = saved.global_step / upe;
             skip_micro = ((saved.global_step % upe) as usize) * ga;
             rt.acc.print(format!(
-                "Resuming from {} at global step {} (epoch {epochs_trained}, skipping {skip_micro} micro-batches)",
+                "Resuming from {} at global step {}: {epochs_trained} epoch(s) done, skipping the first {skip_micro} \
+                 micro-batch(es) of epoch {}",
                 dir.display(),
-                saved.global_step
+                saved.global_step,
+                epochs_trained + 1
             ));
         }
         {
@@ -491,22 +507,34 @@ where
         let mut sums = Vec::with_capacity(window.len());
         let mut local_sum = 0.0f64;
         let mut local_items = 0usize;
+        let mut rows = 0usize;
         for batch in window {
             let x = cast_input(&batch.inputs, dtype)?;
             let y = outputs_f32(rt.model.forward_t(&x, true)?)?;
-            let out = (self.loss_fn)(&y, &batch.targets)?;
+            let out = self.loss.compute(&y, &batch.targets)?;
+            rows += batch.len();
             local_sum += out.loss_sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             local_items += out.num_items;
             sums.push(out.loss_sum);
         }
         let world = acc.world_size();
-        let global = world > 1 && self.args.average_tokens_across_devices;
-        let (sum, items) = if global {
-            let mut buf = [local_sum, local_items as f64];
-            acc.process_group().all_reduce(&mut buf, ddp_core::ReduceOp::Sum)?;
-            (buf[0], buf[1])
-        } else {
-            (local_sum, local_items as f64)
+        let (sum, items, global) = match self.normalisation(acc) {
+            Normalisation::Local => (local_sum, local_items as f64, false),
+            Normalisation::FixedPerRow => {
+                if local_items % rows.max(1) != 0 {
+                    return Err(TrainerError::Usage(format!(
+                        "the loss declares items_fixed_per_row() but returned {local_items} items for {rows} rows; \
+                         return false from items_fixed_per_row for losses with varying item counts"
+                    )));
+                }
+                // Same rows on every rank at every step: the global count is known without communication.
+                (local_sum, (local_items * world) as f64, true)
+            }
+            Normalisation::Reduced => {
+                let mut buf = [local_sum, local_items as f64];
+                acc.process_group().all_reduce(&mut buf, ddp_core::ReduceOp::Sum)?;
+                (buf[0], buf[1], true)
+            }
         };
         // backward() divides by GA and DDP averages over ranks: pre-multiply so both cancel (see module docs).
         let ga = acc.gradient_accumulation_steps() as f64;
@@ -528,8 +556,24 @@ where
                 rt.optimizer.set_learning_rate(s.lr());
             }
         }
-        let loss = if items > 0.0 { sum / items } else { 0.0 };
+        // The step's loss: global when reduced, else this rank's (averaged over ranks when logged).
+        let loss = match self.normalisation(acc) {
+            Normalisation::Reduced => sum / items.max(1.0),
+            _ => local_sum / (local_items.max(1) as f64),
+        };
         Ok(StepOutcome { loss, grad_norm })
+    }
+
+    /// How this run normalises token-level losses (see [`Normalisation`]).
+    fn normalisation(&self, acc: &Accelerator) -> Normalisation {
+        let equal_rows = acc.config().even_batches || self.args.dataloader_drop_last;
+        if acc.world_size() == 1 || !self.args.average_tokens_across_devices {
+            Normalisation::Local
+        } else if self.loss.items_fixed_per_row() && equal_rows {
+            Normalisation::FixedPerRow
+        } else {
+            Normalisation::Reduced
+        }
     }
 
     /// HF's `_maybe_log_save_evaluate`: log the running loss, evaluate (and track the best metric), checkpoint,
@@ -543,8 +587,9 @@ where
     ) -> Result<()> {
         if self.control.should_log && *steps_since_log > 0 {
             let mut loss = *loss_since_log / *steps_since_log as f64;
-            if rt.acc.world_size() > 1 && !self.args.average_tokens_across_devices {
-                // Per-rank losses: average them for the log (every rank logs at the same steps).
+            if self.normalisation(&rt.acc) != Normalisation::Reduced && rt.acc.world_size() > 1 {
+                // Per-rank losses: average them for the log (every rank logs at the same steps; with equal item
+                // counts per rank, as under FixedPerRow, this is the exact global mean).
                 let mut buf = [loss];
                 rt.acc.process_group().all_reduce(&mut buf, ddp_core::ReduceOp::Avg)?;
                 loss = buf[0];
@@ -586,9 +631,10 @@ where
     /// new best.
     fn determine_best_metric(&mut self, metrics: &Metrics) -> Result<bool> {
         let Some(key) = self.args.best_metric_key() else { return Ok(false) };
-        let value = *metrics
-            .get(&key)
-            .ok_or_else(|| TrainerError::MissingMetric { name: key.clone(), available: metrics.keys().cloned().collect() })?;
+        let value = *metrics.get(&key).ok_or_else(|| TrainerError::MissingMetric {
+            name: key.clone(),
+            available: metrics.keys().cloned().collect(),
+        })?;
         let greater = self.args.greater_is_better_resolved();
         let better = match self.state.best_metric {
             None => true,
@@ -671,6 +717,17 @@ where
         rt.acc.wait_for_everyone()?;
         Ok(path)
     }
+}
+
+/// How the per-window item count `N` of the loss normalisation is obtained.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Normalisation {
+    /// This rank's count (one process, or `average_tokens_across_devices` off: DDP then averages per-rank means).
+    Local,
+    /// `world_size ×` this rank's count: the loss has a fixed item count per row and every rank holds as many rows.
+    FixedPerRow,
+    /// Summed over ranks with one all-reduce per optimizer step (token-level losses).
+    Reduced,
 }
 
 /// Result of one optimizer step.

@@ -79,3 +79,29 @@ fn accumulation_equals_larger_batches_with_variable_length_targets() {
     let d = max_rel_diff(&buggy, &reference);
     assert!(d > 1e-3, "mean-of-means normalisation should differ, max relative difference only {d:e}");
 }
+
+/// Per-sample losses whose item count is fixed per row ([`losses::CrossEntropy`]) skip the count all-reduce; 2
+/// ranks × GA 2 × batch 4 must still equal 1 rank × batch 16 (same tolerance).
+#[test]
+fn fixed_items_per_row_needs_no_count_reduction_and_stays_exact() {
+    fn run(batch: usize, ga: usize, pg: Option<ProcessGroup>) -> Snapshot {
+        let dir = tempfile::tempdir().unwrap();
+        let mut t = Trainer::new(
+            args(dir.path(), batch, ga),
+            common::Mlp::new,
+            common::classification_data(64),
+            None,
+            losses::CrossEntropy,
+        );
+        if let Some(pg) = pg {
+            t = t.process_group(pg);
+        }
+        t.train().unwrap();
+        snapshot(&t)
+    }
+    let reference = run(16, 1, None);
+    let two = run_ranks(2, |pg| run(4, 2, Some(pg)));
+    assert_eq!(two[0], two[1]);
+    let d = max_rel_diff(&two[0], &reference);
+    assert!(d <= TOLERANCE, "max relative difference {d:e}");
+}

@@ -54,8 +54,9 @@ fn early_stopping_stops_at_the_right_evaluation_with_threshold() {
     };
     // 64 samples / 16 = 4 steps per epoch. Evaluations: 0.5 (first: reset), 0.6 (+0.1 > 0.05: reset), 0.62 (+0.02:
     // counter 1), 0.64 (+0.02 over the new best 0.62: counter 2 = patience) → stop after epoch 4 of 10.
-    let mut t = Trainer::new(args, Mlp::new, classification_data(64), Some(classification_data(20)), losses::cross_entropy)
-        .compute_metrics(scripted(vec![0.5, 0.6, 0.62, 0.64, 0.99, 0.99]));
+    let mut t =
+        Trainer::new(args, Mlp::new, classification_data(64), Some(classification_data(20)), losses::cross_entropy)
+            .compute_metrics(scripted(vec![0.5, 0.6, 0.62, 0.64, 0.99, 0.99]));
     let out = t.train().unwrap();
     assert_eq!(eval_steps(t.state()), vec![4, 8, 12, 16]);
     assert_eq!(out.global_step, 16);
@@ -79,8 +80,9 @@ fn rotation_keeps_best_and_newest_and_the_best_model_is_reloaded() {
         ..base(dir.path())
     };
     // Best at epoch 2 (step 8), then two evaluations without improvement: stop after epoch 4 (step 16).
-    let mut t = Trainer::new(args, Mlp::new, classification_data(64), Some(classification_data(20)), losses::cross_entropy)
-        .compute_metrics(scripted(vec![0.5, 0.9, 0.6, 0.7]));
+    let mut t =
+        Trainer::new(args, Mlp::new, classification_data(64), Some(classification_data(20)), losses::cross_entropy)
+            .compute_metrics(scripted(vec![0.5, 0.9, 0.6, 0.7]));
     t.train().unwrap();
     let kept: Vec<u64> = sorted_checkpoints(dir.path(), None).unwrap().iter().filter_map(|p| step_of(p)).collect();
     assert_eq!(kept, vec![8, 16], "limit 1 keeps the best and the newest");
@@ -91,8 +93,16 @@ fn rotation_keeps_best_and_newest_and_the_best_model_is_reloaded() {
     // The model now holds the best checkpoint's weights.
     let saved = accel::state::load_safetensors(&best.join("model.safetensors"), &candle_core::Device::Cpu).unwrap();
     for (name, bits) in snapshot(&t) {
-        let w: Vec<u32> =
-            saved[&name].to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect();
+        let w: Vec<u32> = saved[&name]
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
         assert_eq!(w, bits, "{name} is the best checkpoint's");
     }
 
@@ -103,9 +113,10 @@ fn rotation_keeps_best_and_newest_and_the_best_model_is_reloaded() {
     assert_eq!(st.stateful_callbacks["EarlyStoppingCallback"].attributes["early_stopping_patience_counter"], 2);
     assert_eq!(st.stateful_callbacks["TrainerControl"].args["should_training_stop"], true);
     assert_eq!(st.world_size, Some(1));
-    let raw: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(checkpoint_dir(dir.path(), 16).join("trainer_state.json")).unwrap())
-            .unwrap();
+    let raw: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(checkpoint_dir(dir.path(), 16).join("trainer_state.json")).unwrap(),
+    )
+    .unwrap();
     assert_eq!(raw["log_history"].as_array().unwrap().iter().filter(|e| e.get("eval_score").is_some()).count(), 4);
 
     // Plots and the JSONL tracker.
@@ -146,8 +157,14 @@ fn evaluation_and_prediction_return_every_sample_once_on_two_ranks() {
     // 37 samples over 2 ranks with batch 5: the last global step is padded with 3 duplicates that must go.
     let single = {
         let dir = tempfile::tempdir().unwrap();
-        let mut t = Trainer::new(base(dir.path()), Mlp::new, classification_data(64), Some(classification_data(37)), losses::cross_entropy)
-            .compute_metrics(metrics::classification);
+        let mut t = Trainer::new(
+            base(dir.path()),
+            Mlp::new,
+            classification_data(64),
+            Some(classification_data(37)),
+            losses::cross_entropy,
+        )
+        .compute_metrics(metrics::classification);
         let m = t.evaluate().unwrap();
         let p = t.predict(classification_data(37)).unwrap();
         (m, p.predictions.to_vec2::<f32>().unwrap())
@@ -155,14 +172,16 @@ fn evaluation_and_prediction_return_every_sample_once_on_two_ranks() {
     let results = run_ranks(2, |pg| {
         let dir = tempfile::tempdir().unwrap();
         let args = TrainingArguments { per_device_eval_batch_size: 5, ..base(dir.path()) };
-        let mut t = Trainer::new(args, Mlp::new, classification_data(64), Some(classification_data(37)), losses::cross_entropy)
-            .compute_metrics(metrics::classification)
-            .process_group(pg);
+        let mut t =
+            Trainer::new(args, Mlp::new, classification_data(64), Some(classification_data(37)), losses::cross_entropy)
+                .compute_metrics(metrics::classification)
+                .process_group(pg);
         let m = t.evaluate().unwrap();
         let p = t.predict(classification_data(37)).unwrap();
         (m, p)
     });
-    let labels: Vec<i64> = classification_data(37).targets().to_vec1::<u32>().unwrap().iter().map(|&l| l as i64).collect();
+    let labels: Vec<i64> =
+        classification_data(37).targets().to_vec1::<u32>().unwrap().iter().map(|&l| l as i64).collect();
     for (m, p) in &results {
         assert_eq!(p.label_ids.to_vec1::<i64>().unwrap(), labels, "every sample once, in order");
         // Same initial weights (seeded) → same predictions and metrics as one process (tolerance: f32 summation).
@@ -170,8 +189,48 @@ fn evaluation_and_prediction_return_every_sample_once_on_two_ranks() {
         for (a, b) in preds.iter().flatten().zip(single.1.iter().flatten()) {
             assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0), "{a} vs {b}");
         }
-        assert!((m["eval_loss"] - single.0["eval_loss"]).abs() < 1e-5, "{} vs {}", m["eval_loss"], single.0["eval_loss"]);
+        assert!(
+            (m["eval_loss"] - single.0["eval_loss"]).abs() < 1e-5,
+            "{} vs {}",
+            m["eval_loss"],
+            single.0["eval_loss"]
+        );
         assert_eq!(m["eval_accuracy"], single.0["eval_accuracy"]);
         assert!(m.contains_key("eval_f1") && m.contains_key("eval_samples_per_second"));
     }
+}
+
+#[test]
+fn fp16_overflow_skips_the_step_and_the_schedule_does_not_move() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = TrainingArguments {
+        max_steps: 6,
+        learning_rate: 0.1,
+        lr_scheduler_type: accel::scheduler::SchedulerKind::Linear,
+        mixed_precision: accel::MixedPrecision::Fp16,
+        logging_steps: 1.0,
+        save_strategy: SaveStrategy::No,
+        ..base(dir.path())
+    };
+    let calls = Arc::new(AtomicUsize::new(0));
+    let loss = move |y: &candle_core::Tensor, t: &candle_core::Tensor| {
+        let out = losses::cross_entropy(y, t)?;
+        if calls.fetch_add(1, Ordering::SeqCst) == 2 {
+            // Step 3's gradients overflow fp16 once scaled: the optimizer step is skipped.
+            return Ok(losses::LossOutput::new(out.loss_sum.affine(1e30, 0.0)?, out.num_items));
+        }
+        Ok(out)
+    };
+    let mut t = Trainer::new(args, Mlp::new, classification_data(64), None, loss);
+    let out = t.train().unwrap();
+    assert_eq!(out.global_step, 6, "the skipped step still counts as a global step (as HF)");
+    let lr = |k: f64| 0.1 * (6.0 - k) / 6.0;
+    let expected = [lr(1.0), lr(2.0), lr(2.0), lr(3.0), lr(4.0), lr(5.0)];
+    let logged: Vec<f64> = t.state().series("learning_rate").into_iter().map(|(_, v)| v).collect();
+    assert_eq!(logged.len(), 6);
+    for (i, (a, b)) in logged.iter().zip(expected).enumerate() {
+        assert!((a - b).abs() < 1e-12, "step {}: {a} vs {b}", i + 1);
+    }
+    let scaler = t.accelerator().unwrap().grad_scaler().unwrap();
+    assert_eq!(scaler.lock().unwrap().scale(), 32768.0, "the overflow halved the loss scale");
 }

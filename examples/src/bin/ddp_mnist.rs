@@ -28,13 +28,13 @@ struct Cli {
     #[arg(long, default_value_t = 2)]
     nproc: usize,
     /// Passes over the training set.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 10)]
     epochs: u64,
     /// Micro-batch size per rank (the global batch is this × world size).
     #[arg(long, default_value_t = 64)]
     batch_size: usize,
     /// AdamW learning rate.
-    #[arg(long, default_value_t = 1e-3)]
+    #[arg(long, default_value_t = 2e-3)]
     lr: f64,
     /// Seed of the parameter initialisation and of the sampler's shuffling.
     #[arg(long, default_value_t = 0)]
@@ -157,8 +157,13 @@ fn evaluate(model: &Mlp, test: &Mnist, pg: &ProcessGroup) -> Result<(u64, u64)> 
     let sampler = DistributedSampler::for_group(test.len(), pg)?.shuffle(false);
     let (rank, world) = (pg.rank(), pg.world_size());
     // Rank r's j-th index sits at position j·world + r of the padded order; positions ≥ len are padding.
-    let shard: Vec<usize> =
-        sampler.indices().into_iter().enumerate().filter(|(j, _)| j * world + rank < test.len()).map(|(_, i)| i).collect();
+    let shard: Vec<usize> = sampler
+        .indices()
+        .into_iter()
+        .enumerate()
+        .filter(|(j, _)| j * world + rank < test.len())
+        .map(|(_, i)| i)
+        .collect();
     let mut counts = [0u64; 2];
     for batch in shard.chunks(1000) {
         let (x, y) = test.batch(batch)?;

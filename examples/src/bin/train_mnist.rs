@@ -35,7 +35,7 @@ struct Cli {
     #[arg(long)]
     data_dir: Option<PathBuf>,
     /// Hidden layer widths of the MLP (784 → ... → 10).
-    #[arg(long, value_delimiter = ',', default_value = "256")]
+    #[arg(long, value_delimiter = ',', default_value = "512")]
     hidden: Vec<usize>,
     /// Training samples taken from train10k (the rest is the validation set).
     #[arg(long, default_value_t = 9000)]
@@ -48,10 +48,10 @@ struct Cli {
 fn defaults() -> TrainingArguments {
     TrainingArguments {
         output_dir: PathBuf::from("runs/train_mnist"),
-        num_train_epochs: 8.0,
+        num_train_epochs: 10.0,
         per_device_train_batch_size: 64,
         per_device_eval_batch_size: 500,
-        learning_rate: 1e-3,
+        learning_rate: 3e-3,
         weight_decay: 0.01,
         lr_scheduler_type: accel::scheduler::SchedulerKind::Linear,
         warmup_ratio: 0.05,
@@ -61,7 +61,7 @@ fn defaults() -> TrainingArguments {
         load_best_model_at_end: true,
         metric_for_best_model: Some("accuracy".into()),
         early_stopping_patience: Some(2),
-        early_stopping_threshold: 0.001,
+        early_stopping_threshold: 0.0,
         logging_steps: 35.0,
         ..TrainingArguments::default()
     }
@@ -72,11 +72,23 @@ fn main() -> anyhow::Result<()> {
     if std::env::var_os("RANK").is_none() && cli.nproc > 1 {
         let exe = std::env::current_exe().context("locating this program to launch its workers")?;
         let args: Vec<String> = std::env::args().skip(1).collect();
-        let cfg = ddp_core::LaunchConfig::local(cli.nproc, exe, args);
+        let mut cfg = ddp_core::LaunchConfig::local(cli.nproc, exe, args);
+        cfg.env.extend(rayon_threads_per_worker(cli.nproc));
         ddp_core::launch(&cfg).context("the training workers failed")?;
         return Ok(());
     }
     worker(cli)
+}
+
+/// candle's CPU kernels run on rayon, which starts one thread per core in every process: N workers on one
+/// machine would oversubscribe it N times (several times slower on a small machine). Like torchrun's
+/// OMP_NUM_THREADS, give each worker its share of the cores unless RAYON_NUM_THREADS is already set.
+fn rayon_threads_per_worker(nproc: usize) -> Option<(String, String)> {
+    if std::env::var_os("RAYON_NUM_THREADS").is_some() {
+        return None;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    Some(("RAYON_NUM_THREADS".to_string(), (cores / nproc.max(1)).max(1).to_string()))
 }
 
 fn worker(cli: Cli) -> anyhow::Result<()> {
@@ -93,14 +105,9 @@ fn worker(cli: Cli) -> anyhow::Result<()> {
 
     let hidden = cli.hidden.clone();
     let output_dir = args.output_dir.clone();
-    let mut trainer = Trainer::new(
-        args,
-        move |vb| Mlp::with_hidden(vb, &hidden),
-        train,
-        Some(validation),
-        losses::cross_entropy,
-    )
-    .compute_metrics(metrics::classification);
+    let mut trainer =
+        Trainer::new(args, move |vb| Mlp::with_hidden(vb, &hidden), train, Some(validation), losses::CrossEntropy)
+            .compute_metrics(metrics::classification);
 
     let out = trainer.train()?;
     let test_metrics = trainer.evaluate_dataset(test, "test")?;

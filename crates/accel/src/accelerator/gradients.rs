@@ -133,7 +133,7 @@ impl Accelerator {
     /// Clamps every accumulated gradient element into `[-clip_value, clip_value]`
     /// (`torch.nn.utils.clip_grad_value_`), after unscaling under fp16.
     pub fn clip_grad_value(&self, clip_value: f64) -> Result<()> {
-        if !(clip_value >= 0.0) {
+        if clip_value.is_nan() || clip_value < 0.0 {
             return Err(crate::AccelError::InvalidArgument(format!(
                 "clip_grad_value: clip_value must be ≥ 0, got {clip_value}"
             )));

@@ -60,7 +60,8 @@ impl Default for CsvOptions {
 /// Errors (naming `file:line:column`): unreadable file, a field that is not a number, a row with a different
 /// number of columns than the first, a label that is not a class id, a label column that does not exist, no data.
 pub fn read_csv(path: &Path, opts: &CsvOptions) -> Result<TensorDataset> {
-    let file = std::fs::File::open(path).map_err(|e| AccelError::io(format!("opening CSV file {}", path.display()), e))?;
+    let file =
+        std::fs::File::open(path).map_err(|e| AccelError::io(format!("opening CSV file {}", path.display()), e))?;
     let mut text = String::new();
     if path.extension().is_some_and(|e| e == "gz") {
         flate2::read::GzDecoder::new(file).read_to_string(&mut text)
@@ -74,7 +75,8 @@ pub fn read_csv(path: &Path, opts: &CsvOptions) -> Result<TensorDataset> {
 /// Parses CSV text; `name` (a file name) prefixes error messages.
 pub fn parse_csv(text: &str, name: &str, opts: &CsvOptions) -> Result<TensorDataset> {
     let delim = char::from(opts.delimiter);
-    let mut lines = text.lines().enumerate().map(|(i, l)| (i + 1, l.trim_end_matches('\r'))).filter(|(_, l)| !l.trim().is_empty());
+    let mut lines =
+        text.lines().enumerate().map(|(i, l)| (i + 1, l.trim_end_matches('\r'))).filter(|(_, l)| !l.trim().is_empty());
     let Some((first_no, first)) = lines.next() else {
         return Err(AccelError::Data(format!("{name}: the CSV file has no rows")));
     };
@@ -89,8 +91,8 @@ pub fn parse_csv(text: &str, name: &str, opts: &CsvOptions) -> Result<TensorData
         LabelColumn::Index(i) if *i < columns => *i,
         LabelColumn::Index(i) => {
             return Err(AccelError::Data(format!(
-                "{name}:{first_no}: label column index {i} does not exist (the file has {columns} columns, 0..{columns})"
-            )))
+            "{name}:{first_no}: label column index {i} does not exist (the file has {columns} columns, 0..{columns})"
+        )))
         }
         LabelColumn::Name(wanted) => {
             if !header {
@@ -100,7 +102,9 @@ pub fn parse_csv(text: &str, name: &str, opts: &CsvOptions) -> Result<TensorData
                 )));
             }
             first_fields.iter().position(|f| f == wanted).ok_or_else(|| {
-                AccelError::Data(format!("{name}:{first_no}: no column named {wanted:?} in the header {first_fields:?}"))
+                AccelError::Data(format!(
+                    "{name}:{first_no}: no column named {wanted:?} in the header {first_fields:?}"
+                ))
             })?
         }
     };

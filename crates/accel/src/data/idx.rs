@@ -29,7 +29,8 @@ pub fn read_idx(path: &Path) -> std::io::Result<IdxArray> {
         std::io::BufReader::new(file).read_to_end(&mut bytes)
     }
     .map_err(|e| std::io::Error::new(e.kind(), format!("cannot read IDX file {}: {e}", path.display())))?;
-    parse_idx(&bytes).map_err(|msg| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{}: {msg}", path.display())))
+    parse_idx(&bytes)
+        .map_err(|msg| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{}: {msg}", path.display())))
 }
 
 /// Parses IDX bytes (already decompressed).

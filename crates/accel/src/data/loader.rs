@@ -340,7 +340,7 @@ impl<D: Dataset + 'static> DataLoader<D> {
     }
 }
 
-impl<'a, D: Dataset + 'static> IntoIterator for &'a DataLoader<D> {
+impl<D: Dataset + 'static> IntoIterator for &DataLoader<D> {
     type Item = Result<Batch>;
     type IntoIter = DataLoaderIter<D>;
     fn into_iter(self) -> DataLoaderIter<D> {
@@ -378,7 +378,10 @@ impl<D: Dataset> Producer<D> {
 
 enum Source<D> {
     Inline(Producer<D>),
-    Prefetch { rx: Option<Receiver<(Option<ShardBatch>, Result<Batch>)>>, worker: Option<JoinHandle<()>> },
+    Prefetch {
+        rx: Option<Receiver<(Option<ShardBatch>, Result<Batch>)>>,
+        worker: Option<JoinHandle<()>>,
+    },
     /// Nothing to produce; the error (if any) is yielded once.
     Failed(Option<AccelError>),
 }

@@ -50,7 +50,10 @@ pub fn load_mnist(dir: &Path, split: &str) -> Result<TensorDataset> {
     let n = images.dims[0];
     let pixels: Vec<f32> = images.data.iter().map(|&b| f32::from(b) / 255.0).collect();
     let digits: Vec<u32> = labels.data.iter().map(|&l| u32::from(l)).collect();
-    TensorDataset::new(Tensor::from_vec(pixels, (n, MNIST_PIXELS), &Device::Cpu)?, Tensor::from_vec(digits, n, &Device::Cpu)?)
+    TensorDataset::new(
+        Tensor::from_vec(pixels, (n, MNIST_PIXELS), &Device::Cpu)?,
+        Tensor::from_vec(digits, n, &Device::Cpu)?,
+    )
 }
 
 /// `{dir}/{split}-{stem}.gz`, or the uncompressed file when only that exists.
@@ -88,7 +91,7 @@ mod tests {
         assert_eq!(b.targets.to_vec1::<u32>().unwrap(), vec![7, 2, 1, 0, 4]);
         let px = b.inputs.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert!(px.iter().all(|&p| (0.0..=1.0).contains(&p)));
-        assert!(px.iter().any(|&p| p == 1.0));
+        assert!(px.contains(&1.0));
     }
 
     #[test]

@@ -220,10 +220,10 @@ mod tests {
         let s = ShardSpec { split_batches: true, ..spec(7, 4, 2, 1) };
         let b = s.batches(&order);
         assert_eq!(b.iter().map(|b| b.indices.clone()).collect::<Vec<_>>(), vec![vec![2, 3], vec![6, 0]]);
-        assert_eq!(ShardSpec { split_batches: true, ..spec(7, 3, 2, 0) }.validate(), Err(ShardError::NotDivisible {
-            batch_size: 3,
-            world_size: 2
-        }));
+        assert_eq!(
+            ShardSpec { split_batches: true, ..spec(7, 3, 2, 0) }.validate(),
+            Err(ShardError::NotDivisible { batch_size: 3, world_size: 2 })
+        );
     }
 
     #[test]

@@ -103,8 +103,8 @@ impl TextDataset {
 
     /// [`TextDataset::from_text`] of a UTF-8 file (`.gz` decompressed). Errors name the file.
     pub fn from_file(path: &Path, seq_len: usize) -> Result<Self> {
-        let file =
-            std::fs::File::open(path).map_err(|e| AccelError::io(format!("opening text file {}", path.display()), e))?;
+        let file = std::fs::File::open(path)
+            .map_err(|e| AccelError::io(format!("opening text file {}", path.display()), e))?;
         let mut text = String::new();
         if path.extension().is_some_and(|e| e == "gz") {
             flate2::read::GzDecoder::new(file).read_to_string(&mut text)

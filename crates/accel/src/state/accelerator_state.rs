@@ -102,7 +102,8 @@ fn restoring(file: &Path, what: &str) -> impl FnOnce(AccelError) -> AccelError {
 }
 
 fn create_dir(dir: &Path) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(|e| AccelError::io(format!("creating checkpoint directory {}", dir.display()), e))
+    std::fs::create_dir_all(dir)
+        .map_err(|e| AccelError::io(format!("creating checkpoint directory {}", dir.display()), e))
 }
 
 impl Accelerator {
@@ -153,9 +154,13 @@ impl Accelerator {
         let prepared = if main { remove_if_exists(&partial).and_then(|()| create_dir(&partial)) } else { Ok(()) };
         self.agree("preparing", &final_dir, prepared)?;
 
-        let written = create_dir(&partial)
-            .and_then(|()| self.write_random_states(&partial))
-            .and_then(|()| if main { self.write_shared_files(&partial) } else { Ok(()) });
+        let written = create_dir(&partial).and_then(|()| self.write_random_states(&partial)).and_then(|()| {
+            if main {
+                self.write_shared_files(&partial)
+            } else {
+                Ok(())
+            }
+        });
         if let Err(e) = self.agree("writing", &final_dir, written) {
             if main {
                 let _ = remove_if_exists(&partial);
@@ -224,7 +229,10 @@ impl Accelerator {
         if meta.format != FORMAT || meta.version > FORMAT_VERSION {
             return Err(checkpoint_err(
                 &meta_path,
-                format!("format {:?} version {} is not readable by this version (expects {FORMAT:?} ≤ {FORMAT_VERSION})", meta.format, meta.version),
+                format!(
+                    "format {:?} version {} is not readable by this version (expects {FORMAT:?} ≤ {FORMAT_VERSION})",
+                    meta.format, meta.version
+                ),
             ));
         }
         if meta.world_size != self.world_size() {
@@ -307,7 +315,10 @@ impl Accelerator {
         }
         let rng_path = dir.join(format!("random_states_{}.json", self.rank()));
         if !rng_path.is_file() {
-            return Err(checkpoint_err(&dir, format!("missing random_states_{}.json (this rank's RNG state)", self.rank())));
+            return Err(checkpoint_err(
+                &dir,
+                format!("missing random_states_{}.json (this rank's RNG state)", self.rank()),
+            ));
         }
         let states: RandomStates = serde_json::from_value(read_json(&rng_path)?)
             .map_err(|e| AccelError::json(format!("reading {}", rng_path.display()), e))?;
@@ -355,7 +366,10 @@ impl Accelerator {
             self.process_group().all_reduce(&mut failed, ReduceOp::Max)?;
             local?;
             if failed[0] != 0 {
-                return Err(checkpoint_err(dir, format!("another rank failed while {phase} the checkpoint (see its log)")));
+                return Err(checkpoint_err(
+                    dir,
+                    format!("another rank failed while {phase} the checkpoint (see its log)"),
+                ));
             }
             return Ok(());
         }

@@ -40,7 +40,9 @@ pub fn run_ranks<R: Send + 'static>(
     handles
         .into_iter()
         .enumerate()
-        .map(|(r, h)| h.join().unwrap_or_else(|_| panic!("rank {r} panicked")).unwrap_or_else(|e| panic!("rank {r}: {e:#}")))
+        .map(|(r, h)| {
+            h.join().unwrap_or_else(|_| panic!("rank {r} panicked")).unwrap_or_else(|e| panic!("rank {r}: {e:#}"))
+        })
         .collect()
 }
 
@@ -52,7 +54,10 @@ pub struct TinyMlp {
 
 impl TinyMlp {
     pub fn new(vb: VarBuilder, input: usize, hidden: usize, out: usize) -> candle_core::Result<Self> {
-        Ok(TinyMlp { l1: candle_nn::linear(input, hidden, vb.pp("l1"))?, l2: candle_nn::linear(hidden, out, vb.pp("l2"))? })
+        Ok(TinyMlp {
+            l1: candle_nn::linear(input, hidden, vb.pp("l1"))?,
+            l2: candle_nn::linear(hidden, out, vb.pp("l2"))?,
+        })
     }
 }
 
@@ -115,9 +120,7 @@ pub fn to_f32_map(m: &BTreeMap<String, Tensor>) -> BTreeMap<String, Vec<f32>> {
 /// Largest |a − b| / max(1, |b|) over all entries of two weight maps with the same names.
 pub fn max_rel_diff(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> f32 {
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
-    a.iter()
-        .flat_map(|(k, va)| va.iter().zip(&b[k]).map(|(x, y)| (x - y).abs() / y.abs().max(1.0)))
-        .fold(0.0, f32::max)
+    a.iter().flat_map(|(k, va)| va.iter().zip(&b[k]).map(|(x, y)| (x - y).abs() / y.abs().max(1.0))).fold(0.0, f32::max)
 }
 
 /// Values of a Var as f32.

@@ -17,6 +17,7 @@ mod frame;
 mod mesh;
 mod p2p;
 mod ring;
+mod shm;
 mod small;
 mod transport;
 
@@ -45,6 +46,11 @@ pub struct CpuTuning {
     pub chain_broadcast_bytes: usize,
     /// SO_SNDBUF / SO_RCVBUF of peer sockets in bytes; `None` keeps Linux's autotuning (default 4 MiB).
     pub socket_buffer_bytes: Option<usize>,
+    /// Use a shared-memory segment for all_reduce above `small_all_reduce_bytes` when every rank of the group
+    /// is on this machine (default true; falls back to TCP silently when unavailable).
+    pub shared_memory: bool,
+    /// Pipeline block of the shared-memory all_reduce, bytes (default 1 MiB; the segment holds 2·(P+1) blocks).
+    pub shm_block_bytes: usize,
 }
 
 impl Default for CpuTuning {
@@ -54,13 +60,16 @@ impl Default for CpuTuning {
             small_all_reduce_bytes: 64 << 10,
             chain_broadcast_bytes: 256 << 10,
             socket_buffer_bytes: Some(4 << 20),
+            shared_memory: true,
+            shm_block_bytes: 1 << 20,
         }
     }
 }
 
 impl CpuTuning {
     /// Defaults overridden by `ACCEL_CPU_SEGMENT_BYTES`, `ACCEL_CPU_SMALL_BYTES`, `ACCEL_CPU_CHAIN_BYTES` and
-    /// `ACCEL_CPU_SOCKET_BUFFER_BYTES` (0 = kernel autotuning). Malformed values are errors naming the variable.
+    /// `ACCEL_CPU_SOCKET_BUFFER_BYTES` (0 = kernel autotuning), `ACCEL_CPU_SHM` (0 = TCP only) and
+    /// `ACCEL_CPU_SHM_BLOCK_BYTES`. Malformed values are errors naming the variable.
     pub fn from_env() -> Result<Self> {
         let mut t = CpuTuning::default();
         let get = |name: &str| -> Result<Option<usize>> {
@@ -80,6 +89,13 @@ impl CpuTuning {
         }
         if let Some(v) = get("ACCEL_CPU_SOCKET_BUFFER_BYTES")? {
             t.socket_buffer_bytes = (v > 0).then_some(v);
+        }
+        if let Some(v) = get("ACCEL_CPU_SHM")? {
+            t.shared_memory = v != 0;
+        }
+        if let Some(v) = get("ACCEL_CPU_SHM_BLOCK_BYTES")? {
+            shm::check_block(v)?;
+            t.shm_block_bytes = v;
         }
         Ok(t)
     }
@@ -130,6 +146,8 @@ pub struct CpuBackend {
     abort_key: String,
     timeout: Duration,
     tuning: CpuTuning,
+    /// Shared-memory all_reduce channel when all ranks are on this machine.
+    shm: Option<shm::ShmChannel>,
     state: Mutex<State>,
 }
 
@@ -145,6 +163,8 @@ struct State {
     work: Vec<u64>,
     tx_mid_frame: Vec<bool>,
     aborted: Option<AbortRecord>,
+    /// Last shared-memory epoch used (epochs count blocks; the same on every rank).
+    shm_epoch: u64,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -188,7 +208,20 @@ impl CpuBackend {
             timeout: opts.timeout,
             tuning: mesh::SocketTuning { buffer_bytes: opts.tuning.socket_buffer_bytes },
         })?;
-        tracing::debug!(rank, world_size, group = %opts.group_tag, "cpu backend connected");
+        let shm = if world_size > 1 {
+            shm::check_block(opts.tuning.shm_block_bytes)?;
+            shm::ShmChannel::establish(
+                store.as_ref(),
+                &opts.key_prefix,
+                rank,
+                world_size,
+                opts.tuning.shm_block_bytes,
+                opts.tuning.shared_memory,
+            )?
+        } else {
+            None
+        };
+        tracing::debug!(rank, world_size, group = %opts.group_tag, shm = shm.is_some(), "cpu backend connected");
         Ok(CpuBackend {
             rank,
             world_size,
@@ -197,6 +230,7 @@ impl CpuBackend {
             abort_key: format!("{}abort", opts.key_prefix),
             timeout: opts.timeout,
             tuning: opts.tuning,
+            shm,
             state: Mutex::new(State {
                 seq: 0,
                 sent: vec![0; world_size],
@@ -205,6 +239,7 @@ impl CpuBackend {
                 work: Vec::new(),
                 tx_mid_frame: vec![false; world_size],
                 aborted: None,
+                shm_epoch: 0,
             }),
         })
     }
@@ -212,6 +247,11 @@ impl CpuBackend {
     /// The performance knobs in use.
     pub fn tuning(&self) -> CpuTuning {
         self.tuning
+    }
+
+    /// Whether all_reduce of large buffers goes through shared memory (all ranks on this machine).
+    pub fn uses_shared_memory(&self) -> bool {
+        self.shm.is_some()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -268,6 +308,9 @@ impl CpuBackend {
         let rec = fault::record_for(&failure, self.rank, call, self.store.as_ref(), &self.abort_key);
         let rec = fault::publish(self.store.as_ref(), &self.abort_key, rec);
         fault::abort_links(&self.peers, &st.tx_mid_frame, call, &rec);
+        if let Some(shm) = &self.shm {
+            shm.signal_abort(rec.blamed);
+        }
         tracing::error!(rank = self.rank, "cpu backend aborted: {}", rec.describe(self.rank));
         let err = self.error(call, &rec, false);
         st.aborted = Some(rec);
@@ -325,6 +368,9 @@ impl Backend for CpuBackend {
             self.exec(&mut st, &plan, buf, &[], scratch)?;
             small::combine(r, p, buf, &mut grow(&mut st.scratch, scratch)[..], dtype, op);
             return Ok(());
+        }
+        if let Some(shm) = &self.shm {
+            return self.shm_all_reduce(&mut st, shm, call, buf, dtype, op);
         }
         let chunks = ring::split_even(0, n, dtype.size_in_bytes(), p);
         let ring = ring::Ring {
@@ -474,6 +520,45 @@ impl Backend for CpuBackend {
 }
 
 impl CpuBackend {
+    /// all_reduce through shared memory, bracketed by an empty frame to and from every peer over TCP that
+    /// carries the call's identity: a rank in a different collective (or size) is detected by the frame
+    /// checks exactly as on the TCP path, and never left waiting on the shared segment.
+    fn shm_all_reduce(
+        &self,
+        st: &mut State,
+        shm: &shm::ShmChannel,
+        call: CallId,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let mut hello = barrier::plan(self.rank, self.world_size, call);
+        let mut hello_back = hello.clone();
+        hello.recvs.clear();
+        hello_back.sends.clear();
+        self.exec(st, &hello, &mut [], &[], 0)?;
+        let first_epoch = st.shm_epoch + 1;
+        st.shm_epoch += shm.epochs(buf.len());
+        let started = Instant::now();
+        let check_abort = || {
+            fault::read(self.store.as_ref(), &self.abort_key).map(|r| Failure::RemoteAbort {
+                from: Some(r.by),
+                blamed: r.blamed,
+                reason: r.reason,
+            })
+        };
+        let ctx = shm::WaitCtx {
+            peers: &self.peers,
+            deadline: started + self.timeout,
+            started,
+            check_abort: &check_abort,
+        };
+        if let Err(f) = shm.all_reduce(buf, dtype, op, first_epoch, &ctx) {
+            return Err(self.abort(st, &call, f));
+        }
+        self.exec(st, &hello_back, &mut [], &[], 0)
+    }
+
     fn segmenting(&self) -> ring::Segmenting {
         ring::Segmenting {
             max_segment_bytes: self.tuning.segment_bytes.max(64),

@@ -13,7 +13,7 @@
 
 use super::error;
 use crate::{DType, DdpError, Element, ReduceOp, Result};
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 use cudarc::nccl::result as nccl;
 use cudarc::nccl::sys::{self, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclUniqueId};
 use std::ffi::c_void;
@@ -420,7 +420,11 @@ impl NcclComm {
     }
 
     /// all_gather of device slices: `output.len()` must be world_size · `input.len()`.
-    pub fn all_gather<T: NcclElement, I: DevicePtr<T>, O: DevicePtrMut<T>>(&mut self, input: &I, output: &mut O) -> Result<()> {
+    pub fn all_gather<T: NcclElement, I: DevicePtr<T>, O: DevicePtrMut<T>>(
+        &mut self,
+        input: &I,
+        output: &mut O,
+    ) -> Result<()> {
         self.check_device(input.stream(), "all_gather input")?;
         self.check_device(output.stream(), "all_gather output")?;
         if output.len() != input.len() * self.world_size {

@@ -19,7 +19,10 @@ impl TrainerCallback for DefaultFlowCallback {
         if step == 1 && args.logging_first_step {
             control.should_log = true;
         }
-        if args.logging_strategy == IntervalStrategy::Steps && state.logging_steps > 0 && step % state.logging_steps == 0 {
+        if args.logging_strategy == IntervalStrategy::Steps
+            && state.logging_steps > 0
+            && step % state.logging_steps == 0
+        {
             control.should_log = true;
         }
         if args.eval_strategy == IntervalStrategy::Steps && state.eval_steps > 0 && step % state.eval_steps == 0 {

@@ -63,9 +63,11 @@ impl TrainerCallback for ProgressCallback {
             return Ok(());
         }
         let bar = ProgressBar::with_draw_target(Some(ctx.state.max_steps), ProgressDrawTarget::stderr_with_hz(10));
-        let style = ProgressStyle::with_template("{bar:40.cyan/blue} {pos}/{len} [{elapsed_precise}<{eta_precise}, {per_sec}] {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("█▉▊▋▌▍▎▏ ");
+        let style = ProgressStyle::with_template(
+            "{bar:40.cyan/blue} {pos}/{len} [{elapsed_precise}<{eta_precise}, {per_sec}] {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("█▉▊▋▌▍▎▏ ");
         bar.set_style(style);
         bar.set_position(ctx.state.global_step);
         self.console.attach(Some(bar.clone()));

@@ -25,7 +25,13 @@ pub fn classification_data(n: usize) -> TensorDataset {
     let mut ys = Vec::with_capacity(n);
     for i in 0..n {
         let row: Vec<f32> = (0..FEATURES).map(|j| ((i as f32) * 0.37 + (j as f32) * 1.3).sin()).collect();
-        let label = if row[0] + row[1] > 0.5 { 0 } else if row[2] > 0.0 { 1 } else { 2 };
+        let label = if row[0] + row[1] > 0.5 {
+            0
+        } else if row[2] > 0.0 {
+            1
+        } else {
+            2
+        };
         xs.extend(row);
         ys.push(label as u32);
     }
@@ -44,7 +50,10 @@ pub struct Mlp {
 
 impl Mlp {
     pub fn new(vb: VarBuilder) -> candle_core::Result<Self> {
-        Ok(Mlp { fc1: candle_nn::linear(FEATURES, 16, vb.pp("fc1"))?, fc2: candle_nn::linear(16, CLASSES, vb.pp("fc2"))? })
+        Ok(Mlp {
+            fc1: candle_nn::linear(FEATURES, 16, vb.pp("fc1"))?,
+            fc2: candle_nn::linear(16, CLASSES, vb.pp("fc2"))?,
+        })
     }
 }
 
@@ -107,7 +116,10 @@ pub struct TokenModel {
 
 impl TokenModel {
     pub fn new(vb: VarBuilder) -> candle_core::Result<Self> {
-        Ok(TokenModel { emb: candle_nn::embedding(VOCAB, 8, vb.pp("emb"))?, out: candle_nn::linear(8, VOCAB, vb.pp("out"))? })
+        Ok(TokenModel {
+            emb: candle_nn::embedding(VOCAB, 8, vb.pp("emb"))?,
+            out: candle_nn::linear(8, VOCAB, vb.pp("out"))?,
+        })
     }
 }
 
