@@ -84,7 +84,10 @@ fn worker(args: &Args) -> Result<()> {
     let p = pg.world_size();
     if pg.rank() == 0 {
         println!("# ddp-core CPU backend all_reduce, {p} processes, f32 SUM in place, tuning {:?}", tuning());
-        println!("# {:>10} {:>12} {:>6} {:>6} {:>12} {:>10} {:>10}", "size", "count", "type", "iters", "time(us)", "algbw(GB/s)", "busbw(GB/s)");
+        println!(
+            "# {:>10} {:>12} {:>6} {:>6} {:>12} {:>10} {:>10}",
+            "size", "count", "type", "iters", "time(us)", "algbw(GB/s)", "busbw(GB/s)"
+        );
     }
     let mut size = args.min_bytes.max(4);
     while size <= args.max_bytes {

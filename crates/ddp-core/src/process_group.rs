@@ -85,8 +85,8 @@ pub(crate) struct GroupInner {
     pub(crate) _server: Option<Arc<crate::store::TcpStoreServer>>,
     /// How sub-groups are built (same backend kind, token, host and tuning as this group).
     pub(crate) spawn: SpawnInfo,
-    /// Store key namespace of this group: `ddp/world{gen}/` for a world group, empty for a sub-group (whose
-    /// store is already a [`PrefixStore`]).
+    /// Store key namespace of this group: `ddp/attempt{restart}/world{gen}/` for a world group, empty for a
+    /// sub-group (whose store is already a [`PrefixStore`]).
     pub(crate) namespace: String,
     /// Sub-groups created so far (every rank creates them in the same order, so the count names them).
     pub(crate) subgroups: AtomicU64,
@@ -157,6 +157,14 @@ impl ProcessGroup {
             // No peers: nothing to rendezvous with, so no sockets (and no token) are needed.
             let store: Arc<dyn Store> = Arc::new(MemoryStore::new(opts.timeout));
             return Self::build_world(store, None, 0, 1, group_opts("127.0.0.1".into(), opts.token)?);
+        }
+        if opts.master_port == 0 {
+            return Err(DdpError::Env {
+                var: "MASTER_PORT".into(),
+                reason: "0 (\"pick a free port\") only works when a launcher hosts the store and tells the \
+                         workers the port it got; for a multi-process job started by hand set a real port"
+                    .into(),
+            });
         }
         let token = match opts.token {
             Some(t) => t,
@@ -230,9 +238,12 @@ impl ProcessGroup {
         }
         // Every rank of a world arrives before any rank of the next world on the same store can (forming a
         // group blocks until all its ranks are there), so arrival order numbers the worlds consistently.
-        let arrival = store.add("ddp/world_arrivals", 1)?;
+        // A restarted worker group (launcher `max_restarts`) reuses the store: count its worlds afresh.
+        let attempt = std::env::var(crate::launcher::RESTART_COUNT_ENV).ok().and_then(|v| v.trim().parse::<u64>().ok());
+        let base = format!("ddp/attempt{}/", attempt.unwrap_or(0));
+        let arrival = store.add(&format!("{base}world_arrivals"), 1)?;
         let generation = (arrival - 1).max(0) as usize / world_size;
-        let namespace = format!("ddp/world{generation}/");
+        let namespace = format!("{base}world{generation}/");
         let spawn = SpawnInfo {
             kind: opts.backend,
             token: opts.token,
@@ -406,9 +417,9 @@ impl ProcessGroup {
         if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
             return Err(DdpError::InvalidArgument(format!("new_group: rank {} is listed twice in {ranks:?}", w[0])));
         }
-        let fingerprint = sorted.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &r| {
-            (h ^ r as u64).wrapping_mul(0x0000_0100_0000_01b3).rotate_left(5)
-        });
+        let fingerprint = sorted
+            .iter()
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, &r| (h ^ r as u64).wrapping_mul(0x0000_0100_0000_01b3).rotate_left(5));
         let fingerprint = fingerprint as i64;
         let mut all = vec![0i64; self.world_size()];
         self.all_gather(&[fingerprint], &mut all)?;

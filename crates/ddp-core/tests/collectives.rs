@@ -43,10 +43,35 @@ fn all_dtypes_all_reduce(pg: &ProcessGroup) {
 #[test]
 fn all_reduce_every_dtype_op_size_and_world_size() {
     for world in 1..=4 {
-        // Tiny segments: every path (direct exchange, ring with one and many segments) at small sizes.
+        // Tiny segments: every TCP path (direct exchange, ring with one and many segments) at small sizes.
         run_ranks(world, Some(tiny_segments()), |pg| all_dtypes_all_reduce(&pg));
+        // Shared memory in 4 KiB blocks: one and many blocks, both halves of the double buffer.
+        run_ranks(world, Some(tiny_shm_blocks()), |pg| all_dtypes_all_reduce(&pg));
         // Default tuning: sizes up to 3 KiB take the direct path.
         run_ranks(world, None, |pg| check_all_reduce::<f32>(&pg));
+    }
+}
+
+fn uses_shared_memory(pg: &ProcessGroup) -> bool {
+    let any = pg.backend().as_any().expect("the CPU backend exposes itself");
+    any.downcast_ref::<ddp_core::cpu::CpuBackend>().expect("a CPU backend").uses_shared_memory()
+}
+
+#[test]
+fn shared_memory_is_used_on_one_machine_and_can_be_disabled() {
+    assert_eq!(run_ranks(3, Some(tiny_shm_blocks()), |pg| uses_shared_memory(&pg)), vec![true; 3]);
+    assert_eq!(run_ranks(2, Some(tiny_segments()), |pg| uses_shared_memory(&pg)), vec![false; 2]);
+}
+
+#[test]
+fn mismatched_sizes_on_the_shared_memory_path_fail_on_every_rank() {
+    let errs = run_ranks(2, Some(tiny_shm_blocks()), |pg| {
+        let mut v = vec![1.0f64; if pg.rank() == 0 { 1000 } else { 1500 }];
+        pg.all_reduce(&mut v, ReduceOp::Sum).unwrap_err().to_string()
+    });
+    for (rank, e) in errs.iter().enumerate() {
+        assert!(e.contains("all_reduce") && e.contains("sequence number 1"), "rank {rank}: {e}");
+        assert!(e.contains("8000 bytes") && e.contains("12000 bytes"), "rank {rank}: {e}");
     }
 }
 
@@ -333,4 +358,21 @@ fn single_process_group_is_the_identity() {
     pg.reduce_scatter(&v, &mut out, ReduceOp::Avg).unwrap();
     assert_eq!(out, v);
     pg.barrier().unwrap();
+}
+
+#[test]
+fn multi_process_init_with_port_zero_is_a_clear_error() {
+    let opts = ddp_core::InitOptions { world_size: 2, master_port: 0, ..ddp_core::InitOptions::single_process() };
+    let err = ProcessGroup::init(opts).unwrap_err();
+    assert!(matches!(&err, DdpError::Env { var, .. } if var == "MASTER_PORT"), "{err}");
+}
+
+#[cfg(not(feature = "nccl"))]
+#[test]
+fn backend_not_compiled_in_is_unavailable() {
+    use ddp_core::{store::MemoryStore, BackendKind, GroupOptions, Store};
+    let store: std::sync::Arc<dyn Store> = std::sync::Arc::new(MemoryStore::default());
+    let opts = GroupOptions { backend: BackendKind::Nccl, ..GroupOptions::default() };
+    let err = ProcessGroup::from_store(store, 0, 1, opts).unwrap_err();
+    assert!(matches!(err, DdpError::BackendUnavailable { backend: "nccl", .. }), "{err}");
 }

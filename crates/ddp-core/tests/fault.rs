@@ -31,8 +31,20 @@ fn worker() {
 
 #[test]
 fn killed_worker_fails_every_other_rank_within_seconds() {
+    // Default tuning: the 1 MiB all_reduce goes through shared memory.
+    kill_rank_1_and_check_survivors(&[]);
+}
+
+#[test]
+fn killed_worker_fails_every_other_rank_on_the_tcp_path_too() {
+    kill_rank_1_and_check_survivors(&[("ACCEL_CPU_SHM", "0".to_string())]);
+}
+
+fn kill_rank_1_and_check_survivors(extra_env: &[(&str, String)]) {
     // The collective timeout is 10 minutes: only fault propagation can end the survivors' calls quickly.
-    let mut job = procs::spawn("worker", "loop", 3, &[("ACCEL_TIMEOUT", "600".to_string())]);
+    let mut env = vec![("ACCEL_TIMEOUT", "600".to_string())];
+    env.extend_from_slice(extra_env);
+    let mut job = procs::spawn("worker", "loop", 3, &env);
     let progress: Vec<Arc<Mutex<u64>>> = (0..3).map(|_| Arc::new(Mutex::new(0))).collect();
     for (c, p) in job.children.iter_mut().zip(&progress) {
         let out = c.stdout.take().unwrap();

@@ -90,6 +90,13 @@ fn three_processes_every_collective_and_dtype_over_tcp() {
 }
 
 #[test]
+fn three_processes_over_tcp_only() {
+    // No shared memory: large all_reduce takes the segmented TCP ring between processes.
+    let job = procs::spawn("worker", "conformance", 3, &[("ACCEL_CPU_SHM", "0".to_string())]);
+    assert_all_ok(procs::wait_all(job, Duration::from_secs(240)));
+}
+
+#[test]
 fn rank_zero_can_host_the_store() {
     // No launcher: rank 0 binds MASTER_PORT itself. Take a free port from the OS, then free it for rank 0.
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();

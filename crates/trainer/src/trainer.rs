@@ -416,9 +416,8 @@ where
         fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::TrainBegin)?;
 
         let start_step = self.state.global_step;
-        let mut total_loss = 0.0f64; // sum of step losses of this run
-        let mut loss_since_log = 0.0f64;
-        let mut steps_since_log = 0u64;
+        // Loss sums stay on the device until a log needs them (no per-step host sync, as HF's tr_loss).
+        let mut since_log = LossTally::default();
         let mut last_grad_norm: Option<f64> = None;
 
         for epoch in epochs_trained..num_epochs {
@@ -447,23 +446,21 @@ where
                 fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::StepBegin)?;
                 let step = self.training_step(rt, &window)?;
                 drop(window);
-                total_loss += step.loss;
-                loss_since_log += step.loss;
-                steps_since_log += 1;
+                since_log.add(step.loss_sum, step.items)?;
                 if step.grad_norm.is_some() {
                     last_grad_norm = step.grad_norm;
                 }
                 self.state.global_step += 1;
                 self.state.epoch = epoch as f64 + consumed as f64 / loader_len as f64;
                 fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::StepEnd)?;
-                self.maybe_log_save_evaluate(rt, &mut loss_since_log, &mut steps_since_log, last_grad_norm)?;
+                self.maybe_log_save_evaluate(rt, &mut since_log, last_grad_norm)?;
                 if self.control.should_epoch_stop || self.control.should_training_stop {
                     break;
                 }
             }
             drop(iter);
             fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::EpochEnd)?;
-            self.maybe_log_save_evaluate(rt, &mut loss_since_log, &mut steps_since_log, last_grad_norm)?;
+            self.maybe_log_save_evaluate(rt, &mut since_log, last_grad_norm)?;
             if self.control.should_training_stop {
                 break;
             }
@@ -471,7 +468,8 @@ where
 
         let runtime = start.elapsed().as_secs_f64();
         let steps_this_run = self.state.global_step - start_step;
-        let training_loss = if steps_this_run > 0 { total_loss / steps_this_run as f64 } else { 0.0 };
+        since_log.flush()?;
+        let training_loss = since_log.run_mean(&rt.acc)?.unwrap_or(0.0);
         let samples = steps_this_run as f64 * (self.args.per_device_train_batch_size * ga * world) as f64;
         let metrics = Metrics::from([
             ("train_runtime".to_string(), runtime),
@@ -505,7 +503,7 @@ where
         let acc = &rt.acc;
         let dtype = acc.compute_dtype();
         let mut sums = Vec::with_capacity(window.len());
-        let mut local_sum = 0.0f64;
+        let mut local_sum: Option<Tensor> = None;
         let mut local_items = 0usize;
         let mut rows = 0usize;
         for batch in window {
@@ -513,13 +511,17 @@ where
             let y = outputs_f32(rt.model.forward_t(&x, true)?)?;
             let out = self.loss.compute(&y, &batch.targets)?;
             rows += batch.len();
-            local_sum += out.loss_sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            let detached = out.loss_sum.detach();
+            local_sum = Some(match local_sum {
+                None => detached,
+                Some(acc_sum) => (acc_sum + detached)?,
+            });
             local_items += out.num_items;
             sums.push(out.loss_sum);
         }
         let world = acc.world_size();
-        let (sum, items, global) = match self.normalisation(acc) {
-            Normalisation::Local => (local_sum, local_items as f64, false),
+        let (items, global) = match self.normalisation(acc) {
+            Normalisation::Local => (local_items as f64, false),
             Normalisation::FixedPerRow => {
                 if local_items % rows.max(1) != 0 {
                     return Err(TrainerError::Usage(format!(
@@ -528,12 +530,12 @@ where
                     )));
                 }
                 // Same rows on every rank at every step: the global count is known without communication.
-                (local_sum, (local_items * world) as f64, true)
+                ((local_items * world) as f64, true)
             }
             Normalisation::Reduced => {
-                let mut buf = [local_sum, local_items as f64];
+                let mut buf = [local_items as f64];
                 acc.process_group().all_reduce(&mut buf, ddp_core::ReduceOp::Sum)?;
-                (buf[0], buf[1], true)
+                (buf[0], true)
             }
         };
         // backward() divides by GA and DDP averages over ranks: pre-multiply so both cancel (see module docs).
@@ -556,12 +558,8 @@ where
                 rt.optimizer.set_learning_rate(s.lr());
             }
         }
-        // The step's loss: global when reduced, else this rank's (averaged over ranks when logged).
-        let loss = match self.normalisation(acc) {
-            Normalisation::Reduced => sum / items.max(1.0),
-            _ => local_sum / (local_items.max(1) as f64),
-        };
-        Ok(StepOutcome { loss, grad_norm })
+        let loss_sum = local_sum.expect("a window has at least one micro-batch");
+        Ok(StepOutcome { loss_sum, items: local_items as f64, grad_norm })
     }
 
     /// How this run normalises token-level losses (see [`Normalisation`]).
@@ -581,19 +579,12 @@ where
     fn maybe_log_save_evaluate(
         &mut self,
         rt: &mut Runtime<M, D>,
-        loss_since_log: &mut f64,
-        steps_since_log: &mut u64,
+        since_log: &mut LossTally,
         grad_norm: Option<f64>,
     ) -> Result<()> {
-        if self.control.should_log && *steps_since_log > 0 {
-            let mut loss = *loss_since_log / *steps_since_log as f64;
-            if self.normalisation(&rt.acc) != Normalisation::Reduced && rt.acc.world_size() > 1 {
-                // Per-rank losses: average them for the log (every rank logs at the same steps; with equal item
-                // counts per rank, as under FixedPerRow, this is the exact global mean).
-                let mut buf = [loss];
-                rt.acc.process_group().all_reduce(&mut buf, ddp_core::ReduceOp::Avg)?;
-                loss = buf[0];
-            }
+        if self.control.should_log && since_log.steps > 0 {
+            // Every rank logs at the same steps, so this collective is matched on all of them.
+            let loss = since_log.log_mean(&rt.acc)?.unwrap_or(0.0);
             let mut values = Metrics::from([
                 ("loss".to_string(), loss),
                 ("learning_rate".to_string(), rt.optimizer.learning_rate()),
@@ -601,8 +592,6 @@ where
             if let Some(g) = grad_norm {
                 values.insert("grad_norm".into(), g);
             }
-            *loss_since_log = 0.0;
-            *steps_since_log = 0;
             self.log(rt, values)?;
         }
         if self.control.should_evaluate && self.eval_dataset.is_some() {
@@ -732,8 +721,71 @@ enum Normalisation {
 
 /// Result of one optimizer step.
 struct StepOutcome {
-    /// Mean loss per item over the window (all ranks when `average_tokens_across_devices`).
-    loss: f64,
+    /// This rank's summed per-item loss over the window (scalar on the device, detached).
+    loss_sum: Tensor,
+    /// This rank's item count over the window.
+    items: f64,
     /// Total gradient norm before clipping, when clipping is on.
     grad_norm: Option<f64>,
+}
+
+/// Training-loss sums: on the device between logs (one small add per step, no host sync), on the host for the
+/// whole run.
+#[derive(Default)]
+struct LossTally {
+    /// This rank's loss sum since the last log (loss dtype, on the device).
+    sum: Option<Tensor>,
+    /// This rank's item count since the last log.
+    items: f64,
+    /// Optimizer steps since the last log.
+    steps: u64,
+    /// This rank's loss sum and item count of the whole run, up to the last log.
+    run_sum: f64,
+    run_items: f64,
+}
+
+impl LossTally {
+    fn add(&mut self, loss_sum: Tensor, items: f64) -> Result<()> {
+        self.sum = Some(match self.sum.take() {
+            None => loss_sum,
+            Some(s) => (s + loss_sum)?,
+        });
+        self.items += items;
+        self.steps += 1;
+        Ok(())
+    }
+
+    /// Moves the since-log sums into the run totals; returns them (this rank's sum, items).
+    fn flush(&mut self) -> Result<(f64, f64)> {
+        let sum = match self.sum.take() {
+            Some(s) => s.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+            None => 0.0,
+        };
+        let items = std::mem::take(&mut self.items);
+        self.steps = 0;
+        self.run_sum += sum;
+        self.run_items += items;
+        Ok((sum, items))
+    }
+
+    /// The item-weighted mean loss over all ranks since the last log, and resets it. Collective (one all-reduce
+    /// of (sum, count) when distributed): every rank calls it at the same steps.
+    fn log_mean(&mut self, acc: &Accelerator) -> Result<Option<f64>> {
+        let (sum, items) = self.flush()?;
+        global_mean(acc, sum, items)
+    }
+
+    /// The item-weighted mean loss over all ranks and the whole run (call [`Self::flush`] first). Collective.
+    fn run_mean(&self, acc: &Accelerator) -> Result<Option<f64>> {
+        global_mean(acc, self.run_sum, self.run_items)
+    }
+}
+
+/// `Σ sum / Σ items` over ranks (`None` when there are no items anywhere).
+fn global_mean(acc: &Accelerator, sum: f64, items: f64) -> Result<Option<f64>> {
+    let mut buf = [sum, items];
+    if acc.world_size() > 1 {
+        acc.process_group().all_reduce(&mut buf, ddp_core::ReduceOp::Sum)?;
+    }
+    Ok((buf[1] > 0.0).then(|| buf[0] / buf[1]))
 }

@@ -27,6 +27,7 @@ fn args(out: &Path, batch: usize, ga: usize) -> TrainingArguments {
         learning_rate: 0.5,
         lr_scheduler_type: accel::scheduler::SchedulerKind::Constant,
         save_strategy: SaveStrategy::No,
+        logging_steps: 2.0,
         report_to: ReportTo(vec!["none".into()]),
         save_plots: false,
         disable_tqdm: true,
@@ -36,7 +37,10 @@ fn args(out: &Path, batch: usize, ga: usize) -> TrainingArguments {
 
 type Snapshot = Vec<(String, Vec<u32>)>;
 
-fn train(batch: usize, ga: usize, pg: Option<ProcessGroup>, mean_of_means: bool) -> Snapshot {
+/// Final parameters and the logged training losses (every 2 steps).
+type Run = (Snapshot, Vec<f64>);
+
+fn train(batch: usize, ga: usize, pg: Option<ProcessGroup>, mean_of_means: bool) -> Run {
     let dir = tempfile::tempdir().unwrap();
     let loss = move |y: &candle_core::Tensor, t: &candle_core::Tensor| {
         let out = losses::token_cross_entropy(y, t)?;
@@ -53,12 +57,12 @@ fn train(batch: usize, ga: usize, pg: Option<ProcessGroup>, mean_of_means: bool)
     }
     let out = t.train().unwrap();
     assert_eq!(out.global_step, 8);
-    snapshot(&t)
+    (snapshot(&t), t.state().series("loss").into_iter().map(|(_, l)| l).collect())
 }
 
-fn on_two_ranks(batch: usize, ga: usize, mean_of_means: bool) -> Snapshot {
+fn on_two_ranks(batch: usize, ga: usize, mean_of_means: bool) -> Run {
     let mut r = run_ranks(2, move |pg| train(batch, ga, Some(pg), mean_of_means));
-    assert_eq!(r[0], r[1], "ranks hold the same parameters");
+    assert_eq!(r[0].0, r[1].0, "ranks hold the same parameters");
     r.remove(0)
 }
 
@@ -70,13 +74,18 @@ fn accumulation_equals_larger_batches_with_variable_length_targets() {
         ("2 ranks, GA 1, batch 8", on_two_ranks(8, 1, false)),
         ("1 rank, GA 4, batch 4", train(4, 4, None, false)),
     ];
-    for (name, params) in &cases {
-        let d = max_rel_diff(params, &reference);
+    for (name, (params, losses)) in &cases {
+        let d = max_rel_diff(params, &reference.0);
         assert!(d <= TOLERANCE, "{name}: max relative difference {d:e} > {TOLERANCE:e}");
+        // The logged loss is the token-weighted mean over all ranks: the same in every layout.
+        assert_eq!(losses.len(), 4, "{name}");
+        for (a, b) in losses.iter().zip(&reference.1) {
+            assert!((a - b).abs() <= 1e-5 * b.abs(), "{name}: logged loss {a} vs {b}");
+        }
     }
     // The test can tell: averaging per-micro-batch means weighs short sequences more and ends elsewhere.
-    let buggy = on_two_ranks(4, 2, true);
-    let d = max_rel_diff(&buggy, &reference);
+    let buggy = on_two_ranks(4, 2, true).0;
+    let d = max_rel_diff(&buggy, &reference.0);
     assert!(d > 1e-3, "mean-of-means normalisation should differ, max relative difference only {d:e}");
 }
 
@@ -84,7 +93,7 @@ fn accumulation_equals_larger_batches_with_variable_length_targets() {
 /// ranks × GA 2 × batch 4 must still equal 1 rank × batch 16 (same tolerance).
 #[test]
 fn fixed_items_per_row_needs_no_count_reduction_and_stays_exact() {
-    fn run(batch: usize, ga: usize, pg: Option<ProcessGroup>) -> Snapshot {
+    fn run(batch: usize, ga: usize, pg: Option<ProcessGroup>) -> Run {
         let dir = tempfile::tempdir().unwrap();
         let mut t = Trainer::new(
             args(dir.path(), batch, ga),
@@ -97,11 +106,14 @@ fn fixed_items_per_row_needs_no_count_reduction_and_stays_exact() {
             t = t.process_group(pg);
         }
         t.train().unwrap();
-        snapshot(&t)
+        (snapshot(&t), t.state().series("loss").into_iter().map(|(_, l)| l).collect())
     }
     let reference = run(16, 1, None);
     let two = run_ranks(2, |pg| run(4, 2, Some(pg)));
     assert_eq!(two[0], two[1]);
-    let d = max_rel_diff(&two[0], &reference);
+    let d = max_rel_diff(&two[0].0, &reference.0);
     assert!(d <= TOLERANCE, "max relative difference {d:e}");
+    for (a, b) in two[0].1.iter().zip(&reference.1) {
+        assert!((a - b).abs() <= 1e-5 * b.abs(), "logged loss {a} vs {b}");
+    }
 }

@@ -11,7 +11,15 @@ use super::ring::split_even;
 use super::transport::{Buf, OnRecv, Plan, RecvUnit, SendUnit};
 
 /// Builds the plan for `n` bytes from `root`, cut into segments of at most `segment_bytes`.
-pub(crate) fn plan(rank: usize, world_size: usize, root: usize, n: usize, segment_bytes: usize, chain: bool, call: CallId) -> Plan {
+pub(crate) fn plan(
+    rank: usize,
+    world_size: usize,
+    root: usize,
+    n: usize,
+    segment_bytes: usize,
+    chain: bool,
+    call: CallId,
+) -> Plan {
     let k = n.div_ceil(segment_bytes.max(1)).max(1);
     let segs = split_even(0, n, 1, k);
     let mut plan = Plan::new(call);

@@ -64,7 +64,13 @@ impl AbortRecord {
 
 /// The record for a failure seen on this rank, consulting the store first: when a peer's connection closes
 /// because *that* peer aborted, the store already names the real culprit.
-pub(crate) fn record_for(failure: &Failure, this_rank: usize, call: &CallId, store: &dyn Store, key: &str) -> AbortRecord {
+pub(crate) fn record_for(
+    failure: &Failure,
+    this_rank: usize,
+    call: &CallId,
+    store: &dyn Store,
+    key: &str,
+) -> AbortRecord {
     let during = call.to_string();
     match failure {
         Failure::PeerLost { peer, detail } => read(store, key).unwrap_or_else(|| AbortRecord {
@@ -125,12 +131,7 @@ pub(crate) fn read(store: &dyn Store, key: &str) -> Option<AbortRecord> {
 pub(crate) fn abort_links(peers: &[Option<TcpStream>], tx_mid_frame: &[bool], call: &CallId, rec: &AbortRecord) {
     let mut text = rec.describe(usize::MAX).into_bytes();
     text.truncate(MAX_ABORT_PAYLOAD);
-    let header = Header {
-        kind: FrameKind::Abort,
-        call: *call,
-        unit: 0,
-        len: text.len() as u32,
-    };
+    let header = Header { kind: FrameKind::Abort, call: *call, unit: 0, len: text.len() as u32 };
     let mut call_for_frame = header;
     call_for_frame.call.size = rec.blamed.map_or(u64::MAX, |b| b as u64);
     let encoded = call_for_frame.encode();

@@ -123,7 +123,9 @@ pub(crate) struct Header {
 }
 
 fn dtype_from_code(c: u8) -> Option<DType> {
-    [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64, DType::U8].into_iter().find(|d| d.code() == c)
+    [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64, DType::U8]
+        .into_iter()
+        .find(|d| d.code() == c)
 }
 
 fn redop_from_code(c: u8) -> Option<ReduceOp> {
@@ -157,7 +159,10 @@ impl Header {
     /// Decodes a header; `Err` describes what is malformed.
     pub(crate) fn decode(b: &[u8; HEADER_LEN]) -> Result<Header, String> {
         if b[0..4] != MAGIC {
-            return Err(format!("bad frame magic {:02x?} (not an accel-rs CPU backend peer, or a corrupted stream)", &b[0..4]));
+            return Err(format!(
+                "bad frame magic {:02x?} (not an accel-rs CPU backend peer, or a corrupted stream)",
+                &b[0..4]
+            ));
         }
         let kind = match b[4] {
             1 => FrameKind::Data,
@@ -199,7 +204,8 @@ mod tests {
         };
         let h = Header::data(call, 12, 4096);
         assert_eq!(Header::decode(&h.encode()).unwrap(), h);
-        let abort = Header { kind: FrameKind::Abort, call: CallId { dtype: None, redop: None, ..call }, unit: 0, len: 9 };
+        let abort =
+            Header { kind: FrameKind::Abort, call: CallId { dtype: None, redop: None, ..call }, unit: 0, len: 9 };
         assert_eq!(Header::decode(&abort.encode()).unwrap(), abort);
         let mut bad = h.encode();
         bad[0] = b'X';

@@ -96,7 +96,8 @@ fn connect_to(spec: &MeshSpec<'_>, peer: usize, addr: &str, deadline: Instant) -
                 hello.extend_from_slice(spec.token.as_bytes());
                 hello.extend_from_slice(&(spec.group_tag.len() as u16).to_le_bytes());
                 hello.extend_from_slice(spec.group_tag.as_bytes());
-                s.write_all(&hello).map_err(|e| DdpError::io(format!("sending the handshake to rank {peer} at {addr}"), e))?;
+                s.write_all(&hello)
+                    .map_err(|e| DdpError::io(format!("sending the handshake to rank {peer} at {addr}"), e))?;
                 let mut reply = [0u8; 5];
                 s.read_exact(&mut reply)
                     .map_err(|e| DdpError::io(format!("reading the handshake reply of rank {peer} at {addr}"), e))?;

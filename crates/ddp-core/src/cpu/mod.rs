@@ -6,9 +6,13 @@
 //! - [`ring`]: bandwidth-optimal segmented ring (all_reduce, reduce_scatter, all_gather).
 //! - [`small`]: latency-optimal direct exchange for small all_reduce.
 //! - [`broadcast`], [`barrier`], [`p2p`]: the other operations.
+//! - [`shm`]: shared-memory all_reduce for large buffers when every rank is on this machine.
 //! - [`fault`]: abort propagation so a dead or mismatching rank fails the collective on every rank, fast.
 //!
-//! Ranks on one machine use the same TCP path (loopback); see `docs/benchmarks.md` for what it achieves.
+//! all_reduce picks its path by size (the same on every rank): up to `small_all_reduce_bytes` (64 KiB) a
+//! direct exchange over TCP (latency), then the segmented TCP ring, and above `shm_min_bytes` (512 KiB) the
+//! shared-memory channel when all ranks share a machine (else the ring). Other collectives use TCP. See
+//! `docs/benchmarks.md` for measurements.
 
 mod barrier;
 mod broadcast;
@@ -46,11 +50,17 @@ pub struct CpuTuning {
     pub chain_broadcast_bytes: usize,
     /// SO_SNDBUF / SO_RCVBUF of peer sockets in bytes; `None` keeps Linux's autotuning (default 4 MiB).
     pub socket_buffer_bytes: Option<usize>,
-    /// Use a shared-memory segment for all_reduce above `small_all_reduce_bytes` when every rank of the group
-    /// is on this machine (default true; falls back to TCP silently when unavailable).
+    /// Use a shared-memory segment for all_reduce of more than `shm_min_bytes` when every rank of the group is
+    /// on this machine (default true; falls back to TCP silently when unavailable).
     pub shared_memory: bool,
-    /// Pipeline block of the shared-memory all_reduce, bytes (default 1 MiB; the segment holds 2·(P+1) blocks).
+    /// all_reduce of more than this many bytes uses shared memory when available (default 512 KiB: below it
+    /// the TCP ring's fewer synchronisations win).
+    pub shm_min_bytes: usize,
+    /// Pipeline block of the shared-memory all_reduce, bytes (default 1 MiB).
     pub shm_block_bytes: usize,
+    /// Blocks in flight per rank in the shared-memory all_reduce (default 4; ≥ 2). The segment holds
+    /// depth·(P+1) blocks.
+    pub shm_depth: usize,
 }
 
 impl Default for CpuTuning {
@@ -61,15 +71,17 @@ impl Default for CpuTuning {
             chain_broadcast_bytes: 256 << 10,
             socket_buffer_bytes: Some(4 << 20),
             shared_memory: true,
+            shm_min_bytes: 512 << 10,
             shm_block_bytes: 1 << 20,
+            shm_depth: 4,
         }
     }
 }
 
 impl CpuTuning {
     /// Defaults overridden by `ACCEL_CPU_SEGMENT_BYTES`, `ACCEL_CPU_SMALL_BYTES`, `ACCEL_CPU_CHAIN_BYTES` and
-    /// `ACCEL_CPU_SOCKET_BUFFER_BYTES` (0 = kernel autotuning), `ACCEL_CPU_SHM` (0 = TCP only) and
-    /// `ACCEL_CPU_SHM_BLOCK_BYTES`. Malformed values are errors naming the variable.
+    /// `ACCEL_CPU_SOCKET_BUFFER_BYTES` (0 = kernel autotuning), `ACCEL_CPU_SHM` (0 = TCP only),
+    /// `ACCEL_CPU_SHM_MIN_BYTES`, `ACCEL_CPU_SHM_BLOCK_BYTES` and `ACCEL_CPU_SHM_DEPTH`. Malformed values are errors naming the variable.
     pub fn from_env() -> Result<Self> {
         let mut t = CpuTuning::default();
         let get = |name: &str| -> Result<Option<usize>> {
@@ -92,6 +104,12 @@ impl CpuTuning {
         }
         if let Some(v) = get("ACCEL_CPU_SHM")? {
             t.shared_memory = v != 0;
+        }
+        if let Some(v) = get("ACCEL_CPU_SHM_MIN_BYTES")? {
+            t.shm_min_bytes = v;
+        }
+        if let Some(v) = get("ACCEL_CPU_SHM_DEPTH")? {
+            t.shm_depth = v.max(2);
         }
         if let Some(v) = get("ACCEL_CPU_SHM_BLOCK_BYTES")? {
             shm::check_block(v)?;
@@ -216,6 +234,7 @@ impl CpuBackend {
                 rank,
                 world_size,
                 opts.tuning.shm_block_bytes,
+                opts.tuning.shm_depth,
                 opts.tuning.shared_memory,
             )?
         } else {
@@ -261,7 +280,15 @@ impl CpuBackend {
     }
 
     /// Starts a collective: next sequence number, fails at once on an aborted group.
-    fn begin(&self, st: &mut State, op: Op, size: usize, dtype: Option<DType>, redop: Option<ReduceOp>, param: u64) -> Result<CallId> {
+    fn begin(
+        &self,
+        st: &mut State,
+        op: Op,
+        size: usize,
+        dtype: Option<DType>,
+        redop: Option<ReduceOp>,
+        param: u64,
+    ) -> Result<CallId> {
         st.seq += 1;
         let call = CallId { op, seq: st.seq, size: size as u64, dtype, redop, param };
         if let Some(rec) = &st.aborted {
@@ -369,7 +396,7 @@ impl Backend for CpuBackend {
             small::combine(r, p, buf, &mut grow(&mut st.scratch, scratch)[..], dtype, op);
             return Ok(());
         }
-        if let Some(shm) = &self.shm {
+        if let Some(shm) = self.shm.as_ref().filter(|_| n > self.tuning.shm_min_bytes) {
             return self.shm_all_reduce(&mut st, shm, call, buf, dtype, op);
         }
         let chunks = ring::split_even(0, n, dtype.size_in_bytes(), p);
@@ -487,7 +514,8 @@ impl Backend for CpuBackend {
         self.check_peer(dst, "send destination")?;
         let mut st = self.lock();
         st.sent[dst] += 1;
-        let call = CallId { op: Op::Send, seq: st.sent[dst], size: buf.len() as u64, dtype: None, redop: None, param: 0 };
+        let call =
+            CallId { op: Op::Send, seq: st.sent[dst], size: buf.len() as u64, dtype: None, redop: None, param: 0 };
         if let Some(rec) = &st.aborted {
             return Err(self.error(&call, rec, true));
         }
@@ -506,6 +534,10 @@ impl Backend for CpuBackend {
         }
         let plan = p2p::recv_plan(src, buf.len(), self.tuning.segment_bytes, call);
         self.exec(&mut st, &plan, buf, &[], 0)
+    }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
     }
 
     fn barrier(&self) -> Result<()> {
@@ -547,12 +579,8 @@ impl CpuBackend {
                 reason: r.reason,
             })
         };
-        let ctx = shm::WaitCtx {
-            peers: &self.peers,
-            deadline: started + self.timeout,
-            started,
-            check_abort: &check_abort,
-        };
+        let ctx =
+            shm::WaitCtx { peers: &self.peers, deadline: started + self.timeout, started, check_abort: &check_abort };
         if let Err(f) = shm.all_reduce(buf, dtype, op, first_epoch, &ctx) {
             return Err(self.abort(st, &call, f));
         }

@@ -106,7 +106,12 @@ impl Ring<'_> {
                         on_recv: OnRecv::ReduceInto { into: range.clone(), divide_by },
                     });
                 } else {
-                    plan.recvs.push(RecvUnit { peer: left, buf: Buf::Work, range: range.clone(), on_recv: OnRecv::Keep });
+                    plan.recvs.push(RecvUnit {
+                        peer: left,
+                        buf: Buf::Work,
+                        range: range.clone(),
+                        on_recv: OnRecv::Keep,
+                    });
                 }
             }
         }
@@ -121,7 +126,7 @@ mod tests {
     #[test]
     fn split_even_covers_everything_element_aligned() {
         let r = split_even(8, 7 * 4, 4, 3);
-        assert_eq!(r, vec![8..12, 12..20, 20..36]);
+        assert_eq!(r, vec![8..16, 16..24, 24..36]);
         let r = split_even(0, 0, 2, 4);
         assert!(r.iter().all(|x| x.is_empty()));
     }

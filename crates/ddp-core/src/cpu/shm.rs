@@ -33,13 +33,15 @@ use crate::{DType, DdpError, ReduceOp, Result};
 use memmap2::MmapMut;
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 const LINE: usize = 128; // two cache lines: adjacent-line prefetch must not couple two counters
 const NONCE_LEN: usize = 16;
 const ABORT_OFFSET: usize = LINE;
 const COUNTERS_OFFSET: usize = 2 * LINE;
+/// Per rank: `arrived`, `reduced`, `consumed` (u64 each) and the doorbell line (u32 futex word + u32 sleepers).
+const LINES_PER_RANK: usize = 4;
 
 /// One group's shared segment, mapped in this process.
 pub(crate) struct ShmChannel {
@@ -47,6 +49,8 @@ pub(crate) struct ShmChannel {
     rank: usize,
     world_size: usize,
     block_bytes: usize,
+    /// Blocks in flight per rank (buffers of each slot / of the result area).
+    depth: usize,
     data_offset: usize,
 }
 
@@ -63,10 +67,10 @@ pub(crate) struct WaitCtx<'a> {
 }
 
 impl ShmChannel {
-    fn layout(world_size: usize, block_bytes: usize) -> (usize, usize) {
-        let header = COUNTERS_OFFSET + world_size * 3 * LINE;
+    fn layout(world_size: usize, block_bytes: usize, depth: usize) -> (usize, usize) {
+        let header = COUNTERS_OFFSET + world_size * LINES_PER_RANK * LINE;
         let data_offset = header.div_ceil(4096) * 4096;
-        let total = data_offset + (2 * world_size + 2) * block_bytes;
+        let total = data_offset + depth * (world_size + 1) * block_bytes;
         (data_offset, total)
     }
 
@@ -78,9 +82,10 @@ impl ShmChannel {
         rank: usize,
         world_size: usize,
         block_bytes: usize,
+        depth: usize,
         enabled: bool,
     ) -> Result<Option<ShmChannel>> {
-        let (data_offset, total) = Self::layout(world_size, block_bytes);
+        let (data_offset, total) = Self::layout(world_size, block_bytes, depth);
         let key = format!("{prefix}shm/segment");
         let mut path = None;
         let attempt: std::result::Result<MmapMut, String> = if !enabled {
@@ -149,7 +154,7 @@ impl ShmChannel {
         match attempt {
             Ok(map) if all_ok => {
                 tracing::debug!(rank, world_size, block_bytes, "cpu backend: shared-memory all_reduce enabled");
-                Ok(Some(ShmChannel { map, rank, world_size, block_bytes, data_offset }))
+                Ok(Some(ShmChannel { map, rank, world_size, block_bytes, depth, data_offset }))
             }
             Ok(_) => Ok(None),
             Err(reason) => {
@@ -166,24 +171,43 @@ impl ShmChannel {
     }
 
     fn arrived(&self, r: usize) -> &AtomicU64 {
-        self.atomic(COUNTERS_OFFSET + r * 3 * LINE)
+        self.atomic(COUNTERS_OFFSET + r * LINES_PER_RANK * LINE)
     }
     fn reduced(&self, r: usize) -> &AtomicU64 {
-        self.atomic(COUNTERS_OFFSET + r * 3 * LINE + LINE)
+        self.atomic(COUNTERS_OFFSET + r * LINES_PER_RANK * LINE + LINE)
     }
     fn consumed(&self, r: usize) -> &AtomicU64 {
-        self.atomic(COUNTERS_OFFSET + r * 3 * LINE + 2 * LINE)
+        self.atomic(COUNTERS_OFFSET + r * LINES_PER_RANK * LINE + 2 * LINE)
+    }
+    /// Rank r's doorbell: a futex word bumped on every counter update, and how many ranks sleep on it.
+    fn bell(&self, r: usize) -> (&AtomicU32, &AtomicU32) {
+        let off = COUNTERS_OFFSET + r * LINES_PER_RANK * LINE + 3 * LINE;
+        // SAFETY: in bounds, 4-byte aligned, only accessed atomically (and by the futex syscall).
+        unsafe {
+            (&*(self.map.as_ptr().add(off) as *const AtomicU32), &*(self.map.as_ptr().add(off + 4) as *const AtomicU32))
+        }
+    }
+
+    /// Publishes one of my counters and wakes ranks sleeping on my doorbell.
+    fn publish(&self, counter: &AtomicU64, e: u64) {
+        counter.store(e, Ordering::Release);
+        let (bell, sleepers) = self.bell(self.rank);
+        bell.fetch_add(1, Ordering::SeqCst);
+        // Dekker with the waiter: it bumps `sleepers` then re-reads `bell`; one of us sees the other.
+        if sleepers.load(Ordering::SeqCst) > 0 {
+            futex_wake(bell);
+        }
     }
     fn abort_word(&self) -> &AtomicU64 {
         self.atomic(ABORT_OFFSET)
     }
 
-    /// Byte offset of rank `r`'s slot, buffer `b`.
+    /// Byte offset of rank `r`'s slot, buffer `b` (< depth).
     fn slot(&self, r: usize, b: usize) -> usize {
-        self.data_offset + (2 * r + b) * self.block_bytes
+        self.data_offset + (self.depth * r + b) * self.block_bytes
     }
     fn result(&self, b: usize) -> usize {
-        self.data_offset + (2 * self.world_size + b) * self.block_bytes
+        self.data_offset + (self.depth * self.world_size + b) * self.block_bytes
     }
 
     fn shared_ptr(&self, offset: usize) -> *mut u8 {
@@ -203,6 +227,9 @@ impl ShmChannel {
 
     /// In-place all_reduce of `buf` through shared memory. `first_epoch` is this call's first epoch (epochs
     /// count blocks across calls and are the same on every rank).
+    ///
+    /// While waiting for the other ranks, a rank stages (copies in) up to `depth` blocks ahead, so a rank
+    /// that runs while its peers are descheduled gets work done for later.
     pub(crate) fn all_reduce(
         &self,
         buf: &mut [u8],
@@ -213,19 +240,35 @@ impl ShmChannel {
     ) -> std::result::Result<(), Failure> {
         let es = dtype.size_in_bytes();
         let block = (self.block_bytes / es) * es;
-        let blocks: Vec<(usize, usize)> =
-            (0..buf.len().div_ceil(block).max(1)).map(|i| (i * block, ((i + 1) * block).min(buf.len()))).collect();
-        let (p, r) = (self.world_size, self.rank);
-        let parts = |i: usize| split_even(blocks[i].0, blocks[i].1 - blocks[i].0, es, p);
+        let len = buf.len();
+        let n_blocks = len.div_ceil(block).max(1);
+        let bounds = |i: usize| (i * block, ((i + 1) * block).min(len));
+        let (p, r, depth) = (self.world_size, self.rank, self.depth);
+        let parts = |i: usize| {
+            let (a, b) = bounds(i);
+            split_even(a, b - a, es, p)
+        };
+        let epoch = |i: usize| first_epoch + i as u64;
+        let others_all = |f: &dyn Fn(usize) -> bool| (0..p).filter(|&q| q != r).all(f);
+        let slot_free = |k: usize| others_all(&|q| self.reduced(q).load(Ordering::Acquire) + depth as u64 >= epoch(k));
 
-        self.copy_in(buf, &parts(0), blocks[0].0, first_epoch, ctx)?;
-        for i in 0..blocks.len() {
-            let e = first_epoch + i as u64;
-            let b = (e % 2) as usize;
+        let mut staged = 0usize;
+        for i in 0..n_blocks {
+            let e = epoch(i);
+            let b = (e % depth as u64) as usize;
             let part = parts(i);
-            let base = blocks[i].0;
+            let base = bounds(i).0;
+            while staged <= i {
+                self.copy_in(buf, &parts(staged), bounds(staged).0, epoch(staged), ctx)?;
+                staged += 1;
+            }
             // 2. reduce my part: my values, then the others' in rank order.
-            self.wait(ctx, |q| self.arrived(q).load(Ordering::Acquire) >= e)?;
+            let arrived = |q: usize| self.arrived(q).load(Ordering::Acquire) >= e;
+            while staged < n_blocks && staged < i + depth && !others_all(&arrived) && slot_free(staged) {
+                self.copy_in(buf, &parts(staged), bounds(staged).0, epoch(staged), ctx)?;
+                staged += 1;
+            }
+            self.wait(ctx, arrived)?;
             let mine = part[r].clone();
             for q in (0..p).filter(|&q| q != r) {
                 // SAFETY: slot (q, b) holds block e's data: q published `arrived ≥ e` (acquire above) and will
@@ -238,8 +281,8 @@ impl ShmChannel {
             if op == ReduceOp::Avg {
                 crate::dtype::divide_in_place(dtype, &mut buf[mine.clone()], p);
             }
-            // Publish it once every rank has finished reading the result buffer's previous use (epoch e − 2).
-            self.wait(ctx, |q| self.consumed(q).load(Ordering::Acquire) + 2 >= e)?;
+            // Publish it once every rank has finished reading the result buffer's previous use.
+            self.wait(ctx, |q| self.consumed(q).load(Ordering::Acquire) + depth as u64 >= e)?;
             // SAFETY: result buffer b, part r is ours to write until we publish `reduced ≥ e`.
             unsafe {
                 std::ptr::copy_nonoverlapping(
@@ -248,15 +291,15 @@ impl ShmChannel {
                     mine.len(),
                 );
             }
-            self.reduced(r).store(e, Ordering::Release);
-            // Overlap: stage the next block while the others finish reducing this one.
-            if i + 1 < blocks.len() {
-                self.copy_in(buf, &parts(i + 1), blocks[i + 1].0, e + 1, ctx)?;
+            self.publish(self.reduced(r), e);
+            // 3. copy the other parts' results out (staging later blocks while the others finish reducing).
+            let reduced = |q: usize| self.reduced(q).load(Ordering::Acquire) >= e;
+            while staged < n_blocks && staged < i + depth && !others_all(&reduced) && slot_free(staged) {
+                self.copy_in(buf, &parts(staged), bounds(staged).0, epoch(staged), ctx)?;
+                staged += 1;
             }
-            // 3. copy the other parts' results out.
-            self.wait(ctx, |q| self.reduced(q).load(Ordering::Acquire) >= e)?;
-            for (q, range) in part.iter().enumerate().filter(|(q, _)| *q != r) {
-                let _ = q;
+            self.wait(ctx, reduced)?;
+            for range in part.iter().enumerate().filter(|(q, _)| *q != r).map(|(_, range)| range) {
                 // SAFETY: result part q of buffer b was published by q (`reduced ≥ e`, acquire above) and is
                 // not rewritten before every rank publishes `consumed ≥ e`.
                 unsafe {
@@ -267,7 +310,7 @@ impl ShmChannel {
                     );
                 }
             }
-            self.consumed(r).store(e, Ordering::Release);
+            self.publish(self.consumed(r), e);
         }
         Ok(())
     }
@@ -281,9 +324,10 @@ impl ShmChannel {
         e: u64,
         ctx: &WaitCtx<'_>,
     ) -> std::result::Result<(), Failure> {
-        let b = (e % 2) as usize;
-        // My slot b was last read during epoch e − 2: wait until every rank has reduced that epoch.
-        self.wait(ctx, |q| self.reduced(q).load(Ordering::Acquire) + 2 >= e)?;
+        let depth = self.depth as u64;
+        let b = (e % depth) as usize;
+        // My slot b was last read during epoch e − depth: wait until every rank has reduced that epoch.
+        self.wait(ctx, |q| self.reduced(q).load(Ordering::Acquire) + depth >= e)?;
         for (q, range) in part.iter().enumerate() {
             if q == self.rank {
                 continue;
@@ -297,26 +341,25 @@ impl ShmChannel {
                 );
             }
         }
-        self.arrived(self.rank).store(e, Ordering::Release);
+        self.publish(self.arrived(self.rank), e);
         Ok(())
     }
 
     /// Waits until `ready(q)` holds for every other rank q, watching for failures.
     ///
-    /// Spins for up to [`SPIN`] (the peer is normally running on another core and only microseconds behind),
-    /// then yields, then sleeps in short steps; a yield or sleep on a loaded machine can cost a whole
-    /// scheduler slice, so it only happens once the peer is evidently not running.
+    /// Spins for up to [`SPIN`] (the peer normally runs on another core, microseconds behind), then sleeps on
+    /// the doorbell of a rank it waits for (a futex in the shared segment, rung by every publish) in slices of
+    /// at most 1 ms. Sleeping matters on a loaded machine: when both ranks share a core, spinning would only
+    /// burn the time the peer needs.
     fn wait(&self, ctx: &WaitCtx<'_>, ready: impl Fn(usize) -> bool) -> std::result::Result<(), Failure> {
         let others = || (0..self.world_size).filter(|&q| q != self.rank);
         if others().all(&ready) {
             return Ok(());
         }
         let start = Instant::now();
-        let mut last_check = start;
         let mut last_tick = start;
-        let mut round = 0u32;
         loop {
-            for _ in 0..64 {
+            for _ in 0..32 {
                 if others().all(&ready) {
                     return Ok(());
                 }
@@ -330,41 +373,65 @@ impl ShmChannel {
                     reason: "another rank aborted the group".into(),
                 });
             }
-            round += 1;
             let now = Instant::now();
-            let waited = now - start;
-            if waited < SPIN {
+            if now - start < SPIN {
                 continue;
             }
-            if waited < YIELD {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(if round % 16 == 0 { 200 } else { 20 }));
+            let Some(q) = others().find(|&q| !ready(q)) else { return Ok(()) };
+            let (bell, sleepers) = self.bell(q);
+            let seen = bell.load(Ordering::SeqCst);
+            sleepers.fetch_add(1, Ordering::SeqCst);
+            if !ready(q) && bell.load(Ordering::SeqCst) == seen {
+                futex_wait(bell, seen, Duration::from_millis(1));
             }
-            if now - last_check >= Duration::from_millis(1) {
-                last_check = now;
-                let waiting_on = others().find(|&q| !ready(q));
-                if let Some(q) = waiting_on {
-                    peer_alive(ctx.peers, q)?;
-                }
-                if now >= ctx.deadline {
-                    return Err(Failure::Timeout { peer: waiting_on, waited: now - ctx.started });
-                }
-                if now - last_tick >= super::transport::TICK {
-                    last_tick = now;
-                    if let Some(f) = (ctx.check_abort)() {
-                        return Err(f);
-                    }
+            sleepers.fetch_sub(1, Ordering::SeqCst);
+            if ready(q) {
+                continue;
+            }
+            // Still waiting after a sleep: is q alive, are we out of time, did someone abort?
+            peer_alive(ctx.peers, q)?;
+            let now = Instant::now();
+            if now >= ctx.deadline {
+                return Err(Failure::Timeout { peer: Some(q), waited: now - ctx.started });
+            }
+            if now - last_tick >= super::transport::TICK {
+                last_tick = now;
+                if let Some(f) = (ctx.check_abort)() {
+                    return Err(f);
                 }
             }
         }
     }
 }
 
-/// How long a waiter spins before yielding its core.
-const SPIN: Duration = Duration::from_micros(200);
-/// How long it yields before sleeping.
-const YIELD: Duration = Duration::from_millis(2);
+/// How long a waiter spins before sleeping on the peer's doorbell.
+const SPIN: Duration = Duration::from_micros(30);
+
+/// Sleeps while `*word == seen`, at most `limit` (spurious wake-ups are fine: callers re-check).
+fn futex_wait(word: &AtomicU32, seen: u32, limit: Duration) {
+    let ts = libc::timespec { tv_sec: 0, tv_nsec: limit.as_nanos().min(999_999_999) as libc::c_long };
+    // SAFETY: FUTEX_WAIT (shared, not _PRIVATE: the word lives in a segment mapped by several processes) on a
+    // valid aligned u32 with a valid relative timeout; it only reads the word.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            seen,
+            &ts as *const libc::timespec,
+            0usize,
+            0u32,
+        );
+    }
+}
+
+/// Wakes every sleeper on `word`.
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: FUTEX_WAKE on a valid aligned u32; no memory is written.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0usize, 0usize, 0u32);
+    }
+}
 
 /// Whether peer `q`'s TCP connection is still open. We only ask about a peer we are waiting for, i.e. one that
 /// has not finished the current collective, so a closed write side (FIN, possibly after data of a later call)

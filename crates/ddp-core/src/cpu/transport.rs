@@ -129,10 +129,12 @@ pub(crate) fn execute(
     watch: &Watch<'_>,
 ) -> Result<(), Failure> {
     let world = peers.len();
-    let mut tx: Vec<Tx> =
-        (0..world).map(|_| Tx { queue: Vec::new(), next: 0, active: false, header: [0; HEADER_LEN], written: 0 }).collect();
-    let mut rx: Vec<Rx> =
-        (0..world).map(|_| Rx { queue: Vec::new(), next: 0, header: [0; HEADER_LEN], got: 0, checked: false }).collect();
+    let mut tx: Vec<Tx> = (0..world)
+        .map(|_| Tx { queue: Vec::new(), next: 0, active: false, header: [0; HEADER_LEN], written: 0 })
+        .collect();
+    let mut rx: Vec<Rx> = (0..world)
+        .map(|_| Rx { queue: Vec::new(), next: 0, header: [0; HEADER_LEN], got: 0, checked: false })
+        .collect();
     for (i, s) in plan.sends.iter().enumerate() {
         tx[s.peer].queue.push(i);
     }
@@ -179,8 +181,7 @@ pub(crate) fn execute(
                 }
             }
         }
-        for p in 0..world {
-            let r = &mut rx[p];
+        for (p, r) in rx.iter_mut().enumerate() {
             while let Some(&u) = r.queue.get(r.next) {
                 let unit = &plan.recvs[u];
                 let dest = match unit.buf {
@@ -248,12 +249,16 @@ pub(crate) fn execute(
         }
         let now = Instant::now();
         if now >= watch.deadline {
-            let peer = (0..world).find(|&p| rx[p].next < rx[p].queue.len()).or_else(|| (0..world).find(|&p| tx[p].next < tx[p].queue.len()));
+            let peer = (0..world)
+                .find(|&p| rx[p].next < rx[p].queue.len())
+                .or_else(|| (0..world).find(|&p| tx[p].next < tx[p].queue.len()));
             return Err(Failure::Timeout { peer, waited: now - watch.started });
         }
         let wait = TICK.min(watch.deadline - now);
         // SAFETY: `pollfds` is a live, correctly sized array of pollfd for the duration of the call.
-        let rc = unsafe { libc::poll(pollfds.as_mut_ptr(), pollfds.len() as libc::nfds_t, wait.as_millis().max(1) as libc::c_int) };
+        let rc = unsafe {
+            libc::poll(pollfds.as_mut_ptr(), pollfds.len() as libc::nfds_t, wait.as_millis().max(1) as libc::c_int)
+        };
         if rc == 0 {
             if let Some(f) = (watch.check_abort)() {
                 return Err(f);
@@ -330,7 +335,12 @@ fn describe_io(e: &std::io::Error, verb: &str) -> String {
 }
 
 /// Writes as much of `header[written..] ++ payload[..]` as the socket takes without blocking; returns the count.
-pub(crate) fn write_frame(fd: RawFd, header: &[u8; HEADER_LEN], payload: &[u8], written: usize) -> std::io::Result<usize> {
+pub(crate) fn write_frame(
+    fd: RawFd,
+    header: &[u8; HEADER_LEN],
+    payload: &[u8],
+    written: usize,
+) -> std::io::Result<usize> {
     let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 2];
     let mut n_iov = 0;
     if written < HEADER_LEN {
@@ -368,7 +378,12 @@ pub(crate) fn write_frame(fd: RawFd, header: &[u8; HEADER_LEN], payload: &[u8], 
 
 /// Reads what has arrived of `header[got..] ++ dest` without blocking; returns the count. A closed connection
 /// before the frame is complete is `UnexpectedEof`.
-pub(crate) fn read_frame(fd: RawFd, header: &mut [u8; HEADER_LEN], got: usize, dest: &mut [u8]) -> std::io::Result<usize> {
+pub(crate) fn read_frame(
+    fd: RawFd,
+    header: &mut [u8; HEADER_LEN],
+    got: usize,
+    dest: &mut [u8],
+) -> std::io::Result<usize> {
     let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 2];
     let mut n_iov = 0;
     if got < HEADER_LEN {

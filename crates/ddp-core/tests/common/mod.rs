@@ -8,14 +8,28 @@ use ddp_core::{Element, GroupOptions, ProcessGroup, ReduceOp, Store};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Tuning that makes small buffers take the segmented ring with many segments: 256-byte segments, direct
-/// exchange only up to 64 bytes, chain broadcast from 512 bytes.
+/// Tuning that makes small buffers take the TCP segmented ring with many segments: 256-byte segments, direct
+/// exchange only up to 64 bytes, chain broadcast from 512 bytes, no shared memory.
 pub fn tiny_segments() -> CpuTuning {
     CpuTuning {
         segment_bytes: 256,
         small_all_reduce_bytes: 64,
         chain_broadcast_bytes: 512,
         socket_buffer_bytes: None,
+        shared_memory: false,
+        ..CpuTuning::default()
+    }
+}
+
+/// Tuning that sends every all_reduce above 64 bytes through shared memory in 4 KiB blocks (many blocks,
+/// both halves of the double buffer).
+pub fn tiny_shm_blocks() -> CpuTuning {
+    CpuTuning {
+        small_all_reduce_bytes: 64,
+        shared_memory: true,
+        shm_min_bytes: 64,
+        shm_block_bytes: 4096,
+        ..CpuTuning::default()
     }
 }
 
