@@ -84,12 +84,8 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     if std::env::var_os("RANK").is_none() && cli.nproc > 1 {
         let exe = std::env::current_exe()?;
-        let mut cfg = ddp_core::LaunchConfig::local(cli.nproc, exe, std::env::args().skip(1).collect());
-        // candle's CPU kernels use rayon: give each worker its share of the cores (as torchrun's OMP_NUM_THREADS).
-        if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            cfg.env.push(("RAYON_NUM_THREADS".into(), (cores / cli.nproc.max(1)).max(1).to_string()));
-        }
+        // The launcher gives each worker its share of the cores (RAYON_NUM_THREADS).
+        let cfg = ddp_core::LaunchConfig::local(cli.nproc, exe, std::env::args().skip(1).collect());
         ddp_core::launch(&cfg).context("benchmark workers failed")?;
         return Ok(());
     }

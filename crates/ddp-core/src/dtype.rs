@@ -137,7 +137,9 @@ macro_rules! float_element {
                 let to = $to;
                 let from = $from;
                 match op {
-                    ReduceOp::Sum | ReduceOp::Avg => acc.iter_mut().zip(x).for_each(|(a, b)| *a = from(to(*a) + to(*b))),
+                    ReduceOp::Sum | ReduceOp::Avg => {
+                        acc.iter_mut().zip(x).for_each(|(a, b)| *a = from(to(*a) + to(*b)))
+                    }
                     ReduceOp::Product => acc.iter_mut().zip(x).for_each(|(a, b)| *a = from(to(*a) * to(*b))),
                     ReduceOp::Max => acc.iter_mut().zip(x).for_each(|(a, b)| *a = from(to(*a).max(to(*b)))),
                     ReduceOp::Min => acc.iter_mut().zip(x).for_each(|(a, b)| *a = from(to(*a).min(to(*b)))),
@@ -189,13 +191,34 @@ int_element!(u8, DType::U8);
 macro_rules! with_element_type {
     ($dtype:expr, $T:ident => $body:expr) => {
         match $dtype {
-            $crate::DType::F32 => { type $T = f32; $body }
-            $crate::DType::F64 => { type $T = f64; $body }
-            $crate::DType::F16 => { type $T = half::f16; $body }
-            $crate::DType::BF16 => { type $T = half::bf16; $body }
-            $crate::DType::I32 => { type $T = i32; $body }
-            $crate::DType::I64 => { type $T = i64; $body }
-            $crate::DType::U8 => { type $T = u8; $body }
+            $crate::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            $crate::DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            $crate::DType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+            $crate::DType::I32 => {
+                type $T = i32;
+                $body
+            }
+            $crate::DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            $crate::DType::U8 => {
+                type $T = u8;
+                $body
+            }
         }
     };
 }

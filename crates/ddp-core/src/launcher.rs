@@ -147,9 +147,9 @@ impl LaunchConfig {
     /// RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK (this machine's rank), GROUP_WORLD_SIZE,
     /// ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT (`master_port`: the store's actual port),
     /// ACCEL_RUN_TOKEN, ACCEL_USE_AGENT_STORE=1 (node 0's launcher hosts the store, so no worker starts one),
-    /// ACCEL_RESTART_COUNT, ACCEL_MAX_RESTARTS, and OMP_NUM_THREADS=1 when neither the launcher's environment
-    /// nor `env` sets it and more than one worker shares the machine (as torchrun, so that N workers do not
-    /// each start one OpenMP thread per core).
+    /// ACCEL_RESTART_COUNT, ACCEL_MAX_RESTARTS, and, when more than one worker shares the machine and neither the
+    /// launcher's environment nor `env` sets them, OMP_NUM_THREADS=1 (as torchrun) and RAYON_NUM_THREADS =
+    /// cores / workers (candle's CPU thread pool), so that N workers do not each start one thread per core.
     pub fn worker_env(
         &self,
         local_rank: usize,
@@ -174,10 +174,18 @@ impl LaunchConfig {
         set(AGENT_STORE_ENV, "1".into());
         set(RESTART_COUNT_ENV, restart_count.to_string());
         set(MAX_RESTARTS_ENV, self.max_restarts.to_string());
-        let omp_set =
-            std::env::var_os("OMP_NUM_THREADS").is_some() || self.env.iter().any(|(k, _)| k == "OMP_NUM_THREADS");
-        if !omp_set && self.nproc_per_node > 1 {
-            set("OMP_NUM_THREADS", "1".into());
+        let user_set = |name: &str| std::env::var_os(name).is_some() || self.env.iter().any(|(k, _)| k == name);
+        if self.nproc_per_node > 1 {
+            if !user_set("OMP_NUM_THREADS") {
+                set("OMP_NUM_THREADS", "1".into());
+            }
+            // candle's CPU kernels run on rayon, whose pool starts one thread per core in every process: N workers
+            // on one machine would oversubscribe it N times (3-5x slower measured on 2 cores). Give each worker its
+            // share of the cores unless the user chose.
+            if !user_set("RAYON_NUM_THREADS") {
+                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+                set("RAYON_NUM_THREADS", (cores / self.nproc_per_node).max(1).to_string());
+            }
         }
         env
     }

@@ -32,19 +32,25 @@ fn worker() {
 #[test]
 fn killed_worker_fails_every_other_rank_within_seconds() {
     // Default tuning: the 1 MiB all_reduce goes through shared memory.
-    kill_rank_1_and_check_survivors(&[]);
+    kill_and_check_survivors(1, &[], false);
 }
 
 #[test]
 fn killed_worker_fails_every_other_rank_on_the_tcp_path_too() {
-    kill_rank_1_and_check_survivors(&[("ACCEL_CPU_SHM", "0".to_string())]);
+    kill_and_check_survivors(1, &[("ACCEL_CPU_SHM", "0".to_string())], false);
 }
 
-fn kill_rank_1_and_check_survivors(extra_env: &[(&str, String)]) {
+#[test]
+fn killing_the_rank_that_hosts_the_store_still_fails_the_others_quickly() {
+    // No launcher: rank 0 hosts the store, so the abort record cannot be published; sockets carry the news.
+    kill_and_check_survivors(0, &[], true);
+}
+
+fn kill_and_check_survivors(victim: usize, extra_env: &[(&str, String)], rank0_hosts_store: bool) {
     // The collective timeout is 10 minutes: only fault propagation can end the survivors' calls quickly.
     let mut env = vec![("ACCEL_TIMEOUT", "600".to_string())];
     env.extend_from_slice(extra_env);
-    let mut job = procs::spawn("worker", "loop", 3, &env);
+    let mut job = procs::spawn_with("worker", "loop", 3, &env, rank0_hosts_store);
     let progress: Vec<Arc<Mutex<u64>>> = (0..3).map(|_| Arc::new(Mutex::new(0))).collect();
     for (c, p) in job.children.iter_mut().zip(&progress) {
         let out = c.stdout.take().unwrap();
@@ -62,18 +68,18 @@ fn kill_rank_1_and_check_survivors(extra_env: &[(&str, String)]) {
         assert!(start.elapsed() < Duration::from_secs(120), "workers did not make progress");
         std::thread::sleep(Duration::from_millis(10));
     }
-    job.children[1].kill().unwrap(); // SIGKILL, mid-all_reduce: the survivors are looping on it
+    job.children[victim].kill().unwrap(); // SIGKILL, mid-all_reduce: the survivors are looping on it
     let killed_at = Instant::now();
     let mut survivors = Vec::new();
     for (rank, mut c) in job.children.into_iter().enumerate() {
-        if rank == 1 {
+        if rank == victim {
             let _ = c.wait();
             continue;
         }
         while c.try_wait().unwrap().is_none() {
             if killed_at.elapsed() > Duration::from_secs(60) {
                 let _ = c.kill();
-                panic!("rank {rank} still running 60 s after rank 1 was killed: a hang");
+                panic!("rank {rank} still running 60 s after rank {victim} was killed: a hang");
             }
             std::thread::sleep(Duration::from_millis(10));
         }
@@ -85,7 +91,8 @@ fn kill_rank_1_and_check_survivors(extra_env: &[(&str, String)]) {
         assert_eq!(code, Some(3), "rank {rank}: {stderr}");
         let line = stderr.lines().find(|l| l.starts_with("worker error:")).unwrap_or_else(|| panic!("{stderr}"));
         assert!(line.contains("all_reduce") && line.contains("sequence number"), "rank {rank}: {line}");
-        assert!(line.contains("[peer rank 1]") && line.contains("rank 1 is gone"), "rank {rank}: {line}");
+        let (tag, gone) = (format!("[peer rank {victim}]"), format!("rank {victim} is gone"));
+        assert!(line.contains(&tag) && line.contains(&gone), "rank {rank}: {line}");
         eprintln!("rank {rank} after {elapsed:?}: {line}");
         // "Within a few seconds": generous for a loaded 2-core machine, far below the 600 s timeout.
         assert!(elapsed < Duration::from_secs(20), "rank {rank} took {elapsed:?}");

@@ -46,7 +46,7 @@ fn three_workers_succeed_and_see_torchrun_variables() {
     let mut cfg = with_out(
         sh(
             3,
-            r#"echo "$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK $ROLE_RANK $MASTER_ADDR $ACCEL_USE_AGENT_STORE ${#ACCEL_RUN_TOKEN} $ACCEL_RESTART_COUNT $EXTRA $1" > "$OUT/rank$RANK"; echo "$MASTER_PORT" > "$OUT/port$RANK"; echo "${OMP_NUM_THREADS-unset}" > "$OUT/omp$RANK""#,
+            r#"echo "$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK $ROLE_RANK $MASTER_ADDR $ACCEL_USE_AGENT_STORE ${#ACCEL_RUN_TOKEN} $ACCEL_RESTART_COUNT $EXTRA $1" > "$OUT/rank$RANK"; echo "$MASTER_PORT" > "$OUT/port$RANK"; echo "${OMP_NUM_THREADS-unset}" > "$OUT/omp$RANK"; echo "${RAYON_NUM_THREADS-unset}" > "$OUT/rayon$RANK""#,
         ),
         dir.path(),
     );
@@ -66,6 +66,12 @@ fn three_workers_succeed_and_see_torchrun_variables() {
         match &omp_preset {
             None => assert_eq!(omp.trim(), "1", "OMP_NUM_THREADS=1 when unset and more than one worker"),
             Some(v) => assert_eq!(omp.trim(), v.to_str().unwrap(), "a user's OMP_NUM_THREADS is kept"),
+        }
+        let rayon = read(dir.path().join(format!("rayon{r}")));
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        match std::env::var_os("RAYON_NUM_THREADS") {
+            None => assert_eq!(rayon.trim(), (cores / 3).max(1).to_string(), "each worker gets cores / workers"),
+            Some(v) => assert_eq!(rayon.trim(), v.to_str().unwrap(), "a user's RAYON_NUM_THREADS is kept"),
         }
     }
     assert!(ports[0] != 0 && ports.iter().all(|p| *p == ports[0]), "{ports:?}");

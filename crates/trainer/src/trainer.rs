@@ -332,6 +332,16 @@ where
     }
 
     fn train_loop(&mut self, rt: &mut Runtime<M, D>) -> Result<TrainOutput> {
+        if self.args.eval_strategy != crate::args::IntervalStrategy::No && self.eval_dataset.is_none() {
+            return Err(TrainerError::invalid(
+                "eval_strategy",
+                format!(
+                    "is \"{}\" but the Trainer has no eval dataset; pass one to Trainer::new or set eval_strategy \
+                     to \"no\"",
+                    self.args.eval_strategy
+                ),
+            ));
+        }
         let start = Instant::now();
         let ga = self.args.gradient_accumulation_steps;
         let world = rt.acc.world_size();

@@ -234,3 +234,28 @@ fn fp16_overflow_skips_the_step_and_the_schedule_does_not_move() {
     let scaler = t.accelerator().unwrap().grad_scaler().unwrap();
     assert_eq!(scaler.lock().unwrap().scale(), 32768.0, "the overflow halved the loss scale");
 }
+
+#[test]
+fn evaluation_strategy_without_eval_dataset_is_an_error_naming_the_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = TrainingArguments { eval_strategy: IntervalStrategy::Epoch, ..base(dir.path()) };
+    let mut t = Trainer::new(args, Mlp::new, classification_data(64), None, losses::CrossEntropy);
+    let err = t.train().unwrap_err().to_string();
+    assert!(err.contains("eval_strategy") && err.contains("no eval dataset"), "{err}");
+}
+
+#[test]
+fn save_model_writes_the_fp32_weights_and_the_arguments() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = TrainingArguments { max_steps: 3, save_strategy: SaveStrategy::No, ..base(dir.path()) };
+    let mut t = Trainer::new(args, Mlp::new, classification_data(64), None, losses::CrossEntropy);
+    t.train().unwrap();
+    let path = t.save_model(Some(&dir.path().join("final"))).unwrap();
+    let saved = accel::state::load_safetensors(&path, &candle_core::Device::Cpu).unwrap();
+    for (name, bits) in snapshot(&t) {
+        let w = saved[&name].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(w.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), bits, "{name}");
+    }
+    let yaml = std::fs::read_to_string(dir.path().join("final/training_args.yaml")).unwrap();
+    assert_eq!(TrainingArguments::from_yaml_str(&yaml).unwrap(), *t.args());
+}

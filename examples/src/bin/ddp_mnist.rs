@@ -66,12 +66,8 @@ fn main() -> Result<()> {
 /// Re-runs this executable `nproc` times as ranks 0..nproc with torchrun's environment; returns when all exit.
 fn launch_workers(nproc: usize) -> Result<()> {
     let exe = std::env::current_exe().context("locating this executable to launch its workers")?;
-    let mut cfg = LaunchConfig::local(nproc, exe, std::env::args().skip(1).collect());
-    // Share the cores between the workers instead of letting each one's candle/rayon pool take them all.
-    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        cfg.env.push(("RAYON_NUM_THREADS".into(), (cores / nproc).max(1).to_string()));
-    }
+    // The launcher also gives each worker its share of the cores (RAYON_NUM_THREADS, OMP_NUM_THREADS).
+    let cfg = LaunchConfig::local(nproc, exe, std::env::args().skip(1).collect());
     launch(&cfg)?;
     Ok(())
 }

@@ -72,23 +72,11 @@ fn main() -> anyhow::Result<()> {
     if std::env::var_os("RANK").is_none() && cli.nproc > 1 {
         let exe = std::env::current_exe().context("locating this program to launch its workers")?;
         let args: Vec<String> = std::env::args().skip(1).collect();
-        let mut cfg = ddp_core::LaunchConfig::local(cli.nproc, exe, args);
-        cfg.env.extend(rayon_threads_per_worker(cli.nproc));
+        let cfg = ddp_core::LaunchConfig::local(cli.nproc, exe, args);
         ddp_core::launch(&cfg).context("the training workers failed")?;
         return Ok(());
     }
     worker(cli)
-}
-
-/// candle's CPU kernels run on rayon, which starts one thread per core in every process: N workers on one
-/// machine would oversubscribe it N times (several times slower on a small machine). Like torchrun's
-/// OMP_NUM_THREADS, give each worker its share of the cores unless RAYON_NUM_THREADS is already set.
-fn rayon_threads_per_worker(nproc: usize) -> Option<(String, String)> {
-    if std::env::var_os("RAYON_NUM_THREADS").is_some() {
-        return None;
-    }
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    Some(("RAYON_NUM_THREADS".to_string(), (cores / nproc.max(1)).max(1).to_string()))
 }
 
 fn worker(cli: Cli) -> anyhow::Result<()> {

@@ -62,18 +62,17 @@ impl AbortRecord {
     }
 }
 
-/// The record for a failure seen on this rank, consulting the store first: when a peer's connection closes
-/// because *that* peer aborted, the store already names the real culprit.
+/// The record for a failure seen on this rank. `lookup` returns the group's record if one exists: when a peer's
+/// connection closes because *that* peer aborted, the record already names the real culprit.
 pub(crate) fn record_for(
     failure: &Failure,
     this_rank: usize,
     call: &CallId,
-    store: &dyn Store,
-    key: &str,
+    lookup: &dyn Fn() -> Option<AbortRecord>,
 ) -> AbortRecord {
     let during = call.to_string();
     match failure {
-        Failure::PeerLost { peer, detail } => read(store, key).unwrap_or_else(|| AbortRecord {
+        Failure::PeerLost { peer, detail } => lookup().unwrap_or_else(|| AbortRecord {
             blamed: Some(*peer),
             by: this_rank,
             during,
@@ -97,7 +96,7 @@ pub(crate) fn record_for(
         },
         Failure::RemoteAbort { from, blamed, reason } => {
             // The store holds the full record when reachable; the frame carries the same facts otherwise.
-            read(store, key).unwrap_or_else(|| AbortRecord {
+            lookup().unwrap_or_else(|| AbortRecord {
                 blamed: *blamed,
                 by: from.unwrap_or(this_rank),
                 during,
@@ -108,22 +107,17 @@ pub(crate) fn record_for(
 }
 
 /// Publishes `rec` unless a record exists; returns the record that won (the first one).
-pub(crate) fn publish(store: &dyn Store, key: &str, rec: AbortRecord) -> AbortRecord {
-    match store.compare_set(key, b"", &rec.encode()) {
-        Ok(winner) => AbortRecord::decode(&winner).unwrap_or(rec),
-        Err(e) => {
-            tracing::debug!("cpu backend: could not publish the abort record (store gone?): {e}");
-            rec
-        }
-    }
+pub(crate) fn publish(store: &dyn Store, key: &str, rec: AbortRecord) -> crate::Result<AbortRecord> {
+    let winner = store.compare_set(key, b"", &rec.encode())?;
+    Ok(AbortRecord::decode(&winner).unwrap_or(rec))
 }
 
-/// The group's abort record, if any (never blocks long; store errors count as "none").
-pub(crate) fn read(store: &dyn Store, key: &str) -> Option<AbortRecord> {
-    match store.check(&[key]) {
-        Ok(true) => store.get(key).ok().and_then(|v| AbortRecord::decode(&v)),
-        _ => None,
+/// The group's abort record, if any.
+pub(crate) fn read(store: &dyn Store, key: &str) -> crate::Result<Option<AbortRecord>> {
+    if !store.check(&[key])? {
+        return Ok(None);
     }
+    Ok(AbortRecord::decode(&store.get(key)?))
 }
 
 /// Best effort: an abort frame to every peer whose outgoing stream is at a frame boundary, then shut down the

@@ -34,6 +34,7 @@ use crate::{DType, DdpError, ReduceOp, Result};
 use fault::AbortRecord;
 use frame::{CallId, Op};
 use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use transport::{Buffers, Failure, Plan, Watch};
@@ -166,6 +167,9 @@ pub struct CpuBackend {
     tuning: CpuTuning,
     /// Shared-memory all_reduce channel when all ranks are on this machine.
     shm: Option<shm::ShmChannel>,
+    /// Set after the store failed once in a fault path (e.g. its host died): later fault handling must not
+    /// spend the store client's reconnect time.
+    store_broken: AtomicBool,
     state: Mutex<State>,
 }
 
@@ -250,6 +254,7 @@ impl CpuBackend {
             timeout: opts.timeout,
             tuning: opts.tuning,
             shm,
+            store_broken: AtomicBool::new(false),
             state: Mutex::new(State {
                 seq: 0,
                 sent: vec![0; world_size],
@@ -315,13 +320,7 @@ impl CpuBackend {
     /// Runs one plan; on failure aborts the group and returns the error.
     fn exec(&self, st: &mut State, plan: &Plan, work: &mut [u8], input: &[u8], scratch_bytes: usize) -> Result<()> {
         let started = Instant::now();
-        let check_abort = || {
-            fault::read(self.store.as_ref(), &self.abort_key).map(|r| Failure::RemoteAbort {
-                from: Some(r.by),
-                blamed: r.blamed,
-                reason: r.reason,
-            })
-        };
+        let check_abort = || self.remote_abort();
         let watch = Watch { started, deadline: started + self.timeout, check_abort: &check_abort };
         let State { scratch, tx_mid_frame, .. } = st;
         let mut bufs = Buffers { work, input, scratch: grow(scratch, scratch_bytes) };
@@ -331,9 +330,31 @@ impl CpuBackend {
         }
     }
 
+    /// Runs a store call unless the store already failed in a fault path; a failure marks it broken.
+    fn store_call<T>(&self, f: impl FnOnce(&dyn Store) -> Result<T>) -> Option<T> {
+        if self.store_broken.load(Ordering::Relaxed) {
+            return None;
+        }
+        match f(self.store.as_ref()) {
+            Ok(v) => Some(v),
+            Err(e) => {
+                self.store_broken.store(true, Ordering::Relaxed);
+                tracing::warn!(rank = self.rank, "cpu backend: store unreachable during fault handling: {e}");
+                None
+            }
+        }
+    }
+
+    /// The group's abort record as a failure, if another rank aborted (checked on idle ticks).
+    fn remote_abort(&self) -> Option<Failure> {
+        let rec = self.store_call(|s| fault::read(s, &self.abort_key)).flatten()?;
+        Some(Failure::RemoteAbort { from: Some(rec.by), blamed: rec.blamed, reason: rec.reason })
+    }
+
     fn abort(&self, st: &mut State, call: &CallId, failure: Failure) -> DdpError {
-        let rec = fault::record_for(&failure, self.rank, call, self.store.as_ref(), &self.abort_key);
-        let rec = fault::publish(self.store.as_ref(), &self.abort_key, rec);
+        let lookup = || self.store_call(|s| fault::read(s, &self.abort_key)).flatten();
+        let rec = fault::record_for(&failure, self.rank, call, &lookup);
+        let rec = self.store_call(|s| fault::publish(s, &self.abort_key, rec.clone())).unwrap_or(rec);
         fault::abort_links(&self.peers, &st.tx_mid_frame, call, &rec);
         if let Some(shm) = &self.shm {
             shm.signal_abort(rec.blamed);
@@ -572,13 +593,7 @@ impl CpuBackend {
         let first_epoch = st.shm_epoch + 1;
         st.shm_epoch += shm.epochs(buf.len());
         let started = Instant::now();
-        let check_abort = || {
-            fault::read(self.store.as_ref(), &self.abort_key).map(|r| Failure::RemoteAbort {
-                from: Some(r.by),
-                blamed: r.blamed,
-                reason: r.reason,
-            })
-        };
+        let check_abort = || self.remote_abort();
         let ctx =
             shm::WaitCtx { peers: &self.peers, deadline: started + self.timeout, started, check_abort: &check_abort };
         if let Err(f) = shm.all_reduce(buf, dtype, op, first_epoch, &ctx) {

@@ -160,8 +160,26 @@ pub mod procs {
     }
 
     pub fn spawn(test_name: &str, scenario: &str, world: usize, extra_env: &[(&str, String)]) -> Job {
+        spawn_with(test_name, scenario, world, extra_env, false)
+    }
+
+    /// Like [`spawn`]; with `rank0_hosts_store` no store is hosted here and rank 0 binds MASTER_PORT itself (as
+    /// without a launcher). The returned job's `server` is then an unused placeholder.
+    pub fn spawn_with(
+        test_name: &str,
+        scenario: &str,
+        world: usize,
+        extra_env: &[(&str, String)],
+        rank0_hosts_store: bool,
+    ) -> Job {
         let token = RunToken::generate().unwrap();
         let server = TcpStoreServer::bind("127.0.0.1:0", token).unwrap();
+        let port = if rank0_hosts_store {
+            // A free port for rank 0 to bind (taken from the OS, then released).
+            std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+        } else {
+            server.port()
+        };
         let exe = std::env::current_exe().unwrap();
         let children = (0..world)
             .map(|rank| {
@@ -173,8 +191,8 @@ pub mod procs {
                     .env("WORLD_SIZE", world.to_string())
                     .env("LOCAL_WORLD_SIZE", world.to_string())
                     .env("MASTER_ADDR", "127.0.0.1")
-                    .env("MASTER_PORT", server.port().to_string())
-                    .env("ACCEL_USE_AGENT_STORE", "1")
+                    .env("MASTER_PORT", port.to_string())
+                    .env("ACCEL_USE_AGENT_STORE", if rank0_hosts_store { "0" } else { "1" })
                     .env(RUN_TOKEN_ENV, token.to_hex())
                     .stdout(Stdio::piped())
                     .stderr(Stdio::piped());
