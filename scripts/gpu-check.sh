@@ -41,23 +41,30 @@ for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/loc
 done
 
 links=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-libs.XXXXXX")
-needed=$(readelf -d "$bin" 2>/dev/null | awk '/NEEDED/ {gsub(/[\[\]]/, "", $5); print $5}')
-[ -n "$needed" ] || needed=$(ldd "$bin" | awk '{print $1}')
-for soname in $needed; do
-  case "$soname" in libc.so*|libm.so*|libgcc_s*|libstdc++*|ld-linux*|libdl*|libpthread*|librt*|linux-vdso*) continue ;; esac
-  for d in "${dirs[@]}"; do
-    if [ -e "$d/$soname" ]; then ln -sf "$d/$soname" "$links/$soname"; break; fi
+trap 'rm -rf "$links"' EXIT
+export LD_LIBRARY_PATH="$links${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# Link every library the loader cannot find (ldd also lists the dependencies of dependencies, e.g.
+# libcublasLt.so.13 behind libcublas.so.13), a few rounds until nothing more can be found.
+for _ in 1 2 3 4; do
+  missing=$(ldd "$bin" | awk '/not found/ {print $1}' | sort -u)
+  found_any=0
+  for soname in $missing; do
+    for d in "${dirs[@]}"; do
+      if [ -e "$d/$soname" ]; then ln -sf "$d/$soname" "$links/$soname"; found_any=1; break; fi
+    done
   done
+  [ $found_any = 1 ] || break
 done
 # cudarc also tries the unversioned name for NCCL; PyTorch's wheel has only libnccl.so.2.
-[ -e "$links/libnccl.so.2" ] && ln -sf "$(readlink -f "$links/libnccl.so.2")" "$links/libnccl.so"
-export LD_LIBRARY_PATH="$links${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+nccl2=$(ldd "$bin" | awk '$1 == "libnccl.so.2" {print $3}')
+[ -n "$nccl2" ] && [ -e "$nccl2" ] && ln -sf "$(readlink -f "$nccl2")" "$links/libnccl.so"
 
 echo "== libraries"
 missing=$(ldd "$bin" | awk '/not found/ {print $1}')
 ldd "$bin" | grep -E 'cuda|nccl|cublas|curand|nvrtc|cudart' || true
 if [ -n "$missing" ]; then
   echo "missing: $missing" >&2
+  case "$missing" in *libcuda.so*) echo "libcuda.so.1 comes with the NVIDIA driver: is it installed (nvidia-smi)?" >&2 ;; esac
   echo "searched: ${dirs[*]}" >&2
   echo "The binary was linked against CUDA 13.0 libraries (sonames .so.13 / libcurand.so.10 / libnccl.so.2)." >&2
   echo "Install PyTorch's CUDA 13 wheels (nvidia-cublas, nvidia-curand, nvidia-cuda-nvrtc, nvidia-cuda-runtime," >&2
@@ -71,6 +78,4 @@ data=${GPU_CHECK_DATA:-data/mnist}
 set +e
 "$bin" --data-dir "$data" "$@" 2>&1 | tee target/gpu-check/gpu-check-output.txt
 rc=${PIPESTATUS[0]}
-set -e
-rm -rf "$links"
 exit "$rc"

@@ -64,10 +64,7 @@ impl Module for Mlp {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    if std::env::var_os("RANK").is_none() && cli.nproc > 1 {
-        let exe = std::env::current_exe()?;
-        let cfg = ddp_core::LaunchConfig::local(cli.nproc, exe, std::env::args().skip(1).collect());
-        ddp_core::launch(&cfg).context("running the benchmark workers")?;
+    if ddp_core::launcher::launch_self(cli.nproc).context("running the benchmark workers")? {
         return Ok(());
     }
     run(&cli)

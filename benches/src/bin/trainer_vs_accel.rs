@@ -82,11 +82,8 @@ impl Module for Mlp {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    if std::env::var_os("RANK").is_none() && cli.nproc > 1 {
-        let exe = std::env::current_exe()?;
-        // The launcher gives each worker its share of the cores (RAYON_NUM_THREADS).
-        let cfg = ddp_core::LaunchConfig::local(cli.nproc, exe, std::env::args().skip(1).collect());
-        ddp_core::launch(&cfg).context("benchmark workers failed")?;
+    // The launcher gives each worker its share of the cores (RAYON_NUM_THREADS).
+    if ddp_core::launcher::launch_self(cli.nproc).context("benchmark workers failed")? {
         return Ok(());
     }
     let data_dir = cli

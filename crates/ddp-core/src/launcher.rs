@@ -200,6 +200,36 @@ fn host_port(host: &str, port: u16) -> String {
     }
 }
 
+/// Whether this process is already a worker of a launched job: a launcher's layout variable is set (RANK from
+/// torchrun / `accel launch`, SLURM_PROCID, OMPI_COMM_WORLD_RANK or PMI_RANK).
+pub fn is_worker() -> bool {
+    ["RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"].iter().any(|v| std::env::var_os(v).is_some())
+}
+
+/// Self-launch, like `torch.multiprocessing.spawn`: when this process is not already a worker ([`is_worker`]) and
+/// `nproc > 1`, runs `nproc` copies of the current executable with the same arguments as the workers of a local job
+/// ([`LaunchConfig::local`]) and returns `Ok(true)` once they all succeeded — the caller then just exits. Returns
+/// `Ok(false)` when the caller should do the work itself (it is a worker, or a single process is asked for).
+///
+/// Errors: those of [`launch`] (the first failing worker's rank and status), or [`DdpError::Io`] when the current
+/// executable cannot be located.
+///
+/// ```no_run
+/// if ddp_core::launcher::launch_self(2)? {
+///     return Ok(()); // the workers ran
+/// }
+/// let pg = ddp_core::ProcessGroup::init_from_env()?;
+/// # Ok::<(), ddp_core::DdpError>(())
+/// ```
+pub fn launch_self(nproc: usize) -> Result<bool> {
+    if is_worker() || nproc <= 1 {
+        return Ok(false);
+    }
+    let exe = std::env::current_exe().map_err(|e| DdpError::io("locating this executable to launch its workers", e))?;
+    launch(&LaunchConfig::local(nproc, exe, std::env::args().skip(1).collect()))?;
+    Ok(true)
+}
+
 /// Runs the workers to completion. `Ok(())` when all exit 0; otherwise [`crate::DdpError::WorkerFailed`] naming
 /// the first failing rank and its status, after stopping the others.
 ///

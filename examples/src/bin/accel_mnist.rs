@@ -60,10 +60,7 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    if std::env::var_os("RANK").is_none() && args.nproc > 1 {
-        let exe = std::env::current_exe().context("locating this program to launch its workers")?;
-        let cfg = ddp_core::LaunchConfig::local(args.nproc, exe, std::env::args().skip(1).collect());
-        ddp_core::launch(&cfg).context("running the workers")?;
+    if ddp_core::launcher::launch_self(args.nproc).context("running the workers")? {
         return Ok(());
     }
     train(&args)

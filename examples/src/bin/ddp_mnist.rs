@@ -18,7 +18,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Module};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use clap::Parser;
-use ddp_core::{launch, DdpOptions, DistributedDataParallel, DistributedSampler, LaunchConfig, ProcessGroup, ReduceOp};
+use ddp_core::{DdpOptions, DistributedDataParallel, DistributedSampler, ProcessGroup, ReduceOp};
 
 /// Data-parallel MNIST training with raw ddp-core (level 1).
 #[derive(Parser, Debug)]
@@ -52,8 +52,10 @@ struct Cli {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
-    if std::env::var_os("RANK").is_none() && cli.nproc > 1 {
-        return launch_workers(cli.nproc);
+    // Without a launcher, run `--nproc` copies of this program as the workers (the launcher also gives each its
+    // share of the cores: RAYON_NUM_THREADS, OMP_NUM_THREADS).
+    if ddp_core::launcher::launch_self(cli.nproc)? {
+        return Ok(());
     }
     let pg = if std::env::var_os("RANK").is_some() {
         ProcessGroup::init_from_env().context("joining the process group (RANK is set)")?
@@ -61,15 +63,6 @@ fn main() -> Result<()> {
         ProcessGroup::single_process()?
     };
     train(&cli, &pg)
-}
-
-/// Re-runs this executable `nproc` times as ranks 0..nproc with torchrun's environment; returns when all exit.
-fn launch_workers(nproc: usize) -> Result<()> {
-    let exe = std::env::current_exe().context("locating this executable to launch its workers")?;
-    // The launcher also gives each worker its share of the cores (RAYON_NUM_THREADS, OMP_NUM_THREADS).
-    let cfg = LaunchConfig::local(nproc, exe, std::env::args().skip(1).collect());
-    launch(&cfg)?;
-    Ok(())
 }
 
 fn train(cli: &Cli, pg: &ProcessGroup) -> Result<()> {

@@ -69,11 +69,7 @@ fn defaults() -> TrainingArguments {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    if std::env::var_os("RANK").is_none() && cli.nproc > 1 {
-        let exe = std::env::current_exe().context("locating this program to launch its workers")?;
-        let args: Vec<String> = std::env::args().skip(1).collect();
-        let cfg = ddp_core::LaunchConfig::local(cli.nproc, exe, args);
-        ddp_core::launch(&cfg).context("the training workers failed")?;
+    if ddp_core::launcher::launch_self(cli.nproc).context("the training workers failed")? {
         return Ok(());
     }
     worker(cli)
