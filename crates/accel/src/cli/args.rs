@@ -115,6 +115,10 @@ pub struct LaunchArgs {
     /// Accelerate's debug mode for the workers (ACCELERATE_DEBUG_MODE=true: collective checks).
     #[arg(long)]
     pub debug: bool,
+    /// Communication backend of the workers (ACCEL_BACKEND): cpu, nccl or auto run under accel's own launcher;
+    /// mpi hands the job to `mpirun` (the program must be built with the `mpi` feature).
+    #[arg(long, value_name = "BACKEND", value_parser = ["cpu", "nccl", "mpi", "auto"])]
+    pub backend: Option<String>,
     /// The program to run on every process (a path, or a name looked up on PATH).
     #[arg(value_name = "PROGRAM", required = true)]
     pub program: PathBuf,

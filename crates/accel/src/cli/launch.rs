@@ -56,6 +56,8 @@ pub struct LaunchPlan {
     pub log_dir: Option<PathBuf>,
     /// Print worker output on the console too (always true without `log_dir`).
     pub tee: bool,
+    /// Backend for the workers (ACCEL_BACKEND); `Mpi` hands the job to `mpirun`. `None`: the program's default.
+    pub backend: Option<ddp_core::BackendKind>,
     /// The program and its arguments.
     pub program: PathBuf,
     /// Arguments of the program.
@@ -156,6 +158,7 @@ impl LaunchPlan {
             max_restarts: flags.max_restarts.unwrap_or(0),
             log_dir: flags.log_dir.clone(),
             tee,
+            backend: flags.backend.as_deref().map(str::parse).transpose().map_err(CliError::Ddp)?,
             program: flags.program.clone(),
             args: flags.args.clone(),
         })
@@ -178,6 +181,15 @@ impl LaunchPlan {
         }
         if self.debug {
             env.push((DEBUG_MODE_ENV.to_string(), "true".to_string()));
+        }
+        if let Some(b) = self.backend {
+            let name = match b {
+                ddp_core::BackendKind::Cpu => "cpu",
+                ddp_core::BackendKind::Nccl => "nccl",
+                ddp_core::BackendKind::Mpi => "mpi",
+                ddp_core::BackendKind::Auto => "auto",
+            };
+            env.push((ddp_core::env::BACKEND_ENV.to_string(), name.to_string()));
         }
         if self.enable_cpu_affinity {
             env.push((CPU_AFFINITY_ENV.to_string(), "1".to_string()));
@@ -271,6 +283,9 @@ pub fn check_port(plan: &LaunchPlan) -> CliResult<()> {
 /// Runs the workers of `plan` to completion; errors name the first failing rank and its exit status.
 pub fn run_plan(plan: &LaunchPlan) -> CliResult<()> {
     check_program(&plan.program)?;
+    if plan.backend == Some(ddp_core::BackendKind::Mpi) {
+        return run_with_mpirun(plan);
+    }
     check_port(plan)?;
     ddp_core::launch(&plan.to_launch_config()).map_err(|e| match e {
         ddp_core::DdpError::Bind { source, .. } if source.kind() == std::io::ErrorKind::AddrInUse => {
@@ -280,12 +295,45 @@ pub fn run_plan(plan: &LaunchPlan) -> CliResult<()> {
     })
 }
 
+/// `--backend mpi`: `mpirun -np <num_processes>` places every rank (on this machine, or on the hosts of the
+/// scheduler's allocation / MPI's hostfile), so it is run once, not once per machine; ranks and sizes come from MPI.
+fn run_with_mpirun(plan: &LaunchPlan) -> CliResult<()> {
+    if plan.machine_rank != 0 {
+        return Err(CliError::Launch(
+            "--backend mpi: run `accel launch` once, on the first machine; mpirun starts the ranks on every host \
+             (drop --machine-rank)"
+                .into(),
+        ));
+    }
+    let mut job = ddp_core::mpirun::MpiLaunch::new(plan.num_processes, plan.program.clone(), plan.args.clone());
+    job.flavor = ddp_core::mpirun::MpiFlavor::detect()?;
+    job.env = plan.worker_env();
+    let mut cmd = ddp_core::mpirun::mpirun_command(&job);
+    let status = cmd.status().map_err(|e| CliError::io("cannot start mpirun", e))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(CliError::Launch(format!("mpirun exited with {status}; the rank that failed is named in its output above")))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn flags(program: &str) -> LaunchArgs {
         LaunchArgs { program: program.into(), ..LaunchArgs::default() }
+    }
+
+    #[test]
+    fn backend_flag_reaches_the_workers() {
+        let mut f = flags("prog");
+        f.backend = Some("mpi".into());
+        let p = LaunchPlan::resolve(&f, None).unwrap();
+        assert_eq!(p.backend, Some(ddp_core::BackendKind::Mpi));
+        assert!(p.worker_env().contains(&("ACCEL_BACKEND".to_string(), "mpi".to_string())));
+        let p = LaunchPlan::resolve(&flags("prog"), None).unwrap();
+        assert!(p.worker_env().iter().all(|(k, _)| k != "ACCEL_BACKEND"), "no flag: the program's default");
     }
 
     #[test]
