@@ -296,9 +296,14 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
                 let err =
                     DdpError::WorkerFailed { rank: first_rank + local_rank, local_rank, status: status.to_string() };
                 if restart >= cfg.max_restarts {
+                    if cfg.max_restarts > 0 {
+                        eprintln!("[launcher] {err}; no restarts left (max_restarts = {})", cfg.max_restarts);
+                    }
                     return Err(err);
                 }
                 restart += 1;
+                // The user's console is where the workers' output goes, so say it there too (tracing may be off).
+                eprintln!("[launcher] {err}; restarting the worker group ({restart} of {})", cfg.max_restarts);
                 tracing::warn!("launcher: {err}; restarting the worker group ({restart} of {})", cfg.max_restarts);
                 sinks.note(&format!("{err}; restart {restart} of {}", cfg.max_restarts));
             }

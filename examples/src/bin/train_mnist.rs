@@ -69,6 +69,21 @@ fn defaults() -> TrainingArguments {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // Check the arguments and the data once, here, before any worker starts: one clear message instead of one
+    // per rank.
+    let args = cli.train.resolve(defaults())?;
+    let data_dir = cli.data_dir.clone().unwrap_or_else(default_data_dir);
+    anyhow::ensure!(
+        data_dir.join("t10k-labels-idx1-ubyte.gz").exists() || data_dir.join("t10k-labels-idx1-ubyte").exists(),
+        "--data-dir {}: no MNIST files there (expected t10k-labels-idx1-ubyte[.gz] and the other IDX files)",
+        data_dir.display()
+    );
+    if let Some(path) = args.resume_from_checkpoint.as_deref().filter(|p| *p != "latest") {
+        anyhow::ensure!(
+            std::path::Path::new(path).is_dir(),
+            "--resume-from-checkpoint {path}: no such checkpoint directory (give a checkpoint-N directory or `latest`)"
+        );
+    }
     if ddp_core::launcher::launch_self(cli.nproc).context("the training workers failed")? {
         return Ok(());
     }
@@ -98,7 +113,7 @@ fn worker(cli: Cli) -> anyhow::Result<()> {
     let acc = trainer.accelerator().expect("the trainer is set up after train()").clone();
     let accuracy = test_metrics.get("test_accuracy").copied().unwrap_or(f64::NAN);
     acc.print(format!(
-        "\ntrained {} optimizer steps ({:.2} epochs) on {} processes in {:.1} s, mean training loss {:.4}",
+        "\nreached optimizer step {} ({:.2} epochs) on {} processes; this run: {:.1} s, mean training loss {:.4}",
         out.global_step,
         out.metrics.get("epoch").copied().unwrap_or_default(),
         acc.world_size(),
