@@ -25,6 +25,28 @@ fn reads_the_file_accelerate_config_writes() {
     assert!(loaded.unknown_keys.is_empty());
 }
 
+/// Files written by Python Accelerate 1.15.0 itself (not reconstructed): `ClusterConfig.to_yaml_file` for a
+/// 2-process MULTI_CPU job, and `accelerate config default --mixed_precision bf16`, which writes JSON.
+#[test]
+fn reads_files_written_by_accelerate_1_15() {
+    let loaded = AccelerateConfig::load(&fixture("accelerate_1_15_multi_cpu.yaml")).unwrap();
+    let c = &loaded.config;
+    assert_eq!(c.distributed_type, DistributedType::MultiCpu);
+    assert_eq!(c.mixed_precision, MixedPrecision::No, "the quoted 'no' Accelerate writes");
+    assert_eq!((c.num_processes, c.num_machines, c.machine_rank), (Some(2), 1, 0));
+    assert!(c.use_cpu && c.same_network);
+    assert!(loaded.unknown_keys.is_empty(), "{:?}", loaded.unknown_keys);
+    let plan = LaunchPlan::resolve(&LaunchArgs { program: "prog".into(), ..LaunchArgs::default() }, Some(c)).unwrap();
+    assert_eq!((plan.num_processes, plan.num_machines), (2, 1));
+
+    let loaded = AccelerateConfig::load(&fixture("accelerate_1_15_config_default.yaml")).unwrap();
+    let c = &loaded.config;
+    assert_eq!(c.distributed_type, DistributedType::No);
+    assert_eq!(c.mixed_precision, MixedPrecision::Bf16);
+    assert_eq!((c.num_processes, c.num_machines), (Some(1), 1));
+    assert!(loaded.unknown_keys.is_empty(), "{:?}", loaded.unknown_keys);
+}
+
 #[test]
 fn reads_a_two_machine_fsdp_file_and_warns_about_what_accel_ignores() {
     let loaded = AccelerateConfig::load(&fixture("accelerate_fsdp_two_machines.yaml")).unwrap();
