@@ -1,0 +1,115 @@
+//! The all-reduce size sweep behind `allreduce_bw` (CPU backend) and `allreduce_bw_mpi` (MPI backend), in the style
+//! of nccl-tests' `all_reduce_perf`, so both print the same table and can be joined side by side.
+//!
+//! For every size from `min_bytes` to `max_bytes` (doubling): `max(iters/10, 2)` warm-up calls, a barrier, then
+//! `iters = clamp(volume / size, min_iters, max_iters)` back-to-back all_reduce calls (f32, SUM, in place); the
+//! slowest rank's mean is reported. Columns: `time` in µs; `algbw` = size / time in GB/s (10^9 B/s); `busbw` =
+//! algbw · 2(P−1)/P, the per-rank wire traffic of a bandwidth-optimal all-reduce (nccl-tests' definition),
+//! comparable across world sizes and with `scripts/bench_allreduce_gloo.py`.
+
+use anyhow::Result;
+use ddp_core::{ProcessGroup, ReduceOp};
+use std::time::Instant;
+
+/// Sizes and iteration counts of a sweep (flattened into each binary's command line).
+#[derive(clap::Args, Debug, Clone)]
+pub struct SweepArgs {
+    /// Smallest message, bytes (accepts K/M/G suffixes, powers of 1024).
+    #[arg(long, default_value = "1K", value_parser = parse_size)]
+    pub min_bytes: usize,
+    /// Largest message, bytes.
+    #[arg(long, default_value = "256M", value_parser = parse_size)]
+    pub max_bytes: usize,
+    /// Bytes moved per size (iterations = clamp(volume / size, min_iters, max_iters)).
+    #[arg(long, default_value = "512M", value_parser = parse_size)]
+    pub volume: usize,
+    /// Fewest timed iterations per size.
+    #[arg(long, default_value_t = 5)]
+    pub min_iters: usize,
+    /// Most timed iterations per size.
+    #[arg(long, default_value_t = 2000)]
+    pub max_iters: usize,
+}
+
+/// Parses `4096`, `64K`, `1M`, `2G` (powers of 1024).
+pub fn parse_size(s: &str) -> std::result::Result<usize, String> {
+    let s = s.trim();
+    let (num, mult) = match s.char_indices().last() {
+        Some((i, 'K' | 'k')) => (&s[..i], 1usize << 10),
+        Some((i, 'M' | 'm')) => (&s[..i], 1 << 20),
+        Some((i, 'G' | 'g')) => (&s[..i], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>().map(|n| n * mult).map_err(|e| format!("{s:?}: {e}"))
+}
+
+/// `1 KiB`, `64 MiB`, `1000 B`.
+pub fn human(bytes: usize) -> String {
+    match bytes {
+        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{} GiB", b >> 30),
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
+        b => format!("{b} B"),
+    }
+}
+
+/// Runs the sweep on `pg`; rank 0 prints `title` as a comment line, the header, then one row per size.
+/// Every rank of the group must call it with the same arguments.
+pub fn run(pg: &ProcessGroup, args: &SweepArgs, title: &str) -> Result<()> {
+    let p = pg.world_size();
+    if pg.rank() == 0 {
+        println!("# {title}");
+        println!(
+            "# {:>10} {:>12} {:>6} {:>6} {:>12} {:>10} {:>10}",
+            "size", "count", "type", "iters", "time(us)", "algbw(GB/s)", "busbw(GB/s)"
+        );
+    }
+    let mut size = args.min_bytes.max(4);
+    while size <= args.max_bytes {
+        let count = size / 4;
+        let mut buf = vec![1e-3f32; count];
+        let iters = (args.volume / size).clamp(args.min_iters, args.max_iters);
+        for _ in 0..(iters / 10).max(2) {
+            pg.all_reduce(&mut buf, ReduceOp::Sum)?;
+        }
+        pg.barrier()?;
+        let start = Instant::now();
+        for _ in 0..iters {
+            pg.all_reduce(&mut buf, ReduceOp::Sum)?;
+        }
+        let mut mean = [start.elapsed().as_secs_f64() / iters as f64];
+        pg.all_reduce(&mut mean, ReduceOp::Max)?;
+        if pg.rank() == 0 {
+            let algbw = size as f64 / mean[0] / 1e9;
+            let busbw = algbw * 2.0 * (p as f64 - 1.0) / p as f64;
+            println!(
+                "  {:>10} {:>12} {:>6} {:>6} {:>12.1} {:>10.3} {:>10.3}",
+                human(size),
+                count,
+                "f32",
+                iters,
+                mean[0] * 1e6,
+                algbw,
+                busbw
+            );
+        }
+        size *= 2;
+    }
+    pg.barrier()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_and_print() {
+        assert_eq!(parse_size("64K"), Ok(64 << 10));
+        assert_eq!(parse_size("256M"), Ok(256 << 20));
+        assert_eq!(parse_size("1000"), Ok(1000));
+        assert!(parse_size("x").is_err());
+        assert_eq!(human(64 << 20), "64 MiB");
+        assert_eq!(human(1000), "1000 B");
+    }
+}

@@ -1,0 +1,3 @@
+//! Pieces shared by the benchmark binaries.
+
+pub mod allreduce_sweep;
