@@ -236,6 +236,20 @@ impl NcclComm {
         self.stream.cu_stream() as sys::cudaStream_t
     }
 
+    /// One collective, the same way every time: next sequence number, `enqueue` on this communicator and stream
+    /// (a failed enqueue aborts the communicator), then wait for completion, the async error or the timeout.
+    fn run(
+        &mut self,
+        op: &'static str,
+        enqueue: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> std::result::Result<(), nccl::NcclError>,
+    ) -> Result<()> {
+        let seq = self.begin(op)?;
+        if let Err(e) = enqueue(self.raw, self.cu_stream()) {
+            return Err(self.enqueue_failed(op, seq, &e));
+        }
+        self.wait(op, seq)
+    }
+
     // ---- raw-pointer collectives (device pointers on this communicator's device) -------------------------------
 
     /// In place (`ptr` is both source and destination): all_reduce of `count` elements of `dtype`.
@@ -243,21 +257,11 @@ impl NcclComm {
     /// # Safety
     /// `ptr` must point to `count` elements of `dtype` on this communicator's device, valid until the call returns.
     pub(crate) unsafe fn all_reduce_raw(&mut self, ptr: u64, count: usize, dtype: DType, op: ReduceOp) -> Result<bool> {
-        let seq = self.begin("all_reduce")?;
         let (nop, divide) = nccl_op(op, dtype);
-        let rc = nccl::all_reduce(
-            ptr as *const c_void,
-            ptr as *mut c_void,
-            count,
-            nccl_dtype(dtype),
-            nop,
-            self.raw,
-            self.cu_stream(),
-        );
-        if let Err(e) = rc {
-            return Err(self.enqueue_failed("all_reduce", seq, &e));
-        }
-        self.wait("all_reduce", seq)?;
+        self.run("all_reduce", |comm, stream| {
+            nccl::all_reduce(ptr as *const c_void, ptr as *mut c_void, count, nccl_dtype(dtype), nop, comm, stream)
+                .map(|_| ())
+        })?;
         Ok(divide)
     }
 
@@ -266,21 +270,19 @@ impl NcclComm {
     /// # Safety
     /// `ptr` must point to `bytes` bytes on this communicator's device.
     pub(crate) unsafe fn broadcast_raw(&mut self, ptr: u64, bytes: usize, root: usize) -> Result<()> {
-        let seq = self.begin("broadcast")?;
         let root = to_c_int(root, "root")?;
-        let rc = nccl::broadcast(
-            ptr as *const c_void,
-            ptr as *mut c_void,
-            bytes,
-            ncclDataType_t::ncclUint8,
-            root,
-            self.raw,
-            self.cu_stream(),
-        );
-        if let Err(e) = rc {
-            return Err(self.enqueue_failed("broadcast", seq, &e));
-        }
-        self.wait("broadcast", seq)
+        self.run("broadcast", |comm, stream| {
+            nccl::broadcast(
+                ptr as *const c_void,
+                ptr as *mut c_void,
+                bytes,
+                ncclDataType_t::ncclUint8,
+                root,
+                comm,
+                stream,
+            )
+            .map(|_| ())
+        })
     }
 
     /// all_gather: `recv` (world_size · `bytes`) receives each rank's `send` (`bytes`) at block r.
@@ -288,19 +290,10 @@ impl NcclComm {
     /// # Safety
     /// Both pointers must be on this device with the sizes above.
     pub(crate) unsafe fn all_gather_raw(&mut self, send: u64, recv: u64, bytes: usize) -> Result<()> {
-        let seq = self.begin("all_gather")?;
-        let rc = nccl::all_gather(
-            send as *const c_void,
-            recv as *mut c_void,
-            bytes,
-            ncclDataType_t::ncclUint8,
-            self.raw,
-            self.cu_stream(),
-        );
-        if let Err(e) = rc {
-            return Err(self.enqueue_failed("all_gather", seq, &e));
-        }
-        self.wait("all_gather", seq)
+        self.run("all_gather", |comm, stream| {
+            nccl::all_gather(send as *const c_void, recv as *mut c_void, bytes, ncclDataType_t::ncclUint8, comm, stream)
+                .map(|_| ())
+        })
     }
 
     /// reduce_scatter: `send` has world_size · `recv_count` elements, rank r keeps reduced block r in `recv`.
@@ -315,21 +308,12 @@ impl NcclComm {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<bool> {
-        let seq = self.begin("reduce_scatter")?;
         let (nop, divide) = nccl_op(op, dtype);
-        let rc = nccl::reduce_scatter(
-            send as *const c_void,
-            recv as *mut c_void,
-            recv_count,
-            nccl_dtype(dtype),
-            nop,
-            self.raw,
-            self.cu_stream(),
-        );
-        if let Err(e) = rc {
-            return Err(self.enqueue_failed("reduce_scatter", seq, &e));
-        }
-        self.wait("reduce_scatter", seq)?;
+        self.run("reduce_scatter", |comm, stream| {
+            let dt = nccl_dtype(dtype);
+            nccl::reduce_scatter(send as *const c_void, recv as *mut c_void, recv_count, dt, nop, comm, stream)
+                .map(|_| ())
+        })?;
         Ok(divide)
     }
 
@@ -340,24 +324,18 @@ impl NcclComm {
     /// `ptr` must point to `bytes` bytes on this device.
     pub(crate) unsafe fn p2p_raw(&mut self, ptr: u64, bytes: usize, peer: usize, is_send: bool) -> Result<()> {
         let op = if is_send { "send" } else { "recv" };
-        let seq = self.begin(op)?;
         let peer = to_c_int(peer, "peer")?;
-        if let Err(e) = nccl::group_start() {
-            return Err(self.enqueue_failed(op, seq, &e));
-        }
-        let rc = if is_send {
-            nccl::send(ptr as *const c_void, bytes, ncclDataType_t::ncclUint8, peer, self.raw, self.cu_stream())
-                .map(|_| ())
-        } else {
-            nccl::recv(ptr as *mut c_void, bytes, ncclDataType_t::ncclUint8, peer, self.raw, self.cu_stream())
-                .map(|_| ())
-        };
-        // The group must be closed even when the enqueue failed.
-        let end = nccl::group_end();
-        if let Err(e) = rc.and(end.map(|_| ())) {
-            return Err(self.enqueue_failed(op, seq, &e));
-        }
-        self.wait(op, seq)
+        self.run(op, |comm, stream| {
+            nccl::group_start()?;
+            let rc = if is_send {
+                nccl::send(ptr as *const c_void, bytes, ncclDataType_t::ncclUint8, peer, comm, stream).map(|_| ())
+            } else {
+                nccl::recv(ptr as *mut c_void, bytes, ncclDataType_t::ncclUint8, peer, comm, stream).map(|_| ())
+            };
+            // The group must be closed even when the enqueue failed.
+            let end = nccl::group_end();
+            rc.and(end.map(|_| ()))
+        })
     }
 
     // ---- typed device-slice API ---------------------------------------------------------------------------------
