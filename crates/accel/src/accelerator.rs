@@ -5,92 +5,76 @@
 //! `var_builder` (device + dtype), `prepare_model` / `prepare_optimizer` / `prepare_data_loader`, `backward`
 //! instead of `loss.backward()`, and `AcceleratedOptimizer::step` (a no-op between gradient syncs).
 //!
+//! Its whole public API is in this file, grouped by purpose: setup, prepare, the training step, collectives,
+//! process control, state (checkpoints), tracking. The work behind the step lives in [`crate::step`] (the one
+//! owner of a step), behind collectives in `collectives.rs`, behind checkpoints in [`crate::state`], behind
+//! tracking in [`crate::tracking`].
+//!
 //! Cheap to clone (one `Arc`); every clone is the same Accelerator.
 
 mod collectives;
-mod data_loader;
-mod gradient_state;
-pub(crate) mod gradients;
 mod prepared_model;
-mod process_control;
 
 pub use collectives::ReduceKind;
-pub use gradient_state::GradientState;
 pub use prepared_model::PreparedModel;
 
+use crate::data::{BatchInfo, DataLoader, Dataset, LoaderStateHandle};
 use crate::mixed_precision::{GradScaler, GradScalerConfig};
 use crate::optim::{AcceleratedOptimizer, Optimizer};
-use crate::{AccelError, AcceleratorConfig, MixedPrecision, Result};
-use candle_core::{DType, Device};
+use crate::state::SharedStateful;
+use crate::step::{StepController, StepCounters};
+use crate::tracking::{TrackerKind, Trackers};
+use crate::{lock, AccelError, AcceleratorConfig, MixedPrecision, Result};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use ddp_core::ProcessGroup;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use std::any::{Any, TypeId};
-use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-/// The Accelerator: process group, device, precision, accumulation window, prepared objects.
+/// The Accelerator: process group, device, precision, the training step, prepared objects, trackers.
 #[derive(Clone)]
 pub struct Accelerator {
-    pub(crate) inner: Arc<AcceleratorInner>,
+    inner: Arc<Inner>,
 }
 
-/// Shared state behind an [`Accelerator`]. `pub(crate)` so the state (save/load) and tracking modules can reach it.
-pub(crate) struct AcceleratorInner {
-    pub(crate) config: AcceleratorConfig,
-    pub(crate) pg: ProcessGroup,
-    pub(crate) device: Device,
-    pub(crate) gradient_state: GradientState,
-    /// Dynamic loss scaler; `Some` only under fp16.
-    pub(crate) scaler: Option<Arc<Mutex<GradScaler>>>,
-    /// Models given to `prepare_model`, in order.
-    pub(crate) models: Mutex<Vec<PreparedModel>>,
-    /// Optimizers given to `prepare_optimizer`, in order (for `save_state` / `load_state`).
-    pub(crate) optimizers: Mutex<Vec<Arc<Mutex<dyn Optimizer>>>>,
-    pub(crate) steps: Mutex<StepState>,
+/// Everything behind an [`Accelerator`]; one owner per piece of state.
+struct Inner {
+    config: AcceleratorConfig,
+    pg: ProcessGroup,
+    device: Device,
+    /// The accumulation window, sync decision, gradient buffers, fp16 scaler and step counters.
+    step: StepController,
+    /// What `prepare_*` and `register_*` were given, in order (what checkpoints save and restore).
+    prepared: Mutex<Prepared>,
+    /// The trackers of `init_trackers` (main process only).
+    trackers: Mutex<Trackers>,
     /// The Accelerator's RNG (seeded by `set_seed`); its state is checkpointed per rank.
-    pub(crate) rng: Mutex<ChaCha8Rng>,
-    /// Per-type slots other modules (state registry, trackers) keep their data in, see [`Accelerator::with_extension`].
-    pub(crate) extensions: Mutex<HashMap<TypeId, Box<dyn Any + Send>>>,
+    rng: Mutex<ChaCha8Rng>,
 }
 
-/// Step bookkeeping (Accelerate's `AcceleratorState.step` + `GradientState.sync_gradients`).
-#[derive(Debug, Clone, Default)]
-pub(crate) struct StepState {
-    /// Micro-steps since the last end-of-loader reset; the window syncs when it is a multiple of GA.
-    pub(crate) micro_step: u64,
-    /// Whether the current micro-step syncs gradients (true before the first one).
-    pub(crate) sync_gradients: bool,
-    /// Inside `accumulate`: the window was advanced on entry, `backward` must not advance it again.
-    pub(crate) in_accumulate: bool,
-    /// Nesting depth of `no_sync`.
-    pub(crate) no_sync_depth: usize,
-    /// Micro-steps (backward calls) since construction.
-    pub(crate) total_micro_steps: u64,
-    /// Optimizer steps actually taken (fp16-skipped steps excluded).
-    pub(crate) optimizer_steps: u64,
-    /// Optimizer steps skipped because of fp16 overflow.
-    pub(crate) skipped_steps: u64,
+/// The objects an Accelerator prepared or was asked to checkpoint, in registration order.
+#[derive(Default)]
+pub(crate) struct Prepared {
+    pub(crate) models: Vec<PreparedModel>,
+    pub(crate) optimizers: Vec<Arc<Mutex<dyn Optimizer>>>,
+    pub(crate) data_loaders: Vec<LoaderStateHandle>,
+    pub(crate) schedulers: Vec<SharedStateful>,
+    pub(crate) custom: Vec<SharedStateful>,
 }
 
-/// Step counters saved in checkpoints (`accelerator.json`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-pub struct StepCounters {
-    /// Position in the accumulation window (micro-steps since the last end-of-loader reset).
-    pub micro_step: u64,
-    /// Backward calls since the start of training.
-    pub total_micro_steps: u64,
-    /// Optimizer steps taken.
-    pub optimizer_steps: u64,
-    /// Optimizer steps skipped for fp16 overflow.
-    pub skipped_steps: u64,
-}
-
-/// Locks a mutex, ignoring poisoning: a panicking rank is about to take the job down anyway, and every critical
-/// section here leaves the data consistent.
-pub(crate) fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+impl Prepared {
+    /// A snapshot of the registry (the handles are shared, the lists are copied).
+    pub(crate) fn snapshot(&self) -> Prepared {
+        Prepared {
+            models: self.models.clone(),
+            optimizers: self.optimizers.clone(),
+            data_loaders: self.data_loaders.clone(),
+            schedulers: self.schedulers.clone(),
+            custom: self.custom.clone(),
+        }
+    }
 }
 
 impl std::fmt::Debug for Accelerator {
@@ -105,6 +89,7 @@ impl std::fmt::Debug for Accelerator {
     }
 }
 
+// ==== Setup ===========================================================================================================
 impl Accelerator {
     /// Builds an Accelerator for this process: joins the job described by the environment (torchrun / `accel
     /// launch` names, Slurm, Open MPI or PMI with more than one task) or runs as a single process when none is set.
@@ -130,22 +115,19 @@ impl Accelerator {
         cfg.validate()?;
         let device = pick_device(&cfg, pg.local_rank())?;
         let scaler = match cfg.mixed_precision {
-            MixedPrecision::Fp16 => Some(Arc::new(Mutex::new(GradScaler::new(GradScalerConfig::default())?))),
+            MixedPrecision::Fp16 => Some(GradScaler::new(GradScalerConfig::default())?),
             _ => None,
         };
         let seed = cfg.seed;
         let acc = Accelerator {
-            inner: Arc::new(AcceleratorInner {
+            inner: Arc::new(Inner {
+                step: StepController::new(cfg.gradient_accumulation_steps, scaler),
                 config: cfg,
                 pg,
                 device,
-                gradient_state: GradientState::new(),
-                scaler,
-                models: Mutex::new(Vec::new()),
-                optimizers: Mutex::new(Vec::new()),
-                steps: Mutex::new(StepState { sync_gradients: true, ..Default::default() }),
+                prepared: Mutex::new(Prepared::default()),
+                trackers: Mutex::new(Trackers::default()),
                 rng: Mutex::new(ChaCha8Rng::seed_from_u64(0)),
-                extensions: Mutex::new(HashMap::new()),
             }),
         };
         if let Some(seed) = seed {
@@ -198,10 +180,6 @@ impl Accelerator {
     pub fn gradient_accumulation_steps(&self) -> usize {
         self.inner.config.gradient_accumulation_steps
     }
-    /// The state shared with prepared data loaders (end of loader, padding rows).
-    pub fn gradient_state(&self) -> &GradientState {
-        &self.inner.gradient_state
-    }
 
     /// A `VarBuilder` over `varmap` that creates parameters in the compute dtype on the Accelerator's device:
     /// build the model with it, then call [`Accelerator::prepare_model`].
@@ -209,78 +187,16 @@ impl Accelerator {
         VarBuilder::from_varmap(varmap, self.compute_dtype(), self.device())
     }
 
-    /// Prepares a model's parameters (all `Var`s of `varmap`, sorted by name): wraps them in DDP (names and
-    /// shapes checked across ranks, rank 0's values broadcast) and, under bf16/fp16, keeps fp32 master copies
-    /// that the optimizer updates. Every rank must call it with the same model. Errors: an empty `VarMap`,
-    /// parameters not on the Accelerator's device, mismatches across ranks.
-    pub fn prepare_model(&self, varmap: &VarMap) -> Result<PreparedModel> {
-        let model = PreparedModel::new(self, varmap)?;
-        let mut models = lock(&self.inner.models);
-        for other in models.iter() {
-            if let Some(shared) = model
-                .names()
-                .iter()
-                .zip(model.parameters())
-                .find(|(_, v)| other.parameters().iter().any(|o| o.as_tensor().id() == v.as_tensor().id()))
-            {
-                return Err(AccelError::Usage(format!(
-                    "prepare_model: parameter {:?} belongs to a model that was already prepared; prepare each model \
-                     once and reuse the PreparedModel",
-                    shared.0
-                )));
+    /// Seeds the Accelerator's RNG ([`Accelerator::rng`]) and the device RNG (CUDA; candle's CPU RNG cannot be
+    /// seeded) with `seed`, or `seed + rank` when `device_specific` (different dropout masks per rank).
+    pub fn set_seed(&self, seed: u64, device_specific: bool) {
+        let seed = if device_specific { seed.wrapping_add(self.rank() as u64) } else { seed };
+        *lock(&self.inner.rng) = ChaCha8Rng::seed_from_u64(seed);
+        if !self.device().is_cpu() {
+            if let Err(e) = self.device().set_seed(seed) {
+                tracing::warn!("could not seed the device RNG: {e}");
             }
         }
-        models.push(model.clone());
-        Ok(model)
-    }
-
-    /// Wraps an optimizer for `model`: it will step on the model's fp32 master weights, only on gradient-sync
-    /// steps, with fp16 unscaling and overflow skipping. Its state is saved by `save_state`.
-    pub fn prepare_optimizer<O: Optimizer>(&self, model: &PreparedModel, opt: O) -> Result<AcceleratedOptimizer<O>> {
-        let opt = Arc::new(Mutex::new(opt));
-        lock(&self.inner.optimizers).push(opt.clone() as Arc<Mutex<dyn Optimizer>>);
-        Ok(AcceleratedOptimizer::new(self.clone(), model.clone(), opt))
-    }
-
-    /// Real optimizer steps taken so far (fp16 steps skipped for overflow are not counted).
-    pub fn optimizer_step_count(&self) -> u64 {
-        lock(&self.inner.steps).optimizer_steps
-    }
-
-    /// Step counters (for checkpoints).
-    pub fn step_counters(&self) -> StepCounters {
-        let s = lock(&self.inner.steps);
-        StepCounters {
-            micro_step: s.micro_step,
-            total_micro_steps: s.total_micro_steps,
-            optimizer_steps: s.optimizer_steps,
-            skipped_steps: s.skipped_steps,
-        }
-    }
-
-    /// Restores step counters saved by [`Accelerator::step_counters`] (used by `load_state`).
-    pub fn set_step_counters(&self, c: StepCounters) {
-        let mut s = lock(&self.inner.steps);
-        s.micro_step = c.micro_step;
-        s.total_micro_steps = c.total_micro_steps;
-        s.optimizer_steps = c.optimizer_steps;
-        s.skipped_steps = c.skipped_steps;
-        s.sync_gradients = c.micro_step % self.inner.config.gradient_accumulation_steps as u64 == 0;
-    }
-
-    /// The fp16 loss scaler, `None` unless mixed precision is fp16.
-    pub fn grad_scaler(&self) -> Option<Arc<Mutex<GradScaler>>> {
-        self.inner.scaler.clone()
-    }
-
-    /// The models prepared so far, in order.
-    pub fn prepared_models(&self) -> Vec<PreparedModel> {
-        lock(&self.inner.models).clone()
-    }
-
-    /// The optimizers prepared so far, in order (shared with their [`AcceleratedOptimizer`]s).
-    pub fn prepared_optimizers(&self) -> Vec<Arc<Mutex<dyn Optimizer>>> {
-        lock(&self.inner.optimizers).clone()
     }
 
     /// The Accelerator's RNG (ChaCha8, seeded by [`Accelerator::set_seed`], checkpointed per rank): use it for
@@ -288,18 +204,393 @@ impl Accelerator {
     pub fn rng(&self) -> MutexGuard<'_, ChaCha8Rng> {
         lock(&self.inner.rng)
     }
+}
 
-    /// Runs `f` on this Accelerator's slot of type `T` (created with `T::default()` on first use). Lets other
-    /// modules (checkpoint registry, trackers) keep state in the Accelerator without a field of their own here.
-    pub(crate) fn with_extension<T: Default + Send + 'static, R>(&self, f: impl FnOnce(&mut T) -> R) -> R {
-        let mut map = lock(&self.inner.extensions);
-        let slot = map.entry(TypeId::of::<T>()).or_insert_with(|| Box::new(T::default()));
-        f(slot.downcast_mut::<T>().expect("extension slot holds its TypeId's type"))
+// ==== Prepare =========================================================================================================
+impl Accelerator {
+    /// Prepares a model's parameters (all `Var`s of `varmap`, sorted by name): wraps them in DDP (names and
+    /// shapes checked across ranks, rank 0's values broadcast) and, under bf16/fp16, keeps fp32 master copies
+    /// that the optimizer updates. Every rank must call it with the same model. Errors: an empty `VarMap`,
+    /// parameters not on the Accelerator's device, a parameter already in a prepared model, mismatches across
+    /// ranks.
+    pub fn prepare_model(&self, varmap: &VarMap) -> Result<PreparedModel> {
+        let num_params = {
+            let vars = lock(varmap.data());
+            let prepared = lock(&self.inner.prepared);
+            for (name, var) in vars.iter() {
+                let id = var.as_tensor().id();
+                if prepared.models.iter().any(|m| m.parameters().iter().any(|o| o.as_tensor().id() == id)) {
+                    return Err(AccelError::Usage(format!(
+                        "prepare_model: parameter {name:?} belongs to a model that was already prepared; prepare \
+                         each model once and reuse the PreparedModel"
+                    )));
+                }
+            }
+            vars.len()
+        };
+        // The model's gradient slots live with the step owner, under the model's index.
+        let index = self.inner.step.register_model(num_params);
+        let model = PreparedModel::new(index, &self.inner.pg, self.device(), &self.inner.config.ddp, varmap)?;
+        lock(&self.inner.prepared).models.push(model.clone());
+        Ok(model)
     }
 
-    /// Errors unless `prepare_model` was called (used by backward, clipping, optimizer steps).
-    pub(crate) fn require_models(&self, what: &str) -> Result<Vec<PreparedModel>> {
-        let models = self.prepared_models();
+    /// Wraps an optimizer for `model`: it will step on the model's fp32 master weights, only on gradient-sync
+    /// steps, with fp16 unscaling and overflow skipping. Its state is saved by `save_state`.
+    pub fn prepare_optimizer<O: Optimizer>(&self, model: &PreparedModel, opt: O) -> Result<AcceleratedOptimizer<O>> {
+        let opt = Arc::new(Mutex::new(opt));
+        lock(&self.inner.prepared).optimizers.push(opt.clone() as Arc<Mutex<dyn Optimizer>>);
+        Ok(AcceleratedOptimizer::new(self.clone(), model.clone(), opt))
+    }
+
+    /// Prepares a data loader for this process: shards it for `rank` of `world_size` (Accelerate's rules, with
+    /// the Accelerator's `split_batches` and `even_batches`), moves its batches to the Accelerator's device, and
+    /// makes it report each batch it yields to the training step (last batch of the epoch → gradients sync;
+    /// padding rows → trimmed by `gather_for_metrics`). Its position is saved by `save_state`.
+    ///
+    /// Errors: batch size 0, or with `split_batches` a batch size not divisible by the world size.
+    pub fn prepare_data_loader<D: Dataset>(&self, loader: DataLoader<D>) -> Result<DataLoader<D>> {
+        let loader = self.shard_loader(loader)?;
+        lock(&self.inner.prepared).data_loaders.push(loader.state_handle());
+        Ok(loader)
+    }
+
+    /// [`Accelerator::prepare_data_loader`] for evaluation: the same sharding, device and batch reports (so
+    /// `gather_for_metrics` drops the padding rows), but not saved by `save_state` — an evaluation pass has no
+    /// position to resume, and a checkpoint must not depend on how many evaluation loaders a run created.
+    pub fn prepare_eval_data_loader<D: Dataset>(&self, loader: DataLoader<D>) -> Result<DataLoader<D>> {
+        self.shard_loader(loader)
+    }
+
+    /// `prepare_model`, `prepare_optimizer` and `prepare_data_loader` in one call — the usual first lines of an
+    /// Accelerate program.
+    pub fn prepare<O: Optimizer, D: Dataset>(
+        &self,
+        varmap: &VarMap,
+        opt: O,
+        loader: DataLoader<D>,
+    ) -> Result<(PreparedModel, AcceleratedOptimizer<O>, DataLoader<D>)> {
+        let model = self.prepare_model(varmap)?;
+        let opt = self.prepare_optimizer(&model, opt)?;
+        let loader = self.prepare_data_loader(loader)?;
+        Ok((model, opt, loader))
+    }
+}
+
+// ==== The training step ===============================================================================================
+impl Accelerator {
+    /// Backward pass of one micro-batch: divides `loss` by the gradient accumulation steps, multiplies it by the
+    /// fp16 loss scale, computes gradients, adds them (as fp32) to every prepared model's gradient slots, and on a
+    /// sync step reduces (averages) them across ranks.
+    ///
+    /// `loss` is a scalar (any float dtype; compute it in F32 under fp16 so scaling cannot overflow the loss
+    /// itself). Call it once per micro-batch. Errors: no prepared model, parameters without a gradient (unless
+    /// `DdpOptions::find_unused_parameters`), collective failures.
+    pub fn backward(&self, loss: &Tensor) -> Result<()> {
+        let models = self.require_models("backward")?;
+        self.inner.step.backward(&models, loss)
+    }
+
+    /// Runs one micro-step (forward + `backward`) in `f`, Accelerate's `with accelerator.accumulate(model)`:
+    /// advances the accumulation window on entry, so [`Accelerator::sync_gradients`] tells inside `f` whether this
+    /// micro-step will sync. `backward` advances the window itself when called outside `accumulate`, so using it
+    /// is optional. Errors: nested calls.
+    pub fn accumulate<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        self.inner.step.accumulate(f)
+    }
+
+    /// Runs a whole accumulation window of `micro_batches` micro-steps whose end the caller decides — for loops
+    /// that cut windows themselves (the Trainer collects a window's batches first to count its loss items, as
+    /// HF's Trainer does; a pipeline schedule drives its micro-batches). `f(i)` runs micro-step `i` (forward +
+    /// `backward`); gradients sync after the last one, whatever the counting rule or the loader's end-of-data
+    /// would say. `micro_batches` may be smaller than `gradient_accumulation_steps` (the end of an epoch).
+    /// Errors: `micro_batches == 0`, nesting inside `accumulate`, and `f`'s errors.
+    pub fn accumulate_window(&self, micro_batches: usize, f: impl FnMut(usize) -> Result<()>) -> Result<()> {
+        self.inner.step.accumulate_window(micro_batches, f)
+    }
+
+    /// Runs `f` with gradient sync turned off (like DDP's `no_sync()`): gradients of `backward` calls inside are
+    /// accumulated locally; the first syncing `backward` after it all-reduces the accumulated sum. The optimizer
+    /// does not step on gradients that were not synced.
+    pub fn no_sync<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        self.inner.step.no_sync(f)
+    }
+
+    /// Whether the current micro-step syncs gradients (and the optimizer will step): true on the last micro-step
+    /// of an accumulation window and on the last batch of a prepared data loader, false inside `no_sync`.
+    /// Inside [`Accelerator::accumulate`] it is known before `backward`; outside, it is updated by `backward`.
+    pub fn sync_gradients(&self) -> bool {
+        self.inner.step.sync_gradients()
+    }
+
+    /// Clips the synced gradients of all prepared models so their global L2 norm is at most `max_norm`
+    /// (`torch.nn.utils.clip_grad_norm_`: coefficient `max_norm / (norm + 1e-6)` when below 1). Under fp16 the
+    /// gradients are unscaled first (once per optimizer step). Returns the total norm before clipping (inf or
+    /// NaN when an fp16 step overflowed — that step will be skipped and nothing is clipped).
+    ///
+    /// Outside a sync step (inside an accumulation window, or in `no_sync`) it does nothing and returns `None`:
+    /// call it after the `backward` that syncs, as Accelerate's examples do under `if accelerator.sync_gradients`.
+    /// Errors: no prepared model.
+    pub fn clip_grad_norm(&self, max_norm: f64) -> Result<Option<f64>> {
+        self.require_models("clip_grad_norm")?;
+        if max_norm.is_nan() || max_norm < 0.0 {
+            return Err(AccelError::InvalidArgument(format!("clip_grad_norm: max_norm must be ≥ 0, got {max_norm}")));
+        }
+        self.inner.step.clip_grad_norm(max_norm)
+    }
+
+    /// Clamps every synced gradient element into `[-clip_value, clip_value]` (`torch.nn.utils.clip_grad_value_`),
+    /// after unscaling under fp16. Returns whether it clipped: `false` outside a sync step, where it does nothing
+    /// (see [`Accelerator::clip_grad_norm`]). Errors: a negative or NaN `clip_value`, no prepared model.
+    pub fn clip_grad_value(&self, clip_value: f64) -> Result<bool> {
+        if clip_value.is_nan() || clip_value < 0.0 {
+            return Err(AccelError::InvalidArgument(format!(
+                "clip_grad_value: clip_value must be ≥ 0, got {clip_value}"
+            )));
+        }
+        self.require_models("clip_grad_value")?;
+        self.inner.step.clip_grad_value(clip_value)
+    }
+
+    /// `model`'s current fp32 gradients (one slot per parameter, [`PreparedModel::names`] order; `None` where no
+    /// micro-batch produced one yet) and whether they have been reduced across ranks (the optimizer step will
+    /// apply them). Under fp16 they stay loss-scaled until clipping or the optimizer step unscales them.
+    pub fn gradients(&self, model: &PreparedModel) -> (Vec<Option<Tensor>>, bool) {
+        self.inner.step.gradients(model)
+    }
+
+    /// Reports a batch handed to the training loop: whether it is the last of its epoch (gradients sync there)
+    /// and how many of its rows are `even_batches` padding (`gather_for_metrics` drops them). Prepared data
+    /// loaders call it for every batch they yield; call it yourself only for a loader you did not prepare.
+    pub fn note_batch(&self, info: &BatchInfo) {
+        self.inner.step.note_batch(info)
+    }
+
+    /// Trailing rows of this rank's current batch that `even_batches` duplicated from the epoch's start (0 but in
+    /// the last batch of an epoch), as the prepared loader reported; losses and metrics over an evaluation set
+    /// skip them (`gather_for_metrics` does so itself).
+    pub fn padding_in_batch(&self) -> usize {
+        self.inner.step.padding_in_batch()
+    }
+
+    /// Real optimizer steps taken so far (fp16 steps skipped for overflow are not counted); Accelerate's `step`.
+    pub fn optimizer_step_count(&self) -> u64 {
+        self.inner.step.counters().optimizer_steps
+    }
+
+    /// Step counters (what checkpoints save).
+    pub fn step_counters(&self) -> StepCounters {
+        self.inner.step.counters()
+    }
+
+    /// The fp16 loss scaler, `None` unless mixed precision is fp16.
+    pub fn grad_scaler(&self) -> Option<Arc<Mutex<GradScaler>>> {
+        self.inner.step.scaler().cloned()
+    }
+}
+
+// ==== Collectives =====================================================================================================
+impl Accelerator {
+    /// Concatenates every rank's `t` along dim 0, in rank order (`[n_r, ..] → [Σ n_r, ..]`; a scalar counts as
+    /// `[1]`). Ranks may hold different numbers of rows; the other dims and the dtype must agree. Collective.
+    pub fn gather(&self, t: &Tensor) -> Result<Tensor> {
+        collectives::gather(&self.inner.pg, t, 0)
+    }
+
+    /// Like [`Accelerator::gather`] for evaluation: drops the rows that `even_batches` duplicated to fill the last
+    /// batch (as reported by the prepared data loader), so over an epoch exactly `len(dataset)` rows come back.
+    pub fn gather_for_metrics(&self, t: &Tensor) -> Result<Tensor> {
+        collectives::gather(&self.inner.pg, t, self.inner.step.padding_in_batch())
+    }
+
+    /// Reduces `t` element-wise over ranks; every rank gets the result (same shape and dtype). Collective.
+    pub fn reduce(&self, t: &Tensor, op: ReduceKind) -> Result<Tensor> {
+        collectives::reduce(&self.inner.pg, t, op)
+    }
+
+    /// Pads `t` along `dim` with `pad_value` to the largest size any rank has there (at the end, or at the start
+    /// with `pad_first`), so tensors of different lengths can be gathered. Every rank must pass the same rank of
+    /// tensor. Collective.
+    pub fn pad_across_processes(&self, t: &Tensor, dim: usize, pad_value: f64, pad_first: bool) -> Result<Tensor> {
+        collectives::pad_across_processes(&self.inner.pg, t, dim, pad_value, pad_first)
+    }
+
+    /// Every rank gets `root`'s `t` (all ranks pass tensors of the same shape and dtype). Collective.
+    pub fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        collectives::broadcast(&self.inner.pg, t, root)
+    }
+}
+
+// ==== Process control =================================================================================================
+impl Accelerator {
+    /// Prints `msg` (and a newline) on the main process only.
+    pub fn print(&self, msg: impl std::fmt::Display) {
+        if self.is_main_process() {
+            println!("{msg}");
+        }
+    }
+
+    /// Returns when every process has reached this point (a barrier).
+    pub fn wait_for_everyone(&self) -> Result<()> {
+        if self.world_size() > 1 {
+            self.inner.pg.barrier()?;
+        }
+        Ok(())
+    }
+
+    /// Runs `f` on the main process first, then on the others (e.g. download or preprocess a data set once). The
+    /// main process releases the others even when its `f` fails, and returns its error.
+    pub fn main_process_first<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        if self.is_main_process() {
+            let r = f();
+            self.wait_for_everyone()?;
+            r
+        } else {
+            self.wait_for_everyone()?;
+            f()
+        }
+    }
+
+    /// This rank's contiguous share of `items` (Accelerate's `split_between_processes`): sizes differ by at most
+    /// one, the first `len % world_size` ranks get one more; concatenating the shares in rank order gives `items`.
+    pub fn split_between_processes<T: Clone>(&self, items: &[T]) -> Vec<T> {
+        let (start, end) = collectives::split_range(items.len(), self.rank(), self.world_size());
+        items[start..end].to_vec()
+    }
+}
+
+// ==== State (checkpoints) =============================================================================================
+impl Accelerator {
+    /// Adds `obj` to what [`Accelerator::save_state`] saves (as `custom_checkpoint_{i}.json` /
+    /// `.safetensors`, `i` = registration order) and [`Accelerator::load_state`] restores. Register the same
+    /// objects in the same order before loading.
+    pub fn register_for_checkpointing(&self, obj: SharedStateful) {
+        lock(&self.inner.prepared).custom.push(obj);
+    }
+
+    /// Adds a learning-rate scheduler to the checkpoint (`scheduler.json`, then `scheduler_1.json`, …), like a
+    /// scheduler passed to Accelerate's `prepare`. A `Box<dyn LrScheduler>` works: wrap it as
+    /// `Arc::new(Mutex::new(sched))` and pass a clone.
+    pub fn register_scheduler(&self, sched: SharedStateful) {
+        lock(&self.inner.prepared).schedulers.push(sched);
+    }
+
+    /// Saves the training state into `dir`, or with `None` into `project_dir/checkpoints/checkpoint_{i}` (needs
+    /// `automatic_checkpoint_naming` and `project_dir`; the oldest automatic checkpoints beyond `total_limit` are
+    /// then deleted). Collective: every rank must call it. Returns the checkpoint directory.
+    ///
+    /// Written: fp32 master weights (`model.safetensors`, names = `VarMap` names, readable by Python's
+    /// `safetensors`), optimizer state, fp16 scaler, schedulers, data-loader positions, registered objects,
+    /// step counters (`accelerator.json`, all by rank 0), each rank's RNG state (`random_states_{rank}.json`) and,
+    /// when saved inside an accumulation window, each rank's partial gradients (`gradients_{rank}.json` /
+    /// `.safetensors`), so the resumed window ends exactly as the uninterrupted one. The directory appears under its final name only when complete (written as `.{name}.partial`, then
+    /// renamed); an existing directory of that name is replaced.
+    ///
+    /// Differs from Accelerate on purpose: an explicit `dir` is honoured even with automatic naming on.
+    ///
+    /// Errors: I/O, a registered object failing to produce its state, another rank failing (the temporary
+    /// directory is removed and any previous checkpoint is left intact).
+    pub fn save_state(&self, dir: Option<&Path>) -> Result<PathBuf> {
+        crate::state::save_state(self, dir)
+    }
+
+    /// Restores the state saved by [`Accelerator::save_state`] from `dir`, or with `None` from the newest
+    /// `project_dir/checkpoints/checkpoint_{i}`. Prepare the same models, optimizers and data loaders and register
+    /// the same objects, in the same order, before calling it. Returns the directory loaded.
+    ///
+    /// Afterwards the step counters, the RNG and the data-loader positions continue where the checkpoint was
+    /// taken: the next iteration of a prepared loader skips the batches already consumed in that epoch.
+    ///
+    /// Errors (all naming the checkpoint and the fix): no checkpoint found, missing files, a tensor missing or of
+    /// another shape (named), a different world size, different numbers of prepared objects.
+    pub fn load_state(&self, dir: Option<&Path>) -> Result<PathBuf> {
+        let (dir, counters, gradients) = crate::state::load_state(self, dir)?;
+        self.inner.step.restore(counters);
+        if let Some(sd) = gradients {
+            let models = lock(&self.inner.prepared).models.clone();
+            self.inner.step.load_gradients_state_dict(&models, &sd).map_err(|e| AccelError::Checkpoint {
+                path: dir.join(format!("gradients_{}.safetensors", self.rank())),
+                reason: format!("restoring the partial gradients: {e}"),
+            })?;
+        }
+        tracing::info!("loaded checkpoint {} (optimizer step {})", dir.display(), counters.optimizer_steps);
+        Ok(dir)
+    }
+
+    /// `project_dir/checkpoints`, where automatically named checkpoints go; `None` without a `project_dir`.
+    pub fn checkpoints_dir(&self) -> Option<PathBuf> {
+        self.config().project_dir.as_ref().map(|p| p.join(crate::state::CHECKPOINTS_SUBDIR))
+    }
+}
+
+// ==== Tracking ========================================================================================================
+impl Accelerator {
+    /// Starts the trackers of `kinds`, writing into `logging_dir/project/` (created when missing).
+    ///
+    /// Only the main process creates files; on other ranks this records nothing and [`Accelerator::log`] is a
+    /// no-op, so training code calls it unconditionally. Calling it again finishes the previous trackers first.
+    /// Errors: `project` empty or containing a path separator, directory or file creation failures (naming the
+    /// path).
+    pub fn init_trackers(&self, project: &str, kinds: &[TrackerKind], logging_dir: &Path) -> Result<()> {
+        lock(&self.inner.trackers).init(self.is_main_process(), project, kinds, logging_dir)
+    }
+
+    /// Logs scalar `values` at `step` to every tracker (main process only; elsewhere, and before
+    /// `init_trackers`, a no-op). `step` is usually [`Accelerator::optimizer_step_count`] or the trainer's global
+    /// step. Errors name the file that could not be written.
+    pub fn log(&self, values: &[(&str, f64)], step: u64) -> Result<()> {
+        lock(&self.inner.trackers).log(values, step)
+    }
+
+    /// Flushes and closes every tracker (Accelerate's `end_training`). Safe to call more than once.
+    pub fn end_training(&self) -> Result<()> {
+        lock(&self.inner.trackers).finish()
+    }
+
+    /// The directory the trackers write into (`logging_dir/project`), when `init_trackers` ran on this process.
+    pub fn tracker_dir(&self) -> Option<PathBuf> {
+        lock(&self.inner.trackers).dir().map(Path::to_path_buf)
+    }
+}
+
+// ==== Crate-internal ==================================================================================================
+impl Accelerator {
+    /// A snapshot of the prepared and registered objects (what checkpoints save and restore).
+    pub(crate) fn prepared(&self) -> Prepared {
+        lock(&self.inner.prepared).snapshot()
+    }
+
+    /// This rank's gradients between optimizer steps, for a checkpoint (see `StepController`).
+    pub(crate) fn gradients_state_dict(&self) -> Option<crate::state::StateDict> {
+        let models = lock(&self.inner.prepared).models.clone();
+        self.inner.step.gradients_state_dict(&models)
+    }
+
+    /// The step owner (for the optimizer wrapper).
+    pub(crate) fn step(&self) -> &StepController {
+        &self.inner.step
+    }
+
+    /// `loader` sharded for this rank with the config's batch rules, on this device, reporting its batches here.
+    fn shard_loader<D: Dataset>(&self, loader: DataLoader<D>) -> Result<DataLoader<D>> {
+        let acc = Arc::downgrade(&self.inner);
+        let cfg = self.config();
+        loader
+            .with_split_batches(cfg.split_batches)
+            .with_even_batches(cfg.even_batches)
+            .with_device(self.device().clone())
+            .with_batch_observer(Arc::new(move |b: &BatchInfo| {
+                // A loader outliving its Accelerator reports to no one.
+                if let Some(inner) = acc.upgrade() {
+                    inner.step.note_batch(b);
+                }
+            }))
+            .with_sharding(self.rank(), self.world_size())
+    }
+
+    /// The prepared models; errors unless `prepare_model` was called (backward, clipping).
+    fn require_models(&self, what: &str) -> Result<Vec<PreparedModel>> {
+        let models = lock(&self.inner.prepared).models.clone();
         if models.is_empty() {
             return Err(AccelError::Usage(format!(
                 "{what} needs a prepared model: call accelerator.prepare_model(&varmap) first"

@@ -29,7 +29,7 @@
 //! [`config`], [`optim`] (SGD, AdamW with saveable state), [`mixed_precision`] (fp16 loss scaling), `data`
 //! (datasets, sharded loaders), `state` (checkpoints), `tracking` (JSONL / TensorBoard), `scheduler` (LR schedules).
 
-pub mod accelerator;
+mod accelerator;
 pub mod cli;
 pub mod config;
 pub mod error;
@@ -37,16 +37,18 @@ pub mod mixed_precision;
 pub mod optim;
 pub mod scheduler;
 pub mod state;
+mod step;
 pub mod tracking;
 
 pub mod data;
 
-pub use accelerator::{Accelerator, GradientState, PreparedModel, ReduceKind, StepCounters};
+pub use accelerator::{Accelerator, PreparedModel, ReduceKind};
 pub use config::{AcceleratorConfig, MixedPrecision};
 pub use data::{Batch, DataLoader, DataLoaderConfig, Dataset, TensorDataset};
 pub use error::{AccelError, Result};
 pub use mixed_precision::{GradScaler, GradScalerConfig};
 pub use optim::{AcceleratedOptimizer, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
+pub use step::{GradientReduction, StepCounters};
 pub use tracking::{JsonlTracker, TensorBoardTracker, Tracker, TrackerKind};
 
 // Handles users move into threads (and the Trainer shares) must stay Send + Sync; checked at compile time.
@@ -56,8 +58,13 @@ const _: () = {
     fn check() {
         assert_send_sync::<Accelerator>();
         assert_send_sync::<PreparedModel>();
-        assert_send_sync::<GradientState>();
         assert_send_sync::<AcceleratedOptimizer<AdamW>>();
         assert_send_sync::<AccelError>();
     }
 };
+
+/// Locks a mutex, ignoring poisoning: a panicking rank is about to take the job down anyway, and every critical
+/// section here leaves the data consistent.
+pub(crate) fn lock<T: ?Sized>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}

@@ -3,6 +3,7 @@
 
 mod ranks;
 
+use accel::data::BatchInfo;
 use accel::{AcceleratorConfig, Sgd, SgdConfig};
 use ranks::*;
 use std::collections::BTreeMap;
@@ -75,9 +76,10 @@ fn gradients_sync_only_on_sync_steps() {
             let start = acc.rank() * 6 + m * 2;
             let l = loss(&acc, &model, &x.narrow(0, start, 2)?, &y.narrow(0, start, 2)?)?;
             acc.backward(&l)?;
-            synced_flags.push((acc.sync_gradients(), prepared.gradients_synced()));
-            let grads: Vec<Vec<f32>> = prepared
-                .gradients()
+            synced_flags.push((acc.sync_gradients(), acc.gradients(&prepared).1));
+            let grads: Vec<Vec<f32>> = acc
+                .gradients(&prepared)
+                .0
                 .iter()
                 .map(|g| g.as_ref().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap())
                 .collect();
@@ -119,12 +121,11 @@ fn end_of_dataloader_forces_a_sync() {
         let prepared = acc.prepare_model(&varmap)?;
         let mut opt = acc.prepare_optimizer(&prepared, Sgd::new(SgdConfig::new(0.1))?)?;
         let (x, y) = dataset(32, 9);
-        let gs = acc.gradient_state().clone();
         let mut pattern = Vec::new();
         // Epoch of 6 micro-batches: window of 4, then a short window of 2 closed by the end of the loader.
         for epoch in 0..2 {
             for m in 0..6 {
-                gs.set_end_of_dataloader(m == 5);
+                acc.note_batch(&BatchInfo { is_last: m == 5, ..BatchInfo::default() });
                 let start = (epoch * 6 + m) * 2 % 30;
                 let l = loss(&acc, &model, &x.narrow(0, start, 2)?, &y.narrow(0, start, 2)?)?;
                 acc.backward(&l)?;
@@ -152,13 +153,13 @@ fn no_sync_keeps_gradients_local_and_the_next_backward_syncs_the_sum() {
             assert!(!acc.sync_gradients());
             Ok(())
         })?;
-        assert!(!prepared.gradients_synced());
+        assert!(!acc.gradients(&prepared).1);
         assert!(!opt.step()?, "no step on unsynced gradients");
-        let local = prepared.gradients()[0].as_ref().unwrap().flatten_all()?.to_vec1::<f32>()?;
+        let local = acc.gradients(&prepared).0[0].as_ref().unwrap().flatten_all()?.to_vec1::<f32>()?;
         let l = loss(&acc, &model, &x.narrow(0, 4 + r * 2, 2)?, &y.narrow(0, 4 + r * 2, 2)?)?;
         acc.backward(&l)?;
-        assert!(prepared.gradients_synced());
-        let synced = prepared.gradients()[0].as_ref().unwrap().flatten_all()?.to_vec1::<f32>()?;
+        assert!(acc.gradients(&prepared).1);
+        let synced = acc.gradients(&prepared).0[0].as_ref().unwrap().flatten_all()?.to_vec1::<f32>()?;
         assert!(opt.step()?);
         Ok((local, synced))
     });

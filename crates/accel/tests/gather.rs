@@ -3,6 +3,7 @@
 
 mod ranks;
 
+use accel::data::BatchInfo;
 use accel::{AcceleratorConfig, ReduceKind};
 use candle_core::{DType, Device, Tensor};
 use ranks::*;
@@ -52,10 +53,9 @@ fn gather_for_metrics_trims_padding_rows() {
         // rank 1 has [1*, 2*, 3*, 4*] (4 duplicates).
         let (rows, padding): (Vec<f32>, usize) =
             if acc.rank() == 0 { (vec![4.0, 5.0, 6.0, 0.0], 1) } else { (vec![1.0, 2.0, 3.0, 4.0], 4) };
-        acc.gradient_state().set_end_of_dataloader(true);
-        acc.gradient_state().set_padding_in_batch(padding);
+        acc.note_batch(&BatchInfo { is_last: true, rows: 4, padding, ..BatchInfo::default() });
         let g = acc.gather_for_metrics(&t2(&rows, 4))?;
-        acc.gradient_state().reset();
+        acc.note_batch(&BatchInfo { rows: 4, ..BatchInfo::default() });
         let full = acc.gather_for_metrics(&t2(&rows, 4))?;
         Ok((g.flatten_all()?.to_vec1::<f32>()?, full.dims()[0]))
     });

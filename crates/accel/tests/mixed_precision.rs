@@ -98,8 +98,8 @@ fn fp16_clip_grad_norm_unscales_once() {
             let mut opt = acc.prepare_optimizer(&prepared, Sgd::new(SgdConfig::new(0.05))?)?;
             let (x, y) = dataset(8, 8);
             acc.backward(&loss(&acc, &model, &x, &y)?)?;
-            let n1 = acc.clip_grad_norm(1e9)?;
-            let n2 = acc.clip_grad_norm(1e9)?;
+            let n1 = acc.clip_grad_norm(1e9)?.expect("a sync step");
+            let n2 = acc.clip_grad_norm(1e9)?.expect("a sync step");
             assert!(opt.step()?);
             Ok((n1, n2))
         })
@@ -135,4 +135,44 @@ fn fp16_default_scaler_recovers_from_initial_overflows() {
         assert_eq!(scale, 65536.0 * 0.5f64.powi(c.skipped_steps as i32));
         Ok(())
     });
+}
+
+/// fp16, 2 ranks, GA = 2, `clip_grad_norm` called after every `backward` (accelerate#641's pattern) with a
+/// max_norm that never clips: the result equals clipping on sync steps only — no skipped steps, the same loss scale,
+/// the same parameters. (It used to unscale the partial sum on the first micro-step, so the window mixed scaled and
+/// unscaled gradients: norms of 7e4 instead of 6, most steps skipped, the scale collapsing.)
+#[test]
+fn fp16_clipping_on_every_micro_step_equals_clipping_on_sync_steps() {
+    let cfg = AcceleratorConfig { gradient_accumulation_steps: 2, ..fp16() };
+    let run = |clip_every_micro_step: bool| {
+        run_ranks(2, cfg.clone(), move |acc| {
+            let (model, varmap) = tiny_model(&acc, 5)?;
+            let prepared = acc.prepare_model(&varmap)?;
+            let mut opt = acc.prepare_optimizer(&prepared, Sgd::new(SgdConfig::new(0.05))?)?;
+            let (x, y) = dataset(64, 8);
+            let mut norms = Vec::new();
+            for m in 0..8 {
+                let start = m * 8 + acc.rank() * 4;
+                acc.backward(&loss(&acc, &model, &x.narrow(0, start, 4)?, &y.narrow(0, start, 4)?)?)?;
+                if clip_every_micro_step || acc.sync_gradients() {
+                    let norm = acc.clip_grad_norm(1e6)?;
+                    assert_eq!(norm.is_some(), acc.sync_gradients(), "clipping only acts on sync steps");
+                    norms.extend(norm);
+                }
+                opt.step()?;
+            }
+            let c = acc.step_counters();
+            let scale = acc.grad_scaler().unwrap().lock().unwrap().scale();
+            Ok((norms, c.optimizer_steps, c.skipped_steps, scale, to_f32_map(&prepared.state_dict())))
+        })
+    };
+    let every = run(true);
+    let sync_only = run(false);
+    for (e, s) in every.iter().zip(&sync_only) {
+        assert_eq!((e.1, e.2), (4, 0), "four clean optimizer steps");
+        assert_eq!(e.0, s.0, "the same norms");
+        assert!(e.0.iter().all(|n| *n < 100.0), "norms of unscaled gradients: {:?}", e.0);
+        assert_eq!(e.3, s.3, "the same loss scale");
+        assert_eq!(e.4, s.4, "the same parameters");
+    }
 }

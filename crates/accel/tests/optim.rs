@@ -32,9 +32,9 @@ fn sgd_momentum_weight_decay_matches_hand_computed() {
     let cfg = SgdConfig { momentum: 0.9, weight_decay: 0.01, ..SgdConfig::new(0.1) };
     let mut opt = Sgd::new(cfg).unwrap();
     let p = param(&[1.0, -2.0]);
-    opt.step(std::slice::from_ref(&p), &[grad(&[0.5, 0.25])]).unwrap();
+    opt.step(std::slice::from_ref(&p), &[Some(grad(&[0.5, 0.25]))]).unwrap();
     assert_close(&values(&p), &[0.949, -2.023], 1e-6, "step 1");
-    opt.step(std::slice::from_ref(&p), &[grad(&[0.5, 0.25])]).unwrap();
+    opt.step(std::slice::from_ref(&p), &[Some(grad(&[0.5, 0.25]))]).unwrap();
     assert_close(&values(&p), &[0.852151, -2.066677], 1e-6, "step 2");
 }
 
@@ -47,9 +47,9 @@ fn sgd_nesterov_matches_hand_computed() {
     let cfg = SgdConfig { momentum: 0.9, weight_decay: 0.01, nesterov: true, ..SgdConfig::new(0.1) };
     let mut opt = Sgd::new(cfg).unwrap();
     let p = param(&[1.0, -2.0]);
-    opt.step(std::slice::from_ref(&p), &[grad(&[0.5, 0.25])]).unwrap();
+    opt.step(std::slice::from_ref(&p), &[Some(grad(&[0.5, 0.25]))]).unwrap();
     assert_close(&values(&p), &[0.9031, -2.0437], 1e-6, "step 1");
-    opt.step(std::slice::from_ref(&p), &[grad(&[0.5, 0.25])]).unwrap();
+    opt.step(std::slice::from_ref(&p), &[Some(grad(&[0.5, 0.25]))]).unwrap();
     assert_close(&values(&p), &[0.76507411, -2.10594697], 1e-6, "step 2");
 }
 
@@ -60,12 +60,12 @@ fn sgd_dampening_and_plain_sgd() {
     let mut opt = Sgd::new(SgdConfig { momentum: 0.9, dampening: 0.5, ..SgdConfig::new(0.1) }).unwrap();
     let p = param(&[1.0, -2.0]);
     for _ in 0..2 {
-        opt.step(std::slice::from_ref(&p), &[grad(&[0.5, 0.25])]).unwrap();
+        opt.step(std::slice::from_ref(&p), &[Some(grad(&[0.5, 0.25]))]).unwrap();
     }
     assert_close(&values(&p), &[0.88, -2.06], 1e-6, "dampened");
     let mut plain = Sgd::new(SgdConfig::new(0.5)).unwrap();
     let q = param(&[1.0, 1.0]);
-    plain.step(std::slice::from_ref(&q), &[grad(&[2.0, -4.0])]).unwrap();
+    plain.step(std::slice::from_ref(&q), &[Some(grad(&[2.0, -4.0]))]).unwrap();
     assert_close(&values(&q), &[0.0, 3.0], 0.0, "plain SGD p − lr·g");
 }
 
@@ -79,11 +79,11 @@ fn adamw_matches_hand_computed() {
     let cfg = AdamWConfig { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 };
     let mut opt = AdamW::new(cfg).unwrap();
     let p = param(&[1.0, -2.0]);
-    opt.step(std::slice::from_ref(&p), &[grad(&[0.5, 0.25])]).unwrap();
+    opt.step(std::slice::from_ref(&p), &[Some(grad(&[0.5, 0.25]))]).unwrap();
     assert_close(&values(&p), &[0.89, -2.08], 1e-6, "step 1");
-    opt.step(std::slice::from_ref(&p), &[grad(&[0.5, 0.25])]).unwrap();
+    opt.step(std::slice::from_ref(&p), &[Some(grad(&[0.5, 0.25]))]).unwrap();
     assert_close(&values(&p), &[0.7811, -2.1592], 1e-6, "step 2");
-    opt.step(std::slice::from_ref(&p), &[grad(&[-1.0, 0.5])]).unwrap();
+    opt.step(std::slice::from_ref(&p), &[Some(grad(&[-1.0, 0.5]))]).unwrap();
     // Step 3 by hand (f64): m = 0.9·m₂ + 0.1·g, v = 0.999·v₂ + 0.001·g², with m₂ = [0.095, 0.0475],
     // v₂ = [4.9975e-4, 1.249375e-4].
     let (b1, b2): (f64, f64) = (0.9, 0.999);
@@ -106,7 +106,7 @@ fn adamw_matches_hand_computed() {
 fn optimizer_state_round_trip_is_exact() {
     fn check(mut a: Box<dyn Optimizer>, mut b: Box<dyn Optimizer>) {
         let pa = param(&[0.3, -0.7, 1.1]);
-        let grads = [grad(&[0.1, -0.2, 0.3]), grad(&[-0.4, 0.5, 0.05]), grad(&[0.2, 0.2, -0.9])];
+        let grads = [Some(grad(&[0.1, -0.2, 0.3])), Some(grad(&[-0.4, 0.5, 0.05])), Some(grad(&[0.2, 0.2, -0.9]))];
         a.step(std::slice::from_ref(&pa), std::slice::from_ref(&grads[0])).unwrap();
         a.step(std::slice::from_ref(&pa), std::slice::from_ref(&grads[1])).unwrap();
         let sd: StateDict = a.state_dict().unwrap();
@@ -142,7 +142,7 @@ fn bad_hyper_parameters_and_mismatched_gradients_are_errors() {
     let e = AdamW::new(AdamWConfig { beta1: 1.0, ..Default::default() }).unwrap_err().to_string();
     assert!(e.contains("beta1"), "{e}");
     let mut opt = Sgd::new(SgdConfig::new(0.1)).unwrap();
-    let e = opt.step(&[param(&[1.0, 2.0])], &[grad(&[1.0])]).unwrap_err().to_string();
+    let e = opt.step(&[param(&[1.0, 2.0])], &[Some(grad(&[1.0]))]).unwrap_err().to_string();
     assert!(e.contains("shape"), "{e}");
     let e = opt.step(&[param(&[1.0])], &[]).unwrap_err().to_string();
     assert!(e.contains("1 parameters but 0 gradients"), "{e}");
@@ -156,7 +156,7 @@ fn learning_rate_is_settable_through_the_accelerated_optimizer() {
         let mut opt = acc.prepare_optimizer(&prepared, AdamW::new(AdamWConfig::new(0.01))?)?;
         opt.set_learning_rate(0.5);
         assert_eq!(opt.learning_rate(), 0.5);
-        assert_eq!(acc.prepared_optimizers()[0].lock().unwrap().learning_rate(), 0.5);
+        assert_eq!(opt.optimizer().learning_rate(), 0.5);
         Ok(())
     });
 }
@@ -173,21 +173,55 @@ fn clipping_by_norm_and_by_value() {
         let flat = |gs: Vec<Option<Tensor>>| -> Vec<f32> {
             gs.into_iter().flat_map(|g| g.unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect()
         };
-        let before = flat(prepared.gradients());
+        let before = flat(acc.gradients(&prepared).0);
         let norm: f64 = before.iter().map(|g| (*g as f64).powi(2)).sum::<f64>().sqrt();
-        let got = acc.clip_grad_norm(norm * 10.0)?;
+        let got = acc.clip_grad_norm(norm * 10.0)?.expect("a sync step");
         assert!((got - norm).abs() <= 1e-6 * norm, "norm {got} vs {norm}");
-        assert_eq!(flat(prepared.gradients()), before, "max_norm above the norm must not change gradients");
+        assert_eq!(flat(acc.gradients(&prepared).0), before, "max_norm above the norm must not change gradients");
         let max_norm = norm / 4.0;
         acc.clip_grad_norm(max_norm)?;
-        let after = flat(prepared.gradients());
+        let after = flat(acc.gradients(&prepared).0);
         let new_norm: f64 = after.iter().map(|g| (*g as f64).powi(2)).sum::<f64>().sqrt();
         assert!((new_norm - max_norm).abs() <= 1e-5 * max_norm, "clipped norm {new_norm}, wanted {max_norm}");
         let v = after.iter().fold(0f32, |a, g| a.max(g.abs())) / 2.0;
         acc.clip_grad_value(v as f64)?;
-        let clamped = flat(prepared.gradients());
+        let clamped = flat(acc.gradients(&prepared).0);
         assert!(clamped.iter().all(|g| g.abs() <= v));
         assert!(clamped.iter().any(|g| g.abs() == v));
         Ok(())
     });
+}
+
+/// Under `find_unused_parameters`, a parameter no rank ever uses gets no gradient and the optimizer leaves it
+/// alone — not even AdamW's weight decay moves it (PyTorch skips a parameter whose `.grad` is `None`); the used
+/// parameters train. (It used to receive zero gradients and decay: −0.009060722 → −0.009058003 after 3 steps.)
+#[test]
+fn a_parameter_no_rank_uses_is_never_updated() {
+    let mut cfg = AcceleratorConfig::default();
+    cfg.ddp.find_unused_parameters = true;
+    let out = run_ranks(2, cfg, |acc| {
+        let (model, varmap) = tiny_model(&acc, 4)?;
+        let unused = acc.var_builder(&varmap).get_with_hints((3, 2), "unused", candle_nn::Init::Const(-0.009060722))?;
+        let prepared = acc.prepare_model(&varmap)?;
+        let cfg = AdamWConfig { weight_decay: 0.1, ..AdamWConfig::new(1e-2) };
+        let mut opt = acc.prepare_optimizer(&prepared, AdamW::new(cfg)?)?;
+        let (x, y) = dataset(24, 3);
+        let before = to_f32_map(&prepared.state_dict());
+        for s in 0..3 {
+            let start = s * 8 + acc.rank() * 4;
+            acc.backward(&loss(&acc, &model, &x.narrow(0, start, 4)?, &y.narrow(0, start, 4)?)?)?;
+            let (grads, synced) = acc.gradients(&prepared);
+            assert!(synced);
+            let i = prepared.names().iter().position(|n| n == "unused").unwrap();
+            assert!(grads[i].is_none(), "no rank used it: no gradient after the reduction");
+            assert!(opt.step()?);
+        }
+        let after = to_f32_map(&prepared.state_dict());
+        Ok((before, after, unused.flatten_all()?.to_vec1::<f32>()?))
+    });
+    for (before, after, unused) in out {
+        assert_eq!(after["unused"], before["unused"], "the unused parameter moved");
+        assert_eq!(unused, vec![-0.009060722f32; 6]);
+        assert_ne!(after["l1.weight"], before["l1.weight"], "the used parameters train");
+    }
 }

@@ -217,6 +217,8 @@ impl DistributedDataParallel {
     ///
     /// Each gradient is replaced by a new tensor (same shape, dtype and device as its parameter) holding
     /// `(1 / world_size) · Σ_ranks grad`. Gradients of tensors that are not wrapped parameters are left alone.
+    /// The level-1 entry point over candle's `GradStore`; [`Self::reduce_gradients`] is the same reduction over
+    /// gradient slots (what the Accelerator uses).
     ///
     /// Errors (raised before any communication, so on the rank at fault): [`DdpError::UnusedParameters`] naming
     /// the parameters with no gradient unless `find_unused_parameters`; [`DdpError::InvalidArgument`] for a
@@ -226,21 +228,61 @@ impl DistributedDataParallel {
         if !self.require_sync() {
             return Ok(());
         }
-        let local: Vec<Option<Tensor>> = self.vars.iter().map(|(_, v)| grads.get(v.as_tensor()).cloned()).collect();
+        let mut slots: Vec<Option<Tensor>> = self.vars.iter().map(|(_, v)| grads.get(v.as_tensor()).cloned()).collect();
         let unused: Vec<String> =
-            local.iter().zip(&self.vars).filter(|(g, _)| g.is_none()).map(|(_, (name, _))| name.clone()).collect();
+            slots.iter().zip(&self.vars).filter(|(g, _)| g.is_none()).map(|(_, (name, _))| name.clone()).collect();
         if !unused.is_empty() && !self.opts.find_unused_parameters {
             return Err(DdpError::UnusedParameters { names: unused });
         }
-        for ((name, var), g) in self.vars.iter().zip(&local) {
-            if let Some(g) = g {
-                if g.dims() != var.as_tensor().dims() {
+        self.reduce_gradients(&mut slots)?;
+        for ((_, var), slot) in self.vars.iter().zip(slots) {
+            match slot {
+                Some(g) => {
+                    grads.insert(var.as_tensor(), g);
+                }
+                None => {
+                    grads.remove(var.as_tensor());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Averages gradient slots across ranks in place: `grads[i]` is the gradient of the `i`-th wrapped parameter
+    /// ([`Self::named_vars`] order), `None` where this rank produced none. Collective: every rank must call it for
+    /// the same step. Ignores [`Self::set_require_sync`] (the caller decides when to sync).
+    ///
+    /// Afterwards `grads[i]` is `Some((1 / world_size) · Σ_ranks grad)` (a rank without a gradient contributes
+    /// zeros) for every parameter some rank used, and `None` for a parameter no rank used. The used-parameter
+    /// bitmap costs one extra small all-reduce, only with `find_unused_parameters`; without it every slot must be
+    /// `Some` (the caller checked, see [`DdpError::UnusedParameters`]).
+    ///
+    /// Cost: one pack into the bucket buffers and one unpack into new tensors per parameter, nothing else.
+    ///
+    /// Errors: [`DdpError::InvalidArgument`] for a slot count or a gradient shape that does not match the wrapped
+    /// parameters, or a `None` slot without `find_unused_parameters` (before any communication); collective
+    /// errors from the process group.
+    pub fn reduce_gradients(&self, grads: &mut [Option<Tensor>]) -> Result<()> {
+        if grads.len() != self.vars.len() {
+            return Err(DdpError::InvalidArgument(format!(
+                "DDP: {} gradient slots for {} wrapped parameters; pass one slot per parameter, in named_vars order",
+                grads.len(),
+                self.vars.len()
+            )));
+        }
+        for ((name, var), g) in self.vars.iter().zip(grads.iter()) {
+            match g {
+                Some(g) if g.dims() != var.as_tensor().dims() => {
                     return Err(DdpError::InvalidArgument(format!(
                         "DDP: gradient of `{name}` has shape {:?}, its parameter {:?}",
                         g.dims(),
                         var.as_tensor().dims()
-                    )));
+                    )))
                 }
+                None if !self.opts.find_unused_parameters => {
+                    return Err(DdpError::UnusedParameters { names: vec![name.clone()] })
+                }
+                _ => {}
             }
         }
         if self.pg.world_size() == 1 {
@@ -248,31 +290,25 @@ impl DistributedDataParallel {
             return Ok(());
         }
         let globally_used = if self.opts.find_unused_parameters {
-            let mut used: Vec<u8> = local.iter().map(|g| u8::from(g.is_some())).collect();
+            let mut used: Vec<u8> = grads.iter().map(|g| u8::from(g.is_some())).collect();
             self.pg.all_reduce(&mut used, ReduceOp::Max)?;
             used.into_iter().map(|u| u != 0).collect()
         } else {
-            vec![true; local.len()]
+            vec![true; grads.len()]
         };
 
         let mut buffers = std::mem::take(&mut *self.buffers.lock().unwrap_or_else(|e| e.into_inner()));
         buffers.resize_with(self.buckets.len(), FlatBuffer::default);
-        let result = self.reduce_buckets(&local, &globally_used, grads, &mut buffers);
+        let result = self.reduce_buckets(grads, &globally_used, &mut buffers);
         *self.buffers.lock().unwrap_or_else(|e| e.into_inner()) = buffers;
         result
     }
 
     /// The pipeline: this thread packs bucket k+1 while a communication thread all-reduces bucket k, then
     /// unpacks reduced buckets in order. Collectives are issued strictly in bucket order by the one comm thread.
-    fn reduce_buckets(
-        &self,
-        local: &[Option<Tensor>],
-        used: &[bool],
-        grads: &mut GradStore,
-        buffers: &mut [FlatBuffer],
-    ) -> Result<()> {
+    fn reduce_buckets(&self, grads: &mut [Option<Tensor>], used: &[bool], buffers: &mut [FlatBuffer]) -> Result<()> {
         if let [only] = buffers {
-            self.pack_gradients(0, local, only)?;
+            self.pack_gradients(0, grads, only)?;
             self.pg.all_reduce_bytes(only.bytes_mut(), self.buckets[0].dtype, ReduceOp::Avg)?;
             return self.unpack_gradients(0, only, used, grads);
         }
@@ -292,7 +328,7 @@ impl DistributedDataParallel {
             let mut first_err: Option<DdpError> = None;
             for (k, slot) in buffers.iter_mut().enumerate() {
                 let mut buf = std::mem::take(slot);
-                if let Err(e) = self.pack_gradients(k, local, &mut buf) {
+                if let Err(e) = self.pack_gradients(k, grads, &mut buf) {
                     first_err = Some(e);
                     break;
                 }
@@ -342,17 +378,18 @@ impl DistributedDataParallel {
         Ok(())
     }
 
-    /// Writes the reduced gradients of bucket `k` back into `grads` (skipping parameters no rank used).
-    fn unpack_gradients(&self, k: usize, buf: &FlatBuffer, used: &[bool], grads: &mut GradStore) -> Result<()> {
+    /// Writes the reduced gradients of bucket `k` back into their slots (`None` for parameters no rank used).
+    fn unpack_gradients(&self, k: usize, buf: &FlatBuffer, used: &[bool], grads: &mut [Option<Tensor>]) -> Result<()> {
         let plan = &self.buckets[k];
         let bytes = buf.bytes();
         for (&p, &off) in plan.params.iter().zip(&plan.offsets) {
             if !used[p] {
+                grads[p] = None;
                 continue;
             }
             let var = self.vars[p].1.as_tensor();
-            let t = flat::tensor_from(&bytes[off..off + self.sizes[p]], plan.dtype, var.shape(), var.device())?;
-            grads.insert(var, t);
+            grads[p] =
+                Some(flat::tensor_from(&bytes[off..off + self.sizes[p]], plan.dtype, var.shape(), var.device())?);
         }
         Ok(())
     }

@@ -28,8 +28,8 @@ pub struct PredictionOutput {
     pub metrics: Metrics,
 }
 
-/// A sharded, unshuffled loader for evaluation that reports each batch's `even_batches` padding to the
-/// Accelerator (for `gather_for_metrics`). Not registered for checkpointing: evaluation has no position to resume.
+/// A sharded, unshuffled loader for evaluation, prepared by the Accelerator for evaluation (reports each batch's
+/// `even_batches` padding; not saved in checkpoints).
 fn eval_loader<D: Dataset + 'static>(acc: &Accelerator, ds: Arc<D>, batch_size: usize) -> Result<DataLoader<D>> {
     let cfg = DataLoaderConfig {
         batch_size,
@@ -40,14 +40,7 @@ fn eval_loader<D: Dataset + 'static>(acc: &Accelerator, ds: Arc<D>, batch_size: 
         even_batches: acc.config().even_batches,
         prefetch: true,
     };
-    let gs = acc.gradient_state().clone();
-    Ok(DataLoader::from_arc(ds, cfg)
-        .with_sharding(acc.rank(), acc.world_size())?
-        .with_device(acc.device().clone())
-        .with_batch_observer(Arc::new(move |info| {
-            gs.set_end_of_dataloader(info.is_last);
-            gs.set_padding_in_batch(info.padding);
-        })))
+    Ok(acc.prepare_eval_data_loader(DataLoader::from_arc(ds, cfg))?)
 }
 
 /// Concatenates tensors along dim 0, padding dimension 1 (token positions) to the longest with `pad`.
@@ -177,7 +170,7 @@ where
             steps += 1;
             let y = outputs_f32(rt.model.forward_t(&cast_input(&batch.inputs, dtype)?, false)?.detach())?;
             let rows = batch.len();
-            let keep = rows - acc.gradient_state().padding_in_batch().min(rows);
+            let keep = rows - acc.padding_in_batch().min(rows);
             if keep > 0 {
                 let out = self.loss.compute(&y.narrow(0, 0, keep)?, &batch.targets.narrow(0, 0, keep)?)?;
                 loss_sum += out.loss_sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;

@@ -55,7 +55,7 @@ impl TrainerOptimizer {
 }
 
 impl Optimizer for TrainerOptimizer {
-    fn step(&mut self, params: &[Var], grads: &[Tensor]) -> accel::Result<()> {
+    fn step(&mut self, params: &[Var], grads: &[Option<Tensor>]) -> accel::Result<()> {
         self.inner_mut().step(params, grads)
     }
     fn learning_rate(&self) -> f64 {

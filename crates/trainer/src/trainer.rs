@@ -551,14 +551,10 @@ where
         // backward() divides by GA and DDP averages over ranks: pre-multiply so both cancel (see module docs).
         let ga = acc.gradient_accumulation_steps() as f64;
         let scale = if items > 0.0 { ga * if global { world as f64 } else { 1.0 } / items } else { 0.0 };
-        let last = sums.len() - 1;
-        for (i, s) in sums.iter().enumerate() {
-            // The trainer decides where a window ends; tell the Accelerator so it syncs exactly there.
-            acc.gradient_state().set_end_of_dataloader(i == last);
-            acc.backward(&s.affine(scale, 0.0)?)?;
-        }
-        let grad_norm =
-            if self.args.max_grad_norm > 0.0 { Some(acc.clip_grad_norm(self.args.max_grad_norm)?) } else { None };
+        // The trainer cuts windows itself (it needed the window's item count first): the window's last
+        // micro-batch syncs, whatever the loader's end-of-data flag says about the batch fetched last.
+        acc.accumulate_window(sums.len(), |i| acc.backward(&sums[i].affine(scale, 0.0)?))?;
+        let grad_norm = if self.args.max_grad_norm > 0.0 { acc.clip_grad_norm(self.args.max_grad_norm)? } else { None };
         let stepped = rt.optimizer.step()?;
         if stepped {
             // Only real optimizer steps move the schedule (not fp16-skipped ones).

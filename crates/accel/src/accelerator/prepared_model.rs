@@ -1,57 +1,36 @@
 //! [`PreparedModel`]: a model's parameters as the Accelerator manages them — the compute-dtype `Var`s the model
-//! reads, their fp32 master copies the optimizer updates (the same `Var`s in fp32), the DDP wrapper, and the fp32
-//! gradient accumulator filled by `backward`.
+//! reads, their fp32 master copies the optimizer updates (the same `Var`s in fp32) and the parameter groups
+//! whose gradients are reduced together ([`GradientReduction`]). Its gradients are not here: the Accelerator's
+//! step owner holds them (see `crate::step`).
 
-use super::{lock, Accelerator};
+use crate::step::GradientReduction;
 use crate::{AccelError, Result};
-use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 use candle_nn::VarMap;
-use ddp_core::DistributedDataParallel;
+use ddp_core::{DistributedDataParallel, ProcessGroup};
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-/// Handle to a prepared model. Cheap to clone; clones share parameters and gradients.
+/// Handle to a prepared model. Cheap to clone; clones share parameters.
 #[derive(Clone)]
 pub struct PreparedModel {
-    pub(crate) inner: Arc<ModelInner>,
+    inner: Arc<ModelInner>,
 }
 
-pub(crate) struct ModelInner {
+struct ModelInner {
+    /// Registration index with the Accelerator (where its gradient slots live).
+    index: usize,
     /// `VarMap` names, sorted (the same order on every rank).
-    pub(crate) names: Vec<String>,
+    names: Vec<String>,
     /// The model's `Var`s, in the compute dtype.
-    pub(crate) params: Vec<Var>,
+    params: Vec<Var>,
     /// fp32 master weights; the very same `Var`s as `params` when the compute dtype is F32.
-    pub(crate) masters: Vec<Var>,
+    masters: Vec<Var>,
     /// Whether `masters` are separate copies (bf16 / fp16 compute).
-    pub(crate) has_masters: bool,
-    /// DDP over the fp32 masters (gradients are all-reduced in fp32).
-    pub(crate) ddp: DistributedDataParallel,
-    pub(crate) find_unused_parameters: bool,
-    pub(crate) grads: Mutex<GradAccumulator>,
-}
-
-/// fp32 gradients accumulated over the micro-steps of one window.
-#[derive(Debug, Default)]
-pub(crate) struct GradAccumulator {
-    /// One slot per parameter; `None` until the first backward of the window.
-    pub(crate) grads: Vec<Option<Tensor>>,
-    /// The window's gradients have been all-reduced: the optimizer may step.
-    pub(crate) synced: bool,
-    /// fp16: the gradients were divided by the loss scale already (by clipping) in this window.
-    pub(crate) unscaled: bool,
-    /// fp16: the unscaled gradients contain inf/NaN.
-    pub(crate) found_inf: bool,
-}
-
-impl GradAccumulator {
-    pub(crate) fn clear(&mut self) {
-        self.grads.iter_mut().for_each(|g| *g = None);
-        self.synced = false;
-        self.unscaled = false;
-        self.found_inf = false;
-    }
+    has_masters: bool,
+    /// Parameter groups (indices into `params`) and how each group's gradients are reduced.
+    groups: Vec<(Vec<usize>, GradientReduction)>,
+    find_unused_parameters: bool,
 }
 
 impl std::fmt::Debug for PreparedModel {
@@ -64,8 +43,18 @@ impl std::fmt::Debug for PreparedModel {
 }
 
 impl PreparedModel {
-    pub(crate) fn new(acc: &Accelerator, varmap: &VarMap) -> Result<Self> {
-        let mut named: Vec<(String, Var)> = lock(varmap.data()).iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    /// Sorts `varmap`'s variables by name, checks their device, makes fp32 masters under bf16/fp16 and wraps the
+    /// masters in DDP (names and shapes checked across ranks, rank 0's values broadcast). `index` is the slot the
+    /// step owner keeps this model's gradients in.
+    pub(crate) fn new(
+        index: usize,
+        pg: &ProcessGroup,
+        device: &candle_core::Device,
+        ddp: &ddp_core::DdpOptions,
+        varmap: &VarMap,
+    ) -> Result<Self> {
+        let mut named: Vec<(String, Var)> =
+            crate::lock(varmap.data()).iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         if named.is_empty() {
             return Err(AccelError::Usage(
                 "prepare_model: the VarMap has no variables; build the model with accelerator.var_builder(&varmap) \
@@ -75,12 +64,11 @@ impl PreparedModel {
         }
         named.sort_by(|a, b| a.0.cmp(&b.0));
         for (name, v) in &named {
-            if !v.device().same_device(acc.device()) {
+            if !v.device().same_device(device) {
                 return Err(AccelError::InvalidArgument(format!(
-                    "prepare_model: parameter {name:?} is on {:?} but the Accelerator uses {:?}; build the model \
-                     with accelerator.var_builder(&varmap)",
+                    "prepare_model: parameter {name:?} is on {:?} but the Accelerator uses {device:?}; build the \
+                     model with accelerator.var_builder(&varmap)",
                     v.device(),
-                    acc.device()
                 )));
             }
         }
@@ -95,21 +83,21 @@ impl PreparedModel {
         } else {
             params.clone()
         };
-        let cfg = &acc.inner.config.ddp;
-        let ddp = DistributedDataParallel::from_named_vars(
-            &acc.inner.pg,
+        // Data parallelism only: one group, every parameter replicated. Gradients are reduced in fp32.
+        let replicated = DistributedDataParallel::from_named_vars(
+            pg,
             names.iter().cloned().zip(masters.iter().cloned()).collect(),
-            cfg.clone(),
+            ddp.clone(),
         )?;
         let model = PreparedModel {
             inner: Arc::new(ModelInner {
+                index,
+                groups: vec![((0..params.len()).collect(), GradientReduction::AllReduce(replicated))],
                 names,
                 params,
                 masters,
                 has_masters,
-                ddp,
-                find_unused_parameters: cfg.find_unused_parameters,
-                grads: Mutex::new(GradAccumulator::default()),
+                find_unused_parameters: ddp.find_unused_parameters,
             }),
         };
         // DDP broadcast rank 0's values into the masters: make the compute copies agree.
@@ -137,9 +125,21 @@ impl PreparedModel {
         self.inner.params.iter().map(|v| v.elem_count()).sum()
     }
 
-    /// The DDP wrapper (bucket layout, options).
+    /// The DDP wrapper of the replicated parameters (bucket layout, options).
     pub fn ddp(&self) -> &DistributedDataParallel {
-        &self.inner.ddp
+        self.inner
+            .groups
+            .iter()
+            .map(|(_, r)| match r {
+                GradientReduction::AllReduce(ddp) => ddp,
+            })
+            .next()
+            .expect("a prepared model has one replicated group")
+    }
+
+    /// Parameter groups: the parameter indices of each and how its gradients are reduced.
+    pub fn parameter_groups(&self) -> impl Iterator<Item = (&[usize], &GradientReduction)> {
+        self.inner.groups.iter().map(|(p, r)| (p.as_slice(), r))
     }
 
     /// fp32 master weights by name (what `model.safetensors` holds).
@@ -173,17 +173,6 @@ impl PreparedModel {
         self.copy_masters_to_params()
     }
 
-    /// The accumulated fp32 gradients (averaged across ranks after a sync step; still loss-scaled under fp16
-    /// until clipping or the optimizer step unscales them), `None` for parameters without one yet.
-    pub fn gradients(&self) -> Vec<Option<Tensor>> {
-        lock(&self.inner.grads).grads.clone()
-    }
-
-    /// Whether the accumulated gradients have been all-reduced (the optimizer step will apply them).
-    pub fn gradients_synced(&self) -> bool {
-        lock(&self.inner.grads).synced
-    }
-
     /// Casts the fp32 masters back into the compute-dtype `Var`s (no-op in fp32).
     pub(crate) fn copy_masters_to_params(&self) -> Result<()> {
         if self.inner.has_masters {
@@ -194,58 +183,24 @@ impl PreparedModel {
         Ok(())
     }
 
-    /// Adds this micro-step's gradients (cast to fp32) to the accumulator.
-    pub(crate) fn accumulate(&self, grads: &GradStore) -> Result<()> {
-        let inner = &self.inner;
-        let mut acc = lock(&inner.grads);
-        if acc.grads.len() != inner.params.len() {
-            acc.grads = vec![None; inner.params.len()];
-        }
-        // A new window after a step/zero_grad: start from a clean slate.
-        if acc.synced {
-            acc.clear();
-        }
-        let mut missing = Vec::new();
-        for (i, p) in inner.params.iter().enumerate() {
-            let g = match grads.get(p.as_tensor()) {
-                Some(g) => g.to_dtype(DType::F32)?,
-                None if inner.find_unused_parameters => continue,
-                None => {
-                    missing.push(inner.names[i].clone());
-                    continue;
-                }
-            };
-            acc.grads[i] = Some(match acc.grads[i].take() {
-                None => g,
-                Some(a) => (a + g)?,
-            });
-        }
-        if !missing.is_empty() {
-            return Err(ddp_core::DdpError::UnusedParameters { names: missing }.into());
-        }
-        Ok(())
+    pub(crate) fn index(&self) -> usize {
+        self.inner.index
     }
 
-    /// All-reduces (averages) the accumulated gradients through DDP and marks them ready for the optimizer.
-    pub(crate) fn sync(&self) -> Result<()> {
-        let inner = &self.inner;
-        let mut acc = lock(&inner.grads);
-        if acc.grads.len() != inner.params.len() {
-            acc.grads = vec![None; inner.params.len()];
+    pub(crate) fn find_unused_parameters(&self) -> bool {
+        self.inner.find_unused_parameters
+    }
+
+    /// Reduces this model's gradient slots across ranks, group by group (collective).
+    pub(crate) fn reduce_gradients(&self, slots: &mut [Option<Tensor>]) -> Result<()> {
+        for (params, reduction) in &self.inner.groups {
+            let mut group: Vec<Option<Tensor>> = params.iter().map(|&i| slots[i].take()).collect();
+            let reduced = reduction.reduce(&mut group);
+            for (&i, g) in params.iter().zip(group) {
+                slots[i] = g;
+            }
+            reduced?;
         }
-        let mut store = GradStore::default();
-        for (slot, m) in acc.grads.iter_mut().zip(&inner.masters) {
-            let g = match slot.take() {
-                Some(g) => g,
-                None => m.as_tensor().zeros_like()?,
-            };
-            store.insert(m.as_tensor(), g);
-        }
-        inner.ddp.sync_gradients(&mut store)?;
-        for (slot, m) in acc.grads.iter_mut().zip(&inner.masters) {
-            *slot = store.remove(m.as_tensor());
-        }
-        acc.synced = true;
         Ok(())
     }
 }

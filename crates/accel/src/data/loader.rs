@@ -79,8 +79,9 @@ pub struct LoaderPosition {
     pub batches_consumed: usize,
 }
 
-/// What the loader reports about each batch it yields (to the Accelerator's gradient state).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What the loader reports about each batch it yields (to the Accelerator's training step, see
+/// `Accelerator::note_batch`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct BatchInfo {
     /// Epoch of the batch.
     pub epoch: u64,

@@ -1,9 +1,8 @@
 //! [`AcceleratedOptimizer`]: what `Accelerator::prepare_optimizer` returns.
 
 use super::Optimizer;
-use crate::accelerator::gradients::StepGradients;
-use crate::accelerator::{lock, Accelerator, PreparedModel};
-use crate::Result;
+use crate::step::StepOutcome;
+use crate::{lock, Accelerator, PreparedModel, Result};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// An optimizer bound to a prepared model and the Accelerator's accumulation window.
@@ -11,8 +10,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 /// `step` applies the window's averaged fp32 gradients to the master weights only on sync steps (it returns
 /// `false` and does nothing in between), skips the step when fp16 gradients overflowed (returns `false`,
 /// [`AcceleratedOptimizer::step_was_skipped`] is then true, the loss scale is halved), and copies the updated
-/// masters into the model's compute-dtype `Var`s. The gradients of the window are consumed by `step`, so a candle
-/// loop needs no `zero_grad`; it is there for PyTorch-shaped loops and is a no-op between syncs.
+/// masters into the model's compute-dtype `Var`s. It receives the gradients from the Accelerator's step owner,
+/// which drops them after the step, so a candle loop needs no `zero_grad`; it is there for PyTorch-shaped loops
+/// and is a no-op between syncs.
 pub struct AcceleratedOptimizer<O: Optimizer> {
     acc: Accelerator,
     model: PreparedModel,
@@ -38,17 +38,17 @@ impl<O: Optimizer> AcceleratedOptimizer<O> {
     /// updated; `false` between syncs and when an fp16 overflow skipped the step (do not step the LR scheduler
     /// then).
     pub fn step(&mut self) -> Result<bool> {
-        match self.acc.take_step_gradients(&self.model)? {
-            StepGradients::NotSynced => Ok(false),
-            StepGradients::Overflow => {
+        let (opt, model) = (&self.opt, &self.model);
+        let outcome = self.acc.step().optimizer_step(model, |grads| lock(opt).step(model.master_weights(), grads))?;
+        match outcome {
+            StepOutcome::NotSynced => Ok(false),
+            StepOutcome::Overflow => {
                 self.skipped = true;
                 tracing::debug!("fp16 gradients overflowed: optimizer step skipped, loss scale backed off");
                 Ok(false)
             }
-            StepGradients::Apply(grads) => {
-                lock(&self.opt).step(self.model.master_weights(), &grads)?;
+            StepOutcome::Applied => {
                 self.model.copy_masters_to_params()?;
-                self.acc.record_optimizer_step();
                 self.skipped = false;
                 Ok(true)
             }
@@ -57,10 +57,7 @@ impl<O: Optimizer> AcceleratedOptimizer<O> {
 
     /// Drops the window's gradients on a sync step; a no-op between syncs (as Accelerate's).
     pub fn zero_grad(&mut self) {
-        let mut acc = lock(&self.model.inner.grads);
-        if acc.synced {
-            acc.clear();
-        }
+        self.acc.step().zero_grad(&self.model);
     }
 
     /// The current learning rate.

@@ -1,7 +1,7 @@
 //! Adam with decoupled weight decay, as `torch.optim.AdamW` (Loshchilov & Hutter, "Decoupled Weight Decay
 //! Regularization", ICLR 2019; Adam: Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015).
 
-use super::{buffers_from, check_buffer, check_grads, Optimizer};
+use super::{check_buffer, check_grads, Optimizer, OptimizerState};
 use crate::state::StateDict;
 use crate::{AccelError, Result};
 use candle_core::{Tensor, Var};
@@ -35,7 +35,8 @@ impl AdamWConfig {
     }
 }
 
-/// `torch.optim.AdamW`. At step `t` (from 1), with gradient `g`, parameter `p`, moments `m`, `v` (per parameter):
+/// `torch.optim.AdamW`. At parameter `p`'s update `t` (from 1; counted per parameter, as PyTorch's
+/// `state[p]["step"]`), with gradient `g` and moments `m`, `v`:
 ///
 /// ```text
 /// p ← p·(1 − lr·λ)
@@ -43,13 +44,18 @@ impl AdamWConfig {
 /// v ← β₂·v + (1 − β₂)·g²
 /// p ← p − (lr / (1 − β₁ᵗ)) · m / (√v / √(1 − β₂ᵗ) + ε)
 /// ```
+///
+/// A parameter whose gradient slot is `None` is skipped entirely (no decay, no moment update, `t` unchanged).
 #[derive(Debug)]
 pub struct AdamW {
-    cfg: AdamWConfig,
-    exp_avg: Vec<Option<Tensor>>,
-    exp_avg_sq: Vec<Option<Tensor>>,
-    steps: u64,
+    /// Hyper-parameters, step counts and the buffers `exp_avg` (`m`) and `exp_avg_sq` (`v`).
+    state: OptimizerState<AdamWConfig>,
 }
+
+/// Names of AdamW's per-parameter buffers, in `OptimizerState::buffers` order (PyTorch's names).
+const BUFFERS: [&str; 2] = ["exp_avg", "exp_avg_sq"];
+const EXP_AVG: usize = 0;
+const EXP_AVG_SQ: usize = 1;
 
 impl AdamW {
     /// A new optimizer. Errors: negative lr/eps/weight decay, betas outside `[0, 1)`.
@@ -69,48 +75,40 @@ impl AdamW {
                 return Err(bad(what, v, "must be in [0, 1)"));
             }
         }
-        Ok(AdamW { cfg, exp_avg: Vec::new(), exp_avg_sq: Vec::new(), steps: 0 })
+        Ok(AdamW { state: OptimizerState::new(cfg, BUFFERS.len()) })
     }
 
     /// The hyper-parameters.
     pub fn config(&self) -> &AdamWConfig {
-        &self.cfg
+        &self.state.config
     }
 
-    /// Optimizer steps taken (`t` of the bias correction).
+    /// `step` calls so far.
     pub fn steps(&self) -> u64 {
-        self.steps
+        self.state.steps
     }
 }
 
 impl Optimizer for AdamW {
-    fn step(&mut self, params: &[Var], grads: &[Tensor]) -> Result<()> {
+    fn step(&mut self, params: &[Var], grads: &[Option<Tensor>]) -> Result<()> {
         check_grads("AdamW", params, grads)?;
-        if self.exp_avg.len() != params.len() {
-            if self.steps > 0 {
-                return Err(AccelError::InvalidArgument(format!(
-                    "AdamW.step: state has moments for {} parameters but {} were given",
-                    self.exp_avg.len(),
-                    params.len()
-                )));
-            }
-            self.exp_avg = vec![None; params.len()];
-            self.exp_avg_sq = vec![None; params.len()];
-        }
-        let c = self.cfg;
-        let t = (self.steps + 1) as i32;
-        let bias_correction1 = 1.0 - c.beta1.powi(t);
-        let bias_correction2_sqrt = (1.0 - c.beta2.powi(t)).sqrt();
-        let step_size = c.lr / bias_correction1;
+        self.state.ensure_params("AdamW", params.len())?;
+        let c = self.state.config;
+        let st = &mut self.state;
         for (i, (p, g)) in params.iter().zip(grads).enumerate() {
-            let m = match self.exp_avg[i].take() {
+            let Some(g) = g else { continue };
+            let t = (st.param_steps[i] + 1) as i32;
+            let bias_correction1 = 1.0 - c.beta1.powi(t);
+            let bias_correction2_sqrt = (1.0 - c.beta2.powi(t)).sqrt();
+            let step_size = c.lr / bias_correction1;
+            let m = match st.buffers[EXP_AVG][i].take() {
                 Some(m) => {
                     check_buffer("AdamW", "exp_avg", i, &m, p)?;
                     (m.affine(c.beta1, 0.0)? + g.affine(1.0 - c.beta1, 0.0)?)?
                 }
                 None => g.affine(1.0 - c.beta1, 0.0)?,
             };
-            let v = match self.exp_avg_sq[i].take() {
+            let v = match st.buffers[EXP_AVG_SQ][i].take() {
                 Some(v) => {
                     check_buffer("AdamW", "exp_avg_sq", i, &v, p)?;
                     (v.affine(c.beta2, 0.0)? + g.sqr()?.affine(1.0 - c.beta2, 0.0)?)?
@@ -125,55 +123,38 @@ impl Optimizer for AdamW {
             let denom = v.sqrt()?.affine(1.0 / bias_correction2_sqrt, c.eps)?;
             let update = m.div(&denom)?.affine(step_size, 0.0)?;
             p.set(&(decayed - update)?)?;
-            self.exp_avg[i] = Some(m);
-            self.exp_avg_sq[i] = Some(v);
+            st.buffers[EXP_AVG][i] = Some(m);
+            st.buffers[EXP_AVG_SQ][i] = Some(v);
+            st.param_steps[i] += 1;
         }
-        self.steps += 1;
+        st.steps += 1;
         Ok(())
     }
 
     fn learning_rate(&self) -> f64 {
-        self.cfg.lr
+        self.state.config.lr
     }
 
     fn set_learning_rate(&mut self, lr: f64) {
-        self.cfg.lr = lr;
+        self.state.config.lr = lr;
     }
 
     fn state_dict(&self) -> Result<StateDict> {
-        let mut sd = StateDict::from_meta(serde_json::json!({
-            "optimizer": "adamw",
-            "config": self.cfg,
-            "steps": self.steps,
-            "num_params": self.exp_avg.len(),
-        }));
-        for (i, (m, v)) in self.exp_avg.iter().zip(&self.exp_avg_sq).enumerate() {
-            if let (Some(m), Some(v)) = (m, v) {
-                sd.tensors.insert(format!("{i}.exp_avg"), m.clone());
-                sd.tensors.insert(format!("{i}.exp_avg_sq"), v.clone());
-            }
-        }
-        Ok(sd)
+        self.state.to_state_dict("adamw", &BUFFERS)
     }
 
     fn load_state_dict(&mut self, sd: &StateDict) -> Result<()> {
-        let kind: String = sd.meta_field("optimizer")?;
-        if kind != "adamw" {
+        let state = OptimizerState::<AdamWConfig>::from_state_dict(sd, "adamw", "AdamW", &BUFFERS)?;
+        if let Some(i) = (0..state.param_steps.len())
+            .find(|&i| state.param_steps[i] > 0 && state.buffers.iter().any(|b| b[i].is_none()))
+        {
             return Err(AccelError::InvalidArgument(format!(
-                "AdamW.load_state_dict: the state was written by optimizer {kind:?}, not \"adamw\""
+                "AdamW.load_state_dict: parameter {i} was updated {} time(s) but the state lacks its \
+                 exp_avg/exp_avg_sq tensors",
+                state.param_steps[i]
             )));
         }
-        self.cfg = sd.meta_field("config")?;
-        self.steps = sd.meta_field("steps")?;
-        let n: usize = sd.meta_field("num_params")?;
-        self.exp_avg = buffers_from(sd, "exp_avg", n);
-        self.exp_avg_sq = buffers_from(sd, "exp_avg_sq", n);
-        if self.steps > 0 && self.exp_avg.iter().chain(&self.exp_avg_sq).any(Option::is_none) {
-            return Err(AccelError::InvalidArgument(format!(
-                "AdamW.load_state_dict: state at step {} lacks some of the {n} parameters' exp_avg/exp_avg_sq tensors",
-                self.steps
-            )));
-        }
+        self.state = state;
         Ok(())
     }
 }

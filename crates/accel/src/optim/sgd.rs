@@ -1,6 +1,6 @@
 //! Stochastic gradient descent with momentum, as `torch.optim.SGD`.
 
-use super::{buffers_from, check_buffer, check_grads, Optimizer};
+use super::{check_buffer, check_grads, Optimizer, OptimizerState};
 use crate::state::StateDict;
 use crate::{AccelError, Result};
 use candle_core::{Tensor, Var};
@@ -38,10 +38,13 @@ impl SgdConfig {
 /// ```
 #[derive(Debug)]
 pub struct Sgd {
-    cfg: SgdConfig,
-    momentum_buffers: Vec<Option<Tensor>>,
-    steps: u64,
+    /// Hyper-parameters, step counts and the `momentum_buffer` of each parameter.
+    state: OptimizerState<SgdConfig>,
 }
+
+/// Names of SGD's per-parameter buffers (PyTorch's).
+const BUFFERS: [&str; 1] = ["momentum_buffer"];
+const MOMENTUM: usize = 0;
 
 impl Sgd {
     /// A new optimizer. Errors: negative lr/momentum/weight decay, Nesterov without momentum or with dampening.
@@ -66,41 +69,34 @@ impl Sgd {
                 ),
             });
         }
-        Ok(Sgd { cfg, momentum_buffers: Vec::new(), steps: 0 })
+        Ok(Sgd { state: OptimizerState::new(cfg, BUFFERS.len()) })
     }
 
     /// The hyper-parameters.
     pub fn config(&self) -> &SgdConfig {
-        &self.cfg
+        &self.state.config
     }
 
-    /// Optimizer steps taken.
+    /// `step` calls so far.
     pub fn steps(&self) -> u64 {
-        self.steps
+        self.state.steps
     }
 }
 
 impl Optimizer for Sgd {
-    fn step(&mut self, params: &[Var], grads: &[Tensor]) -> Result<()> {
+    fn step(&mut self, params: &[Var], grads: &[Option<Tensor>]) -> Result<()> {
         check_grads("Sgd", params, grads)?;
-        let c = self.cfg;
-        if self.momentum_buffers.len() != params.len() {
-            if self.momentum_buffers.iter().any(Option::is_some) {
-                return Err(AccelError::InvalidArgument(format!(
-                    "Sgd.step: state has {} momentum buffers but {} parameters were given",
-                    self.momentum_buffers.len(),
-                    params.len()
-                )));
-            }
-            self.momentum_buffers = vec![None; params.len()];
-        }
+        self.state.ensure_params("Sgd", params.len())?;
+        let c = self.state.config;
+        let st = &mut self.state;
         for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+            let Some(g) = g else { continue };
             let mut g = g.clone();
             if c.weight_decay != 0.0 {
                 g = (g + p.as_tensor().affine(c.weight_decay, 0.0)?)?;
             }
             if c.momentum != 0.0 {
-                let buf = match self.momentum_buffers[i].take() {
+                let buf = match st.buffers[MOMENTUM][i].take() {
                     None => g.clone(),
                     Some(b) => {
                         check_buffer("Sgd", "momentum_buffer", i, &b, p)?;
@@ -108,48 +104,29 @@ impl Optimizer for Sgd {
                     }
                 };
                 g = if c.nesterov { (g + buf.affine(c.momentum, 0.0)?)? } else { buf.clone() };
-                self.momentum_buffers[i] = Some(buf);
+                st.buffers[MOMENTUM][i] = Some(buf);
             }
             p.set(&(p.as_tensor() - g.affine(c.lr, 0.0)?)?)?;
+            st.param_steps[i] += 1;
         }
-        self.steps += 1;
+        st.steps += 1;
         Ok(())
     }
 
     fn learning_rate(&self) -> f64 {
-        self.cfg.lr
+        self.state.config.lr
     }
 
     fn set_learning_rate(&mut self, lr: f64) {
-        self.cfg.lr = lr;
+        self.state.config.lr = lr;
     }
 
     fn state_dict(&self) -> Result<StateDict> {
-        let mut sd = StateDict::from_meta(serde_json::json!({
-            "optimizer": "sgd",
-            "config": self.cfg,
-            "steps": self.steps,
-            "num_params": self.momentum_buffers.len(),
-        }));
-        for (i, b) in self.momentum_buffers.iter().enumerate() {
-            if let Some(b) = b {
-                sd.tensors.insert(format!("{i}.momentum_buffer"), b.clone());
-            }
-        }
-        Ok(sd)
+        self.state.to_state_dict("sgd", &BUFFERS)
     }
 
     fn load_state_dict(&mut self, sd: &StateDict) -> Result<()> {
-        let kind: String = sd.meta_field("optimizer")?;
-        if kind != "sgd" {
-            return Err(AccelError::InvalidArgument(format!(
-                "Sgd.load_state_dict: the state was written by optimizer {kind:?}, not \"sgd\""
-            )));
-        }
-        self.cfg = sd.meta_field("config")?;
-        self.steps = sd.meta_field("steps")?;
-        let n: usize = sd.meta_field("num_params")?;
-        self.momentum_buffers = buffers_from(sd, "momentum_buffer", n);
+        self.state = OptimizerState::from_state_dict(sd, "sgd", "Sgd", &BUFFERS)?;
         Ok(())
     }
 }

@@ -1,6 +1,6 @@
 //! Checkpoint state: [`StateDict`] / [`Stateful`] (what each object saves), the checkpoint directory format,
-//! atomic writes, automatic naming with a total limit, and per-rank RNG state; `Accelerator::save_state`,
-//! `load_state`, `register_for_checkpointing` and `register_scheduler` live in `accelerator_state.rs`.
+//! atomic writes, automatic naming with a total limit, and per-rank RNG state. The save/load protocol behind
+//! `Accelerator::save_state` and `load_state` lives in `accelerator_state.rs`.
 //!
 //! Directory layout written by `Accelerator::save_state` (Accelerate's names where one exists; the `_{i}`
 //! suffix appears from the second object of a kind on):
@@ -14,6 +14,7 @@
 //! | `data_loader[_i].json`            | prepared data-loader positions (epoch, batches consumed)       | rank 0     |
 //! | `custom_checkpoint_{i}.json/.safetensors` | objects given to `register_for_checkpointing`          | rank 0     |
 //! | `random_states_{rank}.json`       | the ChaCha8 state of the rank's Accelerator RNG                | each rank  |
+//! | `gradients_{rank}.json/.safetensors` | partial gradients, only when saved inside an accumulation window | each rank |
 //! | `accelerator.json`                | format, world size, precision, GA, step counters, contents     | rank 0     |
 //!
 //! Automatic naming: `project_dir/checkpoints/checkpoint_{i}`, `i` one past the highest existing index.
@@ -23,6 +24,7 @@ pub mod checkpoint_dir;
 pub mod rng;
 mod state_dict;
 
+pub(crate) use accelerator_state::{load_state, save_state};
 pub use accelerator_state::{SharedStateful, ACCELERATOR_FILE};
 pub use checkpoint_dir::{checkpoint_name, list_checkpoints, newest_checkpoint, CHECKPOINTS_SUBDIR};
 pub use rng::RngState;

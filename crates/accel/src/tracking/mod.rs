@@ -9,14 +9,15 @@
 //! creates them on the main process only ([`crate::Accelerator::init_trackers`]), so other ranks never touch the
 //! files; the trackers themselves are plain writers and can be used without an Accelerator.
 
-mod accelerator_tracking;
 pub mod event;
 mod jsonl;
 mod tensorboard;
 pub mod tfrecord;
+mod trackers;
 
 pub use jsonl::{JsonlTracker, JSONL_FILE_NAME};
 pub use tensorboard::TensorBoardTracker;
+pub(crate) use trackers::Trackers;
 
 use crate::{AccelError, Result};
 use std::fmt;

@@ -1,0 +1,461 @@
+//! [`StepController`]: the one owner of a training step.
+//!
+//! Everything that decides or records what happens to gradients between two optimizer steps lives here and
+//! nowhere else:
+//!
+//! - the **accumulation window** (which micro-step of the window this is, `no_sync` nesting, whether a driver —
+//!   the Trainer, later a pipeline schedule — set the window's end explicitly),
+//! - the **sync decision** (Accelerate's rule: sync on the last micro-step of a window, on the last batch of a
+//!   prepared data loader, never inside `no_sync`),
+//! - the **gradient buffers** of every prepared model (fp32 slots, one per parameter, filled by backward,
+//!   reduced in place on a sync step, read by the optimizer, then dropped),
+//! - the **fp16 loss scaler** (unscaling happens once per optimizer step, on the final gradients only),
+//! - the **step counters** saved in checkpoints.
+//!
+//! The data loader reports the batch it yields through [`StepController::note_batch`] (the only path for
+//! end-of-data and padding); the optimizer wrapper receives gradients through
+//! [`StepController::optimizer_step`] and never reaches into a model.
+//!
+//! One gradient representation from backward to optimizer: [`Gradients`], a slot per parameter. A sync step
+//! packs each reduction group's slots into the process group's bucket buffers once and unpacks them once
+//! (see [`GradientReduction`]); the optimizer reads the slots by reference.
+
+mod gradients;
+mod reduction;
+
+pub(crate) use gradients::Gradients;
+pub use reduction::GradientReduction;
+
+use crate::accelerator::PreparedModel;
+use crate::data::BatchInfo;
+use crate::lock;
+use crate::mixed_precision::GradScaler;
+use crate::state::StateDict;
+use crate::{AccelError, Result};
+use candle_core::backprop::GradStore;
+use candle_core::Tensor;
+use std::sync::{Arc, Mutex};
+
+/// Step counters saved in checkpoints (`accelerator.json`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub struct StepCounters {
+    /// Position in the accumulation window (micro-steps since the window's start or the last end-of-loader).
+    pub micro_step: u64,
+    /// Backward calls since the start of training.
+    pub total_micro_steps: u64,
+    /// Optimizer steps taken.
+    pub optimizer_steps: u64,
+    /// Optimizer steps skipped for fp16 overflow.
+    pub skipped_steps: u64,
+}
+
+/// Where the current micro-step's window ends: decided by counting (Accelerate's rule) or by a driver that cuts
+/// windows itself ([`crate::Accelerator::accumulate_window`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WindowEnd {
+    /// `micro_step % gradient_accumulation_steps == 0`, or the last batch of a prepared loader.
+    Counted,
+    /// The driver says whether this micro-step is the window's last.
+    Explicit { last: bool },
+}
+
+/// The accumulation window.
+#[derive(Debug, Clone, Default)]
+struct Window {
+    /// Whether the current micro-step syncs gradients (true before the first one).
+    sync_gradients: bool,
+    /// Inside `accumulate` / `accumulate_window`: the window was advanced on entry, `backward` must not advance it.
+    in_accumulate: bool,
+    /// Nesting depth of `no_sync`.
+    no_sync_depth: usize,
+    /// The batch the data loader yielded last was the last of its epoch.
+    end_of_dataloader: bool,
+    /// Trailing `even_batches` duplicate rows in that batch (for `gather_for_metrics`).
+    padding_in_batch: usize,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    window: Window,
+    counters: StepCounters,
+    /// Gradient slots of each prepared model, by the model's registration index.
+    grads: Vec<Gradients>,
+}
+
+/// Outcome of [`StepController::optimizer_step`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StepOutcome {
+    /// Between syncs: nothing happened.
+    NotSynced,
+    /// fp16 overflow: the step was skipped, the loss scale backed off.
+    Overflow,
+    /// The optimizer applied the gradients.
+    Applied,
+}
+
+/// See the module documentation. Shared by every clone of an Accelerator (behind its `Arc`).
+#[derive(Debug)]
+pub(crate) struct StepController {
+    gradient_accumulation_steps: u64,
+    /// Dynamic loss scaler; `Some` only under fp16. An `Arc` so users can read (or, in tests, replace) it.
+    scaler: Option<Arc<Mutex<GradScaler>>>,
+    state: Mutex<State>,
+}
+
+/// Undoes a window flag when dropped, so a panic or an early `?` inside `accumulate` / `no_sync` cannot leave it
+/// set.
+struct Restore<'a> {
+    ctl: &'a StepController,
+    undo: fn(&mut Window),
+}
+
+impl Drop for Restore<'_> {
+    fn drop(&mut self) {
+        (self.undo)(&mut lock(&self.ctl.state).window);
+    }
+}
+
+impl StepController {
+    pub(crate) fn new(gradient_accumulation_steps: usize, scaler: Option<GradScaler>) -> Self {
+        StepController {
+            gradient_accumulation_steps: gradient_accumulation_steps as u64,
+            scaler: scaler.map(|s| Arc::new(Mutex::new(s))),
+            state: Mutex::new(State {
+                window: Window { sync_gradients: true, ..Window::default() },
+                ..State::default()
+            }),
+        }
+    }
+
+    /// Adds the gradient slots of a newly prepared model; returns its index.
+    pub(crate) fn register_model(&self, num_params: usize) -> usize {
+        let mut st = lock(&self.state);
+        st.grads.push(Gradients::new(num_params));
+        st.grads.len() - 1
+    }
+
+    pub(crate) fn scaler(&self) -> Option<&Arc<Mutex<GradScaler>>> {
+        self.scaler.as_ref()
+    }
+
+    // ---- the window -------------------------------------------------------------------------------------------
+
+    /// What a prepared data loader reports for each batch it hands out (the one path for end-of-data and padding).
+    pub(crate) fn note_batch(&self, info: &BatchInfo) {
+        let mut st = lock(&self.state);
+        st.window.end_of_dataloader = info.is_last;
+        st.window.padding_in_batch = info.padding;
+    }
+
+    /// Trailing duplicate rows in this rank's current batch.
+    pub(crate) fn padding_in_batch(&self) -> usize {
+        lock(&self.state).window.padding_in_batch
+    }
+
+    /// Whether the current micro-step syncs gradients.
+    pub(crate) fn sync_gradients(&self) -> bool {
+        let st = lock(&self.state);
+        st.window.sync_gradients && st.window.no_sync_depth == 0
+    }
+
+    /// Advances the window by one micro-step (Accelerate's `_do_sync`).
+    fn advance(&self, st: &mut State, end: WindowEnd) {
+        let ga = self.gradient_accumulation_steps;
+        let w = &mut st.window;
+        let c = &mut st.counters;
+        match end {
+            WindowEnd::Counted if w.end_of_dataloader => {
+                c.micro_step = 0;
+                w.sync_gradients = true;
+            }
+            WindowEnd::Counted => {
+                c.micro_step += 1;
+                w.sync_gradients = c.micro_step % ga == 0;
+            }
+            WindowEnd::Explicit { last: true } => {
+                c.micro_step = 0;
+                w.sync_gradients = true;
+            }
+            WindowEnd::Explicit { last: false } => {
+                c.micro_step += 1;
+                w.sync_gradients = false;
+            }
+        }
+    }
+
+    /// Runs `f` as one micro-step whose window position was decided on entry.
+    fn micro_step<R>(&self, end: WindowEnd, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        {
+            let mut st = lock(&self.state);
+            if st.window.in_accumulate {
+                return Err(AccelError::Usage(
+                    "accumulate: calls cannot be nested (and accumulate_window runs each micro-step inside one)".into(),
+                ));
+            }
+            self.advance(&mut st, end);
+            st.window.in_accumulate = true;
+        }
+        let _restore = Restore { ctl: self, undo: |w| w.in_accumulate = false };
+        f()
+    }
+
+    /// `Accelerator::accumulate`.
+    pub(crate) fn accumulate<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        self.micro_step(WindowEnd::Counted, f)
+    }
+
+    /// `Accelerator::accumulate_window`: `micro_batches` micro-steps, the last of which syncs.
+    pub(crate) fn accumulate_window(&self, micro_batches: usize, mut f: impl FnMut(usize) -> Result<()>) -> Result<()> {
+        if micro_batches == 0 {
+            return Err(AccelError::InvalidArgument(
+                "accumulate_window: a window needs at least one micro-batch".into(),
+            ));
+        }
+        for i in 0..micro_batches {
+            self.micro_step(WindowEnd::Explicit { last: i + 1 == micro_batches }, || f(i))?;
+        }
+        Ok(())
+    }
+
+    /// `Accelerator::no_sync`.
+    pub(crate) fn no_sync<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        lock(&self.state).window.no_sync_depth += 1;
+        let _restore = Restore { ctl: self, undo: |w| w.no_sync_depth -= 1 };
+        f()
+    }
+
+    // ---- backward ---------------------------------------------------------------------------------------------
+
+    /// One micro-batch's backward: scales `loss` (÷ GA, × fp16 loss scale), computes its gradients, adds them to
+    /// every model's slots and, on a sync step, reduces them across ranks.
+    pub(crate) fn backward(&self, models: &[PreparedModel], loss: &Tensor) -> Result<()> {
+        let sync = {
+            let mut st = lock(&self.state);
+            if !st.window.in_accumulate {
+                self.advance(&mut st, WindowEnd::Counted);
+            }
+            st.counters.total_micro_steps += 1;
+            st.window.sync_gradients && st.window.no_sync_depth == 0
+        };
+        let mut loss = loss.clone();
+        if self.gradient_accumulation_steps > 1 {
+            loss = loss.affine(1.0 / self.gradient_accumulation_steps as f64, 0.0)?;
+        }
+        if let Some(scaler) = &self.scaler {
+            let scale = lock(scaler).scale();
+            loss = loss.to_dtype(candle_core::DType::F32)?.affine(scale, 0.0)?;
+        }
+        let store = loss.backward()?;
+        let mut st = lock(&self.state);
+        for m in models {
+            add_micro_batch(&mut st.grads[m.index()], m, &store)?;
+        }
+        drop(store);
+        if sync {
+            for m in models {
+                let g = &mut st.grads[m.index()];
+                m.reduce_gradients(&mut g.slots)?;
+                g.synced = true;
+            }
+        }
+        Ok(())
+    }
+
+    // ---- clipping ---------------------------------------------------------------------------------------------
+
+    /// Global L2 norm of the synced gradients of every model, clipped to `max_norm`
+    /// (`torch.nn.utils.clip_grad_norm_`). `None` outside a sync step: partial gradients are neither unscaled
+    /// nor clipped (clipping a partial sum would not bound the step, and unscaling it early would mix scaled and
+    /// unscaled micro-batches under fp16).
+    pub(crate) fn clip_grad_norm(&self, max_norm: f64) -> Result<Option<f64>> {
+        let mut st = lock(&self.state);
+        if !st.grads.iter().any(|g| g.synced) {
+            return Ok(None);
+        }
+        let mut squares = Vec::new();
+        for g in st.grads.iter_mut().filter(|g| g.synced) {
+            self.unscale(g)?;
+            g.squared_norms(&mut squares)?;
+        }
+        let norm = squares.iter().sum::<f64>().sqrt();
+        if !norm.is_finite() {
+            return Ok(Some(norm));
+        }
+        let coef = max_norm / (norm + 1e-6);
+        if coef < 1.0 {
+            for g in st.grads.iter_mut().filter(|g| g.synced) {
+                g.scale(coef)?;
+            }
+        }
+        Ok(Some(norm))
+    }
+
+    /// Clamps the synced gradients into `[-clip_value, clip_value]` (`torch.nn.utils.clip_grad_value_`);
+    /// returns whether it did (false outside a sync step, as [`Self::clip_grad_norm`]).
+    pub(crate) fn clip_grad_value(&self, clip_value: f64) -> Result<bool> {
+        let mut st = lock(&self.state);
+        if !st.grads.iter().any(|g| g.synced) {
+            return Ok(false);
+        }
+        for g in st.grads.iter_mut().filter(|g| g.synced) {
+            self.unscale(g)?;
+            g.clamp(clip_value)?;
+        }
+        Ok(true)
+    }
+
+    /// fp16: divides synced gradients by the loss scale, once per optimizer step, and records inf/NaN.
+    fn unscale(&self, g: &mut Gradients) -> Result<()> {
+        let Some(scaler) = &self.scaler else { return Ok(()) };
+        if g.unscaled || !g.synced {
+            return Ok(());
+        }
+        g.scale(1.0 / lock(scaler).scale())?;
+        g.found_inf = !g.all_finite()?;
+        g.unscaled = true;
+        Ok(())
+    }
+
+    // ---- the optimizer step -----------------------------------------------------------------------------------
+
+    /// Hands `model`'s synced gradients to `apply` (one slot per master weight; `None` for a parameter no rank
+    /// used, which the optimizer skips), then drops them. Nothing happens between syncs; an fp16 overflow skips
+    /// the step and backs the loss scale off.
+    pub(crate) fn optimizer_step(
+        &self,
+        model: &PreparedModel,
+        apply: impl FnOnce(&[Option<Tensor>]) -> Result<()>,
+    ) -> Result<StepOutcome> {
+        let mut st = lock(&self.state);
+        let st = &mut *st;
+        let g = &mut st.grads[model.index()];
+        if !g.synced {
+            return Ok(StepOutcome::NotSynced);
+        }
+        self.unscale(g)?;
+        if let Some(scaler) = &self.scaler {
+            lock(scaler).update(g.found_inf);
+        }
+        if g.found_inf {
+            g.clear();
+            st.counters.skipped_steps += 1;
+            return Ok(StepOutcome::Overflow);
+        }
+        apply(&g.slots)?;
+        g.clear();
+        st.counters.optimizer_steps += 1;
+        Ok(StepOutcome::Applied)
+    }
+
+    /// Drops `model`'s gradients on a sync step; a no-op between syncs (Accelerate's `zero_grad`).
+    pub(crate) fn zero_grad(&self, model: &PreparedModel) {
+        let mut st = lock(&self.state);
+        let g = &mut st.grads[model.index()];
+        if g.synced {
+            g.clear();
+        }
+    }
+
+    // ---- reading and restoring --------------------------------------------------------------------------------
+
+    /// A copy of `model`'s gradient slots and whether they are synced.
+    pub(crate) fn gradients(&self, model: &PreparedModel) -> (Vec<Option<Tensor>>, bool) {
+        let st = lock(&self.state);
+        let g = &st.grads[model.index()];
+        (g.slots.clone(), g.synced)
+    }
+
+    /// The gradients held between optimizer steps (a checkpoint taken inside an accumulation window must carry
+    /// them for an exact resume): tensors `{model index}.{parameter name}` and, per model, whether they were
+    /// synced / unscaled / overflowed. `None` when no model holds any gradient (the usual checkpoint, taken right
+    /// after an optimizer step). Per rank: between syncs each rank holds its own partial sums.
+    pub(crate) fn gradients_state_dict(&self, models: &[PreparedModel]) -> Option<StateDict> {
+        let st = lock(&self.state);
+        if st.grads.iter().all(|g| g.slots.iter().all(Option::is_none)) {
+            return None;
+        }
+        let mut flags = Vec::new();
+        let mut sd = StateDict::new();
+        for m in models {
+            let g = &st.grads[m.index()];
+            flags.push(serde_json::json!({"synced": g.synced, "unscaled": g.unscaled, "found_inf": g.found_inf}));
+            for (name, slot) in m.names().iter().zip(&g.slots) {
+                if let Some(t) = slot {
+                    sd.tensors.insert(format!("{}.{name}", m.index()), t.clone());
+                }
+            }
+        }
+        sd.meta = serde_json::json!({ "models": flags });
+        Some(sd)
+    }
+
+    /// Restores what [`Self::gradients_state_dict`] saved (after [`Self::restore`]). Errors: a gradient for a
+    /// parameter the model does not have, or of another shape (the checkpoint is for another model).
+    pub(crate) fn load_gradients_state_dict(&self, models: &[PreparedModel], sd: &StateDict) -> Result<()> {
+        let flags: Vec<serde_json::Value> = sd.meta_field("models")?;
+        let mut st = lock(&self.state);
+        let mut used = 0;
+        for (m, f) in models.iter().zip(flags.iter().chain(std::iter::repeat(&serde_json::Value::Null))) {
+            let g = &mut st.grads[m.index()];
+            for (i, (name, p)) in m.names().iter().zip(m.master_weights()).enumerate() {
+                if let Some(t) = sd.tensors.get(&format!("{}.{name}", m.index())) {
+                    if t.shape() != p.shape() {
+                        return Err(AccelError::InvalidArgument(format!(
+                            "saved gradient of {name:?} has shape {:?} but the parameter has {:?}",
+                            t.shape(),
+                            p.shape()
+                        )));
+                    }
+                    g.slots[i] = Some(t.to_device(p.device())?.to_dtype(candle_core::DType::F32)?);
+                    used += 1;
+                }
+            }
+            let flag = |k: &str| f.get(k).and_then(serde_json::Value::as_bool).unwrap_or(false);
+            g.synced = flag("synced");
+            g.unscaled = flag("unscaled");
+            g.found_inf = flag("found_inf");
+        }
+        if used != sd.tensors.len() {
+            return Err(AccelError::InvalidArgument(format!(
+                "the checkpoint holds {} saved gradients but only {used} match a parameter of the prepared models",
+                sd.tensors.len()
+            )));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn counters(&self) -> StepCounters {
+        lock(&self.state).counters
+    }
+
+    /// Restores counters from a checkpoint and starts from a clean window (no gradients, no batch noted).
+    pub(crate) fn restore(&self, counters: StepCounters) {
+        let mut st = lock(&self.state);
+        st.counters = counters;
+        st.window =
+            Window { sync_gradients: counters.micro_step % self.gradient_accumulation_steps == 0, ..Window::default() };
+        st.grads.iter_mut().for_each(Gradients::clear);
+    }
+}
+
+/// Adds one micro-batch's gradients of `model`'s parameters (as fp32) to its slots. The unused-parameter check
+/// happens here, once per micro-batch: a parameter without a gradient is an error unless
+/// `find_unused_parameters`, where its slot stays `None` for the reduction to resolve across ranks.
+fn add_micro_batch(g: &mut Gradients, model: &PreparedModel, store: &GradStore) -> Result<()> {
+    // A new window after a step / zero_grad that did not happen (e.g. a sync without an optimizer): start clean.
+    if g.synced {
+        g.clear();
+    }
+    let mut missing = Vec::new();
+    for (i, p) in model.parameters().iter().enumerate() {
+        match store.get(p.as_tensor()) {
+            Some(grad) => g.add(i, grad)?,
+            None if model.find_unused_parameters() => {}
+            None => missing.push(model.names()[i].clone()),
+        }
+    }
+    if !missing.is_empty() {
+        return Err(ddp_core::DdpError::UnusedParameters { names: missing }.into());
+    }
+    Ok(())
+}

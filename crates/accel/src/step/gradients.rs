@@ -1,0 +1,74 @@
+//! [`Gradients`]: one model's fp32 gradient slots for the current window — the single gradient representation
+//! from backward to the optimizer.
+
+use crate::Result;
+use candle_core::{DType, Tensor};
+
+/// A slot per parameter (the prepared model's sorted parameter order), fp32, on the model's device.
+#[derive(Debug, Default)]
+pub(crate) struct Gradients {
+    /// `None` until a micro-batch produced a gradient for the parameter (and, after a sync with
+    /// `find_unused_parameters`, for a parameter no rank used).
+    pub(crate) slots: Vec<Option<Tensor>>,
+    /// The window's gradients were reduced across ranks: the optimizer may step.
+    pub(crate) synced: bool,
+    /// fp16: already divided by the loss scale in this step.
+    pub(crate) unscaled: bool,
+    /// fp16: the unscaled gradients hold inf/NaN.
+    pub(crate) found_inf: bool,
+}
+
+impl Gradients {
+    pub(crate) fn new(num_params: usize) -> Self {
+        Gradients { slots: vec![None; num_params], ..Gradients::default() }
+    }
+
+    /// Empty slots, flags reset (after an optimizer step, `zero_grad` or a skipped step).
+    pub(crate) fn clear(&mut self) {
+        self.slots.iter_mut().for_each(|g| *g = None);
+        self.synced = false;
+        self.unscaled = false;
+        self.found_inf = false;
+    }
+
+    /// Adds a micro-batch's gradient of parameter `i` (cast to fp32).
+    pub(crate) fn add(&mut self, i: usize, grad: &Tensor) -> Result<()> {
+        let g = grad.to_dtype(DType::F32)?;
+        self.slots[i] = Some(match self.slots[i].take() {
+            None => g,
+            Some(acc) => (acc + g)?,
+        });
+        Ok(())
+    }
+
+    /// Multiplies every gradient by `factor`.
+    pub(crate) fn scale(&mut self, factor: f64) -> Result<()> {
+        for g in self.slots.iter_mut().flatten() {
+            *g = g.affine(factor, 0.0)?;
+        }
+        Ok(())
+    }
+
+    /// Clamps every element into `[-limit, limit]`.
+    pub(crate) fn clamp(&mut self, limit: f64) -> Result<()> {
+        for g in self.slots.iter_mut().flatten() {
+            *g = g.clamp(-limit, limit)?;
+        }
+        Ok(())
+    }
+
+    /// Appends each present gradient's sum of squares (computed in fp32 on the device, read back as f64).
+    pub(crate) fn squared_norms(&self, out: &mut Vec<f64>) -> Result<()> {
+        let sums = self.slots.iter().flatten().map(|g| g.sqr()?.sum_all()).collect::<candle_core::Result<Vec<_>>>()?;
+        if !sums.is_empty() {
+            out.extend(Tensor::stack(&sums, 0)?.to_dtype(DType::F64)?.to_vec1::<f64>()?);
+        }
+        Ok(())
+    }
+
+    /// Whether every present gradient is finite.
+    pub(crate) fn all_finite(&self) -> Result<bool> {
+        let present: Vec<Tensor> = self.slots.iter().flatten().cloned().collect();
+        crate::mixed_precision::all_finite(&present)
+    }
+}
