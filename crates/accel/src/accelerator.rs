@@ -92,12 +92,13 @@ impl std::fmt::Debug for Accelerator {
 // ==== Setup ===========================================================================================================
 impl Accelerator {
     /// Builds an Accelerator for this process: joins the job described by the environment (torchrun / `accel
-    /// launch` names, Slurm, Open MPI or PMI with more than one task) or runs as a single process when none is set.
-    /// Picks the device (CUDA device `local_rank` with the `cuda` feature unless `cfg.cpu`, else the CPU) and
-    /// applies `cfg.seed`.
+    /// launch` names, a Slurm step, Open MPI or PMI — as [`ddp_core::DistEnv::detect`] decides) when it has more
+    /// than one process, or runs as a single process (no launcher variables, a bare `salloc` shell, a one-process
+    /// job). Picks the device (CUDA device `local_rank` with the `cuda` feature unless `cfg.cpu`, else the CPU)
+    /// and applies `cfg.seed`. Errors: an inconsistent job layout (naming the variable), rendezvous failures.
     pub fn new(cfg: AcceleratorConfig) -> Result<Self> {
         cfg.validate()?;
-        let pg = if distributed_env_present(|k| std::env::var(k).ok()) {
+        let pg = if joins_a_job(ddp_core::DistEnv::detect_from_env()?.as_ref()) {
             ProcessGroup::init_from_env()?
         } else {
             ProcessGroup::single_process()?
@@ -294,8 +295,11 @@ impl Accelerator {
     /// Runs one micro-step (forward + `backward`) in `f`, Accelerate's `with accelerator.accumulate(model)`:
     /// advances the accumulation window on entry, so [`Accelerator::sync_gradients`] tells inside `f` whether this
     /// micro-step will sync. `backward` advances the window itself when called outside `accumulate`, so using it
-    /// is optional. Errors: nested calls.
-    pub fn accumulate<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    /// is optional. `f`'s error type is yours (anything an [`AccelError`] converts into). Errors: nested calls.
+    pub fn accumulate<R, E: From<AccelError>>(
+        &self,
+        f: impl FnOnce() -> std::result::Result<R, E>,
+    ) -> std::result::Result<R, E> {
         self.inner.step.accumulate(f)
     }
 
@@ -304,8 +308,13 @@ impl Accelerator {
     /// HF's Trainer does; a pipeline schedule drives its micro-batches). `f(i)` runs micro-step `i` (forward +
     /// `backward`); gradients sync after the last one, whatever the counting rule or the loader's end-of-data
     /// would say. `micro_batches` may be smaller than `gradient_accumulation_steps` (the end of an epoch).
-    /// Errors: `micro_batches == 0`, nesting inside `accumulate`, and `f`'s errors.
-    pub fn accumulate_window(&self, micro_batches: usize, f: impl FnMut(usize) -> Result<()>) -> Result<()> {
+    /// Errors: `micro_batches == 0`, nesting inside `accumulate`, and `f`'s errors (any type an [`AccelError`]
+    /// converts into).
+    pub fn accumulate_window<E: From<AccelError>>(
+        &self,
+        micro_batches: usize,
+        f: impl FnMut(usize) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
         self.inner.step.accumulate_window(micro_batches, f)
     }
 
@@ -600,15 +609,9 @@ impl Accelerator {
     }
 }
 
-/// Whether the environment describes a multi-process job (torchrun names, or Slurm / Open MPI / PMI with more than
-/// one task).
-pub(crate) fn distributed_env_present(get: impl Fn(&str) -> Option<String>) -> bool {
-    if get("RANK").is_some() || get("WORLD_SIZE").is_some() {
-        return true;
-    }
-    ["SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
-        .iter()
-        .any(|k| get(k).and_then(|v| v.trim().parse::<usize>().ok()).is_some_and(|n| n > 1))
+/// Whether the detected job layout needs a process group of its own (more than one process).
+fn joins_a_job(layout: Option<&ddp_core::DistEnv>) -> bool {
+    layout.is_some_and(|env| env.world_size > 1)
 }
 
 /// The CPU when asked for (or when CUDA is not built in), else CUDA device `local_rank`.
@@ -630,13 +633,36 @@ fn pick_device(cfg: &AcceleratorConfig, local_rank: usize) -> Result<Device> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ddp_core::{DistEnv, EnvSource};
+
+    /// What `Accelerator::new` decides under each launcher's environment (`None`: a single process).
+    fn decide(vars: &[(&str, &str)]) -> Option<(EnvSource, usize, usize)> {
+        let get = |k: &str| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string());
+        let layout = DistEnv::detect(get).expect("a consistent layout");
+        joins_a_job(layout.as_ref()).then(|| layout.map(|e| (e.source, e.rank, e.world_size)).unwrap())
+    }
 
     #[test]
-    fn env_detection() {
-        let none = |_: &str| None::<String>;
-        assert!(!distributed_env_present(none));
-        assert!(distributed_env_present(|k: &str| (k == "RANK").then(|| "0".to_string())));
-        assert!(!distributed_env_present(|k: &str| (k == "SLURM_NTASKS").then(|| "1".to_string())));
-        assert!(distributed_env_present(|k: &str| (k == "OMPI_COMM_WORLD_SIZE").then(|| "4".to_string())));
+    fn every_launcher_environment_through_the_accelerator() {
+        assert_eq!(decide(&[]), None, "no launcher");
+        let torchrun = [("RANK", "1"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1"), ("MASTER_PORT", "29500")];
+        assert_eq!(decide(&torchrun), Some((EnvSource::Torchrun, 1, 4)), "torchrun / accel launch");
+        assert_eq!(decide(&[("RANK", "0"), ("WORLD_SIZE", "1")]), None, "a one-process torchrun job");
+        let srun =
+            [("SLURM_PROCID", "2"), ("SLURM_NTASKS", "4"), ("SLURM_LOCALID", "2"), ("SLURM_NTASKS_PER_NODE", "4")];
+        assert_eq!(decide(&srun), Some((EnvSource::Slurm, 2, 4)), "a Slurm batch step (srun)");
+        // Inside `salloc` (or an sbatch script before srun): the allocation's variables, but no task of a step.
+        let salloc = [("SLURM_NTASKS", "4"), ("SLURM_JOB_ID", "77"), ("SLURM_NNODES", "1")];
+        assert_eq!(decide(&salloc), None, "a bare salloc shell is a single process");
+        let ompi = [("OMPI_COMM_WORLD_RANK", "3"), ("OMPI_COMM_WORLD_SIZE", "4"), ("OMPI_COMM_WORLD_LOCAL_SIZE", "4")];
+        assert_eq!(decide(&ompi), Some((EnvSource::OpenMpi, 3, 4)), "Open MPI");
+        assert_eq!(decide(&[("PMI_RANK", "0"), ("PMI_SIZE", "2")]), Some((EnvSource::Pmi, 0, 2)), "PMI (MPICH)");
+        assert_eq!(decide(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "1")]), None, "mpirun -np 1");
+    }
+
+    #[test]
+    fn an_inconsistent_layout_is_an_error_not_a_single_process() {
+        let e = DistEnv::detect(|k| (k == "RANK").then(|| "1".to_string())).unwrap_err().to_string();
+        assert!(e.contains("WORLD_SIZE"), "{e}");
     }
 }

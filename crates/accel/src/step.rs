@@ -184,13 +184,18 @@ impl StepController {
     }
 
     /// Runs `f` as one micro-step whose window position was decided on entry.
-    fn micro_step<R>(&self, end: WindowEnd, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    fn micro_step<R, E: From<AccelError>>(
+        &self,
+        end: WindowEnd,
+        f: impl FnOnce() -> std::result::Result<R, E>,
+    ) -> std::result::Result<R, E> {
         {
             let mut st = lock(&self.state);
             if st.window.in_accumulate {
                 return Err(AccelError::Usage(
                     "accumulate: calls cannot be nested (and accumulate_window runs each micro-step inside one)".into(),
-                ));
+                )
+                .into());
             }
             self.advance(&mut st, end);
             st.window.in_accumulate = true;
@@ -200,16 +205,24 @@ impl StepController {
     }
 
     /// `Accelerator::accumulate`.
-    pub(crate) fn accumulate<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    pub(crate) fn accumulate<R, E: From<AccelError>>(
+        &self,
+        f: impl FnOnce() -> std::result::Result<R, E>,
+    ) -> std::result::Result<R, E> {
         self.micro_step(WindowEnd::Counted, f)
     }
 
     /// `Accelerator::accumulate_window`: `micro_batches` micro-steps, the last of which syncs.
-    pub(crate) fn accumulate_window(&self, micro_batches: usize, mut f: impl FnMut(usize) -> Result<()>) -> Result<()> {
+    pub(crate) fn accumulate_window<E: From<AccelError>>(
+        &self,
+        micro_batches: usize,
+        mut f: impl FnMut(usize) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
         if micro_batches == 0 {
             return Err(AccelError::InvalidArgument(
                 "accumulate_window: a window needs at least one micro-batch".into(),
-            ));
+            )
+            .into());
         }
         for i in 0..micro_batches {
             self.micro_step(WindowEnd::Explicit { last: i + 1 == micro_batches }, || f(i))?;
@@ -245,10 +258,10 @@ impl StepController {
             let scale = lock(scaler).scale();
             loss = loss.to_dtype(candle_core::DType::F32)?.affine(scale, 0.0)?;
         }
-        let store = loss.backward()?;
+        let mut store = loss.backward()?;
         let mut st = lock(&self.state);
         for m in models {
-            add_micro_batch(&mut st.grads[m.index()], m, &store)?;
+            add_micro_batch(&mut st.grads[m.index()], m, &mut store)?;
         }
         drop(store);
         if sync {
@@ -440,15 +453,17 @@ impl StepController {
 
 /// Adds one micro-batch's gradients of `model`'s parameters (as fp32) to its slots. The unused-parameter check
 /// happens here, once per micro-batch: a parameter without a gradient is an error unless
-/// `find_unused_parameters`, where its slot stays `None` for the reduction to resolve across ranks.
-fn add_micro_batch(g: &mut Gradients, model: &PreparedModel, store: &GradStore) -> Result<()> {
+/// `find_unused_parameters`, where its slot stays `None` for the reduction to resolve across ranks. Each gradient is
+/// taken out of `store` as it is added, so a micro-batch's gradients and the window's sums never all coexist:
+/// accumulation costs one parameter's worth of transient memory, not a model's.
+fn add_micro_batch(g: &mut Gradients, model: &PreparedModel, store: &mut GradStore) -> Result<()> {
     // A new window after a step / zero_grad that did not happen (e.g. a sync without an optimizer): start clean.
     if g.synced {
         g.clear();
     }
     let mut missing = Vec::new();
     for (i, p) in model.parameters().iter().enumerate() {
-        match store.get(p.as_tensor()) {
+        match store.remove(p.as_tensor()) {
             Some(grad) => g.add(i, grad)?,
             None if model.find_unused_parameters() => {}
             None => missing.push(model.names()[i].clone()),

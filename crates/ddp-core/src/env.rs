@@ -134,6 +134,25 @@ impl DistEnv {
         })
     }
 
+    /// The job layout when the environment describes one; `None` when no launcher family's rank or size
+    /// variable is set — a plain single-process run, or a shell inside a Slurm allocation (`salloc` sets
+    /// `SLURM_NTASKS`, but a process that `srun` did not start has no `SLURM_PROCID`: it is no task of a step).
+    /// This is the one place that decides "distributed or not": higher levels ask it instead of reading
+    /// variables themselves. Errors as [`Self::from_lookup`] when a layout is present but inconsistent.
+    pub fn detect(get: impl Fn(&str) -> Option<String>) -> Result<Option<Self>> {
+        let present = |k: &str| get(k).is_some_and(|v| !v.trim().is_empty());
+        if FAMILIES.iter().any(|f| f.detect.iter().any(|v| present(v))) {
+            Self::from_lookup(get).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// [`Self::detect`] over the process environment.
+    pub fn detect_from_env() -> Result<Option<Self>> {
+        Self::detect(|k| std::env::var(k).ok())
+    }
+
     /// Whether the job spans more than one machine.
     pub fn is_multi_node(&self) -> bool {
         self.local_world_size < self.world_size

@@ -44,6 +44,15 @@ pub trait Loss: Send + Sync {
     fn items_fixed_per_row(&self) -> bool {
         false
     }
+
+    /// The item count [`Loss::compute`] will return for `targets`, when it is known before the forward pass
+    /// (HF's Trainer counts `num_items_in_batch` from the labels the same way). With it the Trainer runs forward
+    /// and backward one micro-batch at a time, so memory does not grow with `gradient_accumulation_steps`;
+    /// `None` (the default, and what closures give) makes it keep a window's graphs until the count is known.
+    fn count_items(&self, targets: &Tensor) -> candle_core::Result<Option<usize>> {
+        let _ = targets;
+        Ok(None)
+    }
 }
 
 impl<F> Loss for F
@@ -66,6 +75,9 @@ impl Loss for CrossEntropy {
     fn items_fixed_per_row(&self) -> bool {
         true
     }
+    fn count_items(&self, targets: &Tensor) -> candle_core::Result<Option<usize>> {
+        Ok(Some(targets.dim(0)?))
+    }
 }
 
 /// [`token_cross_entropy`] as a [`Loss`] (item counts vary with the sequences' lengths).
@@ -75,6 +87,14 @@ pub struct TokenCrossEntropy;
 impl Loss for TokenCrossEntropy {
     fn compute(&self, outputs: &Tensor, targets: &Tensor) -> candle_core::Result<LossOutput> {
         token_cross_entropy(outputs, targets)
+    }
+    fn count_items(&self, targets: &Tensor) -> candle_core::Result<Option<usize>> {
+        Ok(Some(if targets.dtype() == DType::I64 {
+            let ignore = Tensor::full(IGNORE_INDEX, targets.shape(), targets.device())?;
+            targets.ne(&ignore)?.to_dtype(DType::U32)?.sum_all()?.to_scalar::<u32>()? as usize
+        } else {
+            targets.elem_count()
+        }))
     }
 }
 
@@ -88,6 +108,9 @@ impl Loss for Mse {
     }
     fn items_fixed_per_row(&self) -> bool {
         true
+    }
+    fn count_items(&self, targets: &Tensor) -> candle_core::Result<Option<usize>> {
+        Ok(Some(targets.elem_count()))
     }
 }
 

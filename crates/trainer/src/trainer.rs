@@ -509,26 +509,86 @@ where
     }
 
     /// One optimizer step over a window of micro-batches. See the module documentation for the normalisation.
+    ///
+    /// When the loss can count a micro-batch's items from its targets ([`Loss::count_items`], as HF counts
+    /// `num_items_in_batch` from the labels), the window's count is known before any forward pass and each
+    /// micro-batch runs forward and backward before the next one starts: memory does not grow with
+    /// `gradient_accumulation_steps`. Otherwise every micro-batch's graph is kept until the count is known.
     fn training_step(&mut self, rt: &mut Runtime<M, D>, window: &[Batch]) -> Result<StepOutcome> {
         let acc = &rt.acc;
         let dtype = acc.compute_dtype();
-        let mut sums = Vec::with_capacity(window.len());
+        let rows: usize = window.iter().map(Batch::len).sum();
+        let counts = window
+            .iter()
+            .map(|b| self.loss.count_items(&b.targets))
+            .collect::<candle_core::Result<Option<Vec<usize>>>>()?;
         let mut local_sum: Option<Tensor> = None;
-        let mut local_items = 0usize;
-        let mut rows = 0usize;
-        for batch in window {
-            let x = cast_input(&batch.inputs, dtype)?;
-            let y = outputs_f32(rt.model.forward_t(&x, true)?)?;
-            let out = self.loss.compute(&y, &batch.targets)?;
-            rows += batch.len();
-            let detached = out.loss_sum.detach();
-            local_sum = Some(match local_sum {
+        let mut add_to_sum = |loss_sum: &Tensor| -> Result<()> {
+            let detached = loss_sum.detach();
+            local_sum = Some(match local_sum.take() {
                 None => detached,
                 Some(acc_sum) => (acc_sum + detached)?,
             });
-            local_items += out.num_items;
-            sums.push(out.loss_sum);
+            Ok(())
+        };
+        let forward = |batch: &Batch| -> Result<crate::losses::LossOutput> {
+            let y = outputs_f32(rt.model.forward_t(&cast_input(&batch.inputs, dtype)?, true)?)?;
+            Ok(self.loss.compute(&y, &batch.targets)?)
+        };
+        // The trainer cuts windows itself (it needs the window's item count first): the window's last micro-batch
+        // syncs, whatever the loader's end-of-data flag says about the batch fetched last.
+        let local_items = match counts {
+            Some(counts) => {
+                let local_items: usize = counts.iter().sum();
+                let scale = self.loss_scale(acc, local_items, rows)?;
+                acc.accumulate_window(window.len(), |i| {
+                    let out = forward(&window[i])?;
+                    if out.num_items != counts[i] {
+                        return Err(TrainerError::Usage(format!(
+                            "the loss counted {} items from the targets (count_items) but computed {} \
+                             (compute); make the two agree",
+                            counts[i], out.num_items
+                        )));
+                    }
+                    add_to_sum(&out.loss_sum)?;
+                    Ok(acc.backward(&out.loss_sum.affine(scale, 0.0)?)?)
+                })?;
+                local_items
+            }
+            None => {
+                let mut sums = Vec::with_capacity(window.len());
+                let mut local_items = 0usize;
+                for batch in window {
+                    let out = forward(batch)?;
+                    add_to_sum(&out.loss_sum)?;
+                    local_items += out.num_items;
+                    sums.push(out.loss_sum);
+                }
+                let scale = self.loss_scale(acc, local_items, rows)?;
+                acc.accumulate_window(sums.len(), |i| {
+                    Ok::<_, TrainerError>(acc.backward(&sums[i].affine(scale, 0.0)?)?)
+                })?;
+                local_items
+            }
+        };
+        let grad_norm = if self.args.max_grad_norm > 0.0 { acc.clip_grad_norm(self.args.max_grad_norm)? } else { None };
+        let stepped = rt.optimizer.step()?;
+        if stepped {
+            // Only real optimizer steps move the schedule (not fp16-skipped ones).
+            if let Some(s) = &rt.scheduler {
+                let mut s = s.lock().unwrap_or_else(|p| p.into_inner());
+                s.step();
+                rt.optimizer.set_learning_rate(s.lr());
+            }
         }
+        let loss_sum = local_sum.expect("a window has at least one micro-batch");
+        Ok(StepOutcome { loss_sum, items: local_items as f64, grad_norm })
+    }
+
+    /// The factor each micro-batch's loss sum is multiplied by before `backward`: `GA · W / N` with `N` the
+    /// window's item count over all ranks (see the module documentation); `backward` divides by GA and DDP
+    /// averages over the `W` ranks, so the applied gradient is `∇(Σ loss) / N`. Collective for token-level losses.
+    fn loss_scale(&self, acc: &Accelerator, local_items: usize, rows: usize) -> Result<f64> {
         let world = acc.world_size();
         let (items, global) = match self.normalisation(acc) {
             Normalisation::Local => (local_items as f64, false),
@@ -548,24 +608,8 @@ where
                 (buf[0], true)
             }
         };
-        // backward() divides by GA and DDP averages over ranks: pre-multiply so both cancel (see module docs).
         let ga = acc.gradient_accumulation_steps() as f64;
-        let scale = if items > 0.0 { ga * if global { world as f64 } else { 1.0 } / items } else { 0.0 };
-        // The trainer cuts windows itself (it needed the window's item count first): the window's last
-        // micro-batch syncs, whatever the loader's end-of-data flag says about the batch fetched last.
-        acc.accumulate_window(sums.len(), |i| acc.backward(&sums[i].affine(scale, 0.0)?))?;
-        let grad_norm = if self.args.max_grad_norm > 0.0 { acc.clip_grad_norm(self.args.max_grad_norm)? } else { None };
-        let stepped = rt.optimizer.step()?;
-        if stepped {
-            // Only real optimizer steps move the schedule (not fp16-skipped ones).
-            if let Some(s) = &rt.scheduler {
-                let mut s = s.lock().unwrap_or_else(|p| p.into_inner());
-                s.step();
-                rt.optimizer.set_learning_rate(s.lr());
-            }
-        }
-        let loss_sum = local_sum.expect("a window has at least one micro-batch");
-        Ok(StepOutcome { loss_sum, items: local_items as f64, grad_norm })
+        Ok(if items > 0.0 { ga * if global { world as f64 } else { 1.0 } / items } else { 0.0 })
     }
 
     /// How this run normalises token-level losses (see [`Normalisation`]).

@@ -31,8 +31,8 @@ impl Gradients {
         self.found_inf = false;
     }
 
-    /// Adds a micro-batch's gradient of parameter `i` (cast to fp32).
-    pub(crate) fn add(&mut self, i: usize, grad: &Tensor) -> Result<()> {
+    /// Adds a micro-batch's gradient of parameter `i` (cast to fp32); the old sum and `grad` are freed here.
+    pub(crate) fn add(&mut self, i: usize, grad: Tensor) -> Result<()> {
         let g = grad.to_dtype(DType::F32)?;
         self.slots[i] = Some(match self.slots[i].take() {
             None => g,
