@@ -5,6 +5,7 @@
 //! - [`load_mnist`]: the shipped MNIST subsets (`data/mnist/{train10k,t10k}-*-idx*-ubyte.gz`) as tensors.
 //! - [`seed_parameters`]: a reproducible re-initialisation (candle's CPU RNG cannot be seeded).
 //! - [`default_data_dir`], [`select_rows`], [`correct_count`]: small helpers every level needs.
+//! - [`run_main`]: what every example's `main` does around its body (log subscriber, error chain, exit status).
 //!
 //! Keep this file small: it is what the three examples have in common, nothing more.
 
@@ -189,6 +190,33 @@ pub fn correct_count(logits: &Tensor, labels: &Tensor) -> candle_core::Result<us
     let predicted = logits.argmax(1)?;
     let hits = predicted.eq(&labels.to_dtype(predicted.dtype())?)?.to_dtype(DType::U32)?.sum_all()?;
     Ok(hits.to_scalar::<u32>()? as usize)
+}
+
+/// Runs an example's body: installs a `tracing` subscriber on stderr first, so library warnings reach the user
+/// (level `warn` by default, `RUST_LOG` overrides, e.g. `RUST_LOG=accel=debug`), and reports an error as its chain
+/// of causes with exit status 1 — no backtrace, even under `RUST_BACKTRACE=1`: those are for panics, not for a
+/// wrong flag or a missing file.
+pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> std::process::ExitCode {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    // A second call (tests that run several mains in one process) keeps the first subscriber.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .without_time()
+        .with_target(false)
+        .try_init();
+    match body() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("Error: {e}");
+            for cause in e.chain().skip(1) {
+                eprintln!("  caused by: {cause}");
+            }
+            std::process::ExitCode::FAILURE
+        }
+    }
 }
 
 #[cfg(test)]

@@ -58,7 +58,11 @@ struct Args {
     min_accuracy: Option<f64>,
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    accel_examples::run_main(run)
+}
+
+fn run() -> anyhow::Result<()> {
     let args = Args::parse();
     if ddp_core::launcher::launch_self(args.nproc).context("running the workers")? {
         return Ok(());

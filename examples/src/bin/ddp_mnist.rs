@@ -50,7 +50,11 @@ struct Cli {
     min_accuracy: Option<f64>,
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    accel_examples::run_main(run)
+}
+
+fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     // Without a launcher, run `--nproc` copies of this program as the workers (the launcher also gives each its
     // share of the cores: RAYON_NUM_THREADS, OMP_NUM_THREADS).

@@ -51,7 +51,11 @@ fn row(check: impl Into<String>, pass: Option<bool>, detail: impl Into<String>) 
     Row { check: check.into(), pass, detail: detail.into() }
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    accel_examples::run_main(run)
+}
+
+fn run() -> anyhow::Result<()> {
     let args = Args::parse();
     let mut rows = Vec::new();
 

@@ -67,7 +67,11 @@ fn defaults() -> TrainingArguments {
     }
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    accel_examples::run_main(run)
+}
+
+fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     // Check the arguments and the data once, here, before any worker starts: one clear message instead of one
     // per rank.
