@@ -13,8 +13,8 @@
 //!
 //! Writing always quotes `"no"`, because a YAML 1.1 reader (PyYAML) would read a bare `no` as `false`.
 
-use super::error::{CliError, CliResult};
-use crate::config::MixedPrecision;
+use crate::error::{CliError, CliResult};
+use accel::config::MixedPrecision;
 use serde::de::{self, Deserializer, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
 use std::collections::BTreeMap;

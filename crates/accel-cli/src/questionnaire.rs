@@ -5,9 +5,9 @@
 //! [`MAX_ATTEMPTS`] times); input ending early is an error. An empty answer takes the default shown in brackets.
 //! Nothing is written here: the caller saves the result atomically, so an aborted questionnaire leaves no file.
 
-use super::config_file::{AccelerateConfig, DistributedType, ParallelismConfig};
-use super::error::{CliError, CliResult};
-use crate::config::MixedPrecision;
+use crate::config_file::{AccelerateConfig, DistributedType, ParallelismConfig};
+use crate::error::{CliError, CliResult};
+use accel::config::MixedPrecision;
 use std::io::{BufRead, Write};
 
 /// How many invalid answers to one question are tolerated before giving up.

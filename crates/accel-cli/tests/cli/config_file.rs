@@ -1,8 +1,8 @@
 //! Accelerate's YAML config: reading files Python Accelerate wrote, writing files it can read, errors with
 //! locations, atomic writes.
 
-use accel::cli::{AccelerateConfig, CliError, DistributedType, LaunchArgs, LaunchPlan, ParallelismConfig};
 use accel::MixedPrecision;
+use accel_cli::{AccelerateConfig, CliError, DistributedType, LaunchArgs, LaunchPlan, ParallelismConfig};
 use std::path::{Path, PathBuf};
 
 fn fixture(name: &str) -> PathBuf {

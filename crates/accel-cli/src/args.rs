@@ -1,4 +1,4 @@
-//! The `accel` command line, as clap definitions (parsed by the binary, executed by [`super::run`]).
+//! The `accel` command line, as clap definitions (parsed by the binary, executed by [`crate::run`]).
 //!
 //! Flag names follow `accelerate launch` with dashes; the underscore spellings of Accelerate
 //! (`--num_processes`) and torchrun's names (`--nnodes`, `--node-rank`, `--master-addr`, `--master-port`,

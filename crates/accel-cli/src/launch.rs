@@ -5,12 +5,12 @@
 //! TOTAL over all machines (Accelerate's meaning); each machine runs `num_processes / num_machines` workers.
 //! Workers get torchrun's variables from the launcher (RANK, LOCAL_RANK, WORLD_SIZE, ...) plus Accelerate's
 //! (`ACCELERATE_MIXED_PRECISION`, `ACCELERATE_USE_CPU`, `ACCELERATE_GRADIENT_ACCUMULATION_STEPS`, ...), which
-//! [`crate::AcceleratorConfig::from_env`] reads.
+//! [`accel::AcceleratorConfig::from_env`] reads.
 
-use super::args::LaunchArgs;
-use super::config_file::{AccelerateConfig, DistributedType, ParallelismConfig};
-use super::error::{CliError, CliResult};
-use crate::config::{MixedPrecision, GRADIENT_ACCUMULATION_STEPS_ENV, MIXED_PRECISION_ENV, USE_CPU_ENV};
+use crate::args::LaunchArgs;
+use crate::config_file::{AccelerateConfig, DistributedType, ParallelismConfig};
+use crate::error::{CliError, CliResult};
+use accel::config::{MixedPrecision, GRADIENT_ACCUMULATION_STEPS_ENV, MIXED_PRECISION_ENV, USE_CPU_ENV};
 use ddp_core::env::{DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT};
 use ddp_core::LaunchConfig;
 use std::path::{Path, PathBuf};
@@ -435,7 +435,7 @@ mod tests {
         assert_eq!(get("ACCELERATE_USE_CPU"), Some("false"));
         assert_eq!(get("CUDA_VISIBLE_DEVICES"), Some("0,1"));
         // The values parse back into the Accelerator's config.
-        let acc = crate::AcceleratorConfig::from_lookup(|k| get(k).map(str::to_string)).unwrap();
+        let acc = accel::AcceleratorConfig::from_lookup(|k| get(k).map(str::to_string)).unwrap();
         assert_eq!((acc.mixed_precision, acc.gradient_accumulation_steps), (MixedPrecision::Bf16, 4));
     }
 

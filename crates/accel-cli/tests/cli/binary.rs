@@ -1,7 +1,7 @@
 //! The `accel` binary end to end (assert_cmd): config (interactive and default), launch, bad inputs, env, test.
 
-use accel::cli::{AccelerateConfig, DistributedType};
 use accel::MixedPrecision;
+use accel_cli::{AccelerateConfig, DistributedType};
 use assert_cmd::Command;
 use predicates::prelude::*;
 use std::path::Path;
