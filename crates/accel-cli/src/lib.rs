@@ -65,7 +65,7 @@ fn target_path(explicit: Option<PathBuf>) -> CliResult<PathBuf> {
 }
 
 fn run_config(args: ConfigArgs) -> CliResult<()> {
-    let machine = MachineDefaults { gpus: hardware::usable_gpu_count() };
+    let machine = MachineDefaults { gpus: hardware::usable_gpu_count(), cuda_compiled: hardware::CUDA_COMPILED };
     match args.action {
         Some(ConfigAction::Default(d)) => {
             let path = target_path(d.config_file.or(args.config_file))?;
@@ -98,6 +98,9 @@ fn run_launch(args: &LaunchArgs) -> CliResult<()> {
         None => None,
     };
     let plan = LaunchPlan::resolve(args, file.as_ref().map(|l| &l.config))?;
+    for w in &plan.warnings {
+        eprintln!("accel: warning: {w}");
+    }
     eprintln!("{}", plan.summary());
     launch::run_plan(&plan)
 }
