@@ -25,8 +25,11 @@ pub const SEED_ENV: &str = "ACCELERATE_SEED";
 /// `Bf16`/`Fp16`: the model's `Var`s live in the 16-bit type (forward and backward run there), the optimizer
 /// updates fp32 master copies which are cast back after each step. `Fp16` adds dynamic loss scaling
 /// ([`crate::GradScaler`]); `Bf16` has fp32's exponent range and needs none.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
+///
+/// Serialised as the string `"no"`, `"fp16"` or `"bf16"`. Deserialised leniently, as Accelerate's YAML 1.1 reader
+/// does: any spelling [`FromStr`] takes, a boolean `false` or null (what a bare `no` / an empty value become) for
+/// `No`; a boolean `true` is refused as ambiguous. Errors name the value and the accepted choices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum MixedPrecision {
     /// Full fp32.
     #[default]
@@ -82,6 +85,58 @@ impl FromStr for MixedPrecision {
                 reason: format!("unknown mixed precision; choose one of {}", MixedPrecision::CHOICES),
             }),
         }
+    }
+}
+
+impl serde::Serialize for MixedPrecision {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        // Always a string: a YAML writer then quotes "no", which a YAML 1.1 reader would otherwise take for false.
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for MixedPrecision {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Lenient;
+        impl<'de> serde::de::Visitor<'de> for Lenient {
+            type Value = MixedPrecision;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                write!(f, "one of {} for mixed_precision", MixedPrecision::CHOICES)
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> std::result::Result<MixedPrecision, E> {
+                v.parse().map_err(|_| {
+                    E::custom(format!("unknown mixed_precision {v:?}; choose one of {}", MixedPrecision::CHOICES))
+                })
+            }
+            fn visit_bool<E: serde::de::Error>(self, v: bool) -> std::result::Result<MixedPrecision, E> {
+                if v {
+                    return Err(E::custom(format!(
+                        "mixed_precision: true is ambiguous; choose one of {}",
+                        MixedPrecision::CHOICES
+                    )));
+                }
+                Ok(MixedPrecision::No)
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> std::result::Result<MixedPrecision, E> {
+                self.visit_str(&v.to_string())
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> std::result::Result<MixedPrecision, E> {
+                self.visit_str(&v.to_string())
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> std::result::Result<MixedPrecision, E> {
+                self.visit_str(&v.to_string())
+            }
+            fn visit_unit<E: serde::de::Error>(self) -> std::result::Result<MixedPrecision, E> {
+                Ok(MixedPrecision::No)
+            }
+            fn visit_none<E: serde::de::Error>(self) -> std::result::Result<MixedPrecision, E> {
+                Ok(MixedPrecision::No)
+            }
+            fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> std::result::Result<MixedPrecision, D::Error> {
+                d.deserialize_any(self)
+            }
+        }
+        d.deserialize_any(Lenient)
     }
 }
 
@@ -228,16 +283,16 @@ impl AcceleratorConfig {
     }
 }
 
-fn parse_bool(key: &str, v: &str) -> Result<bool> {
-    match v.trim().to_ascii_lowercase().as_str() {
-        "1" | "true" | "yes" | "on" => Ok(true),
-        "0" | "false" | "no" | "off" | "" => Ok(false),
-        _ => Err(AccelError::Config {
-            key: key.into(),
-            value: v.to_string(),
-            reason: "expected true/false (or 1/0)".into(),
-        }),
-    }
+/// Parses a boolean setting as the launchers write them: `1`/`true`/`yes`/`on` and `0`/`false`/`no`/`off`/empty,
+/// any case, surrounding blanks ignored (ddp-core's table, so every layer agrees).
+///
+/// Errors: [`AccelError::Config`] naming `key` and the value.
+pub fn parse_bool(key: &str, v: &str) -> Result<bool> {
+    ddp_core::env::parse_bool(key, v).map_err(|_| AccelError::Config {
+        key: key.into(),
+        value: v.to_string(),
+        reason: "expected true/false (or 1/0)".into(),
+    })
 }
 
 #[cfg(test)]
@@ -283,5 +338,32 @@ mod tests {
         assert!(e.to_string().contains(GRADIENT_ACCUMULATION_STEPS_ENV), "{e}");
         let e = AcceleratorConfig::from_lookup(lookup(&[(MIXED_PRECISION_ENV, "int8")])).unwrap_err();
         assert!(e.to_string().contains(MIXED_PRECISION_ENV) && e.to_string().contains("int8"), "{e}");
+    }
+
+    #[test]
+    fn mixed_precision_deserializes_leniently_and_serializes_as_a_string() {
+        use serde_json::{from_value, json};
+        assert_eq!(from_value::<MixedPrecision>(json!("no")).unwrap(), MixedPrecision::No);
+        assert_eq!(from_value::<MixedPrecision>(json!(false)).unwrap(), MixedPrecision::No, "YAML 1.1 bare no");
+        assert_eq!(from_value::<MixedPrecision>(json!(null)).unwrap(), MixedPrecision::No);
+        assert_eq!(from_value::<MixedPrecision>(json!("BF16")).unwrap(), MixedPrecision::Bf16);
+        assert_eq!(from_value::<MixedPrecision>(json!("fp16")).unwrap(), MixedPrecision::Fp16);
+        let e = from_value::<MixedPrecision>(json!(true)).unwrap_err().to_string();
+        assert!(e.contains("ambiguous") && e.contains("bf16"), "{e}");
+        let e = from_value::<MixedPrecision>(json!("fp8")).unwrap_err().to_string();
+        assert!(e.contains("\"fp8\"") && e.contains("\"fp16\", \"bf16\""), "{e}");
+        assert_eq!(serde_json::to_string(&MixedPrecision::No).unwrap(), "\"no\"");
+    }
+
+    #[test]
+    fn parse_bool_takes_the_launchers_spellings() {
+        for t in ["1", "true", "Yes", " on "] {
+            assert!(parse_bool("K", t).unwrap(), "{t}");
+        }
+        for f in ["0", "FALSE", "no", "off", ""] {
+            assert!(!parse_bool("K", f).unwrap(), "{f}");
+        }
+        let e = parse_bool(USE_CPU_ENV, "maybe").unwrap_err().to_string();
+        assert!(e.contains(USE_CPU_ENV) && e.contains("maybe") && e.contains("true/false"), "{e}");
     }
 }

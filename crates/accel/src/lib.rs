@@ -30,7 +30,6 @@
 //! (datasets, sharded loaders), `state` (checkpoints), `tracking` (JSONL / TensorBoard), `scheduler` (LR schedules).
 
 mod accelerator;
-pub mod cli;
 pub mod config;
 pub mod error;
 pub mod mixed_precision;

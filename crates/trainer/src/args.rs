@@ -150,23 +150,6 @@ impl<'de> Deserialize<'de> for ReportTo {
     }
 }
 
-/// `mixed_precision` also accepts a YAML 1.1 boolean `false` (what a bare `no` becomes in some readers).
-fn de_mixed_precision<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<MixedPrecision, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Raw {
-        Bool(bool),
-        Text(String),
-    }
-    match Raw::deserialize(d)? {
-        Raw::Bool(false) => Ok(MixedPrecision::No),
-        Raw::Bool(true) => {
-            Err(serde::de::Error::custom("mixed_precision: `true` is ambiguous; write \"fp16\" or \"bf16\""))
-        }
-        Raw::Text(s) => s.parse().map_err(|e: accel::AccelError| serde::de::Error::custom(e.to_string())),
-    }
-}
-
 fn de_scheduler<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<SchedulerKind, D::Error> {
     let s = String::deserialize(d)?;
     s.parse().map_err(|e: accel::scheduler::ParseSchedulerKindError| serde::de::Error::custom(e.to_string()))
@@ -300,8 +283,7 @@ training_arguments! {
     warmup_ratio: f64 = 0.0;
     /// Gradient clipping by total L2 norm; 0 disables clipping.
     max_grad_norm: f64 = 1.0;
-    /// Compute precision: no | fp16 | bf16.
-    #[serde(deserialize_with = "de_mixed_precision")]
+    /// Compute precision: no | fp16 | bf16 (a YAML 1.1 `false`, what a bare `no` becomes, means no).
     mixed_precision: MixedPrecision = MixedPrecision::No;
     /// When to evaluate: no | steps | epoch.
     eval_strategy: IntervalStrategy = IntervalStrategy::No;

@@ -78,7 +78,7 @@ pub enum CliError {
 
     /// An error from the Accelerator (self-test training run).
     #[error(transparent)]
-    Accel(#[from] crate::AccelError),
+    Accel(#[from] accel::AccelError),
 
     /// An error from candle while running the self-test.
     #[error(transparent)]

@@ -1,4 +1,4 @@
-//! The `accel` command line, as clap definitions (parsed by the binary, executed by [`super::run`]).
+//! The `accel` command line, as clap definitions (parsed by the binary, executed by [`crate::run`]).
 //!
 //! Flag names follow `accelerate launch` with dashes; the underscore spellings of Accelerate
 //! (`--num_processes`) and torchrun's names (`--nnodes`, `--node-rank`, `--master-addr`, `--master-port`,
@@ -98,8 +98,27 @@ pub struct LaunchArgs {
           value_parser = clap::value_parser!(u64).range(1..))]
     pub gradient_accumulation_steps: Option<u64>,
     /// Run on the CPU even where GPUs exist (ACCELERATE_USE_CPU=true).
-    #[arg(long, alias = "use_cpu")]
+    #[arg(long, alias = "use_cpu", conflicts_with = "multi_gpu")]
     pub cpu: bool,
+    /// Accelerate's `--multi_gpu`: one process per GPU (ACCELERATE_USE_CPU=false, overriding `use_cpu` /
+    /// MULTI_CPU of the config file); needs at least 2 processes.
+    #[arg(long, alias = "multi_gpu")]
+    pub multi_gpu: bool,
+    /// Threads each worker's CPU kernels use (OMP_NUM_THREADS and RAYON_NUM_THREADS, which candle reads).
+    #[arg(long, alias = "num_cpu_threads_per_process", value_name = "N",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub num_cpu_threads_per_process: Option<u64>,
+    /// Pin each worker to its share of the CPU cores (ACCELERATE_CPU_AFFINITY=1).
+    #[arg(long, alias = "enable_cpu_affinity")]
+    pub enable_cpu_affinity: bool,
+    /// Accelerate's flag for multi-machine jobs on one local network; accepted for compatibility (accel's
+    /// rendezvous only needs every machine to reach --main-process-ip:--main-process-port).
+    #[arg(long, alias = "same_network")]
+    pub same_network: bool,
+    /// torchrun's rendezvous backend (`static`, `c10d`, ...). accel always rendezvouses through its own TCP store
+    /// on machine 0 with fixed machine ranks, as `static`; another value gets a warning.
+    #[arg(long, alias = "rdzv_backend", value_name = "BACKEND")]
+    pub rdzv_backend: Option<String>,
     /// GPUs the workers may use (`all` or `0,1`): CUDA_VISIBLE_DEVICES.
     #[arg(long, alias = "gpu_ids", value_name = "IDS")]
     pub gpu_ids: Option<String>,
@@ -189,5 +208,34 @@ mod tests {
         assert_eq!(a.main_process_port, Some(1234));
         assert_eq!(a.tee.as_deref(), Some("3"));
         assert_eq!(a.program, PathBuf::from("prog"));
+    }
+
+    #[test]
+    fn accelerate_launch_flags_are_accepted_in_both_spellings() {
+        for (multi, threads, affinity, same, rdzv) in [
+            (
+                "--multi_gpu",
+                "--num_cpu_threads_per_process",
+                "--enable_cpu_affinity",
+                "--same_network",
+                "--rdzv_backend",
+            ),
+            (
+                "--multi-gpu",
+                "--num-cpu-threads-per-process",
+                "--enable-cpu-affinity",
+                "--same-network",
+                "--rdzv-backend",
+            ),
+        ] {
+            let cli = Cli::parse_from(["accel", "launch", multi, threads, "4", affinity, same, rdzv, "c10d", "prog"]);
+            let Command::Launch(a) = cli.command else { panic!("not launch") };
+            assert!(a.multi_gpu && a.enable_cpu_affinity && a.same_network, "{multi}");
+            assert_eq!((a.num_cpu_threads_per_process, a.rdzv_backend.as_deref()), (Some(4), Some("c10d")));
+        }
+        let e = Cli::try_parse_from(["accel", "launch", "--multi_gpu", "--cpu", "prog"]).unwrap_err().to_string();
+        assert!(e.contains("--cpu") && e.contains("cannot be used with"), "{e}");
+        let e = Cli::try_parse_from(["accel", "launch", "--num_cpu_threads_per_process", "0", "prog"]).unwrap_err();
+        assert!(e.to_string().contains("0 is not in 1.."), "{e}");
     }
 }

@@ -14,8 +14,8 @@
 //! A check passes only when it passes on every rank (the verdicts are all-reduced). Rank 0 writes the results as
 //! JSON to the file named by [`REPORT_ENV`]; the parent prints the table and exits non-zero on any failure.
 
-use super::error::{CliError, CliResult};
-use crate::{Accelerator, AcceleratorConfig, MixedPrecision, Sgd, SgdConfig};
+use crate::error::{CliError, CliResult};
+use accel::{Accelerator, AcceleratorConfig, MixedPrecision, Sgd, SgdConfig};
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::VarMap;
 use ddp_core::{DdpOptions, DistributedDataParallel, LaunchConfig, ProcessGroup, ReduceOp};
@@ -129,7 +129,7 @@ pub fn run_worker() -> CliResult<()> {
         if let Ok(path) = std::env::var(REPORT_ENV) {
             let report = SelfTestReport { world_size: pg.world_size(), backend: pg.backend_name().to_string(), checks };
             let bytes = serde_json::to_vec_pretty(&report).expect("a report is plain data");
-            super::config_file::write_atomically(Path::new(&path), &bytes)?;
+            crate::config_file::write_atomically(Path::new(&path), &bytes)?;
         }
     }
     agreed

@@ -5,19 +5,21 @@
 //! [`MAX_ATTEMPTS`] times); input ending early is an error. An empty answer takes the default shown in brackets.
 //! Nothing is written here: the caller saves the result atomically, so an aborted questionnaire leaves no file.
 
-use super::config_file::{AccelerateConfig, DistributedType, ParallelismConfig};
-use super::error::{CliError, CliResult};
-use crate::config::MixedPrecision;
+use crate::config_file::{AccelerateConfig, DistributedType, ParallelismConfig};
+use crate::error::{CliError, CliResult};
+use accel::config::MixedPrecision;
 use std::io::{BufRead, Write};
 
 /// How many invalid answers to one question are tolerated before giving up.
 pub const MAX_ATTEMPTS: usize = 5;
 
-/// What the questionnaire knows about the machine (for defaults only).
+/// What the questionnaire knows about the machine: defaults, and the warnings given when an answer asks for more.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct MachineDefaults {
     /// GPUs this build can use (0 without the `cuda` feature or without GPUs).
     pub gpus: usize,
+    /// This build has the `cuda` feature (so `gpus == 0` means no GPU is visible, not that none could be seen).
+    pub cuda_compiled: bool,
 }
 
 /// Asks the questions on `input`, writing prompts and complaints to `out`, and returns the config.
@@ -36,6 +38,19 @@ pub fn ask(input: &mut dyn BufRead, out: &mut dyn Write, machine: MachineDefault
             _ => Err("answer `cpu` or `gpu`".to_string()),
         }
     })?;
+    if !use_cpu && machine.gpus == 0 {
+        // Accelerate writes GPU configs on machines without GPUs too (a login node configuring a cluster job), so
+        // this is a warning; the reason says whether this machine or this build cannot see them.
+        let why = if machine.cuda_compiled {
+            "no GPU is visible on this machine (nvidia-smi lists none)"
+        } else {
+            "this accel build has no CUDA support (built without `--features cuda`), so it cannot see GPUs"
+        };
+        q.say(&format!(
+            "  warning: {why}; the config is written for GPUs anyway: the programs you launch with it must be built \
+             with CUDA and run where GPUs are\n"
+        ))?;
+    }
     let num_machines = q.ask("How many machines (nodes) will run the job?", Some("1"), |s| positive("machines", s))?;
 
     let mut cfg = AccelerateConfig { num_machines, use_cpu, ..AccelerateConfig::default() };
@@ -82,6 +97,13 @@ pub fn ask(input: &mut dyn BufRead, out: &mut dyn Write, machine: MachineDefault
     })?;
     cfg.num_processes = Some(num_processes);
     cfg.distributed_type = DistributedType::for_job(num_processes, use_cpu);
+    let per_machine = num_processes / num_machines;
+    if !use_cpu && machine.gpus > 0 && per_machine > machine.gpus {
+        q.say(&format!(
+            "  warning: {per_machine} processes per machine, but {} GPU(s) are visible here: processes will share GPUs\n",
+            machine.gpus
+        ))?;
+    }
 
     if !use_cpu {
         let ids = q.ask("Which GPUs should be used (comma-separated indices, or `all`)?", Some("all"), |s| {
@@ -90,6 +112,13 @@ pub fn ask(input: &mut dyn BufRead, out: &mut dyn Write, machine: MachineDefault
             }
             let ids: Result<Vec<usize>, _> = s.split(',').map(|p| p.trim().parse::<usize>()).collect();
             match ids {
+                // As `accelerate launch`: several GPU processes need at least as many GPU ids.
+                Ok(ids) if !ids.is_empty() && ids.len() < per_machine => Err(format!(
+                    "{per_machine} GPU processes per machine need {per_machine} GPU ids, but {s:?} names {}; list \
+                     one per process (e.g. `{}`) or answer `all`",
+                    ids.len(),
+                    (0..per_machine).map(|i| i.to_string()).collect::<Vec<_>>().join(",")
+                )),
                 Ok(ids) if !ids.is_empty() => Ok(ids.iter().map(usize::to_string).collect::<Vec<_>>().join(",")),
                 _ => Err(format!("{s:?} is not `all` or a list like `0,1`")),
             }
@@ -204,10 +233,10 @@ fn positive(what: &str, s: &str) -> Result<usize, String> {
 }
 
 fn yes_no(s: &str) -> Result<bool, String> {
-    match s.to_ascii_lowercase().as_str() {
-        "y" | "yes" | "true" | "1" => Ok(true),
-        "n" | "no" | "false" | "0" => Ok(false),
-        _ => Err("answer yes or no".to_string()),
+    match s.trim().to_ascii_lowercase().as_str() {
+        "y" => Ok(true),
+        "n" => Ok(false),
+        _ => accel::config::parse_bool("answer", s).map_err(|_| "answer yes or no".to_string()),
     }
 }
 
@@ -233,7 +262,7 @@ mod tests {
     fn run(answers: &str, gpus: usize) -> (CliResult<AccelerateConfig>, String) {
         let mut input = answers.as_bytes();
         let mut out = Vec::new();
-        let r = ask(&mut input, &mut out, MachineDefaults { gpus });
+        let r = ask(&mut input, &mut out, MachineDefaults { gpus, cuda_compiled: gpus > 0 });
         (r, String::from_utf8(out).unwrap())
     }
 
@@ -296,10 +325,34 @@ mod tests {
 
     #[test]
     fn basic_config_matches_accelerate_write_basic_config() {
-        let c = basic_config(MixedPrecision::Bf16, MachineDefaults { gpus: 0 });
+        let c = basic_config(MixedPrecision::Bf16, MachineDefaults { gpus: 0, cuda_compiled: false });
         assert!(c.use_cpu);
         assert_eq!((c.num_processes, c.distributed_type.clone()), (Some(1), DistributedType::No));
-        let c = basic_config(MixedPrecision::No, MachineDefaults { gpus: 4 });
+        let c = basic_config(MixedPrecision::No, MachineDefaults { gpus: 4, cuda_compiled: true });
         assert_eq!((c.num_processes, c.distributed_type), (Some(4), DistributedType::MultiGpu));
+    }
+
+    #[test]
+    fn gpus_this_machine_cannot_see_are_warned_about_and_too_few_gpu_ids_refused() {
+        // gpu; 1 machine; 2 processes; `0` (refused: 2 processes need 2 ids) then `0,1`; no; no parallelism.
+        let (cfg, out) = run("gpu\n1\n2\n0\n0,1\nno\nno\n", 0);
+        let cfg = cfg.unwrap();
+        assert_eq!((cfg.gpu_ids.as_deref(), cfg.distributed_type), (Some("0,1"), DistributedType::MultiGpu));
+        assert!(
+            out.contains("warning: this accel build has no CUDA support (built without `--features cuda`)"),
+            "{out}"
+        );
+        assert!(
+            out.contains("invalid answer \"0\": 2 GPU processes per machine need 2 GPU ids, but \"0\" names 1"),
+            "{out}"
+        );
+        let mut input = "gpu\n1\n4\nall\nno\nno\n".as_bytes();
+        let mut out = Vec::new();
+        ask(&mut input, &mut out, MachineDefaults { gpus: 0, cuda_compiled: true }).unwrap();
+        let out = String::from_utf8(out).unwrap();
+        assert!(out.contains("warning: no GPU is visible on this machine"), "{out}");
+        let (_, out) = run("gpu\n1\n4\nall\nno\nno\n", 2);
+        assert!(out.contains("warning: 4 processes per machine, but 2 GPU(s) are visible here"), "{out}");
+        assert!(!out.contains("no GPU is visible"), "{out}");
     }
 }

@@ -1,7 +1,7 @@
 //! The `accel` binary end to end (assert_cmd): config (interactive and default), launch, bad inputs, env, test.
 
-use accel::cli::{AccelerateConfig, DistributedType};
 use accel::MixedPrecision;
+use accel_cli::{AccelerateConfig, DistributedType};
 use assert_cmd::Command;
 use predicates::prelude::*;
 use std::path::Path;
@@ -188,19 +188,37 @@ fn launch_with_malformed_yaml_shows_line_and_column() {
 }
 
 #[test]
-fn launch_with_a_real_accelerate_file_and_an_unknown_key_warns_and_runs() {
+fn launch_with_a_misspelled_key_is_refused_with_a_suggestion() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("accelerate.yaml");
-    let text = std::fs::read_to_string(fixture("accelerate_multi_gpu.yaml")).unwrap() + "my_team_setting: 3\n";
+    let text = std::fs::read_to_string(fixture("accelerate_1_15_multi_cpu.yaml")).unwrap() + "num_proceses: 3\n";
     std::fs::write(&cfg, text).unwrap();
     accel(dir.path())
-        .args(["launch", "--cpu", "--config-file"])
+        .args(["launch", "--config-file"])
         .arg(&cfg)
-        .args(["sh", "-c", "echo \"rank=$RANK mp=$ACCELERATE_MIXED_PRECISION\""])
+        .args(["sh", "-c", "echo ran"])
+        .assert()
+        .failure()
+        .code(1)
+        .stdout(predicate::str::contains("ran").not())
+        .stderr(
+            predicate::str::contains(format!("accel: error: config file {}: line", cfg.display()))
+                .and(predicate::str::contains("unknown key `num_proceses` (did you mean `num_processes`?)")),
+        );
+}
+
+#[test]
+fn launch_with_a_real_accelerate_file_and_multi_gpu_flag_spellings_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    accel(dir.path())
+        .args(["launch", "--cpu", "--config_file"])
+        .arg(fixture("accelerate_multi_gpu.yaml"))
+        .args(["--num_cpu_threads_per_process", "1", "--rdzv_backend", "c10d"])
+        .args(["sh", "-c", "echo \"rank=$RANK mp=$ACCELERATE_MIXED_PRECISION omp=$OMP_NUM_THREADS\""])
         .assert()
         .success()
-        .stderr(predicate::str::contains("warning").and(predicate::str::contains("`my_team_setting`")))
-        .stdout(predicate::str::contains("rank=1 mp=bf16"));
+        .stderr(predicate::str::contains("warning: rdzv_backend \"c10d\" is not used"))
+        .stdout(predicate::str::contains("rank=1 mp=bf16 omp=1"));
 }
 
 #[test]

@@ -5,12 +5,12 @@
 //! TOTAL over all machines (Accelerate's meaning); each machine runs `num_processes / num_machines` workers.
 //! Workers get torchrun's variables from the launcher (RANK, LOCAL_RANK, WORLD_SIZE, ...) plus Accelerate's
 //! (`ACCELERATE_MIXED_PRECISION`, `ACCELERATE_USE_CPU`, `ACCELERATE_GRADIENT_ACCUMULATION_STEPS`, ...), which
-//! [`crate::AcceleratorConfig::from_env`] reads.
+//! [`accel::AcceleratorConfig::from_env`] reads.
 
-use super::args::LaunchArgs;
-use super::config_file::{AccelerateConfig, DistributedType, ParallelismConfig};
-use super::error::{CliError, CliResult};
-use crate::config::{MixedPrecision, GRADIENT_ACCUMULATION_STEPS_ENV, MIXED_PRECISION_ENV, USE_CPU_ENV};
+use crate::args::LaunchArgs;
+use crate::config_file::{AccelerateConfig, DistributedType, ParallelismConfig};
+use crate::error::{CliError, CliResult};
+use accel::config::{MixedPrecision, GRADIENT_ACCUMULATION_STEPS_ENV, MIXED_PRECISION_ENV, USE_CPU_ENV};
 use ddp_core::env::{DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT};
 use ddp_core::LaunchConfig;
 use std::path::{Path, PathBuf};
@@ -48,6 +48,10 @@ pub struct LaunchPlan {
     pub gpu_ids: Option<String>,
     /// Pin workers to their cores.
     pub enable_cpu_affinity: bool,
+    /// OMP_NUM_THREADS / RAYON_NUM_THREADS of the workers (`--num-cpu-threads-per-process`).
+    pub num_cpu_threads_per_process: Option<usize>,
+    /// Things the launch accepted but will not honour as asked (printed before it starts).
+    pub warnings: Vec<String>,
     /// Parallelism layout (data parallel only).
     pub parallelism: Option<ParallelismConfig>,
     /// Group restarts after a failure.
@@ -132,7 +136,35 @@ impl LaunchPlan {
         if gradient_accumulation_steps == Some(0) {
             return Err(CliError::invalid("gradient_accumulation_steps", "0", "at least 1"));
         }
-        let use_cpu = flags.cpu || file.is_some_and(|f| f.use_cpu || f.distributed_type == DistributedType::MultiCpu);
+        let use_cpu = !flags.multi_gpu
+            && (flags.cpu || file.is_some_and(|f| f.use_cpu || f.distributed_type == DistributedType::MultiCpu));
+        if flags.multi_gpu && num_processes < 2 {
+            return Err(CliError::Launch(
+                "--multi_gpu needs at least 2 processes: pass --num-processes N (one per GPU), or drop --multi_gpu \
+                 for a single process"
+                    .into(),
+            ));
+        }
+        let gpu_ids = flags.gpu_ids.clone().or_else(|| file.and_then(|f| f.gpu_ids.clone()));
+        let per_node = num_processes / num_machines;
+        if let Some(ids) = gpu_ids.as_deref().filter(|ids| !use_cpu && !ids.trim().eq_ignore_ascii_case("all")) {
+            // `accelerate launch` refuses this too: several GPU processes with fewer GPU ids than processes.
+            let n = ids.split(',').filter(|id| !id.trim().is_empty()).count();
+            if per_node > 1 && n < per_node {
+                return Err(CliError::Launch(format!(
+                    "{per_node} GPU processes per machine but gpu_ids {ids:?} names {n} GPU(s): list at least one \
+                     GPU per process (--gpu-ids, or gpu_ids in the config file), use `all`, or pass --cpu"
+                )));
+            }
+        }
+        let mut warnings = Vec::new();
+        let rdzv = flags.rdzv_backend.as_deref().or(file.and_then(|f| f.rdzv_backend.as_deref()));
+        if let Some(backend) = rdzv.filter(|b| !b.trim().eq_ignore_ascii_case("static")) {
+            warnings.push(format!(
+                "rdzv_backend {backend:?} is not used: accel always rendezvouses through its own TCP store on \
+                 main_process_ip:main_process_port with fixed machine ranks (like `static`)"
+            ));
+        }
         let parallelism = file.and_then(|f| f.parallelism_config.clone());
         if let Some(p) = &parallelism {
             p.validate(num_processes)?;
@@ -152,8 +184,10 @@ impl LaunchPlan {
             gradient_accumulation_steps,
             use_cpu,
             debug: flags.debug || file.is_some_and(|f| f.debug),
-            gpu_ids: flags.gpu_ids.clone().or_else(|| file.and_then(|f| f.gpu_ids.clone())),
-            enable_cpu_affinity: file.is_some_and(|f| f.enable_cpu_affinity),
+            gpu_ids,
+            enable_cpu_affinity: flags.enable_cpu_affinity || file.is_some_and(|f| f.enable_cpu_affinity),
+            num_cpu_threads_per_process: flags.num_cpu_threads_per_process.map(|n| n as usize),
+            warnings,
             parallelism,
             max_restarts: flags.max_restarts.unwrap_or(0),
             log_dir: flags.log_dir.clone(),
@@ -193,6 +227,10 @@ impl LaunchPlan {
         }
         if self.enable_cpu_affinity {
             env.push((CPU_AFFINITY_ENV.to_string(), "1".to_string()));
+        }
+        if let Some(n) = self.num_cpu_threads_per_process {
+            env.push(("OMP_NUM_THREADS".to_string(), n.to_string()));
+            env.push(("RAYON_NUM_THREADS".to_string(), n.to_string()));
         }
         if let Some(ids) = self.gpu_ids.as_deref().filter(|ids| !ids.eq_ignore_ascii_case("all") && !self.use_cpu) {
             env.push(("CUDA_VISIBLE_DEVICES".to_string(), ids.to_string()));
@@ -435,7 +473,7 @@ mod tests {
         assert_eq!(get("ACCELERATE_USE_CPU"), Some("false"));
         assert_eq!(get("CUDA_VISIBLE_DEVICES"), Some("0,1"));
         // The values parse back into the Accelerator's config.
-        let acc = crate::AcceleratorConfig::from_lookup(|k| get(k).map(str::to_string)).unwrap();
+        let acc = accel::AcceleratorConfig::from_lookup(|k| get(k).map(str::to_string)).unwrap();
         assert_eq!((acc.mixed_precision, acc.gradient_accumulation_steps), (MixedPrecision::Bf16, 4));
     }
 
@@ -467,5 +505,47 @@ mod tests {
         let p = LaunchPlan::resolve(&LaunchArgs { main_process_port: Some(port), ..flags("p") }, None).unwrap();
         let e = check_port(&p).unwrap_err();
         assert!(matches!(e, CliError::PortInUse { port: q, .. } if q == port), "{e}");
+    }
+
+    #[test]
+    fn accelerate_launch_flags_have_accelerate_meanings() {
+        // --multi_gpu overrides a CPU config file; --num_cpu_threads_per_process sets the thread variables.
+        let file = AccelerateConfig {
+            use_cpu: true,
+            distributed_type: DistributedType::MultiCpu,
+            rdzv_backend: Some("static".into()),
+            ..AccelerateConfig::default()
+        };
+        let f = LaunchArgs {
+            multi_gpu: true,
+            num_processes: Some(2),
+            num_cpu_threads_per_process: Some(3),
+            enable_cpu_affinity: true,
+            ..flags("p")
+        };
+        let p = LaunchPlan::resolve(&f, Some(&file)).unwrap();
+        assert!(!p.use_cpu && p.warnings.is_empty(), "{:?}", p.warnings);
+        let env = p.worker_env();
+        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        assert_eq!((get("ACCELERATE_USE_CPU"), get("OMP_NUM_THREADS")), (Some("false"), Some("3")));
+        assert_eq!((get("RAYON_NUM_THREADS"), get("ACCELERATE_CPU_AFFINITY")), (Some("3"), Some("1")));
+
+        let e = LaunchPlan::resolve(&LaunchArgs { multi_gpu: true, ..flags("p") }, None).unwrap_err().to_string();
+        assert!(e.contains("--multi_gpu needs at least 2 processes"), "{e}");
+        let f = LaunchArgs { rdzv_backend: Some("c10d".into()), ..flags("p") };
+        let p = LaunchPlan::resolve(&f, None).unwrap();
+        assert_eq!(p.warnings.len(), 1);
+        assert!(p.warnings[0].starts_with("rdzv_backend \"c10d\" is not used"), "{:?}", p.warnings);
+    }
+
+    #[test]
+    fn fewer_gpu_ids_than_gpu_processes_is_refused() {
+        let f = LaunchArgs { num_processes: Some(2), gpu_ids: Some("0".into()), ..flags("p") };
+        let e = LaunchPlan::resolve(&f, None).unwrap_err().to_string();
+        assert!(e.starts_with("2 GPU processes per machine but gpu_ids \"0\" names 1 GPU(s)"), "{e}");
+        // On the CPU the ids do not matter; `all` and enough ids are fine.
+        LaunchPlan::resolve(&LaunchArgs { cpu: true, ..f.clone() }, None).unwrap();
+        LaunchPlan::resolve(&LaunchArgs { gpu_ids: Some("all".into()), ..f.clone() }, None).unwrap();
+        LaunchPlan::resolve(&LaunchArgs { gpu_ids: Some("2,3".into()), ..f }, None).unwrap();
     }
 }

@@ -1,7 +1,7 @@
 //! `accel env`: versions, hardware and the active config, as plain text a user pastes into a bug report.
 
-use super::config_file::{resolve_config_path, AccelerateConfig};
-use super::hardware::{self, CUDA_COMPILED, NCCL_COMPILED};
+use crate::config_file::{resolve_config_path, AccelerateConfig};
+use crate::hardware::{self, CUDA_COMPILED, NCCL_COMPILED};
 use std::fmt::Write as _;
 use std::path::Path;
 
@@ -76,7 +76,7 @@ pub fn render(config_file: Option<&Path>) -> String {
             }
         },
         Ok(None) => {
-            let where_ = super::config_file::default_config_path()
+            let where_ = crate::config_file::default_config_path()
                 .map_or("(no HOME / HF_HOME set)".to_string(), |p| p.display().to_string());
             let _ = writeln!(s, "- config file: none ({where_} does not exist; `accel config` writes it)");
         }

@@ -1,4 +1,7 @@
-//! The `accel` command line as a library: the binary (`src/bin/accel.rs`) only parses [`Cli`] and calls [`run`].
+//! The internals of the `accel` binary (`src/main.rs` only parses [`Cli`] and calls [`run`]). This library target
+//! exists so the crate's integration tests can reach the config-file parser and the launch plan: it is not a public
+//! API and is not published. Only this crate of the accel family knows clap and Accelerate's YAML config files.
+//!
 //!
 //! - `accel config` ([`questionnaire`]) / `accel config default`: write Accelerate's YAML config
 //!   ([`config_file`]) to `$HF_HOME/accelerate/default_config.yaml` or `--config-file`, atomically.
@@ -23,7 +26,7 @@ pub use config_file::{default_config_path, AccelerateConfig, DistributedType, Lo
 pub use error::{CliError, CliResult};
 pub use launch::LaunchPlan;
 
-use crate::config::MixedPrecision;
+use accel::config::MixedPrecision;
 use questionnaire::MachineDefaults;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -62,7 +65,7 @@ fn target_path(explicit: Option<PathBuf>) -> CliResult<PathBuf> {
 }
 
 fn run_config(args: ConfigArgs) -> CliResult<()> {
-    let machine = MachineDefaults { gpus: hardware::usable_gpu_count() };
+    let machine = MachineDefaults { gpus: hardware::usable_gpu_count(), cuda_compiled: hardware::CUDA_COMPILED };
     match args.action {
         Some(ConfigAction::Default(d)) => {
             let path = target_path(d.config_file.or(args.config_file))?;
@@ -95,6 +98,9 @@ fn run_launch(args: &LaunchArgs) -> CliResult<()> {
         None => None,
     };
     let plan = LaunchPlan::resolve(args, file.as_ref().map(|l| &l.config))?;
+    for w in &plan.warnings {
+        eprintln!("accel: warning: {w}");
+    }
     eprintln!("{}", plan.summary());
     launch::run_plan(&plan)
 }

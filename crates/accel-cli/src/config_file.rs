@@ -7,17 +7,18 @@
 //!
 //! Reading is lenient where Python's YAML 1.1 reader is: a bare `mixed_precision: no` arrives as the boolean `false`
 //! and means `"no"`; `downcast_bf16` may be a boolean or `'no'`/`'yes'`; `gpu_ids` may be `all`, `0,1`, a number or a
-//! list. Keys accel does not know are reported as warnings (never an error), and keys Accelerate knows but accel has
-//! no use for (FSDP, DeepSpeed, TPU, dynamo, ...) are accepted, with a warning when they ask for a feature accel
-//! lacks. Malformed YAML is an error with line and column ([`CliError::ConfigSyntax`]).
+//! list. As strict as Accelerate (which refuses unknown keys): a key neither Accelerate nor accel knows is an error
+//! naming the key, the file and the closest known key (`num_proceses` → did you mean `num_processes`?), never a
+//! silent default. Keys Accelerate knows but accel has no use for (FSDP, DeepSpeed, TPU, dynamo, ...) are accepted,
+//! with a warning when they ask for a feature accel lacks. Malformed YAML, and a value of the wrong kind, are errors
+//! with the file, the line and column once, and what the key expects ([`CliError::ConfigSyntax`]).
 //!
 //! Writing always quotes `"no"`, because a YAML 1.1 reader (PyYAML) would read a bare `no` as `false`.
 
-use super::error::{CliError, CliResult};
-use crate::config::MixedPrecision;
+use crate::error::{CliError, CliResult};
+use accel::config::MixedPrecision;
 use serde::de::{self, Deserializer, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
-use std::collections::BTreeMap;
 use std::fmt;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -222,8 +223,8 @@ pub struct AccelerateConfig {
     /// Python entry point name; unused by accel, kept for round trips.
     #[serde(default = "main_string")]
     pub main_training_function: String,
-    /// `"no"`, `"fp16"` or `"bf16"`.
-    #[serde(default, serialize_with = "precision_out", deserialize_with = "precision_in")]
+    /// `"no"`, `"fp16"` or `"bf16"` (a bare `no`, i.e. `false`, is read as `"no"`: [`MixedPrecision`]'s serde).
+    #[serde(default)]
     pub mixed_precision: MixedPrecision,
     /// Machines in the job.
     #[serde(default = "one")]
@@ -317,6 +318,15 @@ pub const TYPED_KEYS: &[&str] = &[
     "use_cpu",
 ];
 
+/// Keys of the `parallelism_config` block ([`ParallelismConfig`]).
+pub const PARALLELISM_KEYS: &[&str] = &[
+    "parallelism_config_cp_comm_strategy",
+    "parallelism_config_cp_size",
+    "parallelism_config_dp_replicate_size",
+    "parallelism_config_dp_shard_size",
+    "parallelism_config_tp_size",
+];
+
 /// A config file as read from disk: the model, its source text and the warnings reading it produced.
 #[derive(Debug, Clone)]
 pub struct LoadedConfig {
@@ -326,9 +336,7 @@ pub struct LoadedConfig {
     pub config: AccelerateConfig,
     /// The file's text, verbatim (`accel env` prints it).
     pub text: String,
-    /// Keys neither accel nor Accelerate knows, sorted.
-    pub unknown_keys: Vec<String>,
-    /// Human-readable warnings (unknown keys, ignored Accelerate features), one per line.
+    /// Human-readable warnings (ignored Accelerate features, other compute environments), one per line.
     pub warnings: Vec<String>,
 }
 
@@ -376,33 +384,34 @@ impl AccelerateConfig {
                 message: "the file is empty; write one with `accel config` or `accel config default`".into(),
             });
         }
+        // First pass: the YAML itself (a whole-document parse, so an unclosed `[` is reported as such rather than
+        // as a value of the wrong type), then unknown keys, then each known key's value, then the typed model.
+        let raw: serde_json::Value = serde_saphyr::from_str(text).map_err(|e| syntax_error(path, &e))?;
+        let serde_json::Value::Object(raw) = raw else {
+            return Err(CliError::ConfigValue {
+                path: path.to_path_buf(),
+                message: format!(
+                    "expected a mapping of Accelerate's keys (`num_processes: 2`, ...), got {}",
+                    describe(&raw)
+                ),
+            });
+        };
+        check_keys(&raw, text, path)?;
+        for (key, value) in &raw {
+            if let Err(expected) = check_value(key, value) {
+                return Err(value_error(path, text, key, &format!("{key}: expected {expected}")));
+            }
+        }
         let config: AccelerateConfig = serde_saphyr::from_str(text).map_err(|e| syntax_error(path, &e))?;
-        // Second pass over the raw mapping, only to find keys the typed model ignored.
-        let raw: BTreeMap<String, serde_json::Value> = serde_saphyr::from_str(text).unwrap_or_default();
-        let mut unknown_keys = Vec::new();
         let mut warnings = Vec::new();
         for (key, value) in &raw {
-            if TYPED_KEYS.contains(&key.as_str()) {
-                continue;
+            if ACCELERATE_ONLY_KEYS.contains(&key.as_str()) && requests_feature(key, value) {
+                warnings.push(format!(
+                    "{}: `{key}` asks for an Accelerate feature accel does not implement (accel runs plain data \
+                     parallelism); it is ignored",
+                    path.display()
+                ));
             }
-            if ACCELERATE_ONLY_KEYS.contains(&key.as_str()) {
-                if requests_feature(key, value) {
-                    warnings.push(format!(
-                        "{}: `{key}` asks for an Accelerate feature accel does not implement (accel runs plain \
-                         data parallelism); it is ignored",
-                        path.display()
-                    ));
-                }
-                continue;
-            }
-            unknown_keys.push(key.clone());
-        }
-        if !unknown_keys.is_empty() {
-            warnings.push(format!(
-                "{}: unknown key(s) {} ignored (not part of Accelerate's config format as accel knows it)",
-                path.display(),
-                unknown_keys.iter().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ")
-            ));
         }
         if config.compute_environment != LOCAL_MACHINE {
             warnings.push(format!(
@@ -420,7 +429,7 @@ impl AccelerateConfig {
         for w in &warnings {
             tracing::warn!("{w}");
         }
-        Ok(LoadedConfig { path: path.to_path_buf(), config, text: text.to_string(), unknown_keys, warnings })
+        Ok(LoadedConfig { path: path.to_path_buf(), config, text: text.to_string(), warnings })
     }
 
     /// The YAML text of this config (sorted keys, `"no"` quoted).
@@ -459,15 +468,206 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> CliResult<()> {
 }
 
 fn syntax_error(path: &Path, e: &serde_saphyr::Error) -> CliError {
-    match e.location() {
-        Some(loc) => CliError::ConfigSyntax {
-            path: path.to_path_buf(),
-            line: loc.line(),
-            column: loc.column(),
-            message: e.to_string(),
-        },
-        None => CliError::ConfigValue { path: path.to_path_buf(), message: e.to_string() },
+    use serde_saphyr::MessageFormatter;
+    // The bare message: no snippet (it would name the source `<input>`) and no position (given once, below).
+    let message = clean_parser_message(&serde_saphyr::DefaultMessageFormatter.format_message(e.without_snippet()));
+    match e.location().filter(|l| l.line() > 0) {
+        Some(loc) => {
+            CliError::ConfigSyntax { path: path.to_path_buf(), line: loc.line(), column: loc.column(), message }
+        }
+        None => CliError::ConfigValue { path: path.to_path_buf(), message },
     }
+}
+
+/// Drops the positions and `error:` prefixes a YAML scanner writes into its own messages
+/// (`error: line 2 column 1: did not find ...` → `did not find ...`; a trailing `at line 2, column 1` too).
+fn clean_parser_message(message: &str) -> String {
+    let mut m = message.trim().to_string();
+    loop {
+        let before = m.clone();
+        if let Some(rest) = m.strip_prefix("error:") {
+            m = rest.trim_start().to_string();
+        }
+        if let Some(rest) = strip_position(&m) {
+            m = rest.trim_start_matches(':').trim_start().to_string();
+        }
+        if let Some(i) = m.rfind(" at line ") {
+            if strip_position(&m[i + 4..]).is_some_and(|rest| rest.trim().is_empty()) {
+                m.truncate(i);
+            }
+        }
+        if m == before {
+            return m;
+        }
+    }
+}
+
+/// `line N column M<rest>` or `line N, column M<rest>` → `<rest>`.
+fn strip_position(m: &str) -> Option<String> {
+    let rest = m.strip_prefix("line ")?.trim_start_matches(|c: char| c.is_ascii_digit());
+    let rest = rest.trim_start_matches(',').trim_start().strip_prefix("column ")?;
+    Some(rest.trim_start_matches(|c: char| c.is_ascii_digit()).to_string())
+}
+
+/// The error for `key`'s value, at the line of `key` when it can be found in `text`.
+fn value_error(path: &Path, text: &str, key: &str, message: &str) -> CliError {
+    match key_position(text, key) {
+        Some((line, column)) => CliError::ConfigSyntax {
+            path: path.to_path_buf(),
+            line: line as u64,
+            column: column as u64,
+            message: message.to_string(),
+        },
+        None => CliError::ConfigValue { path: path.to_path_buf(), message: message.to_string() },
+    }
+}
+
+/// 1-based line and column where `key` is written as a key (`key:`, `"key":`), if anywhere.
+fn key_position(text: &str, key: &str) -> Option<(usize, usize)> {
+    text.lines().enumerate().find_map(|(i, line)| {
+        let start = line.len() - line.trim_start_matches([' ', '\t', '{', ',']).len();
+        let rest = &line[start..];
+        let (quote, rest) = match rest.chars().next() {
+            Some(q @ ('"' | '\'')) => (Some(q), &rest[1..]),
+            _ => (None, rest),
+        };
+        let rest = rest.strip_prefix(key)?;
+        let rest = match quote {
+            Some(q) => rest.strip_prefix(q)?,
+            None => rest,
+        };
+        rest.trim_start().starts_with(':').then_some((i + 1, start + 1))
+    })
+}
+
+/// A value as the user wrote it, for messages: a string verbatim, anything else as compact JSON.
+fn describe(value: &serde_json::Value) -> String {
+    match value {
+        serde_json::Value::String(s) => format!("`{s}`"),
+        serde_json::Value::Null => "nothing (null)".to_string(),
+        serde_json::Value::Array(_) => format!("the list `{value}`"),
+        serde_json::Value::Object(_) => format!("the mapping `{value}`"),
+        other => format!("`{other}`"),
+    }
+}
+
+/// Refuses keys neither Accelerate nor accel knows (Accelerate's `ClusterConfig(**dict)` raises on them too),
+/// at top level and in the `parallelism_config` block, naming the closest known key.
+fn check_keys(raw: &serde_json::Map<String, serde_json::Value>, text: &str, path: &Path) -> CliResult<()> {
+    let known: Vec<&str> = TYPED_KEYS.iter().chain(ACCELERATE_ONLY_KEYS).copied().collect();
+    let mut problems = Vec::new();
+    let mut unknown = |key: &str, candidates: &[&str]| {
+        let at = key_position(text, key).map_or(String::new(), |(l, _)| format!("line {l}: "));
+        let hint = did_you_mean(key, candidates).map_or(String::new(), |k| format!(" (did you mean `{k}`?)"));
+        problems.push(format!("{at}unknown key `{key}`{hint}"));
+    };
+    for key in raw.keys() {
+        if !known.contains(&key.as_str()) {
+            unknown(key, &known);
+        }
+    }
+    if let Some(serde_json::Value::Object(block)) = raw.get("parallelism_config") {
+        for key in block.keys() {
+            if !PARALLELISM_KEYS.contains(&key.as_str()) {
+                unknown(key, PARALLELISM_KEYS);
+            }
+        }
+    }
+    if problems.is_empty() {
+        return Ok(());
+    }
+    Err(CliError::ConfigValue {
+        path: path.to_path_buf(),
+        message: format!(
+            "{}; Accelerate's config format has no such key, and a misspelled setting would otherwise be silently \
+             replaced by its default",
+            problems.join("; ")
+        ),
+    })
+}
+
+/// The known key closest to `key` by edit distance, when close enough to be a plausible misspelling (at most a
+/// third of the key's length, and at least 1 edit tolerated; `-` for `_` counts as no edit).
+pub fn did_you_mean<'a>(key: &str, candidates: &[&'a str]) -> Option<&'a str> {
+    let normalised = key.trim().to_ascii_lowercase().replace('-', "_");
+    candidates
+        .iter()
+        .map(|c| (strsim::levenshtein(&normalised, c), *c))
+        .filter(|(d, _)| *d <= (normalised.chars().count() / 3).max(1))
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, c)| c)
+}
+
+/// What `key` accepts and what it got, in words (`a whole number ≥ 1, got `two``), when `value` does not fit it;
+/// `Ok` for keys the typed model does not read.
+fn check_value(key: &str, value: &serde_json::Value) -> Result<(), String> {
+    use serde_json::Value;
+    let whole = |v: &Value, min: u64| v.as_u64().is_some_and(|n| n >= min);
+    let fits = match key {
+        "debug" | "enable_cpu_affinity" | "same_network" | "tpu_use_cluster" | "tpu_use_sudo" | "use_cpu" => {
+            matches!(value, Value::Bool(_) | Value::Null)
+        }
+        "compute_environment" | "main_training_function" => value.is_string(),
+        "main_process_ip" | "rdzv_backend" => matches!(value, Value::String(_) | Value::Null),
+        "distributed_type" => matches!(value, Value::String(_) | Value::Bool(false)),
+        "downcast_bf16" => matches!(value, Value::String(_) | Value::Bool(_) | Value::Null),
+        "gpu_ids" => match value {
+            Value::String(_) | Value::Null => true,
+            Value::Number(_) => whole(value, 0),
+            Value::Array(ids) => ids.iter().all(|id| whole(id, 0)),
+            _ => false,
+        },
+        "gradient_accumulation_steps" => value.is_null() || whole(value, 1),
+        "machine_rank" => whole(value, 0),
+        "main_process_port" => value.is_null() || value.as_u64().is_some_and(|p| p <= u16::MAX as u64),
+        "mixed_precision" => serde_json::from_value::<MixedPrecision>(value.clone()).is_ok(),
+        "num_machines" => whole(value, 1),
+        "num_processes" => value.is_null() || value.as_i64().is_some_and(|n| n >= 1 || n == -1),
+        "parallelism_config" => {
+            return match value {
+                Value::Null => Ok(()),
+                Value::Object(block) => {
+                    for (k, v) in block {
+                        let ok = match k.as_str() {
+                            "parallelism_config_cp_comm_strategy" => v.is_string() || v.is_null(),
+                            _ => whole(v, 1),
+                        };
+                        if !ok {
+                            let what = if k.ends_with("_size") { "a whole number ≥ 1" } else { "a string" };
+                            return Err(format!("{what} for `{k}`, got {}", describe(v)));
+                        }
+                    }
+                    Ok(())
+                }
+                _ => Err("a mapping of `parallelism_config_*` sizes".to_string()),
+            };
+        }
+        "tpu_env" => match value {
+            Value::Array(items) => items.iter().all(Value::is_string),
+            Value::Null => true,
+            _ => false,
+        },
+        _ => true,
+    };
+    if fits {
+        return Ok(());
+    }
+    let expected = match key {
+        "debug" | "enable_cpu_affinity" | "same_network" | "tpu_use_cluster" | "tpu_use_sudo" | "use_cpu" => {
+            "`true` or `false`".to_string()
+        }
+        "distributed_type" => "one of NO, MULTI_CPU, MULTI_GPU (or another of Accelerate's names)".to_string(),
+        "downcast_bf16" => "`yes` or `no`".to_string(),
+        "gpu_ids" => "`all`, a comma-separated list of GPU indices such as `0,1`, or a list of indices".to_string(),
+        "gradient_accumulation_steps" | "num_machines" => "a whole number ≥ 1".to_string(),
+        "machine_rank" => "a whole number ≥ 0".to_string(),
+        "main_process_port" => "a port number (0 to 65535)".to_string(),
+        "mixed_precision" => format!("one of {}", MixedPrecision::CHOICES),
+        "num_processes" => "a whole number ≥ 1 (or -1: decided at launch)".to_string(),
+        "tpu_env" => "a list of strings".to_string(),
+        _ => "a string".to_string(),
+    };
+    Err(format!("{expected}, got {}", describe(value)))
 }
 
 /// Whether an Accelerate-only key's value turns on something (non-empty mapping/list/string, `true`, a dynamo
@@ -526,23 +726,6 @@ impl<'de> Visitor<'de> for ScalarText {
     fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<String, D::Error> {
         d.deserialize_any(self)
     }
-}
-
-fn precision_in<'de, D: Deserializer<'de>>(d: D) -> Result<MixedPrecision, D::Error> {
-    let text = d.deserialize_any(ScalarText("mixed_precision"))?;
-    if text == "true" {
-        return Err(de::Error::custom(format!(
-            "mixed_precision: true is ambiguous; write one of {}",
-            MixedPrecision::CHOICES
-        )));
-    }
-    text.parse::<MixedPrecision>().map_err(|_| {
-        de::Error::custom(format!("unknown mixed_precision {text:?}; choose one of {}", MixedPrecision::CHOICES))
-    })
-}
-
-fn precision_out<S: Serializer>(mp: &MixedPrecision, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(mp.as_str())
 }
 
 fn yes_no<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
@@ -669,7 +852,6 @@ mod tests {
         let l = AccelerateConfig::parse("fsdp_config:\n  fsdp_version: 2\n", Path::new("x")).unwrap();
         assert_eq!(l.warnings.len(), 1);
         assert!(l.warnings[0].contains("fsdp_config"), "{:?}", l.warnings);
-        assert!(l.unknown_keys.is_empty());
     }
 
     #[test]
@@ -680,5 +862,62 @@ mod tests {
         let p = ParallelismConfig { tp_size: 2, ..ParallelismConfig::data_parallel(2) };
         let e = p.validate(4).unwrap_err().to_string();
         assert!(e.contains("tp_size") && e.contains("data parallelism"), "{e}");
+    }
+
+    #[test]
+    fn a_misspelled_key_is_an_error_naming_the_file_and_the_closest_key() {
+        let text = "distributed_type: MULTI_CPU\nnum_proceses: 2\nuse_cpu: true\n";
+        let e = AccelerateConfig::parse(text, Path::new("/tmp/cfg.yaml")).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "config file /tmp/cfg.yaml: line 2: unknown key `num_proceses` (did you mean `num_processes`?); \
+             Accelerate's config format has no such key, and a misspelled setting would otherwise be silently \
+             replaced by its default"
+        );
+        // Dashes for underscores, keys of the parallelism block, and keys close to nothing.
+        assert_eq!(did_you_mean("mixed-precision", TYPED_KEYS), Some("mixed_precision"));
+        assert_eq!(did_you_mean("my_team_setting", TYPED_KEYS), None);
+        let e = AccelerateConfig::parse(
+            "parallelism_config:\n  parallelism_config_tp_sise: 1\nmy_team_setting: 3\n",
+            Path::new("p.yaml"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("line 3: unknown key `my_team_setting`;"), "{e}");
+        assert!(
+            e.contains("line 2: unknown key `parallelism_config_tp_sise` (did you mean `parallelism_config_tp_size`?)"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_value_of_the_wrong_kind_says_what_the_key_expects() {
+        let e = AccelerateConfig::parse("num_machines: 1\nnum_processes: two\n", Path::new("t.yaml")).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "config file t.yaml: line 2, column 1: num_processes: expected a whole number ≥ 1 (or -1: decided at \
+             launch), got `two`"
+        );
+        let e = AccelerateConfig::parse("use_cpu: maybe\n", Path::new("t.yaml")).unwrap_err().to_string();
+        assert!(e.ends_with("line 1, column 1: use_cpu: expected `true` or `false`, got `maybe`"), "{e}");
+        let e = AccelerateConfig::parse("{\"main_process_port\": 70000}", Path::new("c.json")).unwrap_err().to_string();
+        assert!(e.ends_with("main_process_port: expected a port number (0 to 65535), got `70000`"), "{e}");
+        let e = AccelerateConfig::parse("mixed_precision: true\n", Path::new("t.yaml")).unwrap_err().to_string();
+        assert!(e.contains("mixed_precision: expected one of \"no\", \"fp16\", \"bf16\", got `true`"), "{e}");
+    }
+
+    #[test]
+    fn malformed_yaml_names_the_file_and_the_position_once() {
+        let text = "compute_environment: LOCAL_MACHINE\nnum_processes: 2\nmixed_precision: [bf16\nuse_cpu: false\n";
+        let e = AccelerateConfig::parse(text, Path::new("bad.yaml")).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.starts_with("config file bad.yaml: line "), "{msg}");
+        assert_eq!(msg.matches("line").count(), 1, "the position once: {msg}");
+        assert!(!msg.contains("<input>") && !msg.contains("invalid type"), "{msg}");
+        assert_eq!(
+            clean_parser_message("error: line 2 column 1: did not find expected ']'"),
+            "did not find expected ']'"
+        );
+        assert_eq!(clean_parser_message("unexpected end at line 4, column 1"), "unexpected end");
     }
 }

@@ -1,0 +1,33 @@
+//! The `accel` command: `accel config`, `accel launch`, `accel test`, `accel env`.
+//!
+//! Thin on purpose: parse the command line, hand it to [`accel_cli::run`], print the error chain and set the exit
+//! status (0 success, 1 failure, 2 usage error from clap).
+
+use clap::Parser;
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    let cli = accel_cli::Cli::parse();
+    // Warnings from the libraries (and the config-file reader) reach the user; RUST_LOG overrides the level.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .without_time()
+        .with_target(false)
+        .try_init();
+    match accel_cli::run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("accel: error: {e}");
+            let mut source = std::error::Error::source(&e);
+            while let Some(s) = source {
+                eprintln!("  caused by: {s}");
+                source = s.source();
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
