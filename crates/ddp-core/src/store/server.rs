@@ -4,7 +4,7 @@
 //! simpler than an event loop and costs little.
 
 use super::protocol::{self, ErrorKind, Request, Response};
-use crate::token::RunToken;
+use crate::token::{self, RunToken, MAC_LEN};
 use crate::{DdpError, Result};
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -190,7 +190,9 @@ fn serve_connection(mut stream: TcpStream, shared: Arc<Shared>) {
     let _ = stream.shutdown(Shutdown::Both);
 }
 
-/// Reads the hello and checks magic, version and token. Returns whether to serve the connection.
+/// Runs the server side of the challenge-response handshake (see `protocol.rs`). Returns whether to serve the
+/// connection: false for a peer that is not a store client, speaks another version, or proves a different run
+/// token (refused at once, logged as a run token mismatch).
 fn handshake(stream: &mut TcpStream, shared: &Shared, peer: &str) -> bool {
     let _ = stream.set_nodelay(true);
     let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
@@ -205,11 +207,29 @@ fn handshake(stream: &mut TcpStream, shared: &Shared, peer: &str) -> bool {
     let version = u16::from_le_bytes([hello[4], hello[5]]);
     if version != protocol::VERSION {
         tracing::warn!("store server: refused {peer}: protocol version {version}, we speak {}", protocol::VERSION);
-        let _ = stream.write_all(&[protocol::HELLO_BAD_VERSION]);
+        let mut answer = protocol::SERVER_MAGIC.to_vec();
+        answer.push(protocol::HELLO_BAD_VERSION);
+        let _ = stream.write_all(&answer);
         return false;
     }
-    if !shared.token.matches(&hello[8..]) {
-        tracing::warn!("store server: refused {peer}: wrong run token");
+    let client_nonce = &hello[8..];
+    let server_nonce = match token::nonce() {
+        Ok(n) => n,
+        Err(e) => {
+            tracing::warn!("store server: refused {peer}: {e}");
+            return false;
+        }
+    };
+    if stream.write_all(&protocol::encode_challenge(&shared.token, &server_nonce, client_nonce)).is_err() {
+        return false;
+    }
+    let mut proof = [0u8; MAC_LEN];
+    if let Err(e) = stream.read_exact(&mut proof) {
+        tracing::warn!("store server: {peer} left during the handshake: {e}");
+        return false;
+    }
+    if !shared.token.verify(protocol::CLIENT_LABEL, &server_nonce, client_nonce, &proof) {
+        tracing::warn!("store server: refused {peer}: run token mismatch");
         let _ = stream.write_all(&[protocol::HELLO_BAD_TOKEN]);
         return false;
     }
