@@ -35,6 +35,7 @@ pub mod nccl;
 pub mod process_group;
 pub mod sampler;
 pub mod store;
+pub mod sync;
 mod tensor_ops;
 pub mod token;
 

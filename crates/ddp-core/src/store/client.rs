@@ -81,7 +81,7 @@ impl TcpStore {
     }
 
     fn take_connection(&self) -> Result<TcpStream> {
-        if let Some(s) = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop() {
+        if let Some(s) = crate::sync::lock(&self.idle).pop() {
             return Ok(s);
         }
         // The server was up when we first connected: a refused connection now means it is gone, so fail at
@@ -114,7 +114,7 @@ impl TcpStore {
         if let Response::Error { kind: ErrorKind::Protocol | ErrorKind::ShuttingDown, .. } = resp {
             // The server closes the connection after these.
         } else {
-            self.idle.lock().unwrap_or_else(|e| e.into_inner()).push(conn);
+            crate::sync::lock(&self.idle).push(conn);
         }
         match resp {
             Response::Error { kind: ErrorKind::InvalidArgument, message } => Err(DdpError::InvalidArgument(message)),
