@@ -25,6 +25,7 @@ pub mod device;
 mod error;
 pub mod probe;
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub mod tensor;
 pub mod unique_id;
 
@@ -35,6 +36,7 @@ pub use probe::{probe, NcclAvailability};
 /// The [`crate::ProcessGroup`] handle of an NCCL group, for the device-slice and tensor APIs.
 impl crate::ProcessGroup {
     /// The NCCL backend of this group, or `None` when the group runs on another backend.
+    #[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
     pub fn nccl(&self) -> Option<&NcclBackend> {
         self.backend().as_any()?.downcast_ref::<NcclBackend>()
     }
