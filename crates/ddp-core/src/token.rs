@@ -5,7 +5,7 @@
 //! exports the same token on every machine.
 //!
 //! The token itself never goes on the wire: peers prove they know it with HMAC-SHA256 (RFC 2104) over fresh
-//! nonces from both sides and a role label ([`RunToken::prove`]), a mutual challenge-response. A passive listener
+//! nonces from both sides and a role label (`RunToken::prove`), a mutual challenge-response. A passive listener
 //! or a fake server learns only MACs over nonces that are never used again.
 
 use crate::{DdpError, Result};

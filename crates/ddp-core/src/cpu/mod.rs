@@ -1,13 +1,13 @@
 //! The CPU backend: pure Rust, TCP between processes (loopback or across machines).
 //!
-//! - [`mesh`]: one TCP connection per pair of ranks, found through the store, run token checked on connect.
-//! - [`frame`]: the 40-byte frame header every piece of data carries (op, sequence number, size, dtype, …).
-//! - [`transport`]: the single-threaded non-blocking progress engine all algorithms run on.
-//! - [`ring`]: bandwidth-optimal segmented ring (all_reduce, reduce_scatter, all_gather).
-//! - [`small`]: latency-optimal direct exchange for small all_reduce.
-//! - [`broadcast`], [`barrier`], [`p2p`]: the other operations.
-//! - [`shm`]: shared-memory all_reduce for large buffers when every rank is on this machine.
-//! - [`fault`]: abort propagation so a dead or mismatching rank fails the collective on every rank, fast.
+//! - `mesh`: one TCP connection per pair of ranks, found through the store, run token checked on connect.
+//! - `frame`: the 40-byte frame header every piece of data carries (op, sequence number, size, dtype, …).
+//! - `transport`: the single-threaded non-blocking progress engine all algorithms run on.
+//! - `ring`: bandwidth-optimal segmented ring (all_reduce, reduce_scatter, all_gather).
+//! - `small`: latency-optimal direct exchange for small all_reduce.
+//! - `broadcast`, `barrier`, `p2p`: the other operations.
+//! - `shm`: shared-memory all_reduce for large buffers when every rank is on this machine.
+//! - `fault`: abort propagation so a dead or mismatching rank fails the collective on every rank, fast.
 //!
 //! all_reduce picks its path by size (the same on every rank): up to `small_all_reduce_bytes` (64 KiB) a
 //! direct exchange over TCP (latency), then the segmented TCP ring, and above `shm_min_bytes` (512 KiB) the
@@ -155,7 +155,7 @@ impl Default for CpuOptions {
 /// The pure-Rust CPU backend over TCP. See the module docs for the algorithms.
 ///
 /// Collectives of one backend are serialised by an internal lock; every rank must issue them in the same
-/// order. On error the group is aborted (see [`fault`]): the call and every later one fail with a
+/// order. On error the group is aborted (see `fault`): the call and every later one fail with a
 /// [`DdpError::Collective`] naming the op, its sequence number and the rank held responsible; buffer contents
 /// are then unspecified.
 pub struct CpuBackend {

@@ -15,7 +15,7 @@ use std::time::Duration;
 /// The byte-level [`Backend`] methods take *host* buffers: they are copied to the device, reduced by NCCL and
 /// copied back (`ProcessGroup::all_reduce(&mut [f32])` works unchanged, at the cost of two PCIe copies). GPU
 /// data should use the device-slice methods ([`NcclBackend::with_comm`] and [`NcclComm`]'s methods) or, with
-/// feature `cuda`, the candle tensor functions in [`super::tensor`], which run in place on the device.
+/// feature `cuda`, the candle tensor functions in `nccl::tensor`, which run in place on the device.
 pub struct NcclBackend {
     comm: Mutex<NcclComm>,
     rank: usize,
