@@ -185,9 +185,9 @@ int_element!(i32, DType::I32);
 int_element!(i64, DType::I64);
 int_element!(u8, DType::U8);
 
-/// Calls `$body` with `$T` bound to the Rust type of `$dtype`.
-#[macro_export]
-#[doc(hidden)]
+/// Calls `$body` with `$T` bound to the Rust element type of a ddp-core [`DType`] (`$dtype`). Every such type is
+/// an [`Element`] and a candle `WithDType`. The one dtype dispatch of the crate (buffers, DDP flat buckets, tensor
+/// collectives): a new [`DType`] variant is added here once.
 macro_rules! with_element_type {
     ($dtype:expr, $T:ident => $body:expr) => {
         match $dtype {
@@ -200,11 +200,11 @@ macro_rules! with_element_type {
                 $body
             }
             $crate::DType::F16 => {
-                type $T = half::f16;
+                type $T = ::half::f16;
                 $body
             }
             $crate::DType::BF16 => {
-                type $T = half::bf16;
+                type $T = ::half::bf16;
                 $body
             }
             $crate::DType::I32 => {
@@ -222,6 +222,7 @@ macro_rules! with_element_type {
         }
     };
 }
+pub(crate) use with_element_type;
 
 /// `acc = op(acc, x)` on byte buffers holding `dtype` elements. Both buffers must hold whole elements.
 /// Unaligned buffers are handled (copied through an aligned scratch), aligned ones are reduced in place.

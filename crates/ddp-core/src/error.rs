@@ -20,8 +20,8 @@ pub enum DdpError {
         waited: Duration,
     },
 
-    /// A peer presented a wrong or missing run token, or we were refused by a server.
-    #[error("run token refused by {peer}: every process of a job must share the same ACCEL_RUN_TOKEN (the launcher sets it; on several machines export the same value on each)")]
+    /// A peer proved a different run token than ours, or refused our proof (either side of the handshake).
+    #[error("run token mismatch with {peer}: every process of a job must share the same ACCEL_RUN_TOKEN (the launcher sets it; on several machines export the same value on each)")]
     TokenRejected {
         /// Address (or rank) of the other side.
         peer: String,

@@ -20,6 +20,8 @@
 //! # Ok::<(), ddp_core::DdpError>(())
 //! ```
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 pub mod backend;
 pub mod cpu;
 pub mod ddp;
@@ -28,13 +30,16 @@ pub mod env;
 pub mod error;
 pub mod launcher;
 #[cfg(feature = "mpi")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mpi")))]
 pub mod mpi;
 pub mod mpirun;
 #[cfg(feature = "nccl")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
 pub mod nccl;
 pub mod process_group;
 pub mod sampler;
 pub mod store;
+pub mod sync;
 mod tensor_ops;
 pub mod token;
 
@@ -59,5 +64,10 @@ const _: () = {
         assert_send_sync::<TcpStoreServer>();
         assert_send_sync::<DdpError>();
         assert_send_sync::<DistributedSampler>();
+        assert_send_sync::<PrefixStore>();
+        assert_send_sync::<store::MemoryStore>();
+        assert_send_sync::<cpu::CpuBackend>();
+        assert_send_sync::<RunToken>();
+        assert_send_sync::<DistributedDataParallel>();
     }
 };

@@ -9,6 +9,7 @@
 //! copy). Every rank must pass tensors of the same shape and dtype (a different size is reported as a
 //! collective mismatch).
 
+use crate::dtype::with_element_type;
 use crate::{DType, DdpError, Element, ProcessGroup, ReduceOp, Result};
 use candle_core::{Device, Shape, Tensor, WithDType};
 
@@ -31,21 +32,6 @@ fn check(t: &Tensor, what: &str) -> Result<DType> {
             t.dtype()
         ))
     })
-}
-
-/// Calls `$f::<T>(..)` with `T` the Rust type of `$dtype`.
-macro_rules! dispatch {
-    ($dtype:expr, $f:ident ( $($arg:expr),* )) => {
-        match $dtype {
-            DType::F32 => $f::<f32>($($arg),*),
-            DType::F64 => $f::<f64>($($arg),*),
-            DType::F16 => $f::<half::f16>($($arg),*),
-            DType::BF16 => $f::<half::bf16>($($arg),*),
-            DType::I32 => $f::<i32>($($arg),*),
-            DType::I64 => $f::<i64>($($arg),*),
-            DType::U8 => $f::<u8>($($arg),*),
-        }
-    };
 }
 
 fn all_reduce_t<T: Element + WithDType>(pg: &ProcessGroup, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
@@ -89,7 +75,7 @@ impl ProcessGroup {
             return r;
         }
         let dtype = check(t, "all_reduce_tensor")?;
-        dispatch!(dtype, all_reduce_t(self, t, op))
+        with_element_type!(dtype, T => all_reduce_t::<T>(self, t, op))
     }
 
     /// Broadcast of a tensor from `root`; every rank must pass a tensor of the same shape and dtype.
@@ -106,7 +92,7 @@ impl ProcessGroup {
                 self.world_size()
             )));
         }
-        dispatch!(dtype, broadcast_t(self, t, root))
+        with_element_type!(dtype, T => broadcast_t::<T>(self, t, root))
     }
 
     /// All-gather along dim 0: `[n, d1, ..] → [world_size·n, d1, ..]`, rank r's rows at `r·n..(r+1)·n`.
@@ -122,7 +108,7 @@ impl ProcessGroup {
             Some(d0) => *d0 *= self.world_size(),
             None => dims.push(self.world_size()),
         }
-        dispatch!(dtype, all_gather_t(self, t, Shape::from(dims)))
+        with_element_type!(dtype, T => all_gather_t::<T>(self, t, Shape::from(dims)))
     }
 
     /// Reduce-scatter along dim 0: `[world_size·n, d1, ..] → [n, d1, ..]`, rank r keeps the reduction of rows
@@ -149,6 +135,6 @@ impl ProcessGroup {
                 ))
             }
         }
-        dispatch!(dtype, reduce_scatter_t(self, t, op, Shape::from(dims)))
+        with_element_type!(dtype, T => reduce_scatter_t::<T>(self, t, op, Shape::from(dims)))
     }
 }

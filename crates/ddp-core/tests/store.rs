@@ -3,8 +3,9 @@
 use ddp_core::store::{MAX_KEY_BYTES, MAX_VALUE_BYTES};
 use ddp_core::{DdpError, PrefixStore, RunToken, Store, TcpStore, TcpStoreServer};
 use std::io::{Read, Write};
+use std::net::TcpListener;
 use std::net::TcpStream;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Generous: waits that should succeed must survive a loaded 2-core machine.
@@ -157,17 +158,8 @@ fn oversized_keys_and_values_are_refused_on_both_sides() {
 
     // Server side: a hand-written client that authenticates and then announces a 1 GiB frame gets an error
     // answer and a closed connection, and the server keeps serving others.
-    let mut raw = TcpStream::connect(server.local_addr()).unwrap();
-    raw.set_read_timeout(Some(LONG)).unwrap();
-    let mut hello = Vec::new();
-    hello.extend_from_slice(b"ACST");
-    hello.extend_from_slice(&1u16.to_le_bytes());
-    hello.extend_from_slice(&[0, 0]);
-    hello.extend_from_slice(token.as_bytes());
-    raw.write_all(&hello).unwrap();
-    let mut ok = [0u8; 1];
-    raw.read_exact(&mut ok).unwrap();
-    assert_eq!(ok[0], 0, "handshake with the right token is accepted");
+    let (mut raw, ok) = raw_handshake(&server.local_addr().to_string(), &token);
+    assert_eq!(ok, Some(0), "handshake with the right token is accepted");
     raw.write_all(&(1u32 << 30).to_le_bytes()).unwrap();
     let mut answer = Vec::new();
     let _ = raw.read_to_end(&mut answer);
@@ -285,4 +277,213 @@ fn many_clients_count_together() {
         t.join().unwrap();
     }
     assert_eq!(client(&server, token, LONG).get("total").unwrap(), b"400");
+}
+
+// ---- The handshake (protocol version 2), written here from the documentation in store/protocol.rs. ----
+
+const HELLO_OK: u8 = 0;
+const HELLO_BAD_TOKEN: u8 = 1;
+
+/// HMAC-SHA256 (RFC 2104) keyed with the token over `len(label) u32 LE || label || server nonce || client nonce`.
+fn proof(token: &RunToken, label: &[u8], server_nonce: &[u8], client_nonce: &[u8]) -> Vec<u8> {
+    use hmac::Mac;
+    let mut m = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(token.as_bytes()).unwrap();
+    m.update(&(label.len() as u32).to_le_bytes());
+    m.update(label);
+    m.update(server_nonce);
+    m.update(client_nonce);
+    m.finalize().into_bytes().to_vec()
+}
+
+fn hello(client_nonce: &[u8; 16]) -> Vec<u8> {
+    let mut h = b"ACST".to_vec();
+    h.extend_from_slice(&2u16.to_le_bytes());
+    h.extend_from_slice(&[0, 0]);
+    h.extend_from_slice(client_nonce);
+    h
+}
+
+/// A hand-written client: sends a hello, checks the server's proof (it must verify exactly when `token` is the
+/// server's), sends its own proof and returns the stream and the server's final byte (`None`: closed).
+fn raw_handshake(addr: &str, token: &RunToken) -> (TcpStream, Option<u8>) {
+    let mut raw = TcpStream::connect(addr).unwrap();
+    raw.set_read_timeout(Some(LONG)).unwrap();
+    let client_nonce: [u8; 16] = std::array::from_fn(|i| (i as u8).wrapping_mul(37) ^ 0x5a);
+    raw.write_all(&hello(&client_nonce)).unwrap();
+    let mut challenge = [0u8; 5 + 16 + 32];
+    raw.read_exact(&mut challenge).unwrap();
+    assert_eq!(&challenge[..5], b"ACSS\x03", "server magic and the challenge status");
+    let server_nonce = &challenge[5..21];
+    let expected = proof(token, b"accel-store v2 server", server_nonce, &client_nonce);
+    raw.write_all(&proof(token, b"accel-store v2 client", server_nonce, &client_nonce)).unwrap();
+    let mut last = [0u8; 1];
+    let answer = match raw.read(&mut last) {
+        Ok(1) => Some(last[0]),
+        _ => None,
+    };
+    assert_eq!(expected == challenge[21..], answer == Some(HELLO_OK), "server proof verifies iff we are accepted");
+    (raw, answer)
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+/// A fake peer on 127.0.0.1 that records everything one connection sends it; `reply` decides what it answers
+/// after the first 24 bytes (`None`: stay silent until the client goes away).
+fn recording_peer(reply: Option<Vec<u8>>) -> (String, Arc<Mutex<Vec<u8>>>, std::thread::JoinHandle<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let record = seen.clone();
+    let t = std::thread::spawn(move || {
+        let (mut conn, _) = listener.accept().unwrap();
+        conn.set_read_timeout(Some(LONG)).unwrap();
+        let mut buf = [0u8; 4096];
+        let mut replied = false;
+        loop {
+            match conn.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => record.lock().unwrap().extend_from_slice(&buf[..n]),
+            }
+            if !replied && record.lock().unwrap().len() >= 24 {
+                replied = true;
+                if let Some(r) = &reply {
+                    let _ = conn.write_all(r);
+                }
+            }
+        }
+    });
+    (addr, seen, t)
+}
+
+#[test]
+fn the_run_token_never_goes_on_the_wire() {
+    let token = RunToken::generate().unwrap();
+    // A fake server that answers with a well-formed challenge (random nonce, random "proof"), so the client goes
+    // all the way through the handshake: it must refuse the fake at once and still never send the token.
+    let mut challenge = b"ACSS\x03".to_vec();
+    challenge.extend_from_slice(RunToken::generate().unwrap().as_bytes());
+    challenge.extend_from_slice(&[7u8; 32]);
+    let (addr, seen, t) = recording_peer(Some(challenge));
+    let start = Instant::now();
+    let err = TcpStore::connect(&addr, token, LONG).unwrap_err();
+    assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
+    assert!(matches!(err, DdpError::TokenRejected { .. }), "{err}");
+    assert!(err.to_string().contains("run token mismatch"), "{err}");
+    t.join().unwrap();
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 24 + 32, "hello then proof");
+    assert_eq!(&seen[..8], b"ACST\x02\x00\x00\x00");
+    assert!(!contains(&seen, token.as_bytes()), "token bytes on the wire");
+    assert!(!contains(&seen, token.to_hex().as_bytes()), "token hex on the wire");
+    assert!(!contains(&seen, token.to_hex().to_uppercase().as_bytes()), "token hex on the wire");
+}
+
+#[test]
+fn a_wrong_token_fails_fast_on_both_sides() {
+    let (server, token) = server();
+    let addr = server.local_addr().to_string();
+    let wrong = RunToken::generate().unwrap();
+
+    // Client side: the library client, with a long connect timeout, fails at once.
+    let start = Instant::now();
+    let err = TcpStore::connect(&addr, wrong, LONG).unwrap_err();
+    assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
+    assert!(err.to_string().contains("run token mismatch") && err.to_string().contains(&addr), "{err}");
+
+    // Server side: a hand-written client with the wrong token is refused at once (no handshake timeout) and the
+    // connection is closed; with the right token the same client is accepted.
+    let start = Instant::now();
+    let (mut raw, answer) = raw_handshake(&addr, &wrong);
+    assert_eq!(answer, Some(HELLO_BAD_TOKEN));
+    let mut rest = Vec::new();
+    assert_eq!(raw.read_to_end(&mut rest).unwrap_or(0), 0, "closed after the refusal");
+    assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
+    assert_eq!(server.num_connections(), 0);
+    let (_ok, answer) = raw_handshake(&addr, &token);
+    assert_eq!(answer, Some(HELLO_OK));
+}
+
+#[test]
+fn a_silent_peer_or_an_http_server_is_not_an_accel_store() {
+    let token = RunToken::generate().unwrap();
+    let connect_timeout = Duration::from_millis(500);
+
+    let (addr, _seen, t) = recording_peer(None);
+    let start = Instant::now();
+    let err = TcpStore::connect(&addr, token, connect_timeout).unwrap_err();
+    let took = start.elapsed();
+    assert!(took >= connect_timeout - Duration::from_millis(50) && took < Duration::from_secs(5), "{took:?}");
+    let msg = err.to_string();
+    assert!(matches!(err, DdpError::Protocol(_)), "{msg}");
+    assert!(msg.contains(&format!("the peer at {addr} is not an accel store")), "{msg}");
+    assert!(msg.contains("answered nothing within") && msg.contains("MASTER_ADDR/MASTER_PORT"), "{msg}");
+    t.join().unwrap();
+
+    let page = format!("HTTP/1.1 400 Bad Request\r\nContent-Type: text/html\r\n\r\n<html>{}</html>", "x".repeat(200));
+    let (addr, seen, t) = recording_peer(Some(page.into_bytes()));
+    let start = Instant::now();
+    let err = TcpStore::connect(&addr, token, connect_timeout).unwrap_err();
+    assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
+    let msg = err.to_string();
+    assert!(msg.contains(&format!("the peer at {addr} is not an accel store")), "{msg}");
+    // Escaped and truncated: the first 64 bytes, control characters written out, then "...".
+    assert!(
+        msg.contains(r#"it answered "HTTP/1.1 400 Bad Request\r\nContent-Type: text/html\r\n\r\n<html>xxxxx"..."#),
+        "{msg}"
+    );
+    assert!(
+        !msg.contains('\r') && !msg.contains("xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"),
+        "{msg}"
+    );
+    assert!(msg.contains("no other job or service listens on that port"), "{msg}");
+    t.join().unwrap();
+    assert!(!contains(&seen.lock().unwrap(), token.as_bytes()));
+}
+
+#[test]
+fn a_replayed_client_handshake_is_refused() {
+    let (server, token) = server();
+    // A recording relay between a genuine client and the server.
+    let relay = TcpListener::bind("127.0.0.1:0").unwrap();
+    let relay_addr = relay.local_addr().unwrap().to_string();
+    let upstream = server.local_addr();
+    let recorded = Arc::new(Mutex::new(Vec::new()));
+    let record = recorded.clone();
+    std::thread::spawn(move || {
+        let (mut down, _) = relay.accept().unwrap();
+        let mut up = TcpStream::connect(upstream).unwrap();
+        let (mut down2, mut up2) = (down.try_clone().unwrap(), up.try_clone().unwrap());
+        std::thread::spawn(move || std::io::copy(&mut up2, &mut down2));
+        let mut buf = [0u8; 4096];
+        while let Ok(n @ 1..) = down.read(&mut buf) {
+            record.lock().unwrap().extend_from_slice(&buf[..n]);
+            if up.write_all(&buf[..n]).is_err() {
+                break;
+            }
+        }
+    });
+    let genuine = TcpStore::connect(&relay_addr, token, LONG).unwrap();
+    genuine.set("k", b"v").unwrap();
+    assert_eq!(genuine.get("k").unwrap(), b"v");
+    let handshake = recorded.lock().unwrap()[..24 + 32].to_vec();
+    assert!(!contains(&recorded.lock().unwrap(), token.as_bytes()));
+
+    // Replay the genuine hello and proof on a fresh connection: the server's new nonce makes the proof stale.
+    let start = Instant::now();
+    let mut raw = TcpStream::connect(server.local_addr()).unwrap();
+    raw.set_read_timeout(Some(LONG)).unwrap();
+    raw.write_all(&handshake[..24]).unwrap();
+    let mut challenge = [0u8; 53];
+    raw.read_exact(&mut challenge).unwrap();
+    raw.write_all(&handshake[24..]).unwrap();
+    let mut answer = [0u8; 1];
+    raw.read_exact(&mut answer).unwrap();
+    assert_eq!(answer[0], HELLO_BAD_TOKEN);
+    assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
+    let mut rest = Vec::new();
+    assert_eq!(raw.read_to_end(&mut rest).unwrap_or(0), 0, "closed after the refusal");
+    // Only the genuine client is connected.
+    assert_eq!(server.num_connections(), 1);
 }

@@ -1,13 +1,13 @@
 //! The CPU backend: pure Rust, TCP between processes (loopback or across machines).
 //!
-//! - [`mesh`]: one TCP connection per pair of ranks, found through the store, run token checked on connect.
-//! - [`frame`]: the 40-byte frame header every piece of data carries (op, sequence number, size, dtype, …).
-//! - [`transport`]: the single-threaded non-blocking progress engine all algorithms run on.
-//! - [`ring`]: bandwidth-optimal segmented ring (all_reduce, reduce_scatter, all_gather).
-//! - [`small`]: latency-optimal direct exchange for small all_reduce.
-//! - [`broadcast`], [`barrier`], [`p2p`]: the other operations.
-//! - [`shm`]: shared-memory all_reduce for large buffers when every rank is on this machine.
-//! - [`fault`]: abort propagation so a dead or mismatching rank fails the collective on every rank, fast.
+//! - `mesh`: one TCP connection per pair of ranks, found through the store, run token checked on connect.
+//! - `frame`: the 40-byte frame header every piece of data carries (op, sequence number, size, dtype, …).
+//! - `transport`: the single-threaded non-blocking progress engine all algorithms run on.
+//! - `ring`: bandwidth-optimal segmented ring (all_reduce, reduce_scatter, all_gather).
+//! - `small`: latency-optimal direct exchange for small all_reduce.
+//! - `broadcast`, `barrier`, `p2p`: the other operations.
+//! - `shm`: shared-memory all_reduce for large buffers when every rank is on this machine.
+//! - `fault`: abort propagation so a dead or mismatching rank fails the collective on every rank, fast.
 //!
 //! all_reduce picks its path by size (the same on every rank): up to `small_all_reduce_bytes` (64 KiB) a
 //! direct exchange over TCP (latency), then the segmented TCP ring, and above `shm_min_bytes` (512 KiB) the
@@ -29,6 +29,7 @@ pub use mesh::ADVERTISE_HOST_ENV;
 
 use crate::backend::Backend;
 use crate::store::Store;
+use crate::sync;
 use crate::token::RunToken;
 use crate::{DType, DdpError, ReduceOp, Result};
 use fault::AbortRecord;
@@ -154,7 +155,7 @@ impl Default for CpuOptions {
 /// The pure-Rust CPU backend over TCP. See the module docs for the algorithms.
 ///
 /// Collectives of one backend are serialised by an internal lock; every rank must issue them in the same
-/// order. On error the group is aborted (see [`fault`]): the call and every later one fail with a
+/// order. On error the group is aborted (see `fault`): the call and every later one fail with a
 /// [`DdpError::Collective`] naming the op, its sequence number and the rank held responsible; buffer contents
 /// are then unspecified.
 pub struct CpuBackend {
@@ -278,12 +279,6 @@ impl CpuBackend {
         self.shm.is_some()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        // A panic inside a collective leaves the group in an unknown state; later calls still see `aborted`
-        // or fail on mismatching frames, so recovering the guard is safe.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// Starts a collective: next sequence number, fails at once on an aborted group.
     fn begin(
         &self,
@@ -404,7 +399,7 @@ impl Backend for CpuBackend {
 
     fn all_reduce(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         check_len("all_reduce", buf.len(), dtype)?;
-        let mut st = self.lock();
+        let mut st = sync::lock(&self.state);
         let call = self.begin(&mut st, Op::AllReduce, buf.len(), Some(dtype), Some(op), 0)?;
         let (p, r, n) = (self.world_size, self.rank, buf.len());
         if p == 1 {
@@ -438,7 +433,7 @@ impl Backend for CpuBackend {
     }
 
     fn broadcast(&self, buf: &mut [u8], root: usize) -> Result<()> {
-        let mut st = self.lock();
+        let mut st = sync::lock(&self.state);
         let call = self.begin(&mut st, Op::Broadcast, buf.len(), None, None, root as u64)?;
         if root >= self.world_size {
             return Err(DdpError::InvalidArgument(format!(
@@ -463,7 +458,7 @@ impl Backend for CpuBackend {
                 n * p
             )));
         }
-        let mut st = self.lock();
+        let mut st = sync::lock(&self.state);
         let call = self.begin(&mut st, Op::AllGather, n, None, None, 0)?;
         output[r * n..(r + 1) * n].copy_from_slice(input);
         if p == 1 {
@@ -496,7 +491,7 @@ impl Backend for CpuBackend {
                 n * p
             )));
         }
-        let mut st = self.lock();
+        let mut st = sync::lock(&self.state);
         let call = self.begin(&mut st, Op::ReduceScatter, n, Some(dtype), Some(op), 0)?;
         if p == 1 {
             output.copy_from_slice(input);
@@ -533,7 +528,7 @@ impl Backend for CpuBackend {
 
     fn send(&self, buf: &[u8], dst: usize) -> Result<()> {
         self.check_peer(dst, "send destination")?;
-        let mut st = self.lock();
+        let mut st = sync::lock(&self.state);
         st.sent[dst] += 1;
         let call =
             CallId { op: Op::Send, seq: st.sent[dst], size: buf.len() as u64, dtype: None, redop: None, param: 0 };
@@ -546,7 +541,7 @@ impl Backend for CpuBackend {
 
     fn recv(&self, buf: &mut [u8], src: usize) -> Result<()> {
         self.check_peer(src, "recv source")?;
-        let mut st = self.lock();
+        let mut st = sync::lock(&self.state);
         st.received[src] += 1;
         let call =
             CallId { op: Op::Send, seq: st.received[src], size: buf.len() as u64, dtype: None, redop: None, param: 0 };
@@ -562,7 +557,7 @@ impl Backend for CpuBackend {
     }
 
     fn barrier(&self) -> Result<()> {
-        let mut st = self.lock();
+        let mut st = sync::lock(&self.state);
         let call = self.begin(&mut st, Op::Barrier, 0, None, None, 0)?;
         if self.world_size == 1 {
             return Ok(());

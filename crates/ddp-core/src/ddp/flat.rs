@@ -1,6 +1,7 @@
 //! Flat buffers: several tensors of one dtype copied into one contiguous, 8-byte aligned byte buffer (a bucket)
 //! and back. The buffer is `Vec<u64>` underneath so it can be viewed as any element type collectives carry.
 
+use crate::dtype::with_element_type;
 use crate::{DType, DdpError, Element, Result};
 use candle_core::{Device, Shape, Storage, Tensor, WithDType};
 
@@ -30,47 +31,10 @@ impl FlatBuffer {
     }
 }
 
-/// Calls `$body` with `$T` bound to the Rust element type of a ddp-core [`DType`]; every such type is also a
-/// candle `WithDType`.
-macro_rules! with_type {
-    ($dtype:expr, $T:ident => $body:expr) => {
-        match $dtype {
-            DType::F32 => {
-                type $T = f32;
-                $body
-            }
-            DType::F64 => {
-                type $T = f64;
-                $body
-            }
-            DType::F16 => {
-                type $T = half::f16;
-                $body
-            }
-            DType::BF16 => {
-                type $T = half::bf16;
-                $body
-            }
-            DType::I32 => {
-                type $T = i32;
-                $body
-            }
-            DType::I64 => {
-                type $T = i64;
-                $body
-            }
-            DType::U8 => {
-                type $T = u8;
-                $body
-            }
-        }
-    };
-}
-
 /// Copies `t` (any layout, any device; `elem_count` elements of `dtype`) into `dst`, which holds exactly
 /// `t.elem_count()` elements' bytes. Contiguous CPU tensors are copied straight from their storage.
 pub(crate) fn copy_in(t: &Tensor, dtype: DType, dst: &mut [u8]) -> Result<()> {
-    with_type!(dtype, T => copy_in_typed::<T>(t, bytemuck::cast_slice_mut(dst)))
+    with_element_type!(dtype, T => copy_in_typed::<T>(t, bytemuck::cast_slice_mut(dst)))
 }
 
 fn copy_in_typed<T: Element + WithDType>(t: &Tensor, dst: &mut [T]) -> Result<()> {
@@ -89,7 +53,7 @@ fn copy_in_typed<T: Element + WithDType>(t: &Tensor, dst: &mut [T]) -> Result<()
 
 /// A new tensor of `shape` on `device` holding `src`'s `dtype` elements.
 pub(crate) fn tensor_from(src: &[u8], dtype: DType, shape: &Shape, device: &Device) -> Result<Tensor> {
-    with_type!(dtype, T => Ok(Tensor::from_slice(bytemuck::cast_slice::<u8, T>(src), shape, device)?))
+    with_element_type!(dtype, T => Ok(Tensor::from_slice(bytemuck::cast_slice::<u8, T>(src), shape, device)?))
 }
 
 /// The ddp-core dtype of a parameter, or an error naming it when collectives cannot carry that dtype.

@@ -66,7 +66,7 @@ impl Sinks {
     pub(crate) fn note(&self, text: &str) {
         for sink in &self.ranks {
             if let Some(f) = &sink.file {
-                let _ = writeln!(f.lock().unwrap_or_else(|e| e.into_inner()), "[launcher] {text}");
+                let _ = writeln!(crate::sync::lock(f), "[launcher] {text}");
             }
         }
     }
@@ -135,7 +135,7 @@ fn pump(reader: impl Read, sink: &RankSink, stream: Stream) {
             line.push(b'\n'); // last line without a newline
         }
         if let Some(f) = &sink.file {
-            let _ = f.lock().unwrap_or_else(|e| e.into_inner()).write_all(&line);
+            let _ = crate::sync::lock(f).write_all(&line);
         }
         if sink.console {
             out.clear();

@@ -34,7 +34,7 @@ pub(crate) struct SignalGuard {
 impl SignalGuard {
     /// Installs the handlers (first user) and starts counting from now.
     pub(crate) fn install() -> std::io::Result<Self> {
-        let mut installed = INSTALLED.lock().unwrap_or_else(|e| e.into_inner());
+        let mut installed = crate::sync::lock(&INSTALLED);
         if installed.users == 0 {
             let mut previous = Vec::new();
             for signal in CAUGHT {
@@ -75,7 +75,7 @@ impl SignalGuard {
 
 impl Drop for SignalGuard {
     fn drop(&mut self) {
-        let mut installed = INSTALLED.lock().unwrap_or_else(|e| e.into_inner());
+        let mut installed = crate::sync::lock(&INSTALLED);
         installed.users -= 1;
         if installed.users == 0 {
             for (signal, old) in installed.previous.drain(..) {

@@ -5,10 +5,11 @@ use super::runtime::{error_string, runtime, MpiRuntime};
 use super::watchdog;
 use crate::backend::Backend;
 use crate::store::Store;
+use crate::sync;
 use crate::{DType, DdpError, ReduceOp, Result};
 use mpi::ffi;
 use std::ffi::{c_int, c_void};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 use std::time::Duration;
 
 /// Tag of point-to-point messages on our communicators (they are private to ddp-core, so one tag suffices).
@@ -140,13 +141,9 @@ impl MpiBackend {
         &self.runtime.library
     }
 
-    fn lock(&self) -> MutexGuard<'_, MpiComm> {
-        self.comm.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// Runs one blocking MPI call on the communicator with the next sequence number, under the watchdog.
     fn call(&self, op: &'static str, f: impl FnOnce(ffi::MPI_Comm) -> c_int) -> Result<()> {
-        let mut comm = self.lock();
+        let mut comm = sync::lock(&self.comm);
         comm.seq += 1;
         let seq = comm.seq;
         let rc = {
@@ -180,7 +177,7 @@ impl MpiBackend {
         let _serial = self.runtime.serialize();
         MpiOp::new(op, dtype).map_err(|rc| DdpError::Collective {
             op: op_name,
-            seq: self.lock().seq + 1,
+            seq: sync::lock(&self.comm).seq + 1,
             rank: self.rank,
             world_size: self.world_size,
             peer: None,
@@ -340,7 +337,7 @@ impl Backend for MpiBackend {
         if got != n {
             return Err(DdpError::Collective {
                 op: "recv",
-                seq: self.lock().seq,
+                seq: sync::lock(&self.comm).seq,
                 rank: self.rank,
                 world_size: self.world_size,
                 peer: Some(src as usize),

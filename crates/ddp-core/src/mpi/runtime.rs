@@ -44,7 +44,7 @@ impl MpiRuntime {
         if self.thread_multiple {
             None
         } else {
-            Some(self.lock.lock().unwrap_or_else(|e| e.into_inner()))
+            Some(crate::sync::lock(&self.lock))
         }
     }
 }
@@ -62,7 +62,7 @@ fn init() -> std::result::Result<MpiRuntime, String> {
     } else {
         let (universe, provided) = mpi::initialize_with_threading(mpi::Threading::Multiple)
             .ok_or_else(|| "MPI_Init_thread failed (is this program started by mpirun/srun?)".to_string())?;
-        *UNIVERSE.lock().unwrap_or_else(|e| e.into_inner()) = Some(universe);
+        *crate::sync::lock(&UNIVERSE) = Some(universe);
         // SAFETY: registering a plain extern "C" function; it runs once at process exit.
         unsafe { libc::atexit(finalize_at_exit) };
         provided
@@ -93,7 +93,7 @@ fn in_place_sentinel(library: &str) -> Option<usize> {
 extern "C" fn finalize_at_exit() {
     // Dropping rsmpi's Universe calls MPI_Finalize. A panic must not unwind into C.
     let _ = std::panic::catch_unwind(|| {
-        let universe = UNIVERSE.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let universe = crate::sync::lock(&UNIVERSE).take();
         drop(universe);
     });
 }

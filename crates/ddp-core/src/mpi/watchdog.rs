@@ -47,7 +47,7 @@ pub(crate) fn watch(op: &'static str, seq: u64, rank: usize, world_size: usize, 
     let w = watchdog();
     let id = w.next_id.fetch_add(1, Ordering::Relaxed);
     let call = InFlight { op, seq, rank, world_size, started: Instant::now(), timeout };
-    w.calls.lock().unwrap_or_else(|e| e.into_inner()).insert(id, call);
+    crate::sync::lock(&w.calls).insert(id, call);
     Guard { id }
 }
 
@@ -59,7 +59,7 @@ pub(crate) struct Guard {
 impl Drop for Guard {
     fn drop(&mut self) {
         if let Some(w) = WATCHDOG.get() {
-            w.calls.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.id);
+            crate::sync::lock(&w.calls).remove(&self.id);
         }
     }
 }
@@ -85,7 +85,7 @@ fn run() {
         std::thread::sleep(TICK);
         let Some(w) = WATCHDOG.get() else { continue };
         let expired = {
-            let calls = w.calls.lock().unwrap_or_else(|e| e.into_inner());
+            let calls = crate::sync::lock(&w.calls);
             calls
                 .values()
                 .find(|c| c.started.elapsed() >= c.timeout)

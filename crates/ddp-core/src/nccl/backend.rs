@@ -4,9 +4,10 @@ use super::comm::{NcclComm, NcclElement};
 use super::{device, error, probe, unique_id};
 use crate::backend::Backend;
 use crate::store::Store;
+use crate::sync;
 use crate::{DType, DdpError, ReduceOp, Result};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtrMut};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// An NCCL process group backend: one GPU per rank, one communicator per (sub-)group.
@@ -14,7 +15,7 @@ use std::time::Duration;
 /// The byte-level [`Backend`] methods take *host* buffers: they are copied to the device, reduced by NCCL and
 /// copied back (`ProcessGroup::all_reduce(&mut [f32])` works unchanged, at the cost of two PCIe copies). GPU
 /// data should use the device-slice methods ([`NcclBackend::with_comm`] and [`NcclComm`]'s methods) or, with
-/// feature `cuda`, the candle tensor functions in [`super::tensor`], which run in place on the device.
+/// feature `cuda`, the candle tensor functions in `nccl::tensor`, which run in place on the device.
 pub struct NcclBackend {
     comm: Mutex<NcclComm>,
     rank: usize,
@@ -82,34 +83,28 @@ impl NcclBackend {
 
     /// The stream NCCL runs on.
     pub fn stream(&self) -> Arc<CudaStream> {
-        self.lock().stream().clone()
+        sync::lock(&self.comm).stream().clone()
     }
 
     /// The GPU ordinal (among visible devices) of this rank.
     pub fn device_ordinal(&self) -> usize {
-        self.lock().stream().context().ordinal()
+        sync::lock(&self.comm).stream().context().ordinal()
     }
 
     /// Runs `f` with exclusive use of the communicator: the device-slice API (`all_reduce`, `broadcast`,
     /// `all_gather`, `reduce_scatter`, `send`, `recv`, `barrier` on `CudaSlice`s).
     pub fn with_comm<R>(&self, f: impl FnOnce(&mut NcclComm) -> R) -> R {
-        f(&mut self.lock())
+        f(&mut sync::lock(&self.comm))
     }
 
     /// In place all_reduce of a device slice (see [`NcclComm::all_reduce`]).
     pub fn all_reduce_slice<T: NcclElement, S: DevicePtrMut<T>>(&self, buf: &mut S, op: ReduceOp) -> Result<()> {
-        self.lock().all_reduce(buf, op)
+        sync::lock(&self.comm).all_reduce(buf, op)
     }
 
     /// In place broadcast of a device slice from group rank `root`.
     pub fn broadcast_slice<T: NcclElement, S: DevicePtrMut<T>>(&self, buf: &mut S, root: usize) -> Result<()> {
-        self.lock().broadcast(buf, root)
-    }
-
-    fn lock(&self) -> MutexGuard<'_, NcclComm> {
-        // A panic while holding the lock leaves the communicator as consistent as NCCL left it; later calls
-        // report NCCL's own errors.
-        self.comm.lock().unwrap_or_else(|e| e.into_inner())
+        sync::lock(&self.comm).broadcast(buf, root)
     }
 
     /// Copies `host` to a new device buffer on the communicator's stream.
@@ -149,7 +144,7 @@ impl Backend for NcclBackend {
         if buf.is_empty() {
             return Ok(());
         }
-        let mut comm = self.lock();
+        let mut comm = sync::lock(&self.comm);
         let mut dev = Self::stage_in(&comm, "all_reduce", buf)?;
         let stream = comm.stream().clone();
         let divide = {
@@ -168,7 +163,7 @@ impl Backend for NcclBackend {
         if buf.is_empty() {
             return Ok(());
         }
-        let mut comm = self.lock();
+        let mut comm = sync::lock(&self.comm);
         let mut dev = Self::stage_in(&comm, "broadcast", buf)?;
         let stream = comm.stream().clone();
         {
@@ -183,7 +178,7 @@ impl Backend for NcclBackend {
         if input.is_empty() {
             return Ok(());
         }
-        let mut comm = self.lock();
+        let mut comm = sync::lock(&self.comm);
         let src = Self::stage_in(&comm, "all_gather", input)?;
         let stream = comm.stream().clone();
         let mut dst =
@@ -201,7 +196,7 @@ impl Backend for NcclBackend {
         if output.is_empty() {
             return Ok(());
         }
-        let mut comm = self.lock();
+        let mut comm = sync::lock(&self.comm);
         let src = Self::stage_in(&comm, "reduce_scatter", input)?;
         let stream = comm.stream().clone();
         let mut dst = stream
@@ -224,7 +219,7 @@ impl Backend for NcclBackend {
         if buf.is_empty() {
             return Ok(());
         }
-        let mut comm = self.lock();
+        let mut comm = sync::lock(&self.comm);
         let dev = Self::stage_in(&comm, "send", buf)?;
         let stream = comm.stream().clone();
         let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(&dev, &stream);
@@ -236,7 +231,7 @@ impl Backend for NcclBackend {
         if buf.is_empty() {
             return Ok(());
         }
-        let mut comm = self.lock();
+        let mut comm = sync::lock(&self.comm);
         let stream = comm.stream().clone();
         let mut dev =
             stream.alloc_zeros::<u8>(buf.len()).map_err(|e| staging_error(&comm, "recv", "cuMemAlloc", &e))?;
@@ -249,7 +244,7 @@ impl Backend for NcclBackend {
     }
 
     fn barrier(&self) -> Result<()> {
-        self.lock().barrier()
+        sync::lock(&self.comm).barrier()
     }
 
     fn as_any(&self) -> Option<&dyn std::any::Any> {

@@ -21,13 +21,13 @@ struct ErrorSlot(Mutex<Option<DdpError>>);
 impl ErrorSlot {
     fn keep(&self, e: DdpError) -> candle_core::Error {
         let msg = e.to_string();
-        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+        *crate::sync::lock(&self.0) = Some(e);
         candle_core::Error::Msg(msg)
     }
     fn finish(&self, r: candle_core::Result<()>) -> Result<()> {
         match r {
             Ok(()) => Ok(()),
-            Err(e) => Err(self.0.lock().unwrap_or_else(|p| p.into_inner()).take().unwrap_or(DdpError::Candle(e))),
+            Err(e) => Err(crate::sync::lock(&self.0).take().unwrap_or(DdpError::Candle(e))),
         }
     }
 }

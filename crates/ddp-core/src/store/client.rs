@@ -7,7 +7,7 @@
 
 use super::protocol::{self, ErrorKind, Request, Response};
 use super::Store;
-use crate::token::RunToken;
+use crate::token::{self, RunToken, MAC_LEN, NONCE_LEN};
 use crate::{DdpError, Result};
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs};
@@ -38,12 +38,14 @@ impl std::fmt::Debug for TcpStore {
 }
 
 impl TcpStore {
-    /// Connects to the server at `addr` (`"host:port"`) and presents `token`. While the server is not up yet
+    /// Connects to the server at `addr` (`"host:port"`) and proves knowledge of `token` (challenge-response: the
+    /// token itself is never sent, see the [`crate::store`] docs). While the server is not up yet
     /// (connection refused, name not resolvable) it retries with back-off until `timeout` passes. `timeout` is
     /// also the timeout of blocking calls ([`Store::get`]); change it with [`Self::with_timeout`].
     ///
     /// Errors: [`DdpError::Connect`] naming `addr` after `timeout`; [`DdpError::TokenRejected`] at once when the
-    /// server refuses the token; [`DdpError::Protocol`] when the peer is not a store server of this version.
+    /// server and we hold different tokens ("run token mismatch"); [`DdpError::Protocol`] within `timeout` when the
+    /// peer is not an accel store (says what it answered) or a store server of another version.
     pub fn connect(addr: &str, token: RunToken, timeout: Duration) -> Result<Self> {
         let stream = open_connection(addr, &token, timeout, true)?;
         let local_ip = stream.local_addr().map_err(|e| DdpError::io(format!("store connection to {addr}"), e))?.ip();
@@ -79,7 +81,7 @@ impl TcpStore {
     }
 
     fn take_connection(&self) -> Result<TcpStream> {
-        if let Some(s) = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop() {
+        if let Some(s) = crate::sync::lock(&self.idle).pop() {
             return Ok(s);
         }
         // The server was up when we first connected: a refused connection now means it is gone, so fail at
@@ -112,7 +114,7 @@ impl TcpStore {
         if let Response::Error { kind: ErrorKind::Protocol | ErrorKind::ShuttingDown, .. } = resp {
             // The server closes the connection after these.
         } else {
-            self.idle.lock().unwrap_or_else(|e| e.into_inner()).push(conn);
+            crate::sync::lock(&self.idle).push(conn);
         }
         match resp {
             Response::Error { kind: ErrorKind::InvalidArgument, message } => Err(DdpError::InvalidArgument(message)),
@@ -202,7 +204,7 @@ fn open_connection(addr: &str, token: &RunToken, timeout: Duration, retry_refuse
     let mut backoff = Duration::from_millis(10);
     loop {
         let last_error = match try_connect_once(addr, start + timeout) {
-            Ok(mut stream) => return handshake(&mut stream, addr, token).map(|()| stream),
+            Ok(mut stream) => return handshake(&mut stream, addr, token, start + timeout).map(|()| stream),
             Err(e) => e,
         };
         let (last_error, refused) = last_error;
@@ -233,31 +235,103 @@ fn try_connect_once(addr: &str, deadline: Instant) -> std::result::Result<TcpStr
     Err(last)
 }
 
-fn handshake(stream: &mut TcpStream, addr: &str, token: &RunToken) -> Result<()> {
+/// Client side of the challenge-response handshake (see `protocol.rs`). A peer that does not answer like a
+/// store server before `deadline` (the end of the connect timeout) is reported as not being an accel store.
+fn handshake(stream: &mut TcpStream, addr: &str, token: &RunToken, deadline: Instant) -> Result<()> {
     let io_err = |e: std::io::Error| DdpError::io(format!("store handshake with {addr}"), e);
     stream.set_nodelay(true).map_err(io_err)?;
-    stream.set_read_timeout(Some(ANSWER_GRACE)).map_err(io_err)?;
-    stream.write_all(&protocol::encode_hello(token)).map_err(io_err)?;
+    let left = deadline.saturating_duration_since(Instant::now()).max(MIN_HANDSHAKE_WAIT);
+    stream.set_read_timeout(Some(left)).map_err(io_err)?;
+    let client_nonce = token::nonce()?;
+    stream.write_all(&protocol::encode_hello(&client_nonce)).map_err(io_err)?;
+
+    let mut head = Vec::with_capacity(protocol::ANSWER_HEAD_LEN);
+    let silence = read_up_to(stream, &mut head, protocol::ANSWER_HEAD_LEN);
+    if head.len() == 1 && head[0] == protocol::HELLO_BAD_VERSION {
+        // A version-1 server answers a version mismatch with this one byte.
+        return Err(version_mismatch(addr));
+    }
+    if head.len() < protocol::ANSWER_HEAD_LEN || head[..4] != protocol::SERVER_MAGIC {
+        if head.len() == protocol::ANSWER_HEAD_LEN {
+            // Quote a little more of what the peer says (e.g. an HTTP status line).
+            let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
+            let _ = read_up_to(stream, &mut head, QUOTE_BYTES + 1);
+        }
+        return Err(not_a_store(addr, &head, silence, left));
+    }
+    // From here on the peer is a store server: its answers come at once.
+    stream.set_read_timeout(Some(left.max(ANSWER_GRACE))).map_err(io_err)?;
+    match head[4] {
+        protocol::HELLO_CHALLENGE => {}
+        protocol::HELLO_BAD_VERSION => return Err(version_mismatch(addr)),
+        other => {
+            return Err(DdpError::Protocol(format!(
+                "store server {addr} answered the handshake with status {other}; run the same accel-rs build on \
+                 every machine"
+            )))
+        }
+    }
+    let mut challenge = [0u8; NONCE_LEN + MAC_LEN];
+    stream.read_exact(&mut challenge).map_err(io_err)?;
+    let (server_nonce, server_proof) = challenge.split_at(NONCE_LEN);
+    let server_knows_token = token.verify(protocol::SERVER_LABEL, server_nonce, &client_nonce, server_proof);
+    // Our proof goes out even when the server's was wrong, so that the server reports the mismatch at once too.
+    stream.write_all(&token.prove(protocol::CLIENT_LABEL, server_nonce, &client_nonce)).map_err(io_err)?;
+    if !server_knows_token {
+        return Err(DdpError::TokenRejected { peer: addr.to_string() });
+    }
     let mut answer = [0u8; 1];
     match stream.read(&mut answer) {
-        Ok(1) => {}
-        // The server closes without an answer only when it does not trust us either.
-        Ok(_) => return Err(DdpError::TokenRejected { peer: addr.to_string() }),
+        Ok(1) if answer[0] == protocol::HELLO_OK => Ok(()),
+        // The server closes after refusing our proof.
+        Ok(_) => Err(DdpError::TokenRejected { peer: addr.to_string() }),
         Err(e) if matches!(e.kind(), std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::ConnectionAborted) => {
-            return Err(DdpError::TokenRejected { peer: addr.to_string() })
+            Err(DdpError::TokenRejected { peer: addr.to_string() })
         }
-        Err(e) => return Err(io_err(e)),
+        Err(e) => Err(io_err(e)),
     }
-    match answer[0] {
-        protocol::HELLO_OK => Ok(()),
-        protocol::HELLO_BAD_TOKEN => Err(DdpError::TokenRejected { peer: addr.to_string() }),
-        protocol::HELLO_BAD_VERSION => Err(DdpError::Protocol(format!(
-            "store server {addr} speaks another protocol version than ours ({}); run the same accel-rs build on \
-             every machine",
-            protocol::VERSION
-        ))),
-        other => Err(DdpError::Protocol(format!(
-            "{addr} answered the store handshake with byte {other}: is MASTER_ADDR:MASTER_PORT really the store?"
-        ))),
+}
+
+/// Shortest time a peer gets to answer the hello, even when the connect timeout is nearly spent.
+const MIN_HANDSHAKE_WAIT: Duration = Duration::from_millis(200);
+/// How much of a foreign peer's answer an error message quotes, in bytes.
+const QUOTE_BYTES: usize = 64;
+
+/// Reads until `buf` holds `want` bytes, the peer closes, or the read timeout passes. Returns whether the peer
+/// stayed silent until the timeout (as opposed to closing or answering enough).
+fn read_up_to(stream: &mut TcpStream, buf: &mut Vec<u8>, want: usize) -> bool {
+    let mut chunk = [0u8; QUOTE_BYTES];
+    while buf.len() < want {
+        let n = (want - buf.len()).min(chunk.len());
+        match stream.read(&mut chunk[..n]) {
+            Ok(0) => return false,
+            Ok(k) => buf.extend_from_slice(&chunk[..k]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut),
+        }
     }
+    false
+}
+
+fn not_a_store(addr: &str, answered: &[u8], silent: bool, waited: Duration) -> DdpError {
+    let what = if !answered.is_empty() {
+        let quoted = answered[..answered.len().min(QUOTE_BYTES)].escape_ascii().to_string();
+        format!("it answered \"{quoted}\"{}", if answered.len() > QUOTE_BYTES { "..." } else { "" })
+    } else if silent {
+        format!("it answered nothing within {:.1} s", waited.as_secs_f64())
+    } else {
+        "it closed the connection without answering".to_string()
+    };
+    DdpError::Protocol(format!(
+        "the peer at {addr} is not an accel store: {what}; check that MASTER_ADDR/MASTER_PORT name this job's \
+         store (rank 0 or the launcher) and that no other job or service listens on that port"
+    ))
+}
+
+fn version_mismatch(addr: &str) -> DdpError {
+    DdpError::Protocol(format!(
+        "store server {addr} speaks another protocol version than ours ({}); run the same accel-rs build on every \
+         machine",
+        protocol::VERSION
+    ))
 }

@@ -2,6 +2,7 @@
 //! and by tests that run several ranks as threads of one process.
 
 use super::Store;
+use crate::sync;
 use crate::{DdpError, Result};
 use std::collections::HashMap;
 use std::sync::{Condvar, Mutex};
@@ -20,11 +21,6 @@ impl MemoryStore {
     pub fn new(timeout: Duration) -> Self {
         MemoryStore { map: Mutex::new(HashMap::new()), changed: Condvar::new(), timeout }
     }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<u8>>> {
-        // A panic while holding the lock cannot leave the map half-updated (every update is one insert/remove).
-        self.map.lock().unwrap_or_else(|e| e.into_inner())
-    }
 }
 
 impl Default for MemoryStore {
@@ -35,18 +31,18 @@ impl Default for MemoryStore {
 
 impl Store for MemoryStore {
     fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-        self.lock().insert(key.to_string(), value.to_vec());
+        sync::lock(&self.map).insert(key.to_string(), value.to_vec());
         self.changed.notify_all();
         Ok(())
     }
 
     fn get(&self, key: &str) -> Result<Vec<u8>> {
         self.wait(&[key], self.timeout)?;
-        Ok(self.lock().get(key).cloned().unwrap_or_default())
+        Ok(sync::lock(&self.map).get(key).cloned().unwrap_or_default())
     }
 
     fn add(&self, key: &str, delta: i64) -> Result<i64> {
-        let mut map = self.lock();
+        let mut map = sync::lock(&self.map);
         let current = match map.get(key) {
             None => 0,
             Some(v) => std::str::from_utf8(v).ok().and_then(|s| s.parse::<i64>().ok()).ok_or_else(|| {
@@ -61,7 +57,7 @@ impl Store for MemoryStore {
     }
 
     fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
-        let mut map = self.lock();
+        let mut map = sync::lock(&self.map);
         let matches = match map.get(key) {
             None => expected.is_empty(),
             Some(v) => v == expected,
@@ -78,7 +74,7 @@ impl Store for MemoryStore {
 
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
         let start = Instant::now();
-        let mut map = self.lock();
+        let mut map = sync::lock(&self.map);
         loop {
             let missing: Vec<String> = keys.iter().filter(|k| !map.contains_key(**k)).map(|k| k.to_string()).collect();
             if missing.is_empty() {
@@ -88,21 +84,21 @@ impl Store for MemoryStore {
             if waited >= timeout {
                 return Err(DdpError::StoreTimeout { keys: missing, waited });
             }
-            map = self.changed.wait_timeout(map, timeout - waited).unwrap_or_else(|e| e.into_inner()).0;
+            map = sync::wait_timeout(&self.changed, map, timeout - waited).0;
         }
     }
 
     fn check(&self, keys: &[&str]) -> Result<bool> {
-        let map = self.lock();
+        let map = sync::lock(&self.map);
         Ok(keys.iter().all(|k| map.contains_key(*k)))
     }
 
     fn delete_key(&self, key: &str) -> Result<bool> {
-        Ok(self.lock().remove(key).is_some())
+        Ok(sync::lock(&self.map).remove(key).is_some())
     }
 
     fn num_keys(&self) -> Result<usize> {
-        Ok(self.lock().len())
+        Ok(sync::lock(&self.map).len())
     }
 
     fn timeout(&self) -> Duration {

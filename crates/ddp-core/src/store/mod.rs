@@ -4,8 +4,16 @@
 //! - [`TcpStore`] is the client every rank holds.
 //! - [`PrefixStore`] namespaces keys for sub-groups.
 //!
-//! Wire protocol: see `protocol.rs` (length-prefixed binary frames with size limits; the run token is checked on
-//! connect before any request is served).
+//! Wire protocol: see `protocol.rs` (length-prefixed binary frames with size limits). No request is served before
+//! a mutual challenge-response handshake on connect: client and server each send a fresh 16-byte nonce and prove
+//! they know the run token with HMAC-SHA256 (RFC 2104) over both nonces and a role label (`"accel-store v2
+//! client"` / `"... server"`). The token itself never goes on the wire, so a passive listener, or whatever
+//! listens on a mistyped MASTER_ADDR:MASTER_PORT, does not learn it; a recorded handshake cannot be replayed (the
+//! other side's nonce is new each time) nor reflected (the labels differ). A wrong token fails both sides at once
+//! ([`crate::DdpError::TokenRejected`], "run token mismatch"); a peer that is not a store (an HTTP server, a
+//! silent port) fails the client within its connect timeout with [`crate::DdpError::Protocol`] ("... is not an
+//! accel store", quoting what it answered). The handshake authenticates, it does not encrypt: keys and values
+//! travel in the clear, so keep the store on a trusted network.
 
 mod client;
 mod memory;

@@ -1,9 +1,26 @@
-//! Wire protocol of the TCP store: a fixed handshake, then length-prefixed binary request/response frames.
+//! Wire protocol of the TCP store: a challenge-response handshake, then length-prefixed binary request/response
+//! frames.
 //!
-//! Handshake (client → server, 24 bytes): `MAGIC` (4 bytes, `b"ACST"`), `VERSION` (u16 LE), reserved u16 (0),
-//! the 16-byte run token. The server answers one byte: [`HELLO_OK`], [`HELLO_BAD_TOKEN`] or
-//! [`HELLO_BAD_VERSION`], and closes the connection unless it was `HELLO_OK`. A peer whose first bytes are not
-//! the magic is closed without an answer. No request is read before the token has been checked.
+//! Handshake (protocol version 2). The run token never goes on the wire: each side proves it knows the token with
+//! an HMAC-SHA256 (RFC 2104, see [`RunToken::prove`]) over both sides' fresh 16-byte nonces and its role label,
+//! a mutual challenge-response. A passive listener or a fake server learns only MACs over nonces never used
+//! again; a recorded client handshake replayed later fails (the server's nonce is new); a server proof reflected
+//! back to the server fails (the labels differ).
+//!
+//! 1. Client → server, [`HELLO_LEN`] = 24 bytes: [`MAGIC`] `b"ACST"`, [`VERSION`] (u16 LE), reserved u16 (0),
+//!    the client nonce `cn`.
+//! 2. Server → client: [`SERVER_MAGIC`] `b"ACSS"`, one status byte. [`HELLO_BAD_VERSION`]: the server then
+//!    closes. [`HELLO_CHALLENGE`]: followed by the server nonce `sn` (16 bytes) and the server proof
+//!    `HMAC(token, SERVER_LABEL, sn, cn)` (32 bytes). A peer whose first bytes are not [`MAGIC`] is closed
+//!    without an answer.
+//! 3. Client → server: the client proof `HMAC(token, CLIENT_LABEL, sn, cn)` (32 bytes). The client sends it even
+//!    when the server's proof was wrong, so that both sides report the mismatch at once.
+//! 4. Server → client: one byte, [`HELLO_OK`] or [`HELLO_BAD_TOKEN`] (then the server closes).
+//!
+//! The client fails with [`DdpError::TokenRejected`] ("run token mismatch") when either proof is wrong, and with
+//! [`DdpError::Protocol`] ("... is not an accel store") when the peer's first bytes are not [`SERVER_MAGIC`] or it
+//! answers nothing within the connect timeout (e.g. an HTTP server on MASTER_PORT). The handshake authenticates;
+//! it does not encrypt the frames that follow (keys and values travel in the clear).
 //!
 //! Frames (both directions): `u32 LE body length` then the body; the body starts with an opcode (requests) or a
 //! response tag. Inside a body: integers are little-endian, byte strings are `u32 LE length + bytes`, keys are
@@ -15,23 +32,33 @@
 //! fields, a server that parks blocking `get`/`wait` until the key is set).
 
 use super::{MAX_KEY_BYTES, MAX_VALUE_BYTES};
-use crate::token::RunToken;
+use crate::token::{RunToken, MAC_LEN, NONCE_LEN};
 use crate::{DdpError, Result};
 use std::io::{Read, Write};
 use std::time::Duration;
 
 /// First bytes of every client connection.
 pub(crate) const MAGIC: [u8; 4] = *b"ACST";
-/// Protocol version; bumped on any incompatible change.
-pub(crate) const VERSION: u16 = 1;
-/// Length of the client hello.
-pub(crate) const HELLO_LEN: usize = 24;
-/// Server's answer: token accepted.
+/// First bytes of every server answer to a hello.
+pub(crate) const SERVER_MAGIC: [u8; 4] = *b"ACSS";
+/// Protocol version; bumped on any incompatible change (2: challenge-response instead of the token in the clear).
+pub(crate) const VERSION: u16 = 2;
+/// Length of the client hello: magic, version, reserved, client nonce.
+pub(crate) const HELLO_LEN: usize = 8 + NONCE_LEN;
+/// Length of the server's answer head: magic and status byte.
+pub(crate) const ANSWER_HEAD_LEN: usize = 5;
+/// Role label of the server's proof.
+pub(crate) const SERVER_LABEL: &[u8] = b"accel-store v2 server";
+/// Role label of the client's proof.
+pub(crate) const CLIENT_LABEL: &[u8] = b"accel-store v2 client";
+/// Server's final answer: the client's proof is right.
 pub(crate) const HELLO_OK: u8 = 0;
-/// Server's answer: wrong run token (the connection is then closed).
+/// Server's final answer: the client's proof is wrong, a run token mismatch (the connection is then closed).
 pub(crate) const HELLO_BAD_TOKEN: u8 = 1;
-/// Server's answer: unsupported protocol version (the connection is then closed).
+/// Server's status: unsupported protocol version (the connection is then closed).
 pub(crate) const HELLO_BAD_VERSION: u8 = 2;
+/// Server's status: a challenge (server nonce and server proof) follows.
+pub(crate) const HELLO_CHALLENGE: u8 = 3;
 
 /// Largest frame body: a compare_set carrying two maximal values plus a maximal key and headers.
 pub(crate) const MAX_FRAME_BYTES: usize = 2 * MAX_VALUE_BYTES + MAX_KEY_BYTES + 64;
@@ -54,13 +81,27 @@ const R_BOOL: u8 = 3;
 const R_TIMEOUT: u8 = 4;
 const R_ERROR: u8 = 5;
 
-/// The client's hello: magic, version, token.
-pub(crate) fn encode_hello(token: &RunToken) -> [u8; HELLO_LEN] {
+/// The client's hello: magic, version, reserved, client nonce.
+pub(crate) fn encode_hello(client_nonce: &[u8; NONCE_LEN]) -> [u8; HELLO_LEN] {
     let mut h = [0u8; HELLO_LEN];
     h[..4].copy_from_slice(&MAGIC);
     h[4..6].copy_from_slice(&VERSION.to_le_bytes());
-    h[8..].copy_from_slice(token.as_bytes());
+    h[8..].copy_from_slice(client_nonce);
     h
+}
+
+/// The server's challenge: magic, [`HELLO_CHALLENGE`], server nonce, server proof.
+pub(crate) fn encode_challenge(
+    token: &RunToken,
+    server_nonce: &[u8; NONCE_LEN],
+    client_nonce: &[u8],
+) -> [u8; ANSWER_HEAD_LEN + NONCE_LEN + MAC_LEN] {
+    let mut c = [0u8; ANSWER_HEAD_LEN + NONCE_LEN + MAC_LEN];
+    c[..4].copy_from_slice(&SERVER_MAGIC);
+    c[4] = HELLO_CHALLENGE;
+    c[ANSWER_HEAD_LEN..ANSWER_HEAD_LEN + NONCE_LEN].copy_from_slice(server_nonce);
+    c[ANSWER_HEAD_LEN + NONCE_LEN..].copy_from_slice(&token.prove(SERVER_LABEL, server_nonce, client_nonce));
+    c
 }
 
 /// A request, borrowing its keys and values (from the caller, or from the received frame on the server).

@@ -4,7 +4,8 @@
 //! simpler than an event loop and costs little.
 
 use super::protocol::{self, ErrorKind, Request, Response};
-use crate::token::RunToken;
+use crate::sync;
+use crate::token::{self, RunToken, MAC_LEN};
 use crate::{DdpError, Result};
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -57,13 +58,6 @@ struct Data {
     map: HashMap<String, Vec<u8>>,
 }
 
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, Data> {
-        // Every update is a single insert/remove, so a poisoned lock still guards a consistent map.
-        self.data.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
 impl TcpStoreServer {
     /// Binds `addr` (`"host:port"`; port 0 picks a free port, see [`Self::local_addr`]) and starts serving.
     /// Every client must present `token` before any request is served.
@@ -101,19 +95,19 @@ impl TcpStoreServer {
 
     /// Number of keys currently stored.
     pub fn num_keys(&self) -> usize {
-        self.shared.lock().map.len()
+        sync::lock(&self.shared.data).map.len()
     }
 
     /// Number of client connections currently open (after a successful handshake).
     pub fn num_connections(&self) -> usize {
-        self.shared.conns.lock().unwrap_or_else(|e| e.into_inner()).len()
+        sync::lock(&self.shared.conns).len()
     }
 }
 
 impl Drop for TcpStoreServer {
     fn drop(&mut self) {
         {
-            let _data = self.shared.lock();
+            let _data = sync::lock(&self.shared.data);
             self.shared.stopping.store(true, Ordering::SeqCst);
         }
         self.shared.changed.notify_all();
@@ -123,7 +117,7 @@ impl Drop for TcpStoreServer {
         if let Some(t) = self.accept_thread.take() {
             let _ = t.join();
         }
-        for (_, conn) in self.shared.conns.lock().unwrap_or_else(|e| e.into_inner()).drain() {
+        for (_, conn) in sync::lock(&self.shared.conns).drain() {
             let _ = conn.shutdown(Shutdown::Both);
         }
     }
@@ -171,7 +165,7 @@ fn serve_connection(mut stream: TcpStream, shared: Arc<Shared>) {
     let id = shared.next_conn_id.fetch_add(1, Ordering::Relaxed);
     match stream.try_clone() {
         Ok(clone) => {
-            shared.conns.lock().unwrap_or_else(|e| e.into_inner()).insert(id, clone);
+            sync::lock(&shared.conns).insert(id, clone);
         }
         Err(e) => {
             tracing::warn!("store server: cannot track connection from {peer}: {e}");
@@ -186,11 +180,13 @@ fn serve_connection(mut stream: TcpStream, shared: Arc<Shared>) {
             }
         }
     }
-    shared.conns.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+    sync::lock(&shared.conns).remove(&id);
     let _ = stream.shutdown(Shutdown::Both);
 }
 
-/// Reads the hello and checks magic, version and token. Returns whether to serve the connection.
+/// Runs the server side of the challenge-response handshake (see `protocol.rs`). Returns whether to serve the
+/// connection: false for a peer that is not a store client, speaks another version, or proves a different run
+/// token (refused at once, logged as a run token mismatch).
 fn handshake(stream: &mut TcpStream, shared: &Shared, peer: &str) -> bool {
     let _ = stream.set_nodelay(true);
     let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
@@ -205,11 +201,29 @@ fn handshake(stream: &mut TcpStream, shared: &Shared, peer: &str) -> bool {
     let version = u16::from_le_bytes([hello[4], hello[5]]);
     if version != protocol::VERSION {
         tracing::warn!("store server: refused {peer}: protocol version {version}, we speak {}", protocol::VERSION);
-        let _ = stream.write_all(&[protocol::HELLO_BAD_VERSION]);
+        let mut answer = protocol::SERVER_MAGIC.to_vec();
+        answer.push(protocol::HELLO_BAD_VERSION);
+        let _ = stream.write_all(&answer);
         return false;
     }
-    if !shared.token.matches(&hello[8..]) {
-        tracing::warn!("store server: refused {peer}: wrong run token");
+    let client_nonce = &hello[8..];
+    let server_nonce = match token::nonce() {
+        Ok(n) => n,
+        Err(e) => {
+            tracing::warn!("store server: refused {peer}: {e}");
+            return false;
+        }
+    };
+    if stream.write_all(&protocol::encode_challenge(&shared.token, &server_nonce, client_nonce)).is_err() {
+        return false;
+    }
+    let mut proof = [0u8; MAC_LEN];
+    if let Err(e) = stream.read_exact(&mut proof) {
+        tracing::warn!("store server: {peer} left during the handshake: {e}");
+        return false;
+    }
+    if !shared.token.verify(protocol::CLIENT_LABEL, &server_nonce, client_nonce, &proof) {
+        tracing::warn!("store server: refused {peer}: run token mismatch");
         let _ = stream.write_all(&[protocol::HELLO_BAD_TOKEN]);
         return false;
     }
@@ -255,7 +269,7 @@ fn request_loop(stream: &mut TcpStream, shared: &Shared) -> std::io::Result<()> 
 fn handle(shared: &Shared, req: Request<'_>) -> Response {
     match req {
         Request::Set { key, value } => {
-            shared.lock().map.insert(key.to_string(), value.to_vec());
+            sync::lock(&shared.data).map.insert(key.to_string(), value.to_vec());
             shared.changed.notify_all();
             Response::Ok
         }
@@ -264,7 +278,7 @@ fn handle(shared: &Shared, req: Request<'_>) -> Response {
             Err(resp) => resp,
         },
         Request::Add { key, delta } => {
-            let mut data = shared.lock();
+            let mut data = sync::lock(&shared.data);
             let current = match data.map.get(key) {
                 None => Some(0i64),
                 Some(v) => std::str::from_utf8(v).ok().and_then(|s| s.trim().parse::<i64>().ok()),
@@ -287,7 +301,7 @@ fn handle(shared: &Shared, req: Request<'_>) -> Response {
             Response::Int(new)
         }
         Request::CompareSet { key, expected, desired } => {
-            let mut data = shared.lock();
+            let mut data = sync::lock(&shared.data);
             let matches = match data.map.get(key) {
                 None => expected.is_empty(),
                 Some(v) => v == expected,
@@ -306,11 +320,11 @@ fn handle(shared: &Shared, req: Request<'_>) -> Response {
             Err(resp) => resp,
         },
         Request::Check { keys } => {
-            let data = shared.lock();
+            let data = sync::lock(&shared.data);
             Response::Bool(keys.iter().all(|k| data.map.contains_key(*k)))
         }
-        Request::Delete { key } => Response::Bool(shared.lock().map.remove(key).is_some()),
-        Request::NumKeys => Response::Int(shared.lock().map.len() as i64),
+        Request::Delete { key } => Response::Bool(sync::lock(&shared.data).map.remove(key).is_some()),
+        Request::NumKeys => Response::Int(sync::lock(&shared.data).map.len() as i64),
     }
 }
 
@@ -321,7 +335,7 @@ fn wait_for<'a>(
     timeout: Duration,
 ) -> std::result::Result<MutexGuard<'a, Data>, Response> {
     let start = Instant::now();
-    let mut data = shared.lock();
+    let mut data = sync::lock(&shared.data);
     loop {
         if shared.stopping.load(Ordering::SeqCst) {
             return Err(Response::Error {
@@ -337,6 +351,6 @@ fn wait_for<'a>(
         if waited >= timeout {
             return Err(Response::Timeout { waited, missing });
         }
-        data = shared.changed.wait_timeout(data, timeout - waited).unwrap_or_else(|e| e.into_inner()).0;
+        data = sync::wait_timeout(&shared.changed, data, timeout - waited).0;
     }
 }
