@@ -62,8 +62,5 @@ const _: () = {
     }
 };
 
-/// Locks a mutex, ignoring poisoning: a panicking rank is about to take the job down anyway, and every critical
-/// section here leaves the data consistent.
-pub(crate) fn lock<T: ?Sized>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+/// The workspace's one mutex helper (poisoning ignored: a panicking rank takes the job down anyway).
+pub(crate) use ddp_core::sync::lock;

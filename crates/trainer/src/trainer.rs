@@ -419,7 +419,7 @@ where
             ));
         }
         {
-            let lr = scheduler.lock().unwrap_or_else(|p| p.into_inner()).lr();
+            let lr = ddp_core::sync::lock(&scheduler).lr();
             rt.optimizer.set_learning_rate(lr);
         }
         self.control = TrainerControl::default();
@@ -576,7 +576,7 @@ where
         if stepped {
             // Only real optimizer steps move the schedule (not fp16-skipped ones).
             if let Some(s) = &rt.scheduler {
-                let mut s = s.lock().unwrap_or_else(|p| p.into_inner());
+                let mut s = ddp_core::sync::lock(s);
                 s.step();
                 rt.optimizer.set_learning_rate(s.lr());
             }

@@ -14,7 +14,7 @@
 //!   (`gather_for_metrics` trims them).
 
 use std::sync::mpsc::{sync_channel, Receiver};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use candle_core::Device;
@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 use super::dataset::{Batch, Dataset};
 use super::sharding::{ShardBatch, ShardSpec};
 use crate::error::{AccelError, Result};
+use crate::lock;
 use crate::state::{StateDict, Stateful};
 
 /// How a [`DataLoader`] batches, orders and shards its data set.
@@ -131,11 +132,6 @@ impl<D> std::fmt::Debug for DataLoader<D> {
             .field("position", &lock(&self.state).position)
             .finish()
     }
-}
-
-fn lock(m: &Mutex<PositionState>) -> MutexGuard<'_, PositionState> {
-    // The state is plain data: a panic elsewhere cannot leave it half-updated in a way that matters.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl<D: Dataset> DataLoader<D> {

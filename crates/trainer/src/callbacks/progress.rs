@@ -25,7 +25,7 @@ impl ConsoleWriter {
 
     /// Prints `line` followed by a newline.
     pub fn println(&self, line: &str) {
-        let bar = self.bar.lock().unwrap_or_else(|p| p.into_inner());
+        let bar = ddp_core::sync::lock(&self.bar);
         match bar.as_ref() {
             Some(b) if !b.is_hidden() => b.println(line),
             _ => println!("{line}"),
@@ -33,7 +33,7 @@ impl ConsoleWriter {
     }
 
     fn attach(&self, bar: Option<ProgressBar>) {
-        *self.bar.lock().unwrap_or_else(|p| p.into_inner()) = bar;
+        *ddp_core::sync::lock(&self.bar) = bar;
     }
 }
 
