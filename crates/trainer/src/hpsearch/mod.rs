@@ -244,7 +244,8 @@ impl HyperparameterSearch {
     }
 
     /// Reads a search file (see [`SearchFile`]); errors name the file and the key.
-    pub fn from_yaml_file(path: &Path) -> Result<Self> {
+    pub fn from_yaml_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
         let text = std::fs::read_to_string(path)
             .map_err(|e| TrainerError::ConfigFile { path: path.to_path_buf(), reason: e.to_string() })?;
         let f: SearchFile = serde_saphyr::from_str(&text)
@@ -590,11 +591,14 @@ impl HyperparameterSearch {
         let history: Vec<sampler::Observation> = view
             .trials
             .values()
-            .filter_map(|t| match (t.state, t.value) {
-                (TrialState::Complete, Some(v)) => Some(d.as_loss(v)),
-                (TrialState::Pruned, _) => Some(f64::INFINITY),
-                _ => None,
-            }.map(|value| sampler::Observation { params: t.params.clone(), value }))
+            .filter_map(|t| {
+                match (t.state, t.value) {
+                    (TrialState::Complete, Some(v)) => Some(d.as_loss(v)),
+                    (TrialState::Pruned, _) => Some(f64::INFINITY),
+                    _ => None,
+                }
+                .map(|value| sampler::Observation { params: t.params.clone(), value })
+            })
             .collect();
         let mut params = self.config.sampler.sample(&self.config.space, number, &history)?;
         if let Some(fixed) = self.enqueued.get(number as usize) {
@@ -722,11 +726,8 @@ where
     let mut trainer = trainer.callback(trial.pruning_callback());
     trainer.train()?;
     let state = trainer.state();
-    let best = if trainer.args().best_metric_key().as_deref() == Some(metric.as_str()) {
-        state.best_metric
-    } else {
-        None
-    };
+    let best =
+        if trainer.args().best_metric_key().as_deref() == Some(metric.as_str()) { state.best_metric } else { None };
     let value = best
         .or_else(|| state.log_history.iter().rev().find_map(|e| e.values.get(&metric).copied()))
         .or_else(|| trial.last_report());

@@ -46,7 +46,11 @@ fn bounds(values: impl Iterator<Item = f64>) -> (f64, f64) {
     (lo - pad, hi + pad)
 }
 
-fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, s: &StudySummary, text: bool) -> std::result::Result<(), String> {
+fn draw<DB: DrawingBackend>(
+    root: DrawingArea<DB, Shift>,
+    s: &StudySummary,
+    text: bool,
+) -> std::result::Result<(), String> {
     let e = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
     root.fill(&WHITE).map_err(e)?;
     let areas = root.split_evenly((1, 2));
@@ -133,7 +137,11 @@ fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, s: &StudySummary, text
         if pts.is_empty() {
             continue;
         }
-        let color = if t.state == TrialState::Pruned { RED.mix(0.45) } else { Palette99::pick(t.number as usize + 1).to_rgba() };
+        let color = if t.state == TrialState::Pruned {
+            RED.mix(0.45)
+        } else {
+            Palette99::pick(t.number as usize + 1).to_rgba()
+        };
         chart.draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(1))).map_err(e)?;
         chart.draw_series(pts.iter().map(|&p| Circle::new(p, 2, color.filled()))).map_err(e)?;
         if t.state == TrialState::Pruned {

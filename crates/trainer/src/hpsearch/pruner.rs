@@ -28,7 +28,7 @@ pub enum PrunerConfig {
         /// Complete trials needed before anything is pruned.
         #[serde(default = "default_startup")]
         n_startup_trials: usize,
-        /// Reports at steps below this never prune.
+        /// Reports at steps below this never prune (Optuna: `step < n_warmup_steps`).
         #[serde(default)]
         n_warmup_steps: u64,
     },
@@ -89,10 +89,8 @@ impl PrunerConfig {
                 if complete.len() < n_startup_trials {
                     return false;
                 }
-                let mut at_step: Vec<f64> = complete
-                    .iter()
-                    .filter_map(|o| o.reports.iter().find(|r| r.0 == step).and_then(|r| r.1))
-                    .collect();
+                let mut at_step: Vec<f64> =
+                    complete.iter().filter_map(|o| o.reports.iter().find(|r| r.0 == step).and_then(|r| r.1)).collect();
                 if at_step.is_empty() {
                     return false;
                 }
@@ -182,7 +180,7 @@ mod tests {
         let done: &[(u64, f64)] = &[(10, 0.50), (20, 0.70), (30, 0.80)];
         let done2: &[(u64, f64)] = &[(10, 0.60), (20, 0.75), (30, 0.85)];
         let done3: &[(u64, f64)] = &[(10, 0.40), (20, 0.72), (30, 0.90)];
-        let pruner = PrunerConfig::Median { n_startup_trials: 3, n_warmup_steps: 10 };
+        let pruner = PrunerConfig::Median { n_startup_trials: 3, n_warmup_steps: 15 };
         // The new trial's reports, one at a time: median at step 10 is 0.50, at 20 it is 0.72.
         let new: [(u64, f64); 3] = [(10, 0.45), (20, 0.71), (30, 0.95)];
         let decisions: Vec<bool> = (1..=3)
@@ -191,7 +189,7 @@ mod tests {
                 pruner.should_prune(&s, 3, Direction::Maximize)
             })
             .collect();
-        // Step 10 is a warmup step (not judged although 0.45 < 0.50); at step 20 its best (0.71) < median 0.72.
+        // Step 10 is below n_warmup_steps (not judged although 0.45 < 0.50); at step 20 its best (0.71) < median 0.72.
         assert_eq!(decisions, vec![false, true, false]);
         // Fewer complete trials than n_startup_trials: never prunes.
         let s = study(&[(done, Complete), (done2, Complete), (done3, Running), (&new[..2], Running)]);
@@ -205,7 +203,8 @@ mod tests {
     #[test]
     fn successive_halving_keeps_the_top_fraction_per_rung() {
         use TrialState::*;
-        let asha = PrunerConfig::SuccessiveHalving { min_resource: Some(1), reduction_factor: 2, min_early_stopping_rate: 0 };
+        let asha =
+            PrunerConfig::SuccessiveHalving { min_resource: Some(1), reduction_factor: 2, min_early_stopping_rate: 0 };
         // Rungs at steps 1, 2, 4. Three trials already passed rung 1 with 0.3, 0.5, 0.7.
         let a: &[(u64, f64)] = &[(1, 0.3), (2, 0.35)];
         let b: &[(u64, f64)] = &[(1, 0.5), (2, 0.55)];

@@ -253,9 +253,7 @@ mod tests {
 
     #[test]
     fn grid_visits_every_point_once() {
-        let s = SearchSpace::new()
-            .add("a", Distribution::int(1, 3))
-            .add("b", Distribution::categorical(["u", "v"]));
+        let s = SearchSpace::new().add("a", Distribution::int(1, 3)).add("b", Distribution::categorical(["u", "v"]));
         let g = SamplerConfig::Grid { seed: 0 };
         assert_eq!(g.capacity(&s), Some(6));
         let mut seen: Vec<Params> = (0..6).map(|n| g.sample(&s, n, &[]).unwrap()).collect();

@@ -218,7 +218,13 @@ fn trainer_search_prunes_and_keeps_the_best_checkpoint() {
             built.fetch_add(1, Ordering::SeqCst);
             let args = trial.training_args(&base)?;
             assert_eq!(args.output_dir, trial.output_dir());
-            Ok(Trainer::new(args, |vb| candle_nn::linear(2, 1, vb.pp("fc")), data(64, 0), Some(data(32, 999)), crate::losses::Mse))
+            Ok(Trainer::new(
+                args,
+                |vb| candle_nn::linear(2, 1, vb.pp("fc")),
+                data(64, 0),
+                Some(data(32, 999)),
+                crate::losses::Mse,
+            ))
         })
         .unwrap()
         .unwrap();
