@@ -133,7 +133,7 @@ fn random(space: &SearchSpace, rng: &mut Xoshiro256PlusPlus) -> Params {
         .iter()
         .map(|(name, d)| {
             let (a, b) = d.internal_range();
-            (name.clone(), d.from_internal(rng.random_range(a..b)))
+            (name.clone(), d.value_at(rng.random_range(a..b)))
         })
         .collect()
 }
@@ -180,13 +180,13 @@ fn tpe_sample(
             .build(estimator, range)
             .map_err(|e| err(name, e.to_string()))?;
         for o in history {
-            let Some(u) = o.params.get(name).and_then(|v| d.to_internal(v)) else { continue };
+            let Some(u) = o.params.get(name).and_then(|v| d.coordinate_of(v)) else { continue };
             // Pruned trials come as +∞ and sort last (the "bad" group); the crate only refuses NaN.
             let v = if o.value.is_nan() { f64::INFINITY } else { o.value };
             opt.tell(u, v).map_err(|e| err(name, e.to_string()))?;
         }
         let u = opt.ask(rng).map_err(|e| err(name, e.to_string()))?;
-        out.insert(name.clone(), d.from_internal(u));
+        out.insert(name.clone(), d.value_at(u));
     }
     Ok(out)
 }

@@ -135,7 +135,7 @@ impl Distribution {
     }
 
     /// The value at coordinate `u` (clamped into the bounds; integers rounded).
-    pub(crate) fn from_internal(&self, u: f64) -> Value {
+    pub(crate) fn value_at(&self, u: f64) -> Value {
         match *self {
             Distribution::Float { low, high, log, .. } => {
                 let v = if log { u.exp() } else { u };
@@ -153,7 +153,7 @@ impl Distribution {
     }
 
     /// The coordinate of `value`, or `None` when it is not a value of this distribution.
-    pub(crate) fn to_internal(&self, value: &Value) -> Option<f64> {
+    pub(crate) fn coordinate_of(&self, value: &Value) -> Option<f64> {
         match *self {
             Distribution::Float { low, high, log, .. } => {
                 let v = value.as_f64().filter(|v| (low..=high).contains(v))?;
@@ -269,20 +269,20 @@ mod tests {
     #[test]
     fn internal_round_trip_and_grid() {
         let f = Distribution::log_float(1e-4, 1e-2);
-        let u = f.to_internal(&Value::from(1e-3)).unwrap();
-        assert!((f.from_internal(u).as_f64().unwrap() - 1e-3).abs() < 1e-15);
+        let u = f.coordinate_of(&Value::from(1e-3)).unwrap();
+        assert!((f.value_at(u).as_f64().unwrap() - 1e-3).abs() < 1e-15);
         let (a, b) = f.internal_range();
-        assert!(a <= f.to_internal(&Value::from(1e-2)).unwrap() && f.to_internal(&Value::from(1e-2)).unwrap() < b);
+        assert!(a <= f.coordinate_of(&Value::from(1e-2)).unwrap() && f.coordinate_of(&Value::from(1e-2)).unwrap() < b);
         let grid: Vec<f64> = f.grid().iter().map(|v| v.as_f64().unwrap()).collect();
         assert_eq!(grid.len(), 5);
         assert!((grid[2] - 1e-3).abs() < 1e-12 && (grid[0] - 1e-4).abs() < 1e-15 && grid[4] == 1e-2);
         let i = Distribution::log_int(32, 512);
-        assert_eq!(i.from_internal(i.internal_range().0), Value::from(32));
+        assert_eq!(i.value_at(i.internal_range().0), Value::from(32));
         assert_eq!(i.grid(), [32, 64, 128, 256, 512].map(Value::from).to_vec());
         assert_eq!(Distribution::int(1, 3).grid(), [1, 2, 3].map(Value::from).to_vec());
         let c = Distribution::categorical(["adamw", "sgd"]);
-        assert_eq!(c.from_internal(1.7), Value::from("sgd"));
-        assert_eq!(c.to_internal(&Value::from("adamw")), Some(0.0));
+        assert_eq!(c.value_at(1.7), Value::from("sgd"));
+        assert_eq!(c.coordinate_of(&Value::from("adamw")), Some(0.0));
         assert!(Distribution::log_float(0.0, 1.0).validate("lr").unwrap_err().to_string().contains("`lr`"));
     }
 
