@@ -22,13 +22,15 @@
 //! (evaluate / predict), [`losses`] (sum + item count losses), [`metrics`] (accuracy, macro P/R/F1,
 //! perplexity), [`callbacks`] (control object, early stopping, progress bar, printer, trackers), [`checkpoint`]
 //! (naming, rotation, resume lookup), [`state`] (TrainerState / trainer_state.json), [`plot`] (PNG + SVG
-//! curves), [`init`] (seeded model initialisation), [`optimizer`] (AdamW / SGD from the arguments).
+//! curves), [`init`] (seeded model initialisation), [`optimizer`] (AdamW / SGD from the arguments),
+//! [`hpsearch`] (hyperparameter search: samplers, pruners, parallel trials, resumable study).
 
 pub mod args;
 pub mod callbacks;
 pub mod checkpoint;
 pub mod error;
 pub mod evaluation;
+pub mod hpsearch;
 pub mod init;
 pub mod losses;
 pub mod metrics;
@@ -44,6 +46,7 @@ pub use callbacks::{
 };
 pub use error::{Result, TrainerError};
 pub use evaluation::PredictionOutput;
+pub use hpsearch::{Direction, HyperparameterSearch, StudySummary, Trial};
 pub use losses::LossOutput;
 pub use metrics::{EvalPrediction, Metrics};
 pub use state::{CallbackState, LogEntry, TrainerState};

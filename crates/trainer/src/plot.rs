@@ -31,7 +31,7 @@ const FONT_CANDIDATES: &[&str] = &[
 ];
 
 /// Registers a system font with plotters once per process; returns whether text can be drawn.
-fn font_available() -> bool {
+pub(crate) fn font_available() -> bool {
     static FONT: OnceLock<bool> = OnceLock::new();
     *FONT.get_or_init(|| {
         let env = std::env::var("ACCEL_PLOT_FONT").ok();

@@ -14,6 +14,15 @@
 //!
 //! Every training argument can be given as a flag (`--learning-rate 3e-4`, `--num-train-epochs 3`, ...) or in a
 //! YAML/JSON file (`--config train.yaml`); `--help` lists them.
+//!
+//! Hyperparameter search: `--hp-search examples/hp_mnist.yaml` runs a study instead of one training (the search
+//! space, sampler, pruner and process budget are in the file; `--n-trials` and `--hp-processes` override it).
+//! Trial 0 uses this program's settings (the flags' values), so the table compares the best trial with them:
+//!
+//! ```text
+//! cargo run --release -p accel-examples --bin train_mnist -- --hp-search examples/hp_mnist.yaml \
+//!     --n-trials 20 --num-train-epochs 2 --train-size 4000
+//! ```
 
 use std::path::PathBuf;
 
@@ -22,6 +31,7 @@ use accel_examples::{default_data_dir, load_mnist, Mlp};
 use anyhow::Context;
 use candle_core::Device;
 use clap::Parser;
+use trainer::hpsearch::{HyperparameterSearch, Params, TrialState};
 use trainer::{losses, metrics, IntervalStrategy, SaveStrategy, Trainer, TrainingArguments, TrainingArgumentsCli};
 
 /// Train an MLP on MNIST with the Trainer, data-parallel over several processes.
@@ -40,6 +50,15 @@ struct Cli {
     /// Training samples taken from train10k (the rest is the validation set).
     #[arg(long, default_value_t = 9000)]
     train_size: usize,
+    /// Run a hyperparameter search described by this YAML file instead of one training.
+    #[arg(long, value_name = "FILE")]
+    hp_search: Option<PathBuf>,
+    /// Trials of the search (overrides the file's n_trials).
+    #[arg(long, value_name = "N")]
+    n_trials: Option<usize>,
+    /// Process budget of the search (overrides the file's `processes`).
+    #[arg(long, value_name = "N")]
+    hp_processes: Option<usize>,
     #[command(flatten)]
     train: TrainingArgumentsCli,
 }
@@ -88,22 +107,82 @@ fn run() -> anyhow::Result<()> {
             "--resume-from-checkpoint {path}: no such checkpoint directory (give a checkpoint-N directory or `latest`)"
         );
     }
+    if let Some(file) = cli.hp_search.clone() {
+        return hp_search(&cli, &file);
+    }
     if ddp_core::launcher::launch_self(cli.nproc).context("the training workers failed")? {
         return Ok(());
     }
     worker(cli)
 }
 
-fn worker(cli: Cli) -> anyhow::Result<()> {
-    let args = cli.train.resolve(defaults())?;
+/// The first `--train-size` images of train10k for training, the rest for validation.
+fn train_validation(cli: &Cli) -> anyhow::Result<(TensorDataset, TensorDataset)> {
     let data_dir = cli.data_dir.clone().unwrap_or_else(default_data_dir);
     let train_all = load_mnist(&data_dir, "train10k", &Device::Cpu)?;
-    let test = load_mnist(&data_dir, "t10k", &Device::Cpu)?;
     let n = train_all.len();
     anyhow::ensure!(cli.train_size < n, "--train-size must be below the {n} images of train10k");
     let all = TensorDataset::new(train_all.images, train_all.labels)?;
-    let train = all.narrow(0, cli.train_size)?;
-    let validation = all.narrow(cli.train_size, n - cli.train_size)?;
+    Ok((all.narrow(0, cli.train_size)?, all.narrow(cli.train_size, n - cli.train_size)?))
+}
+
+/// `--hp-search`: a study over the file's space; every trial trains a fresh MLP (a `hidden` parameter sets the
+/// hidden width, the others are training arguments) and is evaluated on the validation images.
+fn hp_search(cli: &Cli, file: &std::path::Path) -> anyhow::Result<()> {
+    let base = cli.train.resolve(defaults())?;
+    let mut search = HyperparameterSearch::from_yaml_file(file)?;
+    if let Some(n) = cli.n_trials {
+        search = search.n_trials(n);
+    }
+    if let Some(p) = cli.hp_processes {
+        search = search.processes(p);
+    }
+    // Trial 0 runs this program's own settings: the baseline the search has to beat.
+    let base_json = serde_json::to_value(&base)?;
+    let baseline: Params = search
+        .config()
+        .space
+        .names()
+        .filter_map(|name| {
+            let v = if name == "hidden" {
+                Some(serde_json::Value::from(cli.hidden[0]))
+            } else {
+                base_json.get(name).cloned()
+            };
+            v.map(|v| (name.to_string(), v))
+        })
+        .collect();
+    let search = search.enqueue_trial(baseline);
+    let metric = search.config().metric.clone();
+    let summary = search.run_trainer(|trial| {
+        let args = trial.training_args(&base)?;
+        let hidden = match trial.params().contains_key("hidden") {
+            true => vec![trial.get_usize("hidden")?],
+            false => cli.hidden.clone(),
+        };
+        let (train, validation) = train_validation(cli).map_err(|e| trainer::TrainerError::Usage(format!("{e:#}")))?;
+        Ok(Trainer::new(args, move |vb| Mlp::with_hidden(vb, &hidden), train, Some(validation), losses::CrossEntropy)
+            .compute_metrics(metrics::classification))
+    })?;
+    let Some(summary) = summary else { return Ok(()) }; // a trial's process: its trial is done
+    let default = summary.trial(0).and_then(|t| t.value.filter(|_| t.state == TrialState::Complete));
+    if let (Some(default), Some(best)) = (default, summary.best.as_ref()) {
+        println!(
+            "default settings (trial 0): {metric} {default:.4}   best trial {}: {metric} {:.4} ({:+.4})",
+            best.number,
+            best.value.unwrap_or(f64::NAN),
+            best.value.unwrap_or(f64::NAN) - default
+        );
+    }
+    anyhow::ensure!(summary.best.is_some(), "no trial of the search completed (see the table above)");
+    Ok(())
+}
+
+fn worker(cli: Cli) -> anyhow::Result<()> {
+    let args = cli.train.resolve(defaults())?;
+    let data_dir = cli.data_dir.clone().unwrap_or_else(default_data_dir);
+    let (train, validation) = train_validation(&cli)?;
+    let test = load_mnist(&data_dir, "t10k", &Device::Cpu)?;
     let test = TensorDataset::new(test.images, test.labels)?;
 
     let hidden = cli.hidden.clone();
