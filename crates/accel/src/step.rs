@@ -170,7 +170,7 @@ impl StepController {
             }
             WindowEnd::Counted => {
                 c.micro_step += 1;
-                w.sync_gradients = c.micro_step % ga == 0;
+                w.sync_gradients = c.micro_step.is_multiple_of(ga);
             }
             WindowEnd::Explicit { last: true } => {
                 c.micro_step = 0;
@@ -446,7 +446,7 @@ impl StepController {
         let mut st = lock(&self.state);
         st.counters = counters;
         st.window =
-            Window { sync_gradients: counters.micro_step % self.gradient_accumulation_steps == 0, ..Window::default() };
+            Window { sync_gradients: counters.micro_step.is_multiple_of(self.gradient_accumulation_steps), ..Window::default() };
         st.grads.iter_mut().for_each(Gradients::clear);
     }
 }

@@ -537,7 +537,7 @@ impl TrainingArguments {
                         let r = self.save_steps / eval_steps;
                         (r - r.round()).abs() < 1e-9
                     } else {
-                        (self.save_steps as u64) % (eval_steps as u64) == 0
+                        (self.save_steps as u64).is_multiple_of(eval_steps as u64)
                     };
                     if !multiple {
                         return Err(err(

@@ -593,7 +593,7 @@ where
         let (items, global) = match self.normalisation(acc) {
             Normalisation::Local => (local_items as f64, false),
             Normalisation::FixedPerRow => {
-                if local_items % rows.max(1) != 0 {
+                if !local_items.is_multiple_of(rows.max(1)) {
                     return Err(TrainerError::Usage(format!(
                         "the loss declares items_fixed_per_row() but returned {local_items} items for {rows} rows; \
                          return false from items_fixed_per_row for losses with varying item counts"

@@ -98,7 +98,7 @@ impl ShardSpec {
         if self.world_size == 0 || self.rank >= self.world_size {
             return Err(ShardError::BadRank { rank: self.rank, world_size: self.world_size });
         }
-        if self.split_batches && self.batch_size % self.world_size != 0 {
+        if self.split_batches && !self.batch_size.is_multiple_of(self.world_size) {
             return Err(ShardError::NotDivisible { batch_size: self.batch_size, world_size: self.world_size });
         }
         Ok(())

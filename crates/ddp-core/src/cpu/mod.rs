@@ -375,7 +375,7 @@ fn shared_token(store: &dyn Store, prefix: &str, rank: usize) -> Result<RunToken
 }
 
 fn check_len(op: &str, len: usize, dtype: DType) -> Result<()> {
-    if len % dtype.size_in_bytes() != 0 {
+    if !len.is_multiple_of(dtype.size_in_bytes()) {
         return Err(DdpError::InvalidArgument(format!(
             "{op}: {len} bytes is not a whole number of {dtype:?} elements ({} bytes each)",
             dtype.size_in_bytes()

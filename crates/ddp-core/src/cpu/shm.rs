@@ -165,7 +165,7 @@ impl ShmChannel {
     }
 
     fn atomic(&self, offset: usize) -> &AtomicU64 {
-        debug_assert!(offset % 8 == 0 && offset + 8 <= self.data_offset);
+        debug_assert!(offset.is_multiple_of(8) && offset + 8 <= self.data_offset);
         // SAFETY: in bounds, 8-byte aligned (mappings are page aligned), and only ever accessed atomically.
         unsafe { &*(self.map.as_ptr().add(offset) as *const AtomicU64) }
     }
@@ -452,7 +452,7 @@ fn peer_alive(peers: &[Option<TcpStream>], q: usize) -> std::result::Result<(), 
 
 /// `Err` if the block size cannot work.
 pub(crate) fn check_block(block_bytes: usize) -> Result<()> {
-    if block_bytes < 4096 || block_bytes % 64 != 0 {
+    if block_bytes < 4096 || !block_bytes.is_multiple_of(64) {
         return Err(DdpError::InvalidArgument(format!(
             "shared-memory block of {block_bytes} bytes: use a multiple of 64 of at least 4096"
         )));
