@@ -180,7 +180,7 @@ fn de_mixed_precision<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Mi
 
 fn de_scheduler<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<SchedulerKind, D::Error> {
     let s = String::deserialize(d)?;
-    s.parse().map_err(|e: accel::scheduler::ParseSchedulerKindError| serde::de::Error::custom(e.to_string()))
+    s.parse().map_err(|e: accel::AccelError| serde::de::Error::custom(e.to_string()))
 }
 
 /// Declares the argument struct, its defaults and its CLI-override twin from one list of fields, so the three

@@ -28,26 +28,11 @@ pub struct PredictionOutput {
     pub metrics: Metrics,
 }
 
-/// A sharded, unshuffled loader for evaluation that reports each batch's `even_batches` padding to the
-/// Accelerator (for `gather_for_metrics`). Not registered for checkpointing: evaluation has no position to resume.
+/// A sharded, unshuffled loader for evaluation: the Accelerator's sharding, device and padding-report rules
+/// ([`DataLoader::shard_for`], what `prepare_data_loader` uses), without registering it for checkpointing
+/// (evaluation has no position to resume).
 fn eval_loader<D: Dataset + 'static>(acc: &Accelerator, ds: Arc<D>, batch_size: usize) -> Result<DataLoader<D>> {
-    let cfg = DataLoaderConfig {
-        batch_size,
-        shuffle: false,
-        seed: 0,
-        drop_last: false,
-        split_batches: acc.config().split_batches,
-        even_batches: acc.config().even_batches,
-        prefetch: true,
-    };
-    let gs = acc.gradient_state().clone();
-    Ok(DataLoader::from_arc(ds, cfg)
-        .with_sharding(acc.rank(), acc.world_size())?
-        .with_device(acc.device().clone())
-        .with_batch_observer(Arc::new(move |info| {
-            gs.set_end_of_dataloader(info.is_last);
-            gs.set_padding_in_batch(info.padding);
-        })))
+    Ok(DataLoader::from_arc(ds, DataLoaderConfig::with_batch_size(batch_size)).shard_for(acc)?)
 }
 
 /// Concatenates tensors along dim 0, padding dimension 1 (token positions) to the longest with `pad`.

@@ -46,6 +46,9 @@ pub mod state;
 pub mod trainer;
 
 pub use args::{IntervalStrategy, OptimizerKind, ReportTo, SaveStrategy, TrainingArguments, TrainingArgumentsCli};
+// What a `TrainingArguments { .. }` literal names, so a Trainer user need not depend on accel.
+pub use accel::config::MixedPrecision;
+pub use accel::scheduler::SchedulerKind;
 #[cfg(feature = "progress")]
 #[cfg_attr(docsrs, doc(cfg(feature = "progress")))]
 pub use callbacks::ProgressCallback;

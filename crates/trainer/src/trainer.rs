@@ -709,9 +709,8 @@ where
         let path = dir.join("model.safetensors");
         if rt.acc.is_main_process() {
             std::fs::create_dir_all(&dir).map_err(|e| TrainerError::io(format!("creating {}", dir.display()), e))?;
-            let tmp = dir.join("model.safetensors.tmp");
-            accel::state::save_safetensors(&rt.prepared.state_dict(), &tmp)?;
-            std::fs::rename(&tmp, &path).map_err(|e| TrainerError::io(format!("renaming {}", tmp.display()), e))?;
+            // Atomic: save_safetensors goes through accel::state::write_atomic.
+            accel::state::save_safetensors(&rt.prepared.state_dict(), &path)?;
             let args_path = dir.join("training_args.yaml");
             std::fs::write(&args_path, self.args.to_yaml()?)
                 .map_err(|e| TrainerError::io(format!("writing {}", args_path.display()), e))?;

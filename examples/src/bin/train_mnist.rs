@@ -17,10 +17,9 @@
 
 use std::path::PathBuf;
 
-use accel::data::TensorDataset;
-use accel_examples::{default_data_dir, load_mnist, Mlp};
+use accel::data::{load_mnist, Dataset};
+use accel_examples::{default_data_dir, Mlp};
 use anyhow::Context;
-use candle_core::Device;
 use clap::Parser;
 use trainer::{losses, metrics, IntervalStrategy, SaveStrategy, Trainer, TrainingArguments, TrainingArgumentsCli};
 
@@ -93,14 +92,12 @@ fn main() -> anyhow::Result<()> {
 fn worker(cli: Cli) -> anyhow::Result<()> {
     let args = cli.train.resolve(defaults())?;
     let data_dir = cli.data_dir.clone().unwrap_or_else(default_data_dir);
-    let train_all = load_mnist(&data_dir, "train10k", &Device::Cpu)?;
-    let test = load_mnist(&data_dir, "t10k", &Device::Cpu)?;
-    let n = train_all.len();
+    let all = load_mnist(&data_dir, "train10k")?;
+    let test = load_mnist(&data_dir, "t10k")?;
+    let n = all.len();
     anyhow::ensure!(cli.train_size < n, "--train-size must be below the {n} images of train10k");
-    let all = TensorDataset::new(train_all.images, train_all.labels)?;
     let train = all.narrow(0, cli.train_size)?;
     let validation = all.narrow(cli.train_size, n - cli.train_size)?;
-    let test = TensorDataset::new(test.images, test.labels)?;
 
     let hidden = cli.hidden.clone();
     let output_dir = args.output_dir.clone();

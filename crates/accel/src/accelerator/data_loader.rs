@@ -1,12 +1,11 @@
 //! `prepare_data_loader` and `prepare`: hand a data loader to the Accelerator so it yields this rank's shard on
-//! the Accelerator's device and reports the end of each epoch and its padding rows to the [`GradientState`].
+//! the Accelerator's device and reports the end of each epoch and its padding rows to the [`GradientState`](super::GradientState).
 
-use super::{Accelerator, GradientState, PreparedModel};
-use crate::data::{BatchInfo, DataLoader, Dataset, LoaderStateHandle};
+use super::{Accelerator, PreparedModel};
+use crate::data::{DataLoader, Dataset, LoaderStateHandle};
 use crate::optim::{AcceleratedOptimizer, Optimizer};
 use crate::Result;
 use candle_nn::VarMap;
-use std::sync::Arc;
 
 /// The position handles of the prepared loaders, in order (kept in the Accelerator's extension slots).
 #[derive(Default)]
@@ -15,23 +14,12 @@ struct PreparedLoaders(Vec<LoaderStateHandle>);
 impl Accelerator {
     /// Prepares a data loader for this process: shards it for `rank` of `world_size` (Accelerate's rules, with
     /// the Accelerator's `split_batches` and `even_batches`), moves its batches to the Accelerator's device, and
-    /// makes it report each yielded batch to the [`GradientState`] (last batch of the epoch → gradients sync;
+    /// makes it report each yielded batch to the [`GradientState`](super::GradientState) (last batch of the epoch → gradients sync;
     /// padding rows → trimmed by `gather_for_metrics`). Its position is saved by `save_state`.
     ///
     /// Errors: batch size 0, or with `split_batches` a batch size not divisible by the world size.
     pub fn prepare_data_loader<D: Dataset>(&self, loader: DataLoader<D>) -> Result<DataLoader<D>> {
-        let gs: GradientState = self.gradient_state().clone();
-        let observer = Arc::new(move |b: &BatchInfo| {
-            gs.set_padding_in_batch(b.padding);
-            gs.set_end_of_dataloader(b.is_last);
-        });
-        let cfg = self.config();
-        let loader = loader
-            .with_split_batches(cfg.split_batches)
-            .with_even_batches(cfg.even_batches)
-            .with_device(self.device().clone())
-            .with_batch_observer(observer)
-            .with_sharding(self.rank(), self.world_size())?;
+        let loader = loader.shard_for(self)?;
         let handle = loader.state_handle();
         self.with_extension(|l: &mut PreparedLoaders| l.0.push(handle));
         Ok(loader)

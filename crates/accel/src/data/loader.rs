@@ -18,8 +18,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 use candle_core::Device;
-use rand::seq::SliceRandom;
-use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
 use super::dataset::{Batch, Dataset};
@@ -164,7 +162,7 @@ impl<D: Dataset> DataLoader<D> {
     pub fn with_sharding(mut self, rank: usize, world_size: usize) -> Result<Self> {
         self.rank = rank;
         self.world_size = world_size;
-        self.spec().validate().map_err(|e| AccelError::Data(format!("data loader: {e}")))?;
+        self.spec().validate()?;
         Ok(self)
     }
 
@@ -191,6 +189,28 @@ impl<D: Dataset> DataLoader<D> {
     pub fn with_batch_observer(mut self, observer: BatchObserver) -> Self {
         self.observer = Some(observer);
         self
+    }
+
+    /// This process's share of the loader under `acc`'s rules — the one place they live: sharded for `acc`'s rank
+    /// and world size with its `split_batches` / `even_batches` (Accelerate's rules), batches moved to its device,
+    /// and every yielded batch reported to its [`GradientState`](crate::GradientState) (last batch of the epoch →
+    /// gradients sync; padding rows → trimmed by `gather_for_metrics`). Not registered for checkpointing:
+    /// [`Accelerator::prepare_data_loader`](crate::Accelerator::prepare_data_loader) does this and registers the
+    /// position; evaluation loaders, which have no position to resume, use it directly.
+    ///
+    /// Errors: batch size 0, or with `split_batches` a batch size not divisible by the world size.
+    pub fn shard_for(self, acc: &crate::Accelerator) -> Result<Self> {
+        let gs = acc.gradient_state().clone();
+        let observer: BatchObserver = Arc::new(move |b: &BatchInfo| {
+            gs.set_padding_in_batch(b.padding);
+            gs.set_end_of_dataloader(b.is_last);
+        });
+        let cfg = acc.config();
+        self.with_split_batches(cfg.split_batches)
+            .with_even_batches(cfg.even_batches)
+            .with_device(acc.device().clone())
+            .with_batch_observer(observer)
+            .with_sharding(acc.rank(), acc.world_size())
     }
 
     /// The data set.
@@ -313,7 +333,7 @@ impl<D: Dataset + 'static> DataLoader<D> {
             observer: self.observer.clone(),
         };
         if let Err(e) = spec.validate() {
-            it.source = Source::Failed(Some(AccelError::Data(format!("data loader: {e}"))));
+            it.source = Source::Failed(Some(e));
             return it;
         }
         let order = Arc::new(self.epoch_order(epoch));
@@ -348,14 +368,14 @@ impl<D: Dataset + 'static> IntoIterator for &DataLoader<D> {
     }
 }
 
-/// `0..n`, or its Fisher–Yates shuffle with `ChaCha8Rng::seed_from_u64(seed + epoch)`.
+/// `0..n`, or its Fisher–Yates shuffle with `ChaCha8Rng::seed_from_u64(seed + epoch)`: ddp-core's
+/// [`ddp_core::sampler::epoch_permutation`], the same order as its `DistributedSampler`.
 pub fn epoch_order(n: usize, shuffle: bool, seed: u64, epoch: u64) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..n).collect();
     if shuffle {
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed.wrapping_add(epoch));
-        order.shuffle(&mut rng);
+        ddp_core::sampler::epoch_permutation(n, seed, epoch)
+    } else {
+        (0..n).collect()
     }
-    order
 }
 
 /// Builds batch `step` of an epoch (on whichever thread runs it).
