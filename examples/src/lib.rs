@@ -2,7 +2,9 @@
 //!
 //! - [`Mlp`]: a multi-layer perceptron 784 → hidden… → 10 with ReLU, built from a candle `VarBuilder` so the
 //!   level-1 (raw ddp-core), level-2 (Accelerator) and level-3 (Trainer) programs train the exact same model.
-//! - [`load_mnist`]: the shipped MNIST subsets (`data/mnist/{train10k,t10k}-*-idx*-ubyte.gz`) as tensors.
+//! - [`load_mnist`]: the shipped MNIST subsets (`data/mnist/{train10k,t10k}-*-idx*-ubyte.gz`) as tensors on a
+//!   device, read by the library's one loader ([`accel::data::load_mnist`], which the level-2/3 examples call
+//!   directly for a `TensorDataset`).
 //! - [`seed_parameters`]: a reproducible re-initialisation (candle's CPU RNG cannot be seeded).
 //! - [`default_data_dir`], [`select_rows`], [`correct_count`]: small helpers every level needs.
 //! - [`run_main`]: what every example's `main` does around its body (log subscriber, error chain, exit status).
@@ -16,10 +18,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Linear, VarBuilder, VarMap};
 use rand::{Rng, SeedableRng};
 
-/// Pixels per MNIST image (28 × 28), the model's input width.
-pub const MNIST_PIXELS: usize = 28 * 28;
-/// Number of MNIST classes (digits 0–9), the model's output width.
-pub const MNIST_CLASSES: usize = 10;
+pub use accel::data::{MNIST_CLASSES, MNIST_PIXELS};
 /// Mean pixel intensity of the MNIST training set (in `[0, 1]`), as used by PyTorch's MNIST example.
 pub const MNIST_MEAN: f64 = 0.1307;
 /// Standard deviation of the MNIST training set's pixel intensities, as used by PyTorch's MNIST example.
@@ -133,43 +132,14 @@ impl Mnist {
     }
 }
 
-/// Loads the split `split` of MNIST from `dir`: the files `{split}-images-idx3-ubyte[.gz]` and
-/// `{split}-labels-idx1-ubyte[.gz]` (the repository ships `train10k` — the first 10 000 training images — and
-/// `t10k`, the full test set). Tensors are created on `device`.
+/// Loads the split `split` of MNIST from `dir` with [`accel::data::load_mnist`] (files
+/// `{split}-images-idx3-ubyte[.gz]` and `{split}-labels-idx1-ubyte[.gz]`; the repository ships `train10k` — the
+/// first 10 000 training images — and `t10k`, the full test set) and moves the tensors to `device`.
 ///
 /// Errors name the missing or malformed file, or the mismatch between image and label counts.
 pub fn load_mnist(dir: &Path, split: &str, device: &Device) -> anyhow::Result<Mnist> {
-    let images = accel::data::idx::read_idx(&idx_path(dir, split, "images-idx3-ubyte")?)?;
-    let labels = accel::data::idx::read_idx(&idx_path(dir, split, "labels-idx1-ubyte")?)?;
-    if images.dims.len() != 3 || images.dims[1] * images.dims[2] != MNIST_PIXELS {
-        bail!("MNIST {split} images in {} have dims {:?}, expected [n, 28, 28]", dir.display(), images.dims);
-    }
-    if labels.dims.len() != 1 || labels.dims[0] != images.dims[0] {
-        bail!("MNIST {split} in {}: {:?} labels for {} images", dir.display(), labels.dims, images.dims[0]);
-    }
-    if let Some(bad) = labels.data.iter().find(|&&l| l as usize >= MNIST_CLASSES) {
-        bail!("MNIST {split} labels in {} contain {bad}, expected digits 0-9", dir.display());
-    }
-    let n = images.dims[0];
-    let pixels: Vec<f32> = images.data.iter().map(|&b| f32::from(b) / 255.0).collect();
-    let digits: Vec<u32> = labels.data.iter().map(|&l| u32::from(l)).collect();
-    Ok(Mnist {
-        images: Tensor::from_vec(pixels, (n, MNIST_PIXELS), device)?,
-        labels: Tensor::from_vec(digits, n, device)?,
-    })
-}
-
-/// `{dir}/{split}-{stem}.gz`, or the uncompressed file when only that exists.
-fn idx_path(dir: &Path, split: &str, stem: &str) -> anyhow::Result<PathBuf> {
-    let gz = dir.join(format!("{split}-{stem}.gz"));
-    let plain = dir.join(format!("{split}-{stem}"));
-    if gz.is_file() {
-        return Ok(gz);
-    }
-    if plain.is_file() {
-        return Ok(plain);
-    }
-    bail!("MNIST file not found: neither {} nor {} exists (pass --data-dir)", gz.display(), plain.display())
+    let ds = accel::data::load_mnist(dir, split)?;
+    Ok(Mnist { images: ds.inputs().to_device(device)?, labels: ds.targets().to_device(device)? })
 }
 
 /// The repository's `data/mnist`, found from this crate's manifest directory (so it works from any working

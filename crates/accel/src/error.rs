@@ -73,6 +73,11 @@ pub enum AccelError {
 }
 
 impl AccelError {
+    /// The error for asking for something this build left out: names the cargo `feature` of `krate` to enable.
+    pub fn missing_feature(feature: &str, krate: &str) -> Self {
+        AccelError::Usage(format!("built without feature `{feature}` of crate {krate}: enable it in Cargo.toml"))
+    }
+
     /// Wraps an I/O error with what we were doing.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         AccelError::Io { context: context.into(), source }

@@ -29,6 +29,8 @@
 //! [`config`], [`optim`] (SGD, AdamW with saveable state), [`mixed_precision`] (fp16 loss scaling), `data`
 //! (datasets, sharded loaders), `state` (checkpoints), `tracking` (JSONL / TensorBoard), `scheduler` (LR schedules).
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 mod accelerator;
 pub mod config;
 pub mod error;
@@ -48,7 +50,10 @@ pub use error::{AccelError, Result};
 pub use mixed_precision::{GradScaler, GradScalerConfig};
 pub use optim::{AcceleratedOptimizer, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 pub use step::{GradientReduction, StepCounters};
-pub use tracking::{JsonlTracker, TensorBoardTracker, Tracker, TrackerKind};
+#[cfg(feature = "tensorboard")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tensorboard")))]
+pub use tracking::TensorBoardTracker;
+pub use tracking::{JsonlTracker, Tracker, TrackerKind};
 
 // Handles users move into threads (and the Trainer shares) must stay Send + Sync; checked at compile time.
 #[allow(dead_code)]

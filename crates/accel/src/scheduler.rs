@@ -73,23 +73,18 @@ impl fmt::Display for SchedulerKind {
     }
 }
 
-/// Error of [`SchedulerKind::from_str`]: names the value and the accepted names.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown lr_scheduler_type {value:?}: expected one of constant, constant_with_warmup, linear, cosine")]
-pub struct ParseSchedulerKindError {
-    /// The rejected input.
-    pub value: String,
-}
-
 impl FromStr for SchedulerKind {
-    type Err = ParseSchedulerKindError;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
+    type Err = crate::AccelError;
+
+    /// HF's names (case-insensitive, `-` for `_` accepted). Errors: [`crate::AccelError::Config`] with key
+    /// `lr_scheduler_type`, naming the value and the accepted names.
+    fn from_str(s: &str) -> crate::Result<Self> {
         let norm = s.trim().to_ascii_lowercase().replace('-', "_");
-        Self::ALL
-            .iter()
-            .find(|(_, n)| *n == norm)
-            .map(|(k, _)| *k)
-            .ok_or_else(|| ParseSchedulerKindError { value: s.to_string() })
+        Self::ALL.iter().find(|(_, n)| *n == norm).map(|(k, _)| *k).ok_or_else(|| crate::AccelError::Config {
+            key: "lr_scheduler_type".into(),
+            value: s.to_string(),
+            reason: "unknown scheduler; expected one of constant, constant_with_warmup, linear, cosine".into(),
+        })
     }
 }
 
@@ -204,7 +199,7 @@ impl Stateful for Scheduler {
             meta.get(name).and_then(|v| v.as_u64()).ok_or_else(|| bad_state(name, "a non-negative integer"))
         };
         let kind_name = meta.get("kind").and_then(|v| v.as_str()).ok_or_else(|| bad_state("kind", "a string"))?;
-        self.kind = kind_name.parse().map_err(|e: ParseSchedulerKindError| bad_state("kind", &e.to_string()))?;
+        self.kind = kind_name.parse().map_err(|e: crate::AccelError| bad_state("kind", &e.to_string()))?;
         self.base_lr = meta.get("base_lr").and_then(|v| v.as_f64()).ok_or_else(|| bad_state("base_lr", "a number"))?;
         self.num_warmup_steps = field_u64("num_warmup_steps")?;
         self.num_training_steps = field_u64("num_training_steps")?;

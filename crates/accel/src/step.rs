@@ -445,8 +445,10 @@ impl StepController {
     pub(crate) fn restore(&self, counters: StepCounters) {
         let mut st = lock(&self.state);
         st.counters = counters;
-        st.window =
-            Window { sync_gradients: counters.micro_step.is_multiple_of(self.gradient_accumulation_steps), ..Window::default() };
+        st.window = Window {
+            sync_gradients: counters.micro_step.is_multiple_of(self.gradient_accumulation_steps),
+            ..Window::default()
+        };
         st.grads.iter_mut().for_each(Gradients::clear);
     }
 }

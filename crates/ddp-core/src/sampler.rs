@@ -96,11 +96,8 @@ impl DistributedSampler {
 
     /// The indices this rank reads this epoch, in order.
     pub fn indices(&self) -> Vec<usize> {
-        let mut order: Vec<usize> = (0..self.len).collect();
-        if self.shuffle {
-            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(self.seed.wrapping_add(self.epoch));
-            order.shuffle(&mut rng);
-        }
+        let mut order =
+            if self.shuffle { epoch_permutation(self.len, self.seed, self.epoch) } else { (0..self.len).collect() };
         let total = self.total_size();
         if order.len() < total && !order.is_empty() {
             let pad = total - order.len();
@@ -119,4 +116,12 @@ impl DistributedSampler {
         }
         Ok(self.indices().chunks(batch_size).map(|c| c.to_vec()).collect())
     }
+}
+/// The shuffled order of an epoch: `0..len` permuted by Fisher–Yates with `ChaCha8Rng::seed_from_u64(seed + epoch)`
+/// (wrapping). Every rank computes the same permutation from the same `(seed, epoch)`; the one definition shared by
+/// [`DistributedSampler`] and accel's data loader, so both levels visit samples in the same order.
+pub fn epoch_permutation(len: usize, seed: u64, epoch: u64) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..len).collect();
+    order.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(seed.wrapping_add(epoch)));
+    order
 }

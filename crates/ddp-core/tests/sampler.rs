@@ -10,8 +10,11 @@ use std::collections::HashSet;
 
 /// PyTorch's formula evaluated in floating point, as Python does (`math.ceil` of a true division).
 fn torch_num_samples(n: usize, r: usize, drop_last: bool) -> usize {
-    let v =
-        if drop_last && !n.is_multiple_of(r) { ((n as f64 - r as f64) / r as f64).ceil() } else { (n as f64 / r as f64).ceil() };
+    let v = if drop_last && !n.is_multiple_of(r) {
+        ((n as f64 - r as f64) / r as f64).ceil()
+    } else {
+        (n as f64 / r as f64).ceil()
+    };
     // math.ceil(-0.5) is 0 in Python (N < R with drop_last): no sample for any rank.
     v.max(0.0) as usize
 }

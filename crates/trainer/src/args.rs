@@ -11,6 +11,10 @@
 //! `optim` is "adamw" (alias "adamw_torch") or "sgd" (with `sgd_momentum`); early stopping can be configured here
 //! (`early_stopping_patience`, `early_stopping_threshold`) instead of only through a callback; `report_to` knows
 //! "jsonl" and "tensorboard"; `save_plots` writes the loss/metric curves at the end of training.
+//!
+//! Optional parts need cargo features of this crate: `tensorboard` (report_to "tensorboard"), `plots`
+//! (`save_plots`), `progress` (the bar `disable_tqdm` controls). Their defaults follow the build (on when the feature
+//! is), and asking for one explicitly in a build without it is an error at validation naming the feature.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -105,7 +109,8 @@ impl_enum_text!(
 impl_enum_text!(OptimizerKind, "optim", [(OptimizerKind::AdamW, "adamw"), (OptimizerKind::Sgd, "sgd")]);
 
 /// Where logs go besides the console (HF's `report_to`): any of "jsonl" (`logging_dir/<project>.jsonl`...),
-/// "tensorboard" (event files), or "all" / "none". Accepts a list or a comma-separated string.
+/// "tensorboard" (event files, feature `tensorboard`), or "all" (every tracker this build has) / "none". Accepts a
+/// list or a comma-separated string. Default: "all".
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ReportTo(pub Vec<String>);
 
@@ -113,9 +118,10 @@ impl ReportTo {
     /// Known tracker names.
     pub const CHOICES: &'static [&'static str] = &["jsonl", "tensorboard", "all", "none"];
 
-    /// Whether `name` ("jsonl" or "tensorboard") is selected.
+    /// Whether `name` ("jsonl" or "tensorboard") is selected: named, or "all" and in this build.
     pub fn contains(&self, name: &str) -> bool {
-        self.0.iter().any(|n| n == name || n == "all")
+        let built = name != "tensorboard" || cfg!(feature = "tensorboard");
+        self.0.iter().any(|n| n == name || (n == "all" && built))
     }
 
     fn parse_list(items: impl IntoIterator<Item = String>) -> ReportTo {
@@ -130,8 +136,13 @@ impl ReportTo {
 }
 
 impl Default for ReportTo {
+    /// Every tracker this build has: jsonl, plus tensorboard with the feature `tensorboard`.
     fn default() -> Self {
-        ReportTo(vec!["jsonl".into(), "tensorboard".into()])
+        let mut names = vec!["jsonl".to_string()];
+        if cfg!(feature = "tensorboard") {
+            names.push("tensorboard".into());
+        }
+        ReportTo(names)
     }
 }
 
@@ -152,7 +163,7 @@ impl<'de> Deserialize<'de> for ReportTo {
 
 fn de_scheduler<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<SchedulerKind, D::Error> {
     let s = String::deserialize(d)?;
-    s.parse().map_err(|e: accel::scheduler::ParseSchedulerKindError| serde::de::Error::custom(e.to_string()))
+    s.parse().map_err(|e: accel::AccelError| serde::de::Error::custom(e.to_string()))
 }
 
 /// Declares the argument struct, its defaults and its CLI-override twin from one list of fields, so the three
@@ -325,12 +336,14 @@ training_arguments! {
     early_stopping_patience: Option<usize> = None;
     /// Minimum improvement over the best metric that resets the early-stopping patience.
     early_stopping_threshold: f64 = 0.0;
-    /// Hide the progress bar (it is also hidden when stderr is not a terminal and on ranks other than 0).
-    disable_tqdm: bool = false;
+    /// Hide the progress bar (it is also hidden when stderr is not a terminal and on ranks other than 0). The bar
+    /// needs the feature `progress`; without it the default is true and false is an error.
+    disable_tqdm: bool = !cfg!(feature = "progress");
     /// Normalise token-level losses by the item count summed over all processes (exact GA/DP equivalence).
     average_tokens_across_devices: bool = true;
-    /// Write loss and eval-metric curves (PNG and SVG) to output_dir when training ends.
-    save_plots: bool = true;
+    /// Write loss and eval-metric curves (PNG and SVG) to output_dir when training ends. Needs the feature
+    /// `plots`; without it the default is false and true is an error.
+    save_plots: bool = cfg!(feature = "plots");
 }
 
 impl TrainingArguments {
@@ -596,6 +609,18 @@ impl TrainingArguments {
                 ));
             }
         }
+        // What this build left out: an error naming the feature, never a silently missing output.
+        let missing =
+            |feature: &str| format!("built without feature `{feature}` of crate trainer: enable it in Cargo.toml");
+        if !cfg!(feature = "tensorboard") && self.report_to.0.iter().any(|n| n == "tensorboard") {
+            return Err(err("report_to", missing("tensorboard")));
+        }
+        if !cfg!(feature = "plots") && self.save_plots {
+            return Err(err("save_plots", missing("plots")));
+        }
+        if !cfg!(feature = "progress") && !self.disable_tqdm {
+            return Err(err("disable_tqdm", missing("progress")));
+        }
         if let Some(r) = &self.resume_from_checkpoint {
             if r.trim().is_empty() {
                 return Err(err("resume_from_checkpoint", "is empty; give a checkpoint directory or \"latest\""));
@@ -843,5 +868,32 @@ mod tests {
             "metric_for_best_model",
             &["empty"],
         );
+    }
+
+    #[test]
+    fn features_left_out_of_the_build_are_named_and_defaults_still_validate() {
+        let d = TrainingArguments::default;
+        d().validate().unwrap();
+        let cases = [
+            (
+                "tensorboard",
+                cfg!(feature = "tensorboard"),
+                TrainingArguments { report_to: ReportTo(vec!["tensorboard".into()]), ..d() },
+            ),
+            ("plots", cfg!(feature = "plots"), TrainingArguments { save_plots: true, ..d() }),
+            ("progress", cfg!(feature = "progress"), TrainingArguments { disable_tqdm: false, ..d() }),
+        ];
+        for (feature, built, args) in cases {
+            match args.validate() {
+                Ok(()) => assert!(built, "{feature} is off but was accepted"),
+                Err(e) => {
+                    assert!(!built, "{feature} is on but was refused: {e}");
+                    let want = format!("built without feature `{feature}` of crate trainer: enable it in Cargo.toml");
+                    assert!(e.to_string().ends_with(&want), "{e}");
+                }
+            }
+        }
+        assert_eq!(d().report_to.contains("tensorboard"), cfg!(feature = "tensorboard"));
+        assert_eq!(d().save_plots, cfg!(feature = "plots"));
     }
 }

@@ -50,17 +50,14 @@ pub enum TrainerError {
         available: Vec<String>,
     },
 
-    /// An error from the Accelerator level (collectives, optimizer, data, checkpoint state).
+    /// An error from the Accelerator level (collectives and other distributed operations, optimizer, data,
+    /// checkpoint state, file I/O and JSON); a [`ddp_core::DdpError`] arrives here as [`accel::AccelError::Ddp`].
     #[error(transparent)]
     Accel(#[from] accel::AccelError),
 
     /// An error from candle (shape, dtype, device) in the model, the loss or a metric.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
-
-    /// A distributed operation failed.
-    #[error(transparent)]
-    Ddp(#[from] ddp_core::DdpError),
 
     /// A user callback or `compute_metrics` function failed.
     #[error("{context}: {message}")]
@@ -79,26 +76,6 @@ pub enum TrainerError {
         /// The plotting backend's message.
         reason: String,
     },
-
-    /// JSON (de)serialisation failed.
-    #[error("{context}: {source}")]
-    Json {
-        /// What we were doing.
-        context: String,
-        /// The serde_json error.
-        #[source]
-        source: serde_json::Error,
-    },
-
-    /// Other I/O errors.
-    #[error("{context}: {source}")]
-    Io {
-        /// What we were doing (which file).
-        context: String,
-        /// The OS error.
-        #[source]
-        source: std::io::Error,
-    },
 }
 
 impl TrainerError {
@@ -107,18 +84,26 @@ impl TrainerError {
         TrainerError::InvalidArgument { field: field.into(), reason: reason.into() }
     }
 
-    /// Wraps an I/O error with what we were doing.
+    /// Wraps an I/O error with what we were doing (as [`accel::AccelError::Io`]: one variant for both crates).
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
-        TrainerError::Io { context: context.into(), source }
+        TrainerError::Accel(accel::AccelError::io(context, source))
     }
 
-    /// Wraps a JSON error with what we were doing.
+    /// Wraps a JSON error with what we were doing (as [`accel::AccelError::Json`]).
     pub fn json(context: impl Into<String>, source: serde_json::Error) -> Self {
-        TrainerError::Json { context: context.into(), source }
+        TrainerError::Accel(accel::AccelError::json(context, source))
     }
 
     /// A [`TrainerError::Checkpoint`] error.
     pub fn checkpoint(path: impl Into<PathBuf>, reason: impl Into<String>) -> Self {
         TrainerError::Checkpoint { path: path.into(), reason: reason.into() }
+    }
+}
+
+/// A ddp-core error takes the one path through the Accelerator's error ([`accel::AccelError::Ddp`]), so callers
+/// match distributed failures in one place whichever level raised them.
+impl From<ddp_core::DdpError> for TrainerError {
+    fn from(e: ddp_core::DdpError) -> Self {
+        TrainerError::Accel(e.into())
     }
 }

@@ -21,9 +21,15 @@
 //! Modules, one concept each: [`args`] (TrainingArguments, CLI), [`trainer`] (the loop), [`evaluation`]
 //! (evaluate / predict), [`losses`] (sum + item count losses), [`metrics`] (accuracy, macro P/R/F1,
 //! perplexity), [`callbacks`] (control object, early stopping, progress bar, printer, trackers), [`checkpoint`]
-//! (naming, rotation, resume lookup), [`state`] (TrainerState / trainer_state.json), [`plot`] (PNG + SVG
+//! (naming, rotation, resume lookup), [`state`] (TrainerState / trainer_state.json), `plot` (PNG + SVG
 //! curves), [`init`] (seeded model initialisation), [`optimizer`] (AdamW / SGD from the arguments),
 //! [`hpsearch`] (hyperparameter search: samplers, pruners, parallel trials, resumable study).
+//!
+//! Cargo features (all off by default, as in burn-train; the examples turn them on): `plots` (the `plot` module,
+//! `save_plots`), `progress` (`ProgressCallback`, the terminal bar), `tensorboard` (`report_to: tensorboard`), and
+//! `nccl` / `mpi` / `cuda` (forwarded to accel). Asking for a left-out part is an argument error naming the feature.
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod args;
 pub mod callbacks;
@@ -35,14 +41,21 @@ pub mod init;
 pub mod losses;
 pub mod metrics;
 pub mod optimizer;
+#[cfg(feature = "plots")]
+#[cfg_attr(docsrs, doc(cfg(feature = "plots")))]
 pub mod plot;
 pub mod state;
 pub mod trainer;
 
 pub use args::{IntervalStrategy, OptimizerKind, ReportTo, SaveStrategy, TrainingArguments, TrainingArgumentsCli};
+// What a `TrainingArguments { .. }` literal names, so a Trainer user need not depend on accel.
+pub use accel::config::MixedPrecision;
+pub use accel::scheduler::SchedulerKind;
+#[cfg(feature = "progress")]
+#[cfg_attr(docsrs, doc(cfg(feature = "progress")))]
+pub use callbacks::ProgressCallback;
 pub use callbacks::{
-    CallbackContext, DefaultFlowCallback, EarlyStoppingCallback, PrinterCallback, ProgressCallback, TrainerCallback,
-    TrainerControl,
+    CallbackContext, DefaultFlowCallback, EarlyStoppingCallback, PrinterCallback, TrainerCallback, TrainerControl,
 };
 pub use error::{Result, TrainerError};
 pub use evaluation::PredictionOutput;

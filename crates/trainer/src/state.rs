@@ -161,14 +161,9 @@ impl TrainerState {
         Ok(text + "\n")
     }
 
-    /// Writes `path` atomically: a temporary file in the same directory, then a rename (a crash leaves either
-    /// the old file or the new one).
+    /// Writes `path` atomically ([`accel::state::write_atomic`]: a crash leaves either the old file or the new one).
     pub fn save_to_json(&self, path: &Path) -> Result<()> {
-        let text = self.to_json_string()?;
-        let tmp = path.with_extension("json.tmp");
-        std::fs::write(&tmp, text).map_err(|e| TrainerError::io(format!("writing {}", tmp.display()), e))?;
-        std::fs::rename(&tmp, path)
-            .map_err(|e| TrainerError::io(format!("renaming {} to {}", tmp.display(), path.display()), e))
+        Ok(accel::state::write_atomic(path, self.to_json_string()?)?)
     }
 
     /// Reads a `trainer_state.json` (ours or HF's).

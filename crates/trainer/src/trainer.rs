@@ -35,7 +35,7 @@ use ddp_core::ProcessGroup;
 use crate::args::{SaveStrategy, TrainingArguments};
 use crate::callbacks::{
     CallbackContext, CallbackHandler, ConsoleWriter, DefaultFlowCallback, EarlyStoppingCallback, PrinterCallback,
-    ProgressCallback, TrackersCallback, TrainerCallback, TrainerControl,
+    TrackersCallback, TrainerCallback, TrainerControl,
 };
 use crate::checkpoint;
 use crate::error::{Result, TrainerError};
@@ -287,7 +287,8 @@ where
             handler.push(Box::new(EarlyStoppingCallback::new(patience, self.args.early_stopping_threshold)));
         }
         let console = ConsoleWriter::new();
-        handler.push(Box::new(ProgressCallback::new(console.clone())));
+        #[cfg(feature = "progress")]
+        handler.push(Box::new(crate::callbacks::ProgressCallback::new(console.clone())));
         handler.push(Box::new(PrinterCallback::new(console)));
         let mut kinds = Vec::new();
         if self.args.report_to.contains("jsonl") {
@@ -494,6 +495,8 @@ where
         fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::TrainEnd)?;
         if rt.acc.is_main_process() {
             self.state.save_to_json(&self.args.output_dir.join(TRAINER_STATE_NAME))?;
+            // Without the feature `plots`, validation refused save_plots: true.
+            #[cfg(feature = "plots")]
             if self.args.save_plots {
                 match crate::plot::plot_training_curves(&self.state, &self.args.output_dir) {
                     Ok(_) => {}
@@ -746,9 +749,8 @@ where
         let path = dir.join("model.safetensors");
         if rt.acc.is_main_process() {
             std::fs::create_dir_all(&dir).map_err(|e| TrainerError::io(format!("creating {}", dir.display()), e))?;
-            let tmp = dir.join("model.safetensors.tmp");
-            accel::state::save_safetensors(&rt.prepared.state_dict(), &tmp)?;
-            std::fs::rename(&tmp, &path).map_err(|e| TrainerError::io(format!("renaming {}", tmp.display()), e))?;
+            // Atomic: save_safetensors goes through accel::state::write_atomic.
+            accel::state::save_safetensors(&rt.prepared.state_dict(), &path)?;
             let args_path = dir.join("training_args.yaml");
             std::fs::write(&args_path, self.args.to_yaml()?)
                 .map_err(|e| TrainerError::io(format!("writing {}", args_path.display()), e))?;

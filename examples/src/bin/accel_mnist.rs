@@ -12,11 +12,12 @@
 //!
 //! Compared with a plain single-process candle loop, the lines that change are marked `// accel:`.
 
+use accel::data::load_mnist;
 use accel::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, DataLoader, DataLoaderConfig, MixedPrecision};
-use accel::{ReduceKind, TensorDataset};
-use accel_examples::{default_data_dir, load_mnist, Mlp};
+use accel::{Dataset, ReduceKind};
+use accel_examples::{default_data_dir, Mlp};
 use anyhow::{bail, Context};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Module, Tensor};
 use candle_nn::VarMap;
 use clap::Parser;
 use std::path::PathBuf;
@@ -81,14 +82,13 @@ fn train(args: &Args) -> anyhow::Result<()> {
     let acc = Accelerator::new(cfg)?; // accel: process group, device, precision, accumulation
 
     let dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
-    let train = load_mnist(&dir, "train10k", &Device::Cpu)?;
-    let test = load_mnist(&dir, "t10k", &Device::Cpu)?;
+    let train = load_mnist(&dir, "train10k")?;
+    let test = load_mnist(&dir, "t10k")?;
     let n_test = test.len();
     let train_cfg =
         DataLoaderConfig { batch_size: args.batch_size, shuffle: true, seed: args.seed, ..Default::default() };
-    let train_loader = DataLoader::new(TensorDataset::new(train.images, train.labels)?, train_cfg);
-    let test_loader =
-        DataLoader::new(TensorDataset::new(test.images, test.labels)?, DataLoaderConfig::with_batch_size(500));
+    let train_loader = DataLoader::new(train, train_cfg);
+    let test_loader = DataLoader::new(test, DataLoaderConfig::with_batch_size(500));
 
     let varmap = VarMap::new();
     let model = Mlp::with_hidden(acc.var_builder(&varmap), &args.hidden)?; // accel: device and dtype from the Accelerator

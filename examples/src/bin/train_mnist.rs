@@ -26,10 +26,9 @@
 
 use std::path::PathBuf;
 
-use accel::data::TensorDataset;
-use accel_examples::{default_data_dir, load_mnist, Mlp};
+use accel::data::{load_mnist, Dataset, TensorDataset};
+use accel_examples::{default_data_dir, Mlp};
 use anyhow::Context;
-use candle_core::Device;
 use clap::Parser;
 use trainer::hpsearch::{HyperparameterSearch, Params, TrialState};
 use trainer::{losses, metrics, IntervalStrategy, SaveStrategy, Trainer, TrainingArguments, TrainingArgumentsCli};
@@ -119,10 +118,9 @@ fn run() -> anyhow::Result<()> {
 /// The first `--train-size` images of train10k for training, the rest for validation.
 fn train_validation(cli: &Cli) -> anyhow::Result<(TensorDataset, TensorDataset)> {
     let data_dir = cli.data_dir.clone().unwrap_or_else(default_data_dir);
-    let train_all = load_mnist(&data_dir, "train10k", &Device::Cpu)?;
-    let n = train_all.len();
+    let all = load_mnist(&data_dir, "train10k")?;
+    let n = all.len();
     anyhow::ensure!(cli.train_size < n, "--train-size must be below the {n} images of train10k");
-    let all = TensorDataset::new(train_all.images, train_all.labels)?;
     Ok((all.narrow(0, cli.train_size)?, all.narrow(cli.train_size, n - cli.train_size)?))
 }
 
@@ -182,8 +180,7 @@ fn worker(cli: Cli) -> anyhow::Result<()> {
     let args = cli.train.resolve(defaults())?;
     let data_dir = cli.data_dir.clone().unwrap_or_else(default_data_dir);
     let (train, validation) = train_validation(&cli)?;
-    let test = load_mnist(&data_dir, "t10k", &Device::Cpu)?;
-    let test = TensorDataset::new(test.images, test.labels)?;
+    let test = load_mnist(&data_dir, "t10k")?;
 
     let hidden = cli.hidden.clone();
     let output_dir = args.output_dir.clone();

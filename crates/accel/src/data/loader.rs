@@ -18,8 +18,6 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use candle_core::Device;
-use rand::seq::SliceRandom;
-use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
 use super::dataset::{Batch, Dataset};
@@ -161,7 +159,7 @@ impl<D: Dataset> DataLoader<D> {
     pub fn with_sharding(mut self, rank: usize, world_size: usize) -> Result<Self> {
         self.rank = rank;
         self.world_size = world_size;
-        self.spec().validate().map_err(|e| AccelError::Data(format!("data loader: {e}")))?;
+        self.spec().validate()?;
         Ok(self)
     }
 
@@ -310,7 +308,7 @@ impl<D: Dataset + 'static> DataLoader<D> {
             observer: self.observer.clone(),
         };
         if let Err(e) = spec.validate() {
-            it.source = Source::Failed(Some(AccelError::Data(format!("data loader: {e}"))));
+            it.source = Source::Failed(Some(e));
             return it;
         }
         let order = Arc::new(self.epoch_order(epoch));
@@ -345,14 +343,14 @@ impl<D: Dataset + 'static> IntoIterator for &DataLoader<D> {
     }
 }
 
-/// `0..n`, or its Fisher–Yates shuffle with `ChaCha8Rng::seed_from_u64(seed + epoch)`.
+/// `0..n`, or its Fisher–Yates shuffle with `ChaCha8Rng::seed_from_u64(seed + epoch)`: ddp-core's
+/// [`ddp_core::sampler::epoch_permutation`], the same order as its `DistributedSampler`.
 pub fn epoch_order(n: usize, shuffle: bool, seed: u64, epoch: u64) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..n).collect();
     if shuffle {
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed.wrapping_add(epoch));
-        order.shuffle(&mut rng);
+        ddp_core::sampler::epoch_permutation(n, seed, epoch)
+    } else {
+        (0..n).collect()
     }
-    order
 }
 
 /// Builds batch `step` of an epoch (on whichever thread runs it).

@@ -22,5 +22,5 @@ pub use loader::{
     LoaderStateHandle,
 };
 pub use mnist::{load_mnist, MNIST_CLASSES, MNIST_PIXELS};
-pub use sharding::{ShardBatch, ShardError, ShardSpec};
+pub use sharding::{ShardBatch, ShardSpec};
 pub use text::{CharVocab, TextDataset};

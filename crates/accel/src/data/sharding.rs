@@ -15,46 +15,7 @@
 //! - neither (or a single process, which Accelerate does not shard): the last step is cut short; ranks whose
 //!   slice starts past `N` yield one batch fewer.
 
-use std::fmt;
-
-/// Why a sharding layout is impossible.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ShardError {
-    /// `batch_size` is zero.
-    ZeroBatchSize,
-    /// `world_size` is zero or `rank >= world_size`.
-    BadRank {
-        /// This process's rank.
-        rank: usize,
-        /// Number of processes.
-        world_size: usize,
-    },
-    /// `split_batches` with a global batch that the processes cannot share equally.
-    NotDivisible {
-        /// The global batch size.
-        batch_size: usize,
-        /// Number of processes.
-        world_size: usize,
-    },
-}
-
-impl fmt::Display for ShardError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ShardError::ZeroBatchSize => write!(f, "batch_size must be at least 1"),
-            ShardError::BadRank { rank, world_size } => {
-                write!(f, "rank {rank} is out of range for world size {world_size} (expected 0..{world_size})")
-            }
-            ShardError::NotDivisible { batch_size, world_size } => write!(
-                f,
-                "split_batches: batch_size {batch_size} is not divisible by the {world_size} processes; \
-                 use a multiple of {world_size} or turn split_batches off"
-            ),
-        }
-    }
-}
-
-impl std::error::Error for ShardError {}
+use crate::{AccelError, Result};
 
 /// The layout of one rank's share of an epoch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,17 +52,24 @@ pub struct ShardBatch {
 
 impl ShardSpec {
     /// Checks the layout: non-zero batch, rank in range, divisible global batch under `split_batches`.
-    pub fn validate(&self) -> Result<(), ShardError> {
-        if self.batch_size == 0 {
-            return Err(ShardError::ZeroBatchSize);
-        }
-        if self.world_size == 0 || self.rank >= self.world_size {
-            return Err(ShardError::BadRank { rank: self.rank, world_size: self.world_size });
-        }
-        if self.split_batches && !self.batch_size.is_multiple_of(self.world_size) {
-            return Err(ShardError::NotDivisible { batch_size: self.batch_size, world_size: self.world_size });
-        }
-        Ok(())
+    ///
+    /// Errors: [`AccelError::Data`] ("data loader: ...") naming the offending values and the fix.
+    pub fn validate(&self) -> Result<()> {
+        let reason = if self.batch_size == 0 {
+            "batch_size must be at least 1".to_string()
+        } else if self.world_size == 0 || self.rank >= self.world_size {
+            let (rank, world_size) = (self.rank, self.world_size);
+            format!("rank {rank} is out of range for world size {world_size} (expected 0..{world_size})")
+        } else if self.split_batches && !self.batch_size.is_multiple_of(self.world_size) {
+            let (batch_size, world_size) = (self.batch_size, self.world_size);
+            format!(
+                "split_batches: batch_size {batch_size} is not divisible by the {world_size} processes; use a \
+                 multiple of {world_size} or turn split_batches off"
+            )
+        } else {
+            return Ok(());
+        };
+        Err(AccelError::Data(format!("data loader: {reason}")))
     }
 
     /// Samples per rank per step (`s`).
@@ -220,9 +188,11 @@ mod tests {
         let s = ShardSpec { split_batches: true, ..spec(7, 4, 2, 1) };
         let b = s.batches(&order);
         assert_eq!(b.iter().map(|b| b.indices.clone()).collect::<Vec<_>>(), vec![vec![2, 3], vec![6, 0]]);
+        let e = ShardSpec { split_batches: true, ..spec(7, 3, 2, 0) }.validate().unwrap_err().to_string();
         assert_eq!(
-            ShardSpec { split_batches: true, ..spec(7, 3, 2, 0) }.validate(),
-            Err(ShardError::NotDivisible { batch_size: 3, world_size: 2 })
+            e,
+            "data: data loader: split_batches: batch_size 3 is not divisible by the 2 processes; use a multiple of 2 \
+             or turn split_batches off"
         );
     }
 

@@ -102,20 +102,8 @@ pub(crate) fn commit(partial: &Path, final_dir: &Path) -> Result<()> {
     } else {
         std::fs::rename(partial, final_dir).map_err(|e| ctx("renaming the new checkpoint", e))?;
     }
-    sync_dir(final_dir.parent());
+    super::atomic::sync_dir(final_dir.parent());
     Ok(())
-}
-
-/// Flushes a directory entry to disk so the rename survives a power loss (best effort; not on every OS).
-fn sync_dir(dir: Option<&Path>) {
-    #[cfg(unix)]
-    if let Some(dir) = dir {
-        if let Ok(f) = std::fs::File::open(dir) {
-            let _ = f.sync_all();
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = dir;
 }
 
 #[cfg(test)]

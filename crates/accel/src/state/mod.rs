@@ -20,12 +20,14 @@
 //! Automatic naming: `project_dir/checkpoints/checkpoint_{i}`, `i` one past the highest existing index.
 
 mod accelerator_state;
+mod atomic;
 pub mod checkpoint_dir;
 pub mod rng;
 mod state_dict;
 
 pub(crate) use accelerator_state::{load_state, save_state};
 pub use accelerator_state::{SharedStateful, ACCELERATOR_FILE};
+pub use atomic::write_atomic;
 pub use checkpoint_dir::{checkpoint_name, list_checkpoints, newest_checkpoint, CHECKPOINTS_SUBDIR};
 pub use rng::RngState;
 pub use state_dict::{load_safetensors, save_safetensors, StateDict, Stateful};

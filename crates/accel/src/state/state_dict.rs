@@ -118,8 +118,11 @@ pub fn save_safetensors(tensors: &BTreeMap<String, Tensor>, path: &Path) -> Resu
         .iter()
         .map(|(k, t)| Ok((k.clone(), t.to_device(&Device::Cpu)?.contiguous()?)))
         .collect::<Result<_>>()?;
-    candle_core::safetensors::save(&map, path)
-        .map_err(|e| AccelError::Checkpoint { path: path.to_path_buf(), reason: format!("cannot write tensors: {e}") })
+    let bytes = safetensors::tensor::serialize(map, None).map_err(|e| AccelError::Checkpoint {
+        path: path.to_path_buf(),
+        reason: format!("cannot write tensors: {e}"),
+    })?;
+    super::write_atomic(path, bytes)
 }
 
 /// Reads every tensor of a safetensors file onto `device`.

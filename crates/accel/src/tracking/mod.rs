@@ -3,19 +3,26 @@
 //! - [`JsonlTracker`]: one JSON object per `log` call in `metrics.jsonl` (always available, easy to `jq`/pandas).
 //! - [`TensorBoardTracker`]: TensorBoard event files (`events.out.tfevents.{secs}.{host}`), written by a small
 //!   writer of TFRecord framing ([`tfrecord`]) and the `Event` protobuf ([`event`]); there is no maintained Rust
-//!   crate for it.
+//!   crate for it. Behind the cargo feature `tensorboard`; without it, creating one is an error naming the feature.
 //!
 //! Both write into `logging_dir/project/`, as Accelerate's `init_trackers(project_name)` does. The Accelerator
 //! creates them on the main process only ([`crate::Accelerator::init_trackers`]), so other ranks never touch the
 //! files; the trackers themselves are plain writers and can be used without an Accelerator.
 
+#[cfg(feature = "tensorboard")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tensorboard")))]
 pub mod event;
 mod jsonl;
+#[cfg(feature = "tensorboard")]
 mod tensorboard;
+#[cfg(feature = "tensorboard")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tensorboard")))]
 pub mod tfrecord;
 mod trackers;
 
 pub use jsonl::{JsonlTracker, JSONL_FILE_NAME};
+#[cfg(feature = "tensorboard")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tensorboard")))]
 pub use tensorboard::TensorBoardTracker;
 pub(crate) use trackers::Trackers;
 
@@ -29,13 +36,17 @@ use std::str::FromStr;
 pub enum TrackerKind {
     /// [`JsonlTracker`] (`jsonl`).
     Jsonl,
-    /// [`TensorBoardTracker`] (`tensorboard`).
+    /// `TensorBoardTracker` (`tensorboard`); creating it needs the cargo feature `tensorboard`.
     TensorBoard,
 }
 
 impl TrackerKind {
-    /// All kinds, for "log with everything".
+    /// All kinds this build can create, for "log with everything".
+    #[cfg(feature = "tensorboard")]
     pub const ALL: [TrackerKind; 2] = [TrackerKind::Jsonl, TrackerKind::TensorBoard];
+    /// All kinds this build can create, for "log with everything" (`TensorBoard` needs the feature `tensorboard`).
+    #[cfg(not(feature = "tensorboard"))]
+    pub const ALL: [TrackerKind; 1] = [TrackerKind::Jsonl];
 
     /// The name used on command lines and in configs: `jsonl` or `tensorboard`.
     pub fn as_str(self) -> &'static str {
@@ -46,10 +57,16 @@ impl TrackerKind {
     }
 
     /// Creates this tracker writing into `dir` (created if missing).
+    ///
+    /// Errors: [`AccelError::Usage`] for `TensorBoard` in a build without the cargo feature `tensorboard`; I/O
+    /// errors creating the directory or file.
     pub fn create(self, dir: &Path) -> Result<Box<dyn Tracker>> {
         Ok(match self {
             TrackerKind::Jsonl => Box::new(JsonlTracker::new(dir)?),
+            #[cfg(feature = "tensorboard")]
             TrackerKind::TensorBoard => Box::new(TensorBoardTracker::new(dir)?),
+            #[cfg(not(feature = "tensorboard"))]
+            TrackerKind::TensorBoard => return Err(AccelError::missing_feature("tensorboard", "accel")),
         })
     }
 }

@@ -24,7 +24,10 @@ mod trackers;
 pub use early_stopping::EarlyStoppingCallback;
 pub use flow::DefaultFlowCallback;
 pub use printer::PrinterCallback;
-pub use progress::{ConsoleWriter, ProgressCallback};
+pub use progress::ConsoleWriter;
+#[cfg(feature = "progress")]
+#[cfg_attr(docsrs, doc(cfg(feature = "progress")))]
+pub use progress::ProgressCallback;
 pub use trackers::TrackersCallback;
 
 use crate::args::TrainingArguments;

@@ -1,19 +1,27 @@
 //! [`ProgressCallback`]: an indicatif progress bar over the optimizer steps, on rank 0 only and only when stderr
 //! is a terminal (HF's tqdm bar), and [`ConsoleWriter`], which prints lines above the bar when one is shown.
+//! The bar needs the cargo feature `progress`; without it [`ConsoleWriter`] prints plain lines.
 
+#[cfg(feature = "progress")]
 use std::io::IsTerminal;
+#[cfg(feature = "progress")]
 use std::sync::{Arc, Mutex};
 
+#[cfg(feature = "progress")]
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
+#[cfg(feature = "progress")]
 use super::{CallbackContext, TrainerCallback, TrainerControl};
+#[cfg(feature = "progress")]
 use crate::error::Result;
+#[cfg(feature = "progress")]
 use crate::metrics::Metrics;
 
 /// Prints whole lines to stdout, or through the active progress bar (so the bar is redrawn below the line).
-/// Cheap to clone; shared by [`ProgressCallback`] and [`super::PrinterCallback`].
+/// Cheap to clone; shared by `ProgressCallback` and [`super::PrinterCallback`].
 #[derive(Debug, Clone, Default)]
 pub struct ConsoleWriter {
+    #[cfg(feature = "progress")]
     bar: Arc<Mutex<Option<ProgressBar>>>,
 }
 
@@ -25,13 +33,15 @@ impl ConsoleWriter {
 
     /// Prints `line` followed by a newline.
     pub fn println(&self, line: &str) {
-        let bar = ddp_core::sync::lock(&self.bar);
-        match bar.as_ref() {
-            Some(b) if !b.is_hidden() => b.println(line),
-            _ => println!("{line}"),
+        #[cfg(feature = "progress")]
+        if let Some(b) = ddp_core::sync::lock(&self.bar).as_ref().filter(|b| !b.is_hidden()) {
+            b.println(line);
+            return;
         }
+        println!("{line}");
     }
 
+    #[cfg(feature = "progress")]
     fn attach(&self, bar: Option<ProgressBar>) {
         *ddp_core::sync::lock(&self.bar) = bar;
     }
@@ -39,12 +49,15 @@ impl ConsoleWriter {
 
 /// A progress bar `global_step / max_steps` with the latest training loss, drawn on stderr by rank 0 when stderr is
 /// a terminal and `disable_tqdm` is false; otherwise it does nothing (cheap: one atomic store per step).
+#[cfg(feature = "progress")]
+#[cfg_attr(docsrs, doc(cfg(feature = "progress")))]
 #[derive(Debug)]
 pub struct ProgressCallback {
     console: ConsoleWriter,
     bar: Option<ProgressBar>,
 }
 
+#[cfg(feature = "progress")]
 impl ProgressCallback {
     /// A progress callback printing through `console` (share it with the [`super::PrinterCallback`]).
     pub fn new(console: ConsoleWriter) -> Self {
@@ -57,6 +70,7 @@ impl ProgressCallback {
     }
 }
 
+#[cfg(feature = "progress")]
 impl TrainerCallback for ProgressCallback {
     fn on_train_begin(&mut self, ctx: &CallbackContext, _control: &mut TrainerControl) -> Result<()> {
         if !ctx.is_world_process_zero() || ctx.args.disable_tqdm || !std::io::stderr().is_terminal() {
