@@ -46,5 +46,5 @@ pub use error::{Result, TrainerError};
 pub use evaluation::PredictionOutput;
 pub use losses::LossOutput;
 pub use metrics::{EvalPrediction, Metrics};
-pub use state::{CallbackState, LogEntry, TrainerState};
+pub use state::{CallbackState, LogEntry, LossTallyState, TrainerState};
 pub use trainer::{TrainOutput, Trainer};
