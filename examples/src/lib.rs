@@ -15,6 +15,15 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Linear, VarBuilder, VarMap};
 use rand::{Rng, SeedableRng};
 
+/// Parses `--nproc`: a whole number ≥ 1 (0 is refused instead of silently training as one process).
+pub fn parse_nproc(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(0) => Err("must be at least 1 (the number of worker processes; 1 trains in this process)".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("{s:?} is not a process count: {e}")),
+    }
+}
+
 /// Pixels per MNIST image (28 × 28), the model's input width.
 pub const MNIST_PIXELS: usize = 28 * 28;
 /// Number of MNIST classes (digits 0–9), the model's output width.
