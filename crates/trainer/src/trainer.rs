@@ -730,7 +730,9 @@ where
             acc.process_group().all_reduce(&mut flags, ddp_core::ReduceOp::Sum)?;
         }
         let bad: Vec<usize> = (0..world).filter(|&r| flags[r] > 0.0).collect();
-        let grad_bad = grad_norm.filter(|g| !g.is_finite());
+        // Under fp16 an overflowing gradient is routine: the loss scaler skips that step and lowers the scale.
+        let fp16 = acc.config().mixed_precision == MixedPrecision::Fp16;
+        let grad_bad = grad_norm.filter(|g| !g.is_finite() && !fp16);
         let step = self.state.global_step;
         if bad.is_empty() && grad_bad.is_none() {
             since_log.last_finite = Some((step, if items > 0.0 { local / items } else { local }));
