@@ -18,6 +18,15 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Linear, VarBuilder, VarMap};
 use rand::{Rng, SeedableRng};
 
+/// Parses `--nproc`: a whole number ≥ 1 (0 is refused instead of silently training as one process).
+pub fn parse_nproc(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(0) => Err("must be at least 1 (the number of worker processes; 1 trains in this process)".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("{s:?} is not a process count: {e}")),
+    }
+}
+
 pub use accel::data::{MNIST_CLASSES, MNIST_PIXELS};
 /// Mean pixel intensity of the MNIST training set (in `[0, 1]`), as used by PyTorch's MNIST example.
 pub const MNIST_MEAN: f64 = 0.1307;

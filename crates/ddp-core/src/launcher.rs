@@ -222,6 +222,12 @@ pub fn is_worker() -> bool {
 /// # Ok::<(), ddp_core::DdpError>(())
 /// ```
 pub fn launch_self(nproc: usize) -> Result<bool> {
+    if nproc == 0 {
+        // Silently training as one process would hide a typo in a launch script.
+        return Err(DdpError::InvalidArgument(
+            "nproc is 0: give the number of worker processes to launch (1 trains in this process)".into(),
+        ));
+    }
     if is_worker() || nproc <= 1 {
         return Ok(false);
     }

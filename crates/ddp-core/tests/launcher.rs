@@ -117,6 +117,27 @@ fn a_failing_worker_stops_the_others_and_is_named() {
 }
 
 #[test]
+fn every_line_of_a_failing_workers_error_reaches_the_user() {
+    // Rank 0 fails first; rank 1 fails a moment later and writes its error chain in pieces (as Rust's
+    // `Error: {err:?}` does). Stopping it at once used to cut its output to `[rank 1] Error: `.
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = sh(
+        2,
+        r#"if [ "$RANK" = 0 ]; then exit 3; fi; sleep 0.1; printf 'Error: ' >&2; sleep 0.2;
+           printf 'the peer closed the connection\n\nCaused by:\n    0: connection reset by rank 0\n' >&2; exit 1"#,
+    );
+    cfg.log_dir = Some(dir.path().to_path_buf());
+    cfg.tee = true;
+    match launch(&cfg) {
+        Err(DdpError::WorkerFailed { rank: 0, status, .. }) => assert_eq!(status, "exit code 3"),
+        other => panic!("expected WorkerFailed for rank 0, got {other:?}"),
+    }
+    let log = read(log_path(dir.path(), 1));
+    assert!(log.contains("Error: the peer closed the connection\n"), "{log}");
+    assert!(log.contains("Caused by:\n    0: connection reset by rank 0\n"), "{log}");
+}
+
+#[test]
 fn a_worker_killed_by_a_signal_is_reported_with_the_signal_name() {
     let cfg = sh(3, r#"if [ "$RANK" = 2 ]; then kill -9 $$; fi; exec sleep 60"#);
     let start = Instant::now();

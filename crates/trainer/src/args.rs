@@ -261,6 +261,9 @@ fn scalar_candidates(raw: &str) -> Vec<serde_json::Value> {
 training_arguments! {
     /// Where checkpoints, the final model, logs and plots go.
     output_dir: PathBuf = PathBuf::from("trainer_output");
+    /// Start over in an output_dir that holds another run's checkpoints, deleting them first (otherwise such a
+    /// directory is refused unless the run resumes from it).
+    overwrite_output_dir: bool = false;
     /// Epochs to train (a fraction trains part of the last epoch). Ignored when max_steps > 0.
     num_train_epochs: f64 = 3.0;
     /// Total optimizer steps; when > 0 it wins over num_train_epochs.

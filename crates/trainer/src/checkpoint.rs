@@ -6,8 +6,19 @@
 //! data-loader position, per-rank RNG; itself written to a temporary directory and renamed) plus
 //! `trainer_state.json`, written last and atomically. A directory without `trainer_state.json` is an
 //! interrupted save: it is never resumed from ("latest" skips it) and rotation deletes it like any other old one.
+//!
+//! Integrity: `checksums.json` lists the sha256 of every other file of the checkpoint; it is written just before
+//! `trainer_state.json` (whose digest it already holds), so a complete checkpoint always has it.
+//! [`verify_checksums`] checks it before anything is loaded: a truncated or flipped weight file is an error naming
+//! the file, never a silent resume.
+//!
+//! Ownership of an output directory: [`lock_output_dir`] marks it as used by one job (`.trainer.lock` with the
+//! pid and host), and [`check_output_dir`] refuses to start a new run over another run's checkpoints.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
 
 use crate::error::{Result, TrainerError};
 use crate::state::{TrainerState, TRAINER_STATE_NAME};
@@ -150,6 +161,274 @@ pub fn check_compatible(dir: &Path, state: &TrainerState, world_size: usize, gra
         }
     }
     Ok(())
+}
+
+/// Name of the checksum index inside a checkpoint directory.
+pub const CHECKSUMS_NAME: &str = "checksums.json";
+
+/// `checksums.json`: the sha256 (lower-case hex) of each file of a checkpoint, by path relative to it.
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+pub struct Checksums {
+    /// Always "sha256".
+    pub algorithm: String,
+    /// Relative path (`/`-separated) → digest.
+    pub files: BTreeMap<String, String>,
+}
+
+/// Lower-case hex sha256 of `bytes`.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn sha256_file(path: &Path) -> Result<String> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).map_err(|e| TrainerError::io(format!("reading {}", path.display()), e))?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).map_err(|e| TrainerError::io(format!("reading {}", path.display()), e))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Every regular file under `dir` (recursively), as `/`-separated relative paths, sorted.
+fn files_under(dir: &Path) -> Result<Vec<String>> {
+    let mut out = Vec::new();
+    let mut stack = vec![PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        let abs = dir.join(&rel);
+        let entries = std::fs::read_dir(&abs).map_err(|e| TrainerError::io(format!("listing {}", abs.display()), e))?;
+        for entry in entries {
+            let entry = entry.map_err(|e| TrainerError::io(format!("listing {}", abs.display()), e))?;
+            let r = rel.join(entry.file_name());
+            let ft = entry.file_type().map_err(|e| TrainerError::io(format!("listing {}", abs.display()), e))?;
+            if ft.is_dir() {
+                stack.push(r);
+            } else if ft.is_file() {
+                out.push(r.to_string_lossy().replace('\\', "/"));
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Writes `dir/checksums.json` (atomically) with the sha256 of every file now in `dir` (except the index itself)
+/// plus `extra` files given by content that are written afterwards (`trainer_state.json`). Main process only.
+pub fn write_checksums(dir: &Path, extra: &[(&str, &[u8])]) -> Result<()> {
+    let mut files = BTreeMap::new();
+    for rel in files_under(dir)? {
+        if rel != CHECKSUMS_NAME && !rel.ends_with(".tmp") {
+            files.insert(rel.clone(), sha256_file(&dir.join(&rel))?);
+        }
+    }
+    for (name, bytes) in extra {
+        files.insert((*name).to_string(), sha256_hex(bytes));
+    }
+    let index = Checksums { algorithm: "sha256".into(), files };
+    let text = serde_json::to_string_pretty(&index).map_err(|e| TrainerError::json("encoding checksums", e))?;
+    Ok(accel::state::write_atomic(&dir.join(CHECKSUMS_NAME), text)?)
+}
+
+/// Checks every file listed in `dir/checksums.json`. Errors (naming the file): a listed file missing, or its
+/// content not matching (truncated, flipped bytes, replaced). A checkpoint written before checksums existed
+/// (no index) is accepted with a warning.
+pub fn verify_checksums(dir: &Path) -> Result<()> {
+    let path = dir.join(CHECKSUMS_NAME);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            tracing::warn!(
+                "checkpoint {} has no {CHECKSUMS_NAME} (older format): its files are not verified",
+                dir.display()
+            );
+            return Ok(());
+        }
+        Err(e) => return Err(TrainerError::io(format!("reading {}", path.display()), e)),
+    };
+    let index: Checksums =
+        serde_json::from_str(&text).map_err(|e| TrainerError::json(format!("parsing {}", path.display()), e))?;
+    if index.algorithm != "sha256" {
+        return Err(TrainerError::checkpoint(
+            dir,
+            format!("{CHECKSUMS_NAME} uses {:?}; this version verifies sha256 only", index.algorithm),
+        ));
+    }
+    for (rel, expected) in &index.files {
+        let file = dir.join(rel);
+        if !file.is_file() {
+            return Err(TrainerError::checkpoint(
+                dir,
+                format!(
+                    "{rel} is listed in {CHECKSUMS_NAME} but missing: the checkpoint is incomplete; resume from \
+                         another checkpoint-N"
+                ),
+            ));
+        }
+        let actual = sha256_file(&file)?;
+        if &actual != expected {
+            return Err(TrainerError::checkpoint(
+                dir,
+                format!(
+                    "{rel} is damaged: its sha256 is {actual} but {CHECKSUMS_NAME} recorded {expected} at save time \
+                     (truncated or modified since); resume from another checkpoint-N or restore the file"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Refuses to start a new run in an `output_dir` that already holds `checkpoint-N` directories (HF's
+/// "Output directory ... already exists and is not empty"), unless the run resumes (`resuming`) or
+/// `overwrite` is set; with `overwrite` the old checkpoints are deleted first (returned). Main process only.
+pub fn check_output_dir(output_dir: &Path, resuming: bool, overwrite: bool) -> Result<Vec<PathBuf>> {
+    if resuming {
+        return Ok(Vec::new());
+    }
+    let old = sorted_checkpoints(output_dir, None)?;
+    if old.is_empty() {
+        return Ok(Vec::new());
+    }
+    if !overwrite {
+        let names: Vec<String> =
+            old.iter().filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned())).collect();
+        return Err(TrainerError::invalid(
+            "output_dir",
+            format!(
+                "{} already holds checkpoints of another run ({}); a new run would mix with them. Either resume \
+                 that run (resume_from_checkpoint = \"latest\", --resume-from-checkpoint latest), or delete them \
+                 and start over (overwrite_output_dir = true, --overwrite-output-dir true); or use another \
+                 output_dir",
+                output_dir.display(),
+                names.join(", ")
+            ),
+        ));
+    }
+    for dir in &old {
+        std::fs::remove_dir_all(dir).map_err(|e| {
+            TrainerError::io(format!("deleting old checkpoint {} (overwrite_output_dir)", dir.display()), e)
+        })?;
+    }
+    Ok(old)
+}
+
+/// Name of the lock file that marks an output directory as used by a running job.
+pub const LOCK_NAME: &str = ".trainer.lock";
+
+/// Content of `.trainer.lock`.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LockInfo {
+    /// Process id of the job's main process.
+    pub pid: u32,
+    /// Host name of that process.
+    pub host: String,
+    /// Start time, seconds since the Unix epoch.
+    pub started: u64,
+}
+
+/// An output directory held by this job: the lock file is removed when this is dropped (end of `train`, also on
+/// error).
+#[derive(Debug)]
+pub struct OutputDirLock {
+    path: PathBuf,
+    info: LockInfo,
+}
+
+impl Drop for OutputDirLock {
+    fn drop(&mut self) {
+        // Only our own lock: another job may have taken over a lock we lost (e.g. deleted by hand).
+        let ours = std::fs::read_to_string(&self.path)
+            .ok()
+            .and_then(|t| serde_json::from_str::<LockInfo>(&t).ok())
+            .is_some_and(|i| i == self.info);
+        if ours {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// This machine's host name.
+pub fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; gethostname NUL-terminates within it on success.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return "unknown".into();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+fn pid_alive(pid: u32) -> bool {
+    // SAFETY: signal 0 only checks for existence; EPERM means it exists under another user.
+    let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
+    rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+/// Takes `output_dir/.trainer.lock` for this process (creating `output_dir`). Errors when another job holds it,
+/// naming the directory and that job (pid, host); a lock left by a process that is dead on this host is taken
+/// over with a warning. Main process only.
+pub fn lock_output_dir(output_dir: &Path) -> Result<OutputDirLock> {
+    use std::io::Write;
+    std::fs::create_dir_all(output_dir)
+        .map_err(|e| TrainerError::io(format!("creating output_dir {}", output_dir.display()), e))?;
+    let path = output_dir.join(LOCK_NAME);
+    let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let info = LockInfo { pid: std::process::id(), host: host_name(), started };
+    let text = serde_json::to_string(&info).map_err(|e| TrainerError::json("encoding the lock file", e))?;
+    for _ in 0..2 {
+        match std::fs::OpenOptions::new().write(true).create_new(true).open(&path) {
+            Ok(mut f) => {
+                f.write_all(text.as_bytes()).map_err(|e| TrainerError::io(format!("writing {}", path.display()), e))?;
+                return Ok(OutputDirLock { path, info });
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                let held = std::fs::read_to_string(&path).ok().and_then(|t| serde_json::from_str::<LockInfo>(&t).ok());
+                match held {
+                    Some(other) if other.host == info.host && !pid_alive(other.pid) => {
+                        tracing::warn!(
+                            "{}: taking over a stale lock of process {} on {} (no longer running)",
+                            output_dir.display(),
+                            other.pid,
+                            other.host
+                        );
+                        eprintln!(
+                            "warning: {}: taking over the stale lock of process {} on {}, which is no longer running",
+                            output_dir.display(),
+                            other.pid,
+                            other.host
+                        );
+                        let _ = std::fs::remove_file(&path);
+                    }
+                    Some(other) => {
+                        return Err(TrainerError::Usage(format!(
+                            "output_dir {} is in use by another training job (pid {} on host {}, lock {}); wait \
+                             for it to finish or use another output_dir. If that job is gone, delete the lock file",
+                            output_dir.display(),
+                            other.pid,
+                            other.host,
+                            path.display()
+                        )))
+                    }
+                    None => {
+                        return Err(TrainerError::Usage(format!(
+                            "output_dir {} is locked by {} but the lock cannot be read; if no other job uses this \
+                             directory, delete the lock file",
+                            output_dir.display(),
+                            path.display()
+                        )))
+                    }
+                }
+            }
+            Err(e) => return Err(TrainerError::io(format!("creating {}", path.display()), e)),
+        }
+    }
+    Err(TrainerError::Usage(format!("output_dir {}: could not take the lock {}", output_dir.display(), path.display())))
 }
 
 #[cfg(test)]

@@ -59,6 +59,11 @@ pub enum TrainerError {
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 
+    /// Training diverged: the loss or the gradient norm became NaN or infinite (the message names the global
+    /// step, the rank(s) and the last finite loss). Nothing from that step on was saved.
+    #[error("{0}")]
+    NonFinite(String),
+
     /// A user callback or `compute_metrics` function failed.
     #[error("{context}: {message}")]
     Callback {

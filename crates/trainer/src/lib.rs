@@ -62,5 +62,5 @@ pub use evaluation::PredictionOutput;
 pub use hpsearch::{Direction, HyperparameterSearch, StudySummary, Trial};
 pub use losses::LossOutput;
 pub use metrics::{EvalPrediction, Metrics};
-pub use state::{CallbackState, LogEntry, TrainerState};
+pub use state::{CallbackState, LogEntry, LossTallyState, TrainerState};
 pub use trainer::{TrainOutput, Trainer};

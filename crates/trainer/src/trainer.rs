@@ -42,7 +42,7 @@ use crate::error::{Result, TrainerError};
 use crate::losses::Loss;
 use crate::metrics::{EvalPrediction, Metrics};
 use crate::optimizer::TrainerOptimizer;
-use crate::state::{LogEntry, TrainerState, TRAINER_STATE_NAME};
+use crate::state::{LogEntry, LossTallyState, TrainerState, TRAINER_STATE_NAME};
 
 /// Builds the model from a `VarBuilder` (device, dtype and seeded initialisation chosen by the trainer).
 pub type ModelInit<M> = Box<dyn Fn(VarBuilder<'static>) -> candle_core::Result<M> + Send>;
@@ -99,6 +99,11 @@ pub struct Trainer<M, D> {
     pub(crate) state: TrainerState,
     pub(crate) control: TrainerControl,
     trained: bool,
+    /// Checkpoints of this run's lineage: written by it, or the resumed checkpoint and its recorded best. Only
+    /// these are ever loaded as the best model.
+    own_checkpoints: std::collections::HashSet<PathBuf>,
+    /// Global step of this run's last checkpoint (an epoch end that coincides with a step save saves once).
+    last_saved_step: Option<u64>,
 }
 
 /// A callback event (to dispatch with split borrows of the trainer).
@@ -178,6 +183,8 @@ where
             state: TrainerState::default(),
             control: TrainerControl::default(),
             trained: false,
+            own_checkpoints: Default::default(),
+            last_saved_step: None,
         }
     }
 
@@ -327,9 +334,33 @@ where
         self.setup()?;
         self.trained = true;
         let mut rt = self.rt.take().expect("setup created the runtime");
-        let result = self.train_loop(&mut rt);
+        let result = match self.claim_output_dir(&rt.acc) {
+            // The lock is held until training ends (successfully or not) and removed when `_lock` drops.
+            Ok(_lock) => self.train_loop(&mut rt),
+            Err(e) => Err(e),
+        };
         self.rt = Some(rt);
         result
+    }
+
+    /// Makes `output_dir` this run's (main process; every rank agrees on the outcome): takes its lock (refusing
+    /// a directory another job is training in), then refuses another run's checkpoints unless this run resumes
+    /// or `overwrite_output_dir` deletes them.
+    fn claim_output_dir(&self, acc: &Accelerator) -> Result<Option<checkpoint::OutputDirLock>> {
+        let local = if acc.is_main_process() {
+            checkpoint::lock_output_dir(&self.args.output_dir).and_then(|lock| {
+                let resuming = self.args.resume_from_checkpoint.is_some();
+                let removed =
+                    checkpoint::check_output_dir(&self.args.output_dir, resuming, self.args.overwrite_output_dir)?;
+                for dir in removed {
+                    acc.print(format!("overwrite_output_dir: deleted the old checkpoint {}", dir.display()));
+                }
+                Ok(Some(lock))
+            })
+        } else {
+            Ok(None)
+        };
+        agree(acc, local, "checking output_dir")
     }
 
     fn train_loop(&mut self, rt: &mut Runtime<M, D>) -> Result<TrainOutput> {
@@ -387,37 +418,63 @@ where
         )));
         rt.acc.register_scheduler(scheduler.clone() as Arc<Mutex<dyn Stateful + Send>>);
         rt.scheduler = Some(scheduler.clone());
-        if rt.acc.is_main_process() {
-            let yaml = self.args.to_yaml()?;
-            let path = self.args.output_dir.join("training_args.yaml");
-            std::fs::write(&path, yaml).map_err(|e| TrainerError::io(format!("writing {}", path.display()), e))?;
-        }
+        self.own_checkpoints.clear();
+        self.last_saved_step = None;
 
-        // Resume: restore everything, then skip what was already trained (HF's arithmetic).
+        // Resume: validate and restore everything, then skip what was already trained (HF's arithmetic). Nothing
+        // is written before the checkpoint has been verified and loaded: a failed resume changes no file.
         let mut epochs_trained = 0u64;
         let mut skip_micro = 0usize;
+        let mut since_log = LossTally::default();
         if let Some(spec) = self.args.resume_from_checkpoint.clone() {
             let dir = checkpoint::resolve_resume(&spec, &self.args.output_dir)?;
             let saved = TrainerState::load_from_json(&dir.join(TRAINER_STATE_NAME))?;
             checkpoint::check_compatible(&dir, &saved, world, ga)?;
-            rt.acc.load_state(Some(&dir))?;
+            agree(&rt.acc, checkpoint::verify_checksums(&dir), "verifying the checkpoint")?;
+            let loaded = rt.acc.load_state(Some(&dir)).map(|_| ()).map_err(TrainerError::from);
+            agree(&rt.acc, loaded, "loading the checkpoint")?;
+            self.own_checkpoints.insert(dir.clone());
+            if let Some(best) = &saved.best_model_checkpoint {
+                self.own_checkpoints.insert(PathBuf::from(best));
+            }
+            if let Some(t) = saved.loss_tally.get(rt.acc.rank()) {
+                since_log = LossTally::restored(t);
+            }
+            self.state.stateful_callbacks = saved.stateful_callbacks.clone();
+            self.state.loss_tally = saved.loss_tally.clone();
             self.state.global_step = saved.global_step;
             self.state.epoch = saved.epoch;
-            self.state.log_history = saved.log_history;
+            self.state.log_history = saved.log_history.clone();
             self.state.best_metric = saved.best_metric;
             self.state.best_global_step = saved.best_global_step;
-            self.state.best_model_checkpoint = saved.best_model_checkpoint;
+            self.state.best_model_checkpoint = saved.best_model_checkpoint.clone();
             self.state.num_input_tokens_seen = saved.num_input_tokens_seen;
             rt.callbacks.load_states(&saved.stateful_callbacks)?;
             epochs_trained = saved.global_step / upe;
             skip_micro = ((saved.global_step % upe) as usize) * ga;
-            rt.acc.print(format!(
-                "Resuming from {} at global step {}: {epochs_trained} epoch(s) done, skipping the first {skip_micro} \
-                 micro-batch(es) of epoch {}",
-                dir.display(),
-                saved.global_step,
-                epochs_trained + 1
-            ));
+            if let Some(why) = already_ended(&saved, max_steps) {
+                // Training on would only move past where the original run stopped (and rotate its checkpoints).
+                rt.acc.print(format!(
+                    "Training already ended at global step {} of {} ({why}); not training further, running the \
+                     final steps only (no checkpoint is written or deleted)",
+                    saved.global_step,
+                    dir.display()
+                ));
+                epochs_trained = num_epochs;
+            } else {
+                rt.acc.print(format!(
+                    "Resuming from {} at global step {}: {epochs_trained} epoch(s) done, skipping the first \
+                     {skip_micro} micro-batch(es) of epoch {}",
+                    dir.display(),
+                    saved.global_step,
+                    epochs_trained + 1
+                ));
+            }
+        }
+        if rt.acc.is_main_process() {
+            let yaml = self.args.to_yaml()?;
+            let path = self.args.output_dir.join("training_args.yaml");
+            std::fs::write(&path, yaml).map_err(|e| TrainerError::io(format!("writing {}", path.display()), e))?;
         }
         {
             let lr = ddp_core::sync::lock(&scheduler).lr();
@@ -427,8 +484,7 @@ where
         fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::TrainBegin)?;
 
         let start_step = self.state.global_step;
-        // Loss sums stay on the device until a log needs them (no per-step host sync, as HF's tr_loss).
-        let mut since_log = LossTally::default();
+        // Loss sums stay on the device until a log needs them (as HF's tr_loss); restored on resume.
         let mut last_grad_norm: Option<f64> = None;
 
         for epoch in epochs_trained..num_epochs {
@@ -635,6 +691,7 @@ where
         since_log: &mut LossTally,
         grad_norm: Option<f64>,
     ) -> Result<()> {
+        self.check_finite(rt, since_log, grad_norm)?;
         if self.control.should_log && since_log.steps > 0 {
             // Every rank logs at the same steps, so this collective is matched on all of them.
             let loss = since_log.log_mean(&rt.acc)?.unwrap_or(0.0);
@@ -655,7 +712,7 @@ where
             }
         }
         if self.control.should_save {
-            self.save_checkpoint(rt)?;
+            self.save_checkpoint(rt, since_log)?;
             fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::Save)?;
         }
         self.control.new_step();
@@ -697,14 +754,83 @@ where
         Ok(better)
     }
 
-    /// Writes `output_dir/checkpoint-{global_step}`: the Accelerator's state (all ranks), then
-    /// `trainer_state.json` (main process, atomically, last), then rotation.
-    fn save_checkpoint(&mut self, rt: &mut Runtime<M, D>) -> Result<()> {
-        let dir = checkpoint::checkpoint_dir(&self.args.output_dir, self.state.global_step);
-        if checkpoint::is_complete(&dir) {
-            // Already written at this step (e.g. an epoch end that coincides with a step save).
+    /// Stops training when the step just taken had a non-finite loss (on any rank) or gradient norm, before
+    /// anything of it is logged or saved. One host read of the step's loss per optimizer step, plus one tiny
+    /// all-reduce when distributed so every rank stops at the same step.
+    fn check_finite(
+        &mut self,
+        rt: &mut Runtime<M, D>,
+        since_log: &mut LossTally,
+        grad_norm: Option<f64>,
+    ) -> Result<()> {
+        let Some((loss, items)) = since_log.pending.take() else { return Ok(()) };
+        let local = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        let acc = &rt.acc;
+        let (rank, world) = (acc.rank(), acc.world_size());
+        let mut flags = vec![0.0; world];
+        flags[rank] = if local.is_finite() { 0.0 } else { 1.0 };
+        if world > 1 {
+            acc.process_group().all_reduce(&mut flags, ddp_core::ReduceOp::Sum)?;
+        }
+        let bad: Vec<usize> = (0..world).filter(|&r| flags[r] > 0.0).collect();
+        // Under fp16 an overflowing gradient is routine: the loss scaler skips that step and lowers the scale.
+        let fp16 = acc.config().mixed_precision == MixedPrecision::Fp16;
+        let grad_bad = grad_norm.filter(|g| !g.is_finite() && !fp16);
+        let step = self.state.global_step;
+        if bad.is_empty() && grad_bad.is_none() {
+            since_log.last_finite = Some((step, if items > 0.0 { local / items } else { local }));
             return Ok(());
         }
+        let last = match since_log.last_finite {
+            Some((s, l)) => format!("last finite loss {l:.6} at global step {s} on rank {rank}"),
+            None => "no finite loss before it in this run".to_string(),
+        };
+        let what = if !bad.is_empty() {
+            let ranks = bad.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", ");
+            let own = if flags[rank] > 0.0 { format!(" (here: {})", local / items.max(1.0)) } else { String::new() };
+            format!("the training loss is not finite at global step {step} on rank {ranks}{own}")
+        } else {
+            format!("the gradient norm is {} at global step {step} (rank {rank})", grad_bad.unwrap_or(f64::NAN))
+        };
+        let saved = self.last_saved_step.map(|s| {
+            format!(
+                "; the newest checkpoint, {}, is from before",
+                checkpoint::checkpoint_dir(&self.args.output_dir, s).display()
+            )
+        });
+        Err(TrainerError::NonFinite(format!(
+            "training diverged: {what}; {last}. Nothing from this step on is saved{}. Lower learning_rate (now {}), \
+             keep gradient clipping on (max_grad_norm), or check the data",
+            saved.unwrap_or_default(),
+            self.args.learning_rate
+        )))
+    }
+
+    /// Writes `output_dir/checkpoint-{global_step}`: the Accelerator's state (all ranks), then `checksums.json`
+    /// and `trainer_state.json` (main process, atomically, last), then rotation. A directory of that name that this
+    /// run did not write (a leftover of the run it resumed) is replaced. Refuses non-finite weights, so a diverged
+    /// step never replaces a good checkpoint.
+    fn save_checkpoint(&mut self, rt: &mut Runtime<M, D>, since_log: &LossTally) -> Result<()> {
+        let dir = checkpoint::checkpoint_dir(&self.args.output_dir, self.state.global_step);
+        if self.last_saved_step == Some(self.state.global_step) {
+            // Already written at this step by this run (e.g. an epoch end that coincides with a step save).
+            return Ok(());
+        }
+        // Every rank holds the same weights, so every rank reaches the same verdict without communication.
+        for (name, t) in rt.prepared.state_dict() {
+            let values = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            if let Some(v) = values.iter().find(|v| !v.is_finite()) {
+                return Err(TrainerError::NonFinite(format!(
+                    "training diverged: parameter {name} holds {v} at global step {}; not saving {} so that no \
+                     checkpoint with non-finite weights replaces a good one. Lower learning_rate (now {}) or keep \
+                     gradient clipping on (max_grad_norm)",
+                    self.state.global_step,
+                    dir.display(),
+                    self.args.learning_rate
+                )));
+            }
+        }
+        self.state.loss_tally = since_log.gather(&rt.acc)?;
         let mut callbacks: std::collections::BTreeMap<_, _> = rt.callbacks.states().into_iter().collect();
         callbacks.insert("TrainerControl".to_string(), self.control.to_state());
         self.state.stateful_callbacks = callbacks;
@@ -716,10 +842,15 @@ where
             }
         }
         if rt.acc.is_main_process() {
-            self.state.save_to_json(&dir.join(TRAINER_STATE_NAME))?;
+            let text = self.state.to_json_string()?;
+            checkpoint::write_checksums(&dir, &[(TRAINER_STATE_NAME, text.as_bytes())])?;
+            // Last: its presence marks the checkpoint complete.
+            accel::state::write_atomic(&dir.join(TRAINER_STATE_NAME), text)?;
             let best = self.state.best_model_checkpoint.as_ref().map(PathBuf::from);
             checkpoint::rotate_checkpoints(&self.args.output_dir, self.args.save_total_limit, best.as_deref())?;
         }
+        self.own_checkpoints.insert(dir);
+        self.last_saved_step = Some(self.state.global_step);
         rt.acc.wait_for_everyone()?;
         Ok(())
     }
@@ -730,6 +861,14 @@ where
             rt.acc.print("load_best_model_at_end: no best checkpoint was saved; keeping the final weights");
             return Ok(());
         };
+        if !self.own_checkpoints.contains(Path::new(&best)) {
+            rt.acc.print(format!(
+                "load_best_model_at_end: {best} was not written by this run (nor the run it resumed); keeping the \
+                 final weights"
+            ));
+            return Ok(());
+        }
+        agree(&rt.acc, checkpoint::verify_checksums(Path::new(&best)), "verifying the best checkpoint")?;
         let path = Path::new(&best).join("model.safetensors");
         let weights = accel::state::load_safetensors(&path, rt.acc.device())?;
         rt.prepared.load_state_dict(&weights)?;
@@ -794,25 +933,77 @@ struct LossTally {
     /// This rank's loss sum and item count of the whole run, up to the last log.
     run_sum: f64,
     run_items: f64,
+    /// The since-log sum restored from a checkpoint, until the first step after the resume puts it on the device
+    /// (in the loss's dtype, where it came from, so the sums continue bit for bit).
+    restored_sum: Option<f64>,
+    /// The newest step's loss sum and item count, not yet checked for finiteness.
+    pending: Option<(Tensor, f64)>,
+    /// (global step, this rank's mean loss) of the newest step with a finite loss.
+    last_finite: Option<(u64, f64)>,
 }
 
 impl LossTally {
+    /// A tally continuing from a checkpoint's.
+    fn restored(t: &LossTallyState) -> Self {
+        LossTally {
+            items: t.items,
+            steps: t.steps,
+            run_sum: t.run_sum,
+            run_items: t.run_items,
+            restored_sum: (t.steps > 0).then_some(t.sum),
+            ..Default::default()
+        }
+    }
+
     fn add(&mut self, loss_sum: Tensor, items: f64) -> Result<()> {
-        self.sum = Some(match self.sum.take() {
-            None => loss_sum,
-            Some(s) => (s + loss_sum)?,
+        self.pending = Some((loss_sum.clone(), items));
+        self.sum = Some(match (self.sum.take(), self.restored_sum.take()) {
+            (Some(s), _) => (s + loss_sum)?,
+            (None, Some(r)) => {
+                (Tensor::new(r, loss_sum.device())?.to_dtype(loss_sum.dtype())?.reshape(loss_sum.shape())? + loss_sum)?
+            }
+            (None, None) => loss_sum,
         });
         self.items += items;
         self.steps += 1;
         Ok(())
     }
 
+    /// This rank's since-log loss sum as a host value (reads the device once).
+    fn current_sum(&self) -> Result<f64> {
+        Ok(match &self.sum {
+            Some(s) => s.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+            None => self.restored_sum.unwrap_or(0.0),
+        })
+    }
+
+    /// Every rank's tally, indexed by rank (for the checkpoint). Collective when distributed: each rank fills its
+    /// own slot of a zero vector, so the all-reduce sum carries the values exactly.
+    fn gather(&self, acc: &Accelerator) -> Result<Vec<LossTallyState>> {
+        const N: usize = 5;
+        let (rank, world) = (acc.rank(), acc.world_size());
+        let mut buf = vec![0.0; N * world];
+        buf[rank * N..(rank + 1) * N].copy_from_slice(&[
+            self.current_sum()?,
+            self.items,
+            self.steps as f64,
+            self.run_sum,
+            self.run_items,
+        ]);
+        if world > 1 {
+            acc.process_group().all_reduce(&mut buf, ddp_core::ReduceOp::Sum)?;
+        }
+        Ok(buf
+            .chunks(N)
+            .map(|c| LossTallyState { sum: c[0], items: c[1], steps: c[2] as u64, run_sum: c[3], run_items: c[4] })
+            .collect())
+    }
+
     /// Moves the since-log sums into the run totals; returns them (this rank's sum, items).
     fn flush(&mut self) -> Result<(f64, f64)> {
-        let sum = match self.sum.take() {
-            Some(s) => s.to_dtype(DType::F64)?.to_scalar::<f64>()?,
-            None => 0.0,
-        };
+        let sum = self.current_sum()?;
+        self.sum = None;
+        self.restored_sum = None;
         let items = std::mem::take(&mut self.items);
         self.steps = 0;
         self.run_sum += sum;
@@ -840,4 +1031,46 @@ fn global_mean(acc: &Accelerator, sum: f64, items: f64) -> Result<Option<f64>> {
         acc.process_group().all_reduce(&mut buf, ddp_core::ReduceOp::Sum)?;
     }
     Ok((buf[1] > 0.0).then(|| buf[0] / buf[1]))
+}
+
+/// Turns one rank's outcome into every rank's: when any rank failed, the others fail too (instead of waiting
+/// in the next collective until the timeout). One all-reduce of a flag when distributed.
+fn agree<T>(acc: &Accelerator, local: Result<T>, what: &str) -> Result<T> {
+    if acc.world_size() == 1 {
+        return local;
+    }
+    let mut flag = [if local.is_err() { 1.0 } else { 0.0 }];
+    acc.process_group().all_reduce(&mut flag, ddp_core::ReduceOp::Sum)?;
+    match local {
+        Ok(_) if flag[0] > 0.0 => Err(TrainerError::Usage(format!(
+            "{what} failed on another process (its error says why); rank {} stops too",
+            acc.rank()
+        ))),
+        other => other,
+    }
+}
+
+/// Why a checkpoint's run had already finished (`None` when it can go on): all `max_steps` done, or a callback
+/// (early stopping) stopped it.
+fn already_ended(saved: &TrainerState, max_steps: u64) -> Option<String> {
+    if saved.global_step >= max_steps {
+        return Some(format!("all {max_steps} optimizer steps were done"));
+    }
+    let control = saved.stateful_callbacks.get("TrainerControl").map(TrainerControl::from_state)?;
+    if !control.should_training_stop {
+        return None;
+    }
+    let early = saved.stateful_callbacks.get("EarlyStoppingCallback").and_then(|st| {
+        let counter = st.attributes.get("early_stopping_patience_counter")?.as_u64()?;
+        let patience = st.args.get("early_stopping_patience")?.as_u64()?;
+        (counter >= patience).then(|| {
+            format!(
+                "early stopping: the best-model metric did not improve for {counter} evaluation(s) \
+                 (early_stopping_patience {patience}); best {} at step {}",
+                saved.best_metric.map(|m| format!("{m:.6}")).unwrap_or_else(|| "-".into()),
+                saved.best_global_step.map(|s| s.to_string()).unwrap_or_else(|| "-".into())
+            )
+        })
+    });
+    Some(early.unwrap_or_else(|| "a callback set should_training_stop".into()))
 }

@@ -28,7 +28,7 @@ use std::time::Instant;
 #[command(about)]
 struct Args {
     /// Processes to launch on this machine when not started by a launcher (RANK unset).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = accel_examples::parse_nproc)]
     nproc: usize,
     /// Passes over the training set.
     #[arg(long, default_value_t = 8)]

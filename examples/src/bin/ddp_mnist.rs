@@ -25,7 +25,7 @@ use ddp_core::{DdpOptions, DistributedDataParallel, DistributedSampler, ProcessG
 #[command(about)]
 struct Cli {
     /// Worker processes to launch when RANK is not set (ignored inside a worker). 1 trains in this process.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = accel_examples::parse_nproc)]
     nproc: usize,
     /// Passes over the training set.
     #[arg(long, default_value_t = 10)]

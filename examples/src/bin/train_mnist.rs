@@ -38,7 +38,7 @@ use trainer::{losses, metrics, IntervalStrategy, SaveStrategy, Trainer, Training
 #[command(name = "train_mnist", version)]
 struct Cli {
     /// Processes to launch when not started by a launcher (RANK unset).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = accel_examples::parse_nproc)]
     nproc: usize,
     /// Directory with the MNIST files (default: the repository's data/mnist).
     #[arg(long)]

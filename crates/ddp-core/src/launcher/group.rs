@@ -22,6 +22,10 @@ const POLL: Duration = Duration::from_millis(50);
 const KILL_WAIT: Duration = Duration::from_secs(10);
 /// How long to wait for output streams to drain after the workers are gone.
 const DRAIN_WAIT: Duration = Duration::from_secs(5);
+/// After the first failure, how long the other workers may take to exit on their own before SIGTERM. They
+/// usually fail too (their collective broke) and are printing their error chain in several writes: a SIGTERM
+/// in between would cut it to `[rank 1] Error: `.
+const SETTLE: Duration = Duration::from_secs(1);
 
 /// How a group ended.
 pub(crate) enum GroupOutcome {
@@ -124,6 +128,7 @@ pub(crate) fn run_group(spec: GroupSpec, sinks: &Sinks, signals: &SignalGuard) -
                         "launcher: worker rank {} failed first ({status}); stopping the others",
                         spec.first_rank + local_rank
                     );
+                    settle(&mut workers, &rx, SETTLE, signals);
                     stop(&mut workers, &rx, libc::SIGTERM, spec.stop_grace, signals);
                     break GroupOutcome::Failed { local_rank, status };
                 }
@@ -142,6 +147,22 @@ pub(crate) fn run_group(spec: GroupSpec, sinks: &Sinks, signals: &SignalGuard) -
     reap(&mut workers);
     pumps.finish(DRAIN_WAIT);
     Ok(outcome)
+}
+
+/// Waits up to `limit` for the running workers to exit by themselves (no signal sent); stops early on a new
+/// SIGINT/SIGTERM to the launcher.
+fn settle(workers: &mut [Worker], rx: &Receiver<(usize, WorkerExit)>, limit: Duration, signals: &SignalGuard) {
+    let signals_before = signals.count();
+    let deadline = Instant::now() + limit;
+    while workers.iter().any(|w| w.exited.is_none()) && signals.count() == signals_before {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return;
+        }
+        if let Ok((i, status)) = rx.recv_timeout(POLL.min(left)) {
+            workers[i].exited = Some(status);
+        }
+    }
 }
 
 /// Sends `first_signal` to every running worker's group, waits up to `grace`, then SIGKILLs the rest (at once
