@@ -164,3 +164,38 @@ fn run_ranks_with_timeout<T: Send + 'static>(
         .collect();
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
+
+/// The CPU backend's peer handshake proves the run token without sending it: a listener on a peer's published
+/// address (here a fake "rank 0") records everything rank 1 sends, and neither the token's bytes nor its hex are
+/// in it. Rank 1 then fails instead of trusting the fake peer.
+#[test]
+fn mesh_handshake_never_sends_the_run_token() {
+    use std::io::Read;
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new(Duration::from_secs(30)));
+    let fake = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = fake.local_addr().unwrap().to_string();
+    // Where a world-2 group formed on this store publishes rank 0's backend address.
+    store.set("ddp/attempt0/world0/backend/addr/0", addr.as_bytes()).unwrap();
+    let token = RunToken::generate().unwrap();
+    let rank1 = std::thread::spawn(move || {
+        let opts = GroupOptions { token: Some(token), timeout: Duration::from_secs(3), ..GroupOptions::default() };
+        ProcessGroup::from_store(store, 1, 2, opts).unwrap_err()
+    });
+    let (mut conn, _) = fake.accept().unwrap();
+    conn.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 256];
+    while let Ok(n) = conn.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        seen.extend_from_slice(&buf[..n]);
+    }
+    drop(conn);
+    let err = rank1.join().unwrap();
+    assert!(seen.len() >= 30, "the fake peer got a hello ({} bytes)", seen.len());
+    assert!(!seen.windows(16).any(|w| w == token.as_bytes()), "the token's bytes went on the wire");
+    let hex = token.to_hex();
+    assert!(!String::from_utf8_lossy(&seen).to_lowercase().contains(&hex), "the token's hex went on the wire");
+    assert!(!err.to_string().is_empty());
+}

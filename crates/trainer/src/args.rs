@@ -108,6 +108,23 @@ impl_enum_text!(
 );
 impl_enum_text!(OptimizerKind, "optim", [(OptimizerKind::AdamW, "adamw"), (OptimizerKind::Sgd, "sgd")]);
 
+/// What a non-finite training loss or gradient norm does (`on_nonfinite_loss`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NonFiniteLoss {
+    /// Stop training with an error naming the global step, the rank(s) and the last finite loss.
+    #[default]
+    Error,
+    /// Skip that optimizer step on every rank (its gradients are dropped, the schedule does not move), as fp16 loss
+    /// scaling skips an overflowing step, and warn; the global step still advances (its batches were consumed).
+    SkipStep,
+}
+impl_enum_text!(
+    NonFiniteLoss,
+    "on_nonfinite_loss",
+    [(NonFiniteLoss::Error, "error"), (NonFiniteLoss::SkipStep, "skip_step")]
+);
+
 /// Where logs go besides the console (HF's `report_to`): any of "jsonl" (`logging_dir/<project>.jsonl`...),
 /// "tensorboard" (event files, feature `tensorboard`), or "all" (every tracker this build has) / "none". Accepts a
 /// list or a comma-separated string. Default: "all".
@@ -288,6 +305,8 @@ training_arguments! {
     sgd_momentum: f64 = 0.0;
     /// Optimizer: adamw | sgd.
     optim: OptimizerKind = OptimizerKind::AdamW;
+    /// A non-finite loss or gradient norm: error (stop, naming the step) | skip_step (drop that step and go on).
+    on_nonfinite_loss: NonFiniteLoss = NonFiniteLoss::Error;
     /// Learning-rate schedule: constant | constant_with_warmup | linear | cosine.
     #[serde(deserialize_with = "de_scheduler")]
     lr_scheduler_type: SchedulerKind = SchedulerKind::Linear;

@@ -47,7 +47,9 @@ pub mod plot;
 pub mod state;
 pub mod trainer;
 
-pub use args::{IntervalStrategy, OptimizerKind, ReportTo, SaveStrategy, TrainingArguments, TrainingArgumentsCli};
+pub use args::{
+    IntervalStrategy, NonFiniteLoss, OptimizerKind, ReportTo, SaveStrategy, TrainingArguments, TrainingArgumentsCli,
+};
 // What a `TrainingArguments { .. }` literal names, so a Trainer user need not depend on accel.
 pub use accel::config::MixedPrecision;
 pub use accel::scheduler::SchedulerKind;

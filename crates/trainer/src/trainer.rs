@@ -631,6 +631,24 @@ where
             }
         };
         let grad_norm = if self.args.max_grad_norm > 0.0 { acc.clip_grad_norm(self.args.max_grad_norm)? } else { None };
+        if self.args.on_nonfinite_loss == crate::args::NonFiniteLoss::SkipStep {
+            let local = local_sum.as_ref().map_or(Ok(0.0), |t| t.to_dtype(DType::F64)?.to_scalar::<f64>())?;
+            let mut bad = [f64::from(u8::from(!local.is_finite() || grad_norm.is_some_and(|g| !g.is_finite())))];
+            if acc.world_size() > 1 {
+                acc.process_group().all_reduce(&mut bad, ddp_core::ReduceOp::Max)?;
+            }
+            if bad[0] > 0.0 {
+                // Every rank skips the same step: the synced gradients are dropped, weights and schedule stay.
+                rt.optimizer.zero_grad();
+                tracing::warn!(
+                    "global step {}: non-finite loss or gradient norm on some rank; step skipped \
+                     (on_nonfinite_loss = skip_step)",
+                    self.state.global_step + 1
+                );
+                let zero = Tensor::zeros((), DType::F32, acc.device())?;
+                return Ok(StepOutcome { loss_sum: zero, items: 0.0, grad_norm: None });
+            }
+        }
         let stepped = rt.optimizer.step()?;
         if stepped {
             // Only real optimizer steps move the schedule (not fp16-skipped ones).

@@ -340,3 +340,40 @@ fn a_non_finite_loss_on_one_rank_stops_every_rank_at_the_same_step() {
         assert!(e.contains("global step 3") && e.contains("rank 1"), "{e}");
     }
 }
+
+/// `on_nonfinite_loss: skip_step`: rank 1's loss turns infinite at its 3rd micro-batch only; both ranks skip
+/// exactly that optimizer step (weights and schedule stay), train on, and end with finite weights, the same on
+/// both ranks, and different from a run that took every step.
+#[test]
+fn skip_step_drops_only_the_non_finite_step_on_every_rank() {
+    let run = |skip_at: Option<usize>| {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().to_path_buf();
+        run_ranks(2, move |pg| {
+            let rank = pg.rank();
+            let calls = Arc::new(AtomicUsize::new(0));
+            let loss = move |y: &candle_core::Tensor, t: &candle_core::Tensor| {
+                let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+                let mut out = losses::cross_entropy(y, t)?;
+                if rank == 1 && Some(n) == skip_at {
+                    out.loss_sum = out.loss_sum.affine(1.0, f64::INFINITY)?;
+                }
+                Ok(out)
+            };
+            let mut a = args(&d, 1);
+            a.on_nonfinite_loss = trainer::NonFiniteLoss::SkipStep;
+            a.max_steps = 5;
+            let mut t = Trainer::new(a, Mlp::new, classification_data(90), None, loss).process_group(pg);
+            let out = t.train().unwrap();
+            (out.global_step, snapshot(&t))
+        })
+    };
+    let skipped = run(Some(3));
+    let all = run(None);
+    assert_eq!(skipped[0].0, 5, "the global step still advances over the skipped step");
+    assert_eq!(skipped[0].1, skipped[1].1, "both ranks skipped the same step");
+    assert_ne!(skipped[0].1, all[0].1, "the skipped step left a trace-free but different trajectory");
+    for (_, bits) in &skipped[0].1 {
+        assert!(bits.iter().all(|b| f32::from_bits(*b).is_finite()));
+    }
+}

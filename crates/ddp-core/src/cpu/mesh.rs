@@ -5,13 +5,22 @@
 //! then connects to every *lower* rank and accepts every *higher* one. Rank j's connects only need lower ranks to
 //! be accepting, and rank 0 only accepts, so the order cannot deadlock.
 //!
-//! Handshake (client → server): magic `b"ACLH"`, version u16, rank u32, world size u32, the 16-byte run token,
-//! group tag length u16 + bytes. Server → client: one status byte (1 accepted, 2 token refused, 3 refused for
-//! another reason) and its rank u32. A connection with a wrong token is answered `2`, closed and logged; the
-//! listener keeps waiting for the real peer.
+//! Handshake (version 2): the run token never goes on the wire; both sides prove they know it with an
+//! HMAC-SHA256 over both sides' fresh nonces (RFC 2104, [`RunToken::prove`]), as the store's handshake does.
+//! 1. Client → server: magic `b"ACLH"`, version u16, rank u32, world size u32, a fresh 16-byte client nonce `cn`,
+//!    group tag length u16 + bytes.
+//! 2. Server → client: status byte and its rank u32; with status `4` (challenge) also a fresh server nonce `sn`
+//!    and the server's proof `HMAC(token, "accel-mesh v2 server" ‖ sn ‖ cn)`; `3` refuses (another world size or
+//!    group, or not this protocol).
+//! 3. Client → server: its proof `HMAC(token, "accel-mesh v2 client" ‖ sn ‖ cn)` — sent even when the server's
+//!    proof was wrong, so both sides fail at once.
+//! 4. Server → client: status `1` (accepted) or `2` (token refused) and its rank u32.
+//!
+//! A connection with a wrong token is refused, closed and logged; the listener keeps waiting for the real peer. A
+//! listener on a peer's published address learns only MACs over nonces it cannot reuse.
 
 use crate::store::Store;
-use crate::token::RunToken;
+use crate::token::{self, RunToken, MAC_LEN, NONCE_LEN};
 use crate::{DdpError, Result};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -19,10 +28,13 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 const HELLO_MAGIC: [u8; 4] = *b"ACLH";
-const VERSION: u16 = 1;
+const VERSION: u16 = 2;
 const ACCEPTED: u8 = 1;
 const TOKEN_REFUSED: u8 = 2;
 const OTHER_REFUSED: u8 = 3;
+const CHALLENGE: u8 = 4;
+const SERVER_LABEL: &[u8] = b"accel-mesh v2 server";
+const CLIENT_LABEL: &[u8] = b"accel-mesh v2 client";
 /// How long one handshake may take once TCP is connected (a silent client must not stall the listener forever).
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_TAG: usize = 1024;
@@ -88,20 +100,40 @@ fn connect_to(spec: &MeshSpec<'_>, peer: usize, addr: &str, deadline: Instant) -
             Ok(mut s) => {
                 s.set_nodelay(true).map_err(|e| DdpError::io("setting TCP_NODELAY", e))?;
                 s.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(|e| DdpError::io("setting a read timeout", e))?;
+                let client_nonce = token::nonce()?;
                 let mut hello = Vec::with_capacity(32 + spec.group_tag.len());
                 hello.extend_from_slice(&HELLO_MAGIC);
                 hello.extend_from_slice(&VERSION.to_le_bytes());
                 hello.extend_from_slice(&(spec.rank as u32).to_le_bytes());
                 hello.extend_from_slice(&(spec.world_size as u32).to_le_bytes());
-                hello.extend_from_slice(spec.token.as_bytes());
+                hello.extend_from_slice(&client_nonce);
                 hello.extend_from_slice(&(spec.group_tag.len() as u16).to_le_bytes());
                 hello.extend_from_slice(spec.group_tag.as_bytes());
-                s.write_all(&hello)
-                    .map_err(|e| DdpError::io(format!("sending the handshake to rank {peer} at {addr}"), e))?;
+                let io = |what: &str| {
+                    let what = format!("{what} rank {peer} at {addr}");
+                    move |e| DdpError::io(what, e)
+                };
+                s.write_all(&hello).map_err(io("sending the handshake to"))?;
                 let mut reply = [0u8; 5];
-                s.read_exact(&mut reply)
-                    .map_err(|e| DdpError::io(format!("reading the handshake reply of rank {peer} at {addr}"), e))?;
+                s.read_exact(&mut reply).map_err(io("reading the handshake reply of"))?;
                 let their_rank = u32::from_le_bytes(reply[1..5].try_into().expect("4 bytes")) as usize;
+                if reply[0] != CHALLENGE {
+                    return Err(DdpError::Protocol(format!(
+                        "rank {peer} at {addr} refused our handshake (different world size or group, or another \
+                         accel-rs version; see its log)"
+                    )));
+                }
+                let mut challenge = [0u8; NONCE_LEN + MAC_LEN];
+                s.read_exact(&mut challenge).map_err(io("reading the challenge of"))?;
+                let (server_nonce, server_proof) = challenge.split_at(NONCE_LEN);
+                let server_ok = spec.token.verify(SERVER_LABEL, server_nonce, &client_nonce, server_proof);
+                // Our proof goes out even when theirs is wrong: the peer then fails at once instead of timing out.
+                s.write_all(&spec.token.prove(CLIENT_LABEL, server_nonce, &client_nonce))
+                    .map_err(io("sending our proof to"))?;
+                if !server_ok {
+                    return Err(DdpError::TokenRejected { peer: format!("rank {peer} at {addr}") });
+                }
+                s.read_exact(&mut reply).map_err(io("reading the handshake result of"))?;
                 return match reply[0] {
                     ACCEPTED if their_rank == peer => {
                         s.set_read_timeout(None).map_err(|e| DdpError::io("clearing a read timeout", e))?;
@@ -182,7 +214,7 @@ fn serve_handshake(
     s.set_nonblocking(false).map_err(|e| e.to_string())?;
     s.set_nodelay(true).map_err(|e| e.to_string())?;
     s.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(|e| e.to_string())?;
-    let mut fixed = [0u8; 4 + 2 + 4 + 4 + 16 + 2];
+    let mut fixed = [0u8; 4 + 2 + 4 + 4 + NONCE_LEN + 2];
     s.read_exact(&mut fixed).map_err(|e| format!("reading the handshake from {from}: {e}"))?;
     let reply = |s: &mut TcpStream, code: u8| {
         let mut r = [0u8; 5];
@@ -196,10 +228,7 @@ fn serve_handshake(
     }
     let rank = u32::from_le_bytes(fixed[6..10].try_into().expect("4 bytes")) as usize;
     let world = u32::from_le_bytes(fixed[10..14].try_into().expect("4 bytes")) as usize;
-    if !spec.token.matches(&fixed[14..30]) {
-        reply(&mut s, TOKEN_REFUSED);
-        return Err(format!("{from} (claiming rank {rank}) presented a wrong run token"));
-    }
+    let client_nonce = &fixed[14..14 + NONCE_LEN];
     let tag_len = u16::from_le_bytes([fixed[30], fixed[31]]) as usize;
     if tag_len > MAX_TAG {
         reply(&mut s, OTHER_REFUSED);
@@ -215,6 +244,19 @@ fn serve_handshake(
             spec.group_tag,
             spec.world_size
         ));
+    }
+    let server_nonce = token::nonce().map_err(|e| e.to_string())?;
+    let mut challenge = Vec::with_capacity(5 + NONCE_LEN + MAC_LEN);
+    challenge.push(CHALLENGE);
+    challenge.extend_from_slice(&(spec.rank as u32).to_le_bytes());
+    challenge.extend_from_slice(&server_nonce);
+    challenge.extend_from_slice(&spec.token.prove(SERVER_LABEL, &server_nonce, client_nonce));
+    s.write_all(&challenge).map_err(|e| format!("sending the challenge to {from}: {e}"))?;
+    let mut proof = [0u8; MAC_LEN];
+    s.read_exact(&mut proof).map_err(|e| format!("reading the proof of {from}: {e}"))?;
+    if !spec.token.verify(CLIENT_LABEL, &server_nonce, client_nonce, &proof) {
+        reply(&mut s, TOKEN_REFUSED);
+        return Err(format!("{from} (claiming rank {rank}): run token mismatch"));
     }
     reply(&mut s, ACCEPTED);
     s.set_read_timeout(None).map_err(|e| e.to_string())?;
