@@ -10,8 +10,7 @@
 use super::NcclBackend;
 use crate::{DdpError, ProcessGroup, ReduceOp, Result};
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CudaStorage, DType as CDType, InplaceOp1, InplaceOp2, Layout, Tensor};
-use half::{bf16, f16};
+use candle_core::{CpuStorage, CudaStorage, InplaceOp1, InplaceOp2, Layout, Tensor};
 use std::sync::Mutex;
 
 /// Keeps the first [`DdpError`] raised inside a candle op, so callers get it back unwrapped.
@@ -41,41 +40,16 @@ fn cpu_tensor(name: &str) -> candle_core::Result<()> {
     Err(candle_core::Error::Msg(format!("{name}: NCCL collectives take CUDA tensors (this one is on the CPU)")))
 }
 
-/// Calls `$body` with `$T` bound to the Rust type of a candle dtype, or returns an unsupported-dtype error.
+/// Calls `$body` with `$T` bound to the Rust type of a candle dtype, or returns an unsupported-dtype error. The
+/// dispatch table is the crate's one ([`crate::dtype::with_element_type`]); this only maps candle's dtype onto it.
 macro_rules! with_cuda_type {
     ($dtype:expr, $what:expr, $T:ident => $body:expr) => {
-        match $dtype {
-            CDType::F32 => {
-                type $T = f32;
-                $body
-            }
-            CDType::F64 => {
-                type $T = f64;
-                $body
-            }
-            CDType::F16 => {
-                type $T = f16;
-                $body
-            }
-            CDType::BF16 => {
-                type $T = bf16;
-                $body
-            }
-            CDType::I32 => {
-                type $T = i32;
-                $body
-            }
-            CDType::I64 => {
-                type $T = i64;
-                $body
-            }
-            CDType::U8 => {
-                type $T = u8;
-                $body
-            }
-            other => {
-                Err(candle_core::Error::Msg(format!("{}: dtype {other:?} is not supported by NCCL collectives", $what)))
-            }
+        match crate::DType::from_candle($dtype) {
+            Some(d) => crate::dtype::with_element_type!(d, $T => $body),
+            None => Err(candle_core::Error::Msg(format!(
+                "{}: dtype {:?} is not supported by NCCL collectives",
+                $what, $dtype
+            ))),
         }
     };
 }
