@@ -4,7 +4,8 @@
 #   - tests/conformance_mpi.rs: the shared collective conformance suite under `mpirun -np 2`, `-np 3` and `-np 4`
 #     (it starts mpirun itself, with --allow-run-as-root --oversubscribe as CI runs as root on 2 cores), the
 #     init_from_env path (ACCEL_BACKEND=mpi) and the watchdog aborting a job with a stuck rank;
-#   - tests/nccl_unavailable.rs + the nccl/mpi unit tests: without a GPU, NCCL is a clean error, never a panic.
+#   - the nccl_unavailable tests of the suite binary + the nccl/mpi unit tests: without a GPU, NCCL is a clean
+#     error, never a panic.
 # One build with both features saves a second compile of ddp-core. Measured on the 2-core dev machine: apt install
 # ≈ 40 s (first time), rsmpi's build (bindgen + mpi-sys + mpi) ≈ 60 s of the first compile, the tests ≈ 25 s.
 set -euo pipefail
@@ -32,7 +33,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_btl_base_warn_component_unused=0 OMPI_MCA_btl="^openib"
 
 cargo test -p ddp-core --features mpi,nccl --lib -- mpi:: nccl::
-cargo test -p ddp-core --features mpi,nccl --test nccl_unavailable
+cargo test -p ddp-core --features mpi,nccl --test suite -- nccl_unavailable::
 # Harness-less: it runs mpirun -np 2/3/4 itself and ends with its own `test result:` line.
 cargo test -p ddp-core --features mpi,nccl --test conformance_mpi
 echo "ci-mpi.sh done in $(( $(date +%s) - start )) s"

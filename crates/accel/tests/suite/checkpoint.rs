@@ -1,12 +1,11 @@
 //! save_state / load_state: what a checkpoint holds and restores, its file format, automatic naming with a total
 //! limit, atomicity under a failing or crashing save, and the errors a user gets for a wrong checkpoint.
 
-mod ranks;
-
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use crate::ranks::*;
 use accel::data::{DataLoader, DataLoaderConfig, TensorDataset};
 use accel::state::{StateDict, Stateful};
 use accel::{
@@ -15,7 +14,6 @@ use accel::{
 use candle_core::{Device, Tensor};
 use ddp_core::ProcessGroup;
 use rand::RngCore;
-use ranks::*;
 
 struct Setup {
     acc: Accelerator,

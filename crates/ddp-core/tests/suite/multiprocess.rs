@@ -2,10 +2,8 @@
 //! as 3 workers (torchrun's variables, run token, store hosted by the test like the launcher does), each
 //! checking every collective against the single-process reference and exiting non-zero on a mismatch.
 
-mod common;
-
-use common::procs;
-use common::*;
+use crate::common::procs;
+use crate::common::*;
 use ddp_core::{InitOptions, ProcessGroup, ReduceOp};
 use std::time::Duration;
 
@@ -85,14 +83,14 @@ fn assert_all_ok(results: Vec<(Option<i32>, String, String)>) {
 
 #[test]
 fn three_processes_every_collective_and_dtype_over_tcp() {
-    let job = procs::spawn("worker", "conformance", 3, &[]);
+    let job = procs::spawn("multiprocess::worker", "conformance", 3, &[]);
     assert_all_ok(procs::wait_all(job, Duration::from_secs(240)));
 }
 
 #[test]
 fn three_processes_over_tcp_only() {
     // No shared memory: large all_reduce takes the segmented TCP ring between processes.
-    let job = procs::spawn("worker", "conformance", 3, &[("ACCEL_CPU_SHM", "0".to_string())]);
+    let job = procs::spawn("multiprocess::worker", "conformance", 3, &[("ACCEL_CPU_SHM", "0".to_string())]);
     assert_all_ok(procs::wait_all(job, Duration::from_secs(240)));
 }
 
@@ -105,7 +103,7 @@ fn rank_zero_can_host_the_store() {
     let children: Vec<_> = (0..2)
         .map(|rank| {
             std::process::Command::new(&exe)
-                .args(["--exact", "worker", "--nocapture", "--test-threads=1"])
+                .args(["--exact", "multiprocess::worker", "--nocapture", "--test-threads=1"])
                 .env(procs::SCENARIO_ENV, "rank0_hosts_store")
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", "2")

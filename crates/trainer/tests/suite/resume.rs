@@ -2,13 +2,11 @@
 //! accumulation window, on 1 and 2 ranks) and resumed from its latest checkpoint ends with bit-identical
 //! parameters to an uninterrupted run; a checkpoint from another world size is refused.
 
-mod common;
-
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use common::{classification_data, run_ranks, snapshot, Mlp};
+use crate::common::{classification_data, run_ranks, snapshot, Mlp};
 use ddp_core::ProcessGroup;
 use trainer::{losses, ReportTo, SaveStrategy, Trainer, TrainingArguments};
 

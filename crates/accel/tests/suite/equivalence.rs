@@ -1,10 +1,8 @@
 //! P processes with per-rank batch b train exactly like 1 process with batch P·b (data parallelism is
 //! transparent): fp32 within 1e-5 relative, bf16 within a stated tolerance.
 
-mod ranks;
-
+use crate::ranks::*;
 use accel::{AcceleratorConfig, AdamW, AdamWConfig, MixedPrecision, Sgd, SgdConfig};
-use ranks::*;
 use std::collections::BTreeMap;
 
 const STEPS: usize = 6;

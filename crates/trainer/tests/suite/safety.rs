@@ -3,14 +3,12 @@
 //! changes no file, damaged checkpoint files are named, and a diverging loss stops training with the step, the
 //! rank and the last finite loss.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use common::{classification_data, run_ranks, snapshot, Mlp};
+use crate::common::{classification_data, run_ranks, snapshot, Mlp};
 use ddp_core::ProcessGroup;
 use trainer::{
     losses, CallbackContext, IntervalStrategy, ReportTo, SaveStrategy, Trainer, TrainerCallback, TrainerControl,

@@ -6,11 +6,9 @@
 //! Tolerance: 1e-5 relative (denominator floored at 1e-3). The runs see the same samples in every optimizer step
 //! but sum them in a different order, so only f32 rounding differs; SGD keeps that rounding from being amplified.
 
-mod common;
-
 use std::path::Path;
 
-use common::{max_rel_diff, run_ranks, snapshot, TokenData, TokenModel};
+use crate::common::{max_rel_diff, run_ranks, snapshot, TokenData, TokenModel};
 use ddp_core::ProcessGroup;
 use trainer::losses::{self, LossOutput};
 use trainer::{OptimizerKind, ReportTo, SaveStrategy, Trainer, TrainingArguments};
@@ -97,8 +95,8 @@ fn fixed_items_per_row_needs_no_count_reduction_and_stays_exact() {
         let dir = tempfile::tempdir().unwrap();
         let mut t = Trainer::new(
             args(dir.path(), batch, ga),
-            common::Mlp::new,
-            common::classification_data(64),
+            crate::common::Mlp::new,
+            crate::common::classification_data(64),
             None,
             losses::CrossEntropy,
         );
@@ -125,8 +123,8 @@ fn fixed_items_per_row_needs_no_count_reduction_and_stays_exact() {
 fn counting_items_first_changes_no_bit() {
     fn run(pg: ProcessGroup, loss: impl losses::Loss + 'static) -> Snapshot {
         let dir = tempfile::tempdir().unwrap();
-        let data = common::classification_data(64);
-        let mut t = Trainer::new(args(dir.path(), 4, 4), common::Mlp::new, data, None, loss).process_group(pg);
+        let data = crate::common::classification_data(64);
+        let mut t = Trainer::new(args(dir.path(), 4, 4), crate::common::Mlp::new, data, None, loss).process_group(pg);
         t.train().unwrap();
         snapshot(&t)
     }

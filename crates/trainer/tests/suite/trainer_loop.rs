@@ -2,14 +2,12 @@
 //! that keeps the best and the newest, best-model reloading, trainer_state.json content, the LR schedule as
 //! logged, and evaluation / prediction that return exactly one row per sample on 2 ranks.
 
-mod common;
-
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use crate::common::{classification_data, run_ranks, snapshot, Mlp};
 use candle_core::DType;
-use common::{classification_data, run_ranks, snapshot, Mlp};
 use trainer::checkpoint::{checkpoint_dir, sorted_checkpoints, step_of};
 use trainer::metrics::{EvalPrediction, Metrics};
 use trainer::{losses, metrics, IntervalStrategy, ReportTo, SaveStrategy, Trainer, TrainerState, TrainingArguments};

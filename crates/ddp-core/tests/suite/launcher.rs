@@ -32,7 +32,7 @@ fn read(path: impl AsRef<Path>) -> String {
 }
 
 fn self_exe_args() -> Vec<String> {
-    ["zz_child_entry", "--exact", "--nocapture", "--test-threads=1", "-q"].map(String::from).to_vec()
+    ["launcher::zz_child_entry", "--exact", "--nocapture", "--test-threads=1", "-q"].map(String::from).to_vec()
 }
 
 fn process_gone(pid: i32) -> bool {

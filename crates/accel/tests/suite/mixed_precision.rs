@@ -1,11 +1,9 @@
 //! fp16 / bf16 compute with fp32 master weights, and fp16 dynamic loss scaling: an overflowing step is skipped
 //! (on every rank), reported, and halves the scale; clean steps grow it; clipping unscales exactly once.
 
-mod ranks;
-
+use crate::ranks::*;
 use accel::{AcceleratorConfig, GradScaler, GradScalerConfig, MixedPrecision, Sgd, SgdConfig};
 use candle_core::DType;
-use ranks::*;
 
 fn fp16() -> AcceleratorConfig {
     AcceleratorConfig { mixed_precision: MixedPrecision::Fp16, ..Default::default() }

@@ -71,7 +71,12 @@ fn missing_libnccl_names_the_library_and_the_link_fix() {
         return;
     }
     let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "missing_libnccl_names_the_library_and_the_link_fix", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "nccl_unavailable::missing_libnccl_names_the_library_and_the_link_fix",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(CHILD, "1")
         .env("LD_LIBRARY_PATH", dir.path())
         .output()

@@ -6,16 +6,14 @@
 //! weights, the optimizer moments and step, the RNG stream, the data-loader position (mid-epoch) and the
 //! accumulation window are all restored exactly.
 
-mod ranks;
-
 use std::path::{Path, PathBuf};
 
+use crate::ranks::*;
 use accel::data::{DataLoader, DataLoaderConfig, TensorDataset};
 use accel::{AcceleratedOptimizer, Accelerator, AcceleratorConfig, AdamW, AdamWConfig, MixedPrecision, PreparedModel};
 use candle_core::Tensor;
 use ddp_core::ProcessGroup;
 use rand::Rng;
-use ranks::*;
 
 struct Run {
     acc: Accelerator,

@@ -1,9 +1,7 @@
 //! Sub-groups: `new_group(ranks)` and `split(color, key)` give members a working group with its own ranks,
 //! store namespace and connections, and non-members `None`; parent and sub-group collectives interleave.
 
-mod common;
-
-use common::run_ranks;
+use crate::common::run_ranks;
 use ddp_core::{ProcessGroup, ReduceOp};
 
 #[test]

@@ -1,12 +1,10 @@
 //! User collectives (gather, gather_for_metrics, reduce, pad_across_processes, broadcast) and process control
 //! (split_between_processes, main_process_first, wait_for_everyone), on threads-as-ranks.
 
-mod ranks;
-
+use crate::ranks::*;
 use accel::data::BatchInfo;
 use accel::{AcceleratorConfig, ReduceKind};
 use candle_core::{DType, Device, Tensor};
-use ranks::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 

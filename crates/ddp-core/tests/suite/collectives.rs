@@ -5,9 +5,7 @@
 //! Inputs are small integers, exact in every dtype, so the reference must match bit for bit whatever order the
 //! backend reduces in; `random_floats_are_bit_identical_across_ranks` covers inexact data.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use ddp_core::{DType, DdpError, ProcessGroup, ReduceOp};
 
 /// Sizes in elements: empty, one, odd, not divisible by 2/3/4, and (with 256-byte segments) many segments.

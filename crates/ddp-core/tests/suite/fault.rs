@@ -1,9 +1,7 @@
 //! Faults: a killed worker, a stuck worker and a wrong run token each end in a prompt error on every surviving
 //! rank that names the op, its sequence number and the responsible rank — never a hang.
 
-mod common;
-
-use common::procs;
+use crate::common::procs;
 use ddp_core::store::MemoryStore;
 use ddp_core::{DdpError, GroupOptions, ProcessGroup, ReduceOp, RunToken, Store};
 use std::io::{BufRead, BufReader};
@@ -50,7 +48,7 @@ fn kill_and_check_survivors(victim: usize, extra_env: &[(&str, String)], rank0_h
     // The collective timeout is 10 minutes: only fault propagation can end the survivors' calls quickly.
     let mut env = vec![("ACCEL_TIMEOUT", "600".to_string())];
     env.extend_from_slice(extra_env);
-    let mut job = procs::spawn_with("worker", "loop", 3, &env, rank0_hosts_store);
+    let mut job = procs::spawn_with("fault::worker", "loop", 3, &env, rank0_hosts_store);
     let progress: Vec<Arc<Mutex<u64>>> = (0..3).map(|_| Arc::new(Mutex::new(0))).collect();
     for (c, p) in job.children.iter_mut().zip(&progress) {
         let out = c.stdout.take().unwrap();

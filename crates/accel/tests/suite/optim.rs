@@ -1,12 +1,10 @@
 //! Optimizer math against hand-computed values (torch.optim.SGD / torch.optim.AdamW formulas), exact state
 //! save/restore, and gradient clipping.
 
-mod ranks;
-
+use crate::ranks::*;
 use accel::state::StateDict;
 use accel::{AcceleratorConfig, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 use candle_core::{Device, Tensor, Var};
-use ranks::*;
 
 fn param(v: &[f32]) -> Var {
     Var::new(v, &Device::Cpu).unwrap()

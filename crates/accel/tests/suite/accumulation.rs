@@ -1,11 +1,9 @@
 //! Gradient accumulation: k micro-batches of b == one batch of k·b; gradients sync (and the optimizer steps) only
 //! on the last micro-step of a window or at the end of the data loader; `no_sync` and `accumulate`.
 
-mod ranks;
-
+use crate::ranks::*;
 use accel::data::BatchInfo;
 use accel::{AcceleratorConfig, Sgd, SgdConfig};
-use ranks::*;
 use std::collections::BTreeMap;
 
 const ROWS: usize = 48;

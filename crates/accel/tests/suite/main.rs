@@ -1,0 +1,13 @@
+//! One integration-test binary for the crate (each test binary links candle: one link instead of one per file).
+
+mod accumulation;
+mod checkpoint;
+mod data_loader;
+mod equivalence;
+mod gather;
+mod mixed_precision;
+mod optim;
+mod ranks;
+mod resume;
+mod tensorboard;
+mod trackers;

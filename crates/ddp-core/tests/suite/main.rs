@@ -1,0 +1,16 @@
+//! One integration-test binary for the crate (each test binary links candle: one link instead of one per file).
+
+mod collectives;
+mod common;
+#[path = "../conformance/mod.rs"]
+mod conformance;
+mod conformance_cpu;
+mod ddp;
+mod env;
+mod fault;
+mod launcher;
+mod multiprocess;
+mod nccl_unavailable;
+mod sampler;
+mod store;
+mod subgroups;

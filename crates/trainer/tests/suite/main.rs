@@ -1,0 +1,7 @@
+//! One integration-test binary for the crate (each test binary links candle: one link instead of one per file).
+
+mod common;
+mod grad_accumulation;
+mod resume;
+mod safety;
+mod trainer_loop;

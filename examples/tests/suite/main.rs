@@ -1,0 +1,4 @@
+//! One integration-test binary for the crate (each test binary links candle: one link instead of one per file).
+
+mod bad_inputs;
+mod ddp_mnist;
