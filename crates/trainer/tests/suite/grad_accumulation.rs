@@ -146,15 +146,14 @@ fn gradient_accumulation_costs_no_memory_per_micro_batch() {
         println!("VmHWM_KB={peak}");
         return;
     }
+    // The harness names tests by module path without the crate: `grad_accumulation::gradient_…`.
+    let this_test = match module_path!().split_once("::") {
+        Some((_, module)) => format!("{module}::gradient_accumulation_costs_no_memory_per_micro_batch"),
+        None => "gradient_accumulation_costs_no_memory_per_micro_batch".to_string(),
+    };
     let peak = |ga: usize| -> u64 {
         let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "gradient_accumulation_costs_no_memory_per_micro_batch",
-                "--nocapture",
-                "--test-threads",
-                "1",
-            ])
+            .args(["--exact", this_test.as_str(), "--nocapture", "--test-threads", "1"])
             .env(CHILD, ga.to_string())
             // glibc's dynamic mmap threshold keeps freed large blocks in the heap, so the peak would measure the
             // allocator's reuse pattern; a fixed threshold returns them and leaves what the loop holds.
