@@ -525,11 +525,6 @@ impl Accelerator {
         tracing::info!("loaded checkpoint {} (optimizer step {})", dir.display(), counters.optimizer_steps);
         Ok(dir)
     }
-
-    /// `project_dir/checkpoints`, where automatically named checkpoints go; `None` without a `project_dir`.
-    pub fn checkpoints_dir(&self) -> Option<PathBuf> {
-        self.config().project_dir.as_ref().map(|p| p.join(crate::state::CHECKPOINTS_SUBDIR))
-    }
 }
 
 // ==== Tracking ========================================================================================================
@@ -573,6 +568,11 @@ impl Accelerator {
     pub(crate) fn gradients_state_dict(&self) -> Option<crate::state::StateDict> {
         let models = lock(&self.inner.prepared).models.clone();
         self.inner.step.gradients_state_dict(&models)
+    }
+
+    /// `project_dir/checkpoints`, where automatically named checkpoints go; `None` without a `project_dir`.
+    pub(crate) fn checkpoints_dir(&self) -> Option<PathBuf> {
+        self.config().project_dir.as_ref().map(|p| p.join(crate::state::CHECKPOINTS_SUBDIR))
     }
 
     /// The step owner (for the optimizer wrapper).
