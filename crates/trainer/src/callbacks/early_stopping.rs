@@ -77,6 +77,12 @@ impl TrainerCallback for EarlyStoppingCallback {
 
     fn on_evaluate(&mut self, ctx: &CallbackContext, control: &mut TrainerControl, metrics: &Metrics) -> Result<()> {
         let Some(key) = ctx.args.best_metric_key() else { return Ok(()) };
+        // Early stopping watches the validation set: an evaluation under another prefix (the final `test_` pass
+        // of `evaluate_dataset`) is not its business.
+        let prefix = key.split_once('_').map_or("", |(p, _)| p);
+        if !prefix.is_empty() && !metrics.keys().any(|k| k.starts_with(&format!("{prefix}_"))) {
+            return Ok(());
+        }
         let Some(&value) = metrics.get(&key) else {
             tracing::warn!(
                 "early stopping is watching {key:?}, which this evaluation did not produce (it has {:?}); \
