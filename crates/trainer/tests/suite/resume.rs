@@ -10,7 +10,8 @@ use crate::common::{classification_data, run_ranks, snapshot, Mlp};
 use ddp_core::ProcessGroup;
 use trainer::{losses, ReportTo, SaveStrategy, Trainer, TrainingArguments};
 
-fn args(out: &Path, ga: usize) -> TrainingArguments {
+/// The resume tests' arguments (also the base of the safety tests').
+pub(crate) fn args(out: &Path, ga: usize) -> TrainingArguments {
     TrainingArguments {
         output_dir: out.to_path_buf(),
         num_train_epochs: 3.0,

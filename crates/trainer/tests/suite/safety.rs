@@ -19,21 +19,10 @@ type Snapshot = Vec<(String, Vec<u32>)>;
 
 fn args(out: &Path, ga: usize) -> TrainingArguments {
     TrainingArguments {
-        output_dir: out.to_path_buf(),
-        num_train_epochs: 3.0,
-        per_device_train_batch_size: 8,
-        gradient_accumulation_steps: ga,
-        learning_rate: 0.05,
-        warmup_steps: 2,
-        lr_scheduler_type: accel::scheduler::SchedulerKind::Cosine,
-        save_strategy: SaveStrategy::Steps,
         save_steps: 2.0,
         // Not a multiple of save_steps: checkpoints fall between logs, so the loss tally must travel with them.
         logging_steps: 3.0,
-        report_to: ReportTo(vec!["none".into()]),
-        save_plots: false,
-        disable_tqdm: true,
-        ..Default::default()
+        ..crate::resume::args(out, ga)
     }
 }
 
