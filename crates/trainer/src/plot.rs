@@ -220,12 +220,12 @@ where
     }
     if let Some(step) = best_step {
         let grey = RGBColor(90, 90, 90);
-        let line = DashedLineSeries::new([(step, y_bounds.0), (step, y_bounds.1)], 6, 4, grey.stroke_width(1));
+        let line = DashedLineSeries::new([(step, y_bounds.0), (step, y_bounds.1)], 6, 4, grey.stroke_width(2));
         let drawn = chart.draw_series(line).map_err(e)?;
         if text {
             drawn
                 .label(format!("best checkpoint (step {step:.0})"))
-                .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], grey.stroke_width(1)));
+                .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], grey.stroke_width(2)));
         }
     }
     if text {
