@@ -151,6 +151,13 @@ pub fn load_mnist(dir: &Path, split: &str, device: &Device) -> anyhow::Result<Mn
     Ok(Mnist { images: ds.inputs().to_device(device)?, labels: ds.targets().to_device(device)? })
 }
 
+/// The summary line naming the best checkpoint and the metric that chose it (`metric_for_best_model`, with or
+/// without its `eval_` prefix), e.g. "best checkpoint: runs/x/checkpoint-426 (validation accuracy 0.9610)".
+pub fn best_checkpoint_line(checkpoint: &str, metric: &str, value: f64) -> String {
+    let name = metric.strip_prefix("eval_").unwrap_or(metric);
+    format!("best checkpoint: {checkpoint} (validation {name} {value:.4})")
+}
+
 /// The repository's `data/mnist`, found from this crate's manifest directory (so it works from any working
 /// directory of a `cargo run` in this workspace).
 pub fn default_data_dir() -> PathBuf {
@@ -270,4 +277,29 @@ mod tests {
         let labels = Tensor::new(&[1u32, 2, 2], &Device::Cpu).unwrap();
         assert_eq!(correct_count(&logits, &labels).unwrap(), 2);
     }
+}
+
+/// The guides and the docs pages, compiled (and, where a block is not `no_run`, run) as doc tests of this crate, so
+/// a guide cannot drift from the API: `cargo test --workspace --doc`. Non-Rust blocks carry their language (`sh`,
+/// `yaml`, `text`), which rustdoc skips; `# ` lines are the hidden set-up of a fragment.
+#[cfg(doctest)]
+pub mod docs {
+    #[doc = include_str!("../../README.md")]
+    pub struct Readme;
+    #[doc = include_str!("../../docs/guide/01-ddp.md")]
+    pub struct Guide01Ddp;
+    #[doc = include_str!("../../docs/guide/02-accel.md")]
+    pub struct Guide02Accel;
+    #[doc = include_str!("../../docs/guide/03-trainer.md")]
+    pub struct Guide03Trainer;
+    #[doc = include_str!("../../docs/guide/cli.md")]
+    pub struct GuideCli;
+    #[doc = include_str!("../../docs/ARCHITECTURE.md")]
+    pub struct Architecture;
+    #[doc = include_str!("../../docs/benchmarks.md")]
+    pub struct Benchmarks;
+    #[doc = include_str!("../../docs/faults.md")]
+    pub struct Faults;
+    #[doc = include_str!("../../docs/gpu-and-clusters.md")]
+    pub struct GpuAndClusters;
 }

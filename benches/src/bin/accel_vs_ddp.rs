@@ -3,8 +3,8 @@
 //! processes, in one run.
 //!
 //! ```text
-//! cargo run --release -p accel-benches --bin accel_vs_ddp                     # 2 processes
-//! cargo run --release -p accel-benches --bin accel_vs_ddp -- --steps 1000
+//! cargo run -p accel-benches --bin accel_vs_ddp                     # 2 processes
+//! cargo run -p accel-benches --bin accel_vs_ddp -- --steps 1000
 //! ```
 //!
 //! Raw loop (level 1): `forward → loss.backward() → ddp.sync_gradients(&mut grads) → optimizer.step(vars, grads)`.

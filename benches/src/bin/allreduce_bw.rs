@@ -1,7 +1,7 @@
 //! All-reduce bandwidth table of ddp-core's CPU backend, in the style of nccl-tests' `all_reduce_perf`.
 //!
 //! ```text
-//! cargo run --release -p accel-benches --bin allreduce_bw -- --nproc 2
+//! cargo run -p accel-benches --bin allreduce_bw -- --nproc 2
 //! ```
 //!
 //! Without RANK in the environment it launches `--nproc` copies of itself with `ddp_core::launch` (store on

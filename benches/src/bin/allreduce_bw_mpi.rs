@@ -2,8 +2,8 @@
 //! so `scripts/bench-allreduce-mpi.sh` can put the two side by side.
 //!
 //! ```text
-//! cargo build --release -p accel-benches --features mpi --bin allreduce_bw_mpi
-//! mpirun -np 2 target/release/allreduce_bw_mpi
+//! cargo build -p accel-benches --features mpi --bin allreduce_bw_mpi
+//! mpirun -np 2 target/debug/allreduce_bw_mpi
 //! ```
 //!
 //! Every row: f32 SUM in place through `ProcessGroup::all_reduce` on the MPI backend (one blocking

@@ -3,8 +3,8 @@
 //! on 2 processes, in one run.
 //!
 //! ```text
-//! cargo run --release -p accel-benches --bin trainer_vs_accel                 # 2 processes, 400 timed steps
-//! cargo run --release -p accel-benches --bin trainer_vs_accel -- --steps 1000 --logging-steps 10
+//! cargo run -p accel-benches --bin trainer_vs_accel                 # 2 processes, 400 timed steps
+//! cargo run -p accel-benches --bin trainer_vs_accel -- --steps 1000 --logging-steps 10
 //! ```
 //!
 //! The two loops run interleaved in the same processes, so the load of a shared machine hits both alike: a

@@ -189,6 +189,7 @@ macro_rules! training_arguments {
     ($(
         $(#[doc = $doc:literal])*
         $(#[serde($($serde:tt)*)])*
+        $(#[cli_alias = $alias:literal])?
         $field:ident : $ty:ty = $default:expr;
     )*) => {
         /// Arguments of a training run (HF `TrainingArguments` names). Build with `Default` + struct update, from
@@ -216,7 +217,10 @@ macro_rules! training_arguments {
             pub config: Option<PathBuf>,
             $(
                 $(#[doc = $doc])*
-                #[arg(long, alias = stringify!($field), value_name = "VALUE", help_heading = "Training arguments")]
+                #[arg(
+                    long, alias = stringify!($field), $(visible_alias = $alias,)? value_name = "VALUE",
+                    help_heading = "Training arguments"
+                )]
                 pub $field: Option<String>,
             )*
         }
@@ -282,6 +286,7 @@ training_arguments! {
     /// directory is refused unless the run resumes from it).
     overwrite_output_dir: bool = false;
     /// Epochs to train (a fraction trains part of the last epoch). Ignored when max_steps > 0.
+    #[cli_alias = "epochs"]
     num_train_epochs: f64 = 3.0;
     /// Total optimizer steps; when > 0 it wins over num_train_epochs.
     max_steps: i64 = -1;
@@ -435,6 +440,25 @@ impl TrainingArguments {
     pub fn to_yaml(&self) -> Result<String> {
         serde_saphyr::to_string(self)
             .map_err(|e| TrainerError::Usage(format!("cannot encode training arguments as YAML: {e}")))
+    }
+
+    /// The run's name in the trackers: `run_name`, else the output_dir's last component (else "trainer").
+    pub fn run_name_resolved(&self) -> String {
+        self.run_name.clone().unwrap_or_else(|| {
+            self.output_dir
+                .file_name()
+                .and_then(|n| n.to_str())
+                .filter(|n| !n.is_empty() && *n != "." && *n != "..")
+                .unwrap_or("trainer")
+                .to_string()
+        })
+    }
+
+    /// Where the trackers (`report_to`) write: `logging_dir` (default `output_dir/runs`) / run name. One
+    /// subdirectory per run, as HF's `runs/<run>` layout: runs with different `run_name`s sit side by side under
+    /// one `tensorboard --logdir output_dir/runs`.
+    pub fn tracker_dir(&self) -> PathBuf {
+        self.logging_dir.clone().unwrap_or_else(|| self.output_dir.join("runs")).join(self.run_name_resolved())
     }
 
     /// The metric name used for the best model and early stopping, with the "eval_" prefix (after finalize).
@@ -783,6 +807,24 @@ mod tests {
         assert_eq!(a.output_dir, PathBuf::from("1234")); // a number-looking string stays a path
         assert_eq!(a.report_to, ReportTo(vec!["jsonl".into()]));
         assert_eq!(a.greater_is_better, Some(true)); // "accuracy" does not end in "loss"
+    }
+
+    #[test]
+    fn tracker_dir_is_logging_dir_slash_run_name() {
+        let a = TrainingArguments { output_dir: "runs/train_mnist".into(), ..Default::default() };
+        assert_eq!(a.tracker_dir(), PathBuf::from("runs/train_mnist/runs/train_mnist"));
+        let a = TrainingArguments { logging_dir: Some("tb".into()), run_name: Some("lr3e-4".into()), ..a };
+        assert_eq!(a.tracker_dir(), PathBuf::from("tb/lr3e-4"));
+        let a = TrainingArguments { output_dir: ".".into(), ..Default::default() };
+        assert_eq!(a.tracker_dir(), PathBuf::from("./runs/trainer"));
+    }
+
+    #[test]
+    fn epochs_is_an_alias_of_num_train_epochs() {
+        let a = cli(&["--epochs", "7"]).resolve(TrainingArguments::default()).unwrap();
+        assert_eq!(a.num_train_epochs, 7.0);
+        let a = cli(&["--num_train_epochs", "2.5"]).resolve(TrainingArguments::default()).unwrap();
+        assert_eq!(a.num_train_epochs, 2.5);
     }
 
     #[test]

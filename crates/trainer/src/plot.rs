@@ -5,10 +5,16 @@
 //! Text needs a TrueType font (plotters' `ab_glyph` backend loads none by itself): the first of `$ACCEL_PLOT_FONT`
 //! and a few usual system paths (DejaVu Sans, Liberation Sans, ...) is used; without one the curves are drawn
 //! without text and a warning says so.
+//!
+//! The loss panel switches to a log axis by itself when the losses span more than two decades (max / min > 100,
+//! all positive), where a linear axis would flatten the rest of the run; its title then says "(log scale)". The best
+//! checkpoint's step (`TrainerState::best_global_step`) is marked on both panels by a dashed vertical line, labelled
+//! "best checkpoint (step N)".
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
@@ -104,9 +110,10 @@ pub fn plot_training_curves(state: &TrainerState, output_dir: &Path) -> Result<V
     let size = (560 * panels.len() as u32, 420);
     let png = output_dir.join(format!("{PLOT_STEM}.png"));
     let svg = output_dir.join(format!("{PLOT_STEM}.svg"));
-    draw(BitMapBackend::new(&png, size).into_drawing_area(), &panels, text)
+    let best = state.best_global_step;
+    draw(BitMapBackend::new(&png, size).into_drawing_area(), &panels, text, best)
         .map_err(|reason| TrainerError::Plot { path: png.clone(), reason })?;
-    draw(SVGBackend::new(&svg, size).into_drawing_area(), &panels, text)
+    draw(SVGBackend::new(&svg, size).into_drawing_area(), &panels, text, best)
         .map_err(|reason| TrainerError::Plot { path: svg.clone(), reason })?;
     Ok(vec![png, svg])
 }
@@ -115,10 +122,21 @@ fn step_label(x: &f64) -> String {
     format!("{x:.0}")
 }
 
+/// Whether a loss panel is drawn on a log axis: automatically, when every value is positive and they span more than
+/// two decades (max / min > 100) — a linear axis would flatten everything after the first steps into one line.
+pub(crate) fn use_log_scale(series: &[Series]) -> bool {
+    let (lo, hi) = series
+        .iter()
+        .flat_map(|(_, p)| p.iter().map(|q| q.1))
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), y| (lo.min(y), hi.max(y)));
+    lo > 0.0 && hi.is_finite() && hi / lo > 100.0
+}
+
 fn draw<DB: DrawingBackend>(
     root: DrawingArea<DB, Shift>,
     panels: &[(&str, &[Series])],
     text: bool,
+    best_step: Option<u64>,
 ) -> std::result::Result<(), String> {
     let e = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
     root.fill(&WHITE).map_err(e)?;
@@ -129,47 +147,96 @@ fn draw<DB: DrawingBackend>(
             .iter()
             .flat_map(|(_, p)| p.iter().map(|q| q.1))
             .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), y| (lo.min(y), hi.max(y)));
-        if y_max - y_min < 1e-12 {
-            y_min -= 0.5;
-            y_max += 0.5;
-        }
-        let pad = 0.05 * (y_max - y_min);
-        let mut builder = ChartBuilder::on(area);
-        builder.margin(12);
-        if text {
-            builder.caption(*title, ("sans-serif", 20)).x_label_area_size(36).y_label_area_size(56);
-        }
-        let mut chart = builder.build_cartesian_2d(0f64..x_max, (y_min - pad)..(y_max + pad)).map_err(e)?;
-        let mut mesh = chart.configure_mesh();
-        if text {
-            mesh.x_desc("optimizer step").x_label_formatter(&step_label).label_style(("sans-serif", 13));
+        let best = best_step.map(|s| s as f64).filter(|&s| s <= x_max);
+        if *title == "loss" && use_log_scale(series) {
+            // A 10 % margin in log space on both sides.
+            let (lo, hi) = (y_min / 1.25, y_max * 1.25);
+            draw_panel(
+                area,
+                &format!("{title} (log scale)"),
+                series,
+                text,
+                x_max,
+                (lo..hi).log_scale(),
+                (lo, hi),
+                best,
+            )?;
         } else {
-            mesh.disable_x_axis().disable_y_axis();
-        }
-        mesh.draw().map_err(e)?;
-        for (i, (name, pts)) in series.iter().enumerate() {
-            let color = Palette99::pick(i).to_rgba();
-            let drawn = chart.draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2))).map_err(e)?;
-            if text {
-                drawn
-                    .label(name.as_str())
-                    .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], color.stroke_width(2)));
+            if y_max - y_min < 1e-12 {
+                y_min -= 0.5;
+                y_max += 0.5;
             }
-            if pts.len() <= 40 {
-                chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, color.filled()))).map_err(e)?;
-            }
-        }
-        if text {
-            chart
-                .configure_series_labels()
-                .background_style(WHITE.mix(0.8))
-                .border_style(BLACK)
-                .label_font(("sans-serif", 13))
-                .draw()
-                .map_err(e)?;
+            let pad = 0.05 * (y_max - y_min);
+            let (lo, hi) = (y_min - pad, y_max + pad);
+            draw_panel(area, title, series, text, x_max, lo..hi, (lo, hi), best)?;
         }
     }
     root.present().map_err(e)?;
+    Ok(())
+}
+
+/// One panel: the curves of `series` over `0..x_max` on the y axis `y`, whose bounds are `y_bounds`, and a dashed
+/// vertical line at the best checkpoint's step.
+#[allow(clippy::too_many_arguments)]
+fn draw_panel<DB: DrawingBackend, Y>(
+    area: &DrawingArea<DB, Shift>,
+    title: &str,
+    series: &[Series],
+    text: bool,
+    x_max: f64,
+    y: Y,
+    y_bounds: (f64, f64),
+    best_step: Option<f64>,
+) -> std::result::Result<(), String>
+where
+    Y: AsRangedCoord<Value = f64>,
+    Y::CoordDescType: ValueFormatter<f64>,
+{
+    let e = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
+    let mut builder = ChartBuilder::on(area);
+    builder.margin(12);
+    if text {
+        builder.caption(title, ("sans-serif", 20)).x_label_area_size(36).y_label_area_size(56);
+    }
+    let mut chart = builder.build_cartesian_2d(0f64..x_max, y).map_err(e)?;
+    let mut mesh = chart.configure_mesh();
+    if text {
+        mesh.x_desc("optimizer step").x_label_formatter(&step_label).label_style(("sans-serif", 13));
+    } else {
+        mesh.disable_x_axis().disable_y_axis();
+    }
+    mesh.draw().map_err(e)?;
+    for (i, (name, pts)) in series.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let drawn = chart.draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2))).map_err(e)?;
+        if text {
+            drawn
+                .label(name.as_str())
+                .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], color.stroke_width(2)));
+        }
+        if pts.len() <= 40 {
+            chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, color.filled()))).map_err(e)?;
+        }
+    }
+    if let Some(step) = best_step {
+        let grey = RGBColor(90, 90, 90);
+        let line = DashedLineSeries::new([(step, y_bounds.0), (step, y_bounds.1)], 6, 4, grey.stroke_width(2));
+        let drawn = chart.draw_series(line).map_err(e)?;
+        if text {
+            drawn
+                .label(format!("best checkpoint (step {step:.0})"))
+                .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], grey.stroke_width(2)));
+        }
+    }
+    if text {
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 13))
+            .draw()
+            .map_err(e)?;
+    }
     Ok(())
 }
 
@@ -202,5 +269,33 @@ mod tests {
             assert!(svg.contains("eval_accuracy") && !svg.contains("eval_runtime"));
         }
         assert!(plot_training_curves(&TrainerState::default(), dir.path()).unwrap().is_empty());
+    }
+
+    #[test]
+    fn log_scale_when_the_loss_spans_two_decades_and_the_best_step_is_marked() {
+        let series =
+            |ys: &[f64]| vec![("loss".to_string(), ys.iter().enumerate().map(|(i, &y)| (i as f64, y)).collect())];
+        assert!(use_log_scale(&series(&[5.0, 0.5, 0.04])));
+        assert!(!use_log_scale(&series(&[5.0, 0.5, 0.06])), "125 / 1.25 = 83 < 100: linear");
+        assert!(!use_log_scale(&series(&[5.0, 0.0, 0.001])), "a zero loss cannot go on a log axis");
+
+        let mut state = TrainerState::default();
+        for step in 1..=20u64 {
+            let mut values = std::collections::BTreeMap::new();
+            values.insert("loss".to_string(), 10f64.powi(-(step as i32) / 4)); // 1 .. 1e-5
+            if step % 5 == 0 {
+                values.insert("eval_accuracy".to_string(), step as f64 / 20.0);
+            }
+            state.log_history.push(LogEntry { epoch: step as f64 / 10.0, step, values });
+        }
+        state.best_global_step = Some(15);
+        let dir = tempfile::tempdir().unwrap();
+        let files = plot_training_curves(&state, dir.path()).unwrap();
+        let svg = std::fs::read_to_string(&files[1]).unwrap();
+        assert!(svg.contains("polyline"));
+        if font_available() {
+            assert!(svg.contains("loss (log scale)"), "the log axis is named in the title");
+            assert_eq!(svg.matches("best checkpoint (step 15)").count(), 2, "marked on both panels");
+        }
     }
 }

@@ -305,16 +305,9 @@ where
             kinds.push(accel::tracking::TrackerKind::TensorBoard);
         }
         if !kinds.is_empty() && !self.args.report_to.0.iter().any(|r| r == "none") {
+            // The trackers write into logging_dir/project/ = self.args.tracker_dir().
             let logging_dir = self.args.logging_dir.clone().unwrap_or_else(|| self.args.output_dir.join("runs"));
-            let project = self.args.run_name.clone().unwrap_or_else(|| {
-                self.args
-                    .output_dir
-                    .file_name()
-                    .and_then(|n| n.to_str())
-                    .filter(|n| !n.is_empty() && *n != "." && *n != "..")
-                    .unwrap_or("trainer")
-                    .to_string()
-            });
+            let project = self.args.run_name_resolved();
             handler.push(Box::new(TrackersCallback::new(acc.clone(), project, kinds, logging_dir)));
         }
         for cb in self.user_callbacks.drain(..) {

@@ -1,9 +1,9 @@
 //! Level 2: the MNIST MLP trained with the Accelerator (compare `ddp_mnist.rs`, the same job on raw ddp-core).
 //!
 //! ```text
-//! cargo run --release -p accel-examples --bin accel_mnist -- --nproc 2 --min-accuracy 0.95
-//! cargo run --release -p accel-examples --bin accel_mnist -- --nproc 2 --mixed-precision bf16 --gradient-accumulation-steps 2
-//! accel launch -n 2 target/release/accel_mnist          # the same program under the launcher
+//! cargo run -p accel-examples --bin accel_mnist -- --nproc 2 --min-accuracy 0.95
+//! cargo run -p accel-examples --bin accel_mnist -- --nproc 2 --mixed-precision bf16 --gradient-accumulation-steps 2
+//! accel launch -n 2 target/debug/accel_mnist          # the same program under the launcher
 //! ```
 //!
 //! Without RANK in the environment and with `--nproc N > 1` the program launches N copies of itself (ddp-core's
@@ -15,7 +15,7 @@
 use accel::data::load_mnist;
 use accel::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, DataLoader, DataLoaderConfig, MixedPrecision};
 use accel::{Dataset, ReduceKind};
-use accel_examples::{default_data_dir, Mlp};
+use accel_examples::{default_data_dir, seed_parameters, Mlp};
 use anyhow::{bail, Context};
 use candle_core::{DType, Module, Tensor};
 use candle_nn::VarMap;
@@ -39,7 +39,8 @@ struct Args {
     /// AdamW learning rate.
     #[arg(long, default_value_t = 3e-3)]
     lr: f64,
-    /// Shuffle seed (the same on every process).
+    /// Seed of the model initialisation, the shuffle and the Accelerator's RNGs (the same on every process), so a
+    /// run is reproducible.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Hidden layer widths, comma-separated (784-…-10).
@@ -79,6 +80,7 @@ fn train(args: &Args) -> anyhow::Result<()> {
     if let Some(ga) = args.gradient_accumulation_steps {
         cfg.gradient_accumulation_steps = ga;
     }
+    cfg.seed = Some(args.seed); // accel: set_seed for every process
     let acc = Accelerator::new(cfg)?; // accel: process group, device, precision, accumulation
 
     let dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
@@ -92,12 +94,14 @@ fn train(args: &Args) -> anyhow::Result<()> {
 
     let varmap = VarMap::new();
     let model = Mlp::with_hidden(acc.var_builder(&varmap), &args.hidden)?; // accel: device and dtype from the Accelerator
+                                                                           // candle's CPU RNG cannot be seeded: draw the initial weights from a seeded stream, as ddp_mnist does.
+    seed_parameters(&varmap, args.seed)?;
     let opt = AdamW::new(AdamWConfig { lr: args.lr, weight_decay: 0.0, ..Default::default() })?;
     let (_prepared, mut opt, train_loader) = acc.prepare(&varmap, opt, train_loader)?; // accel: DDP, shards, masters
     let test_loader = acc.prepare_data_loader(test_loader)?; // accel
 
     acc.print(format!(
-        "accel_mnist: {} process(es), {}, gradient accumulation {}, batch {} per process ({} per optimizer step), {} \
+        "accel_mnist: {} process(es), mixed precision {}, gradient accumulation {}, batch {} per process ({} per optimizer step), {} \
          train batches per process per epoch",
         acc.world_size(),
         acc.mixed_precision(),

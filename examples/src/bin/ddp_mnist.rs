@@ -4,7 +4,7 @@
 //! One command runs the 2-process job (the program launches its own workers with `ddp_core::launch`):
 //!
 //! ```text
-//! cargo run --release -p accel-examples --bin ddp_mnist -- --nproc 2
+//! cargo run -p accel-examples --bin ddp_mnist -- --nproc 2
 //! ```
 //!
 //! Started with RANK in the environment (by this launcher, `accel launch`, torchrun-style scripts, Slurm or

@@ -1,8 +1,8 @@
 //! The MNIST MLP at the Trainer level — the README's first command:
 //!
 //! ```text
-//! cargo run --release -p accel-examples --bin train_mnist
-//! cargo run --release -p accel-examples --bin train_mnist -- --resume-from-checkpoint latest
+//! cargo run -p accel-examples --bin train_mnist
+//! cargo run -p accel-examples --bin train_mnist -- --resume-from-checkpoint latest
 //! ```
 //!
 //! Without `RANK` in the environment it launches `--nproc` copies of itself (default 2) with
@@ -20,7 +20,7 @@
 //! Trial 0 uses this program's settings (the flags' values), so the table compares the best trial with them:
 //!
 //! ```text
-//! cargo run --release -p accel-examples --bin train_mnist -- --hp-search examples/hp_mnist.yaml \
+//! cargo run -p accel-examples --bin train_mnist -- --hp-search examples/hp_mnist.yaml \
 //!     --n-trials 20 --num-train-epochs 2 --train-size 4000
 //! ```
 
@@ -184,6 +184,8 @@ fn worker(cli: Cli) -> anyhow::Result<()> {
 
     let hidden = cli.hidden.clone();
     let output_dir = args.output_dir.clone();
+    let best_metric_name = args.metric_for_best_model.clone().unwrap_or_else(|| "loss".into());
+    let tracker_dir = args.tracker_dir();
     let mut trainer =
         Trainer::new(args, move |vb| Mlp::with_hidden(vb, &hidden), train, Some(validation), losses::CrossEntropy)
             .compute_metrics(metrics::classification);
@@ -201,15 +203,16 @@ fn worker(cli: Cli) -> anyhow::Result<()> {
         out.training_loss
     ));
     if let (Some(best), Some(metric)) = (&trainer.state().best_model_checkpoint, trainer.state().best_metric) {
-        acc.print(format!("best checkpoint: {best} (validation accuracy {metric:.4})"));
+        acc.print(accel_examples::best_checkpoint_line(best, &best_metric_name, metric));
     }
     acc.print(format!(
         "test accuracy (t10k, 10000 images): {accuracy:.4}   test loss {:.4}",
         test_metrics.get("test_loss").copied().unwrap_or(f64::NAN)
     ));
     acc.print(format!(
-        "files: {0}/checkpoint-*/  {0}/trainer_state.json  {0}/training_curves.png|svg  {0}/runs/",
-        output_dir.display()
+        "files: {0}/checkpoint-*/  {0}/trainer_state.json  {0}/training_curves.png|svg  {1}/",
+        output_dir.display(),
+        tracker_dir.display()
     ));
     Ok(())
 }

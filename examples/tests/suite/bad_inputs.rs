@@ -23,3 +23,80 @@ fn launch_self_refuses_zero_processes() {
     let err = ddp_core::launcher::launch_self(0).unwrap_err().to_string();
     assert!(err.contains("nproc is 0"), "{err}");
 }
+
+/// The guides and the programs' doc headers build with the README's profile (the dev profile, which optimises
+/// dependencies; see Cargo.toml), so a user following them builds once.
+#[test]
+fn docs_and_headers_use_the_dev_profile() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let mut files = vec![root.join("README.md")];
+    let mut dirs = vec![root.join("docs"), root.join("examples/src/bin"), root.join("benches/src/bin")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "md" || e == "rs") {
+                files.push(path);
+            }
+        }
+    }
+    assert!(files.len() > 10, "{files:?}");
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap();
+        for (i, line) in text.lines().enumerate() {
+            for bad in ["cargo run --release", "cargo build --release", "target/release/"] {
+                assert!(!line.contains(bad), "{}:{}: `{bad}` (use the dev profile): {line}", file.display(), i + 1);
+            }
+        }
+    }
+}
+
+/// `--data-dir` that does not exist: the message names the directory searched and the files expected, and does not
+/// tell the user to pass the flag they passed.
+#[test]
+fn missing_data_dir_names_the_directory() {
+    for bin in [env!("CARGO_BIN_EXE_accel_mnist"), env!("CARGO_BIN_EXE_ddp_mnist"), env!("CARGO_BIN_EXE_train_mnist")] {
+        let text = refused(bin, &["--nproc", "1", "--data-dir", "/nonexistent/mnist"]);
+        assert!(text.contains("/nonexistent/mnist"), "{bin}:\n{text}");
+        assert!(text.contains("labels-idx1-ubyte"), "{bin}: names the expected files:\n{text}");
+        assert!(!text.contains("pass --data-dir"), "{bin}:\n{text}");
+    }
+}
+
+/// The guide's `train.yaml` (docs/guide/03-trainer.md) works as written with `train_mnist --config train.yaml`,
+/// and `--epochs` is accepted as `--num-train-epochs`: both get past argument validation to the data check (a
+/// missing `--data-dir` here, so that nothing trains).
+#[test]
+fn guide_train_yaml_and_epochs_alias_are_accepted() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let guide = std::fs::read_to_string(root.join("docs/guide/03-trainer.md")).unwrap();
+    let start = guide.find("```yaml\n# train.yaml").expect("the guide's train.yaml block") + "```yaml\n".len();
+    let yaml = &guide[start..start + guide[start..].find("```").unwrap()];
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("train.yaml");
+    std::fs::write(&file, yaml).unwrap();
+    let bin = env!("CARGO_BIN_EXE_train_mnist");
+    for args in [
+        vec!["--config", file.to_str().unwrap(), "--nproc", "1"],
+        vec!["--epochs", "3"],
+        vec!["--num-train-epochs", "3"],
+    ] {
+        let mut argv = args.clone();
+        argv.extend(["--data-dir", "/nonexistent/mnist"]);
+        let text = refused(bin, &argv);
+        assert!(text.contains("--data-dir /nonexistent/mnist: no MNIST files there"), "{args:?}:\n{text}");
+    }
+}
+
+#[test]
+fn best_checkpoint_line_names_the_metric_that_chose_it() {
+    assert_eq!(
+        accel_examples::best_checkpoint_line("runs/x/checkpoint-426", "accuracy", 0.961),
+        "best checkpoint: runs/x/checkpoint-426 (validation accuracy 0.9610)"
+    );
+    assert_eq!(
+        accel_examples::best_checkpoint_line("runs/x/checkpoint-100", "eval_loss", 0.2012),
+        "best checkpoint: runs/x/checkpoint-100 (validation loss 0.2012)"
+    );
+}

@@ -42,3 +42,26 @@ fn uneven_sharding_counts_every_test_image_once() {
     assert!(text.contains("/10000), "), "accuracy counts over exactly 10000 images:\n{text}");
     assert!(final_accuracy(&text) > 0.85, "one epoch already learns most of MNIST:\n{text}");
 }
+
+/// Level 2 (`accel_mnist`) is reproducible like levels 1 and 3: `--seed` seeds the model initialisation, the shuffle
+/// and the Accelerator, so two runs print the same losses and accuracies; another seed prints others.
+#[test]
+fn accel_mnist_runs_are_reproducible_for_a_seed() {
+    let run = |seed: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_accel_mnist"))
+            .args(["--nproc", "1", "--epochs", "1", "--hidden", "32", "--seed", seed])
+            .env_remove("RANK")
+            .output()
+            .expect("running accel_mnist");
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "accel_mnist failed:\n{text}");
+        assert!(text.contains("1 process(es), mixed precision no, gradient accumulation 1"), "{text}");
+        // The epoch line without its wall time: "epoch 0: train loss …, test accuracy … (…/10000)".
+        let line = text.lines().find(|l| l.contains("epoch 0: train loss")).expect("an epoch line").to_string();
+        line.split(", test accuracy").next().unwrap().to_string()
+            + line.split("test accuracy").nth(1).unwrap().split(')').next().unwrap()
+    };
+    let (a, b, c) = (run("7"), run("7"), run("8"));
+    assert_eq!(a, b, "the same seed gives the same run");
+    assert_ne!(a, c, "another seed gives another run");
+}

@@ -64,11 +64,19 @@ fn idx_path(dir: &Path, split: &str, stem: &str) -> Result<PathBuf> {
         Ok(gz)
     } else if plain.is_file() {
         Ok(plain)
+    } else if !dir.is_dir() {
+        Err(AccelError::Data(format!(
+            "MNIST directory {} does not exist (expected it to hold {split}-images-idx3-ubyte[.gz] and \
+             {split}-labels-idx1-ubyte[.gz]; the repository ships train10k and t10k in data/mnist)",
+            dir.display()
+        )))
     } else {
         Err(AccelError::Data(format!(
-            "MNIST split {split:?}: neither {} nor {} exists (the repository ships train10k and t10k in data/mnist)",
-            gz.display(),
-            plain.display()
+            "MNIST split {split:?}: searched {} for {split}-{stem}[.gz] and found neither {} nor {} (the \
+             repository ships train10k and t10k in data/mnist)",
+            dir.display(),
+            gz.file_name().unwrap_or_default().to_string_lossy(),
+            plain.file_name().unwrap_or_default().to_string_lossy()
         )))
     }
 }
@@ -98,5 +106,14 @@ mod tests {
     fn missing_split_names_the_files() {
         let err = load_mnist(&data_dir(), "train60k").unwrap_err().to_string();
         assert!(err.contains("train60k-images-idx3-ubyte.gz") && err.contains("train10k"), "{err}");
+        assert!(err.contains(&data_dir().display().to_string()), "names the directory searched: {err}");
+    }
+
+    #[test]
+    fn missing_directory_is_named_without_blaming_a_flag() {
+        let err = load_mnist(Path::new("/nonexistent/mnist"), "t10k").unwrap_err().to_string();
+        assert!(err.contains("/nonexistent/mnist does not exist"), "{err}");
+        assert!(err.contains("t10k-images-idx3-ubyte[.gz]") && err.contains("t10k-labels-idx1-ubyte[.gz]"), "{err}");
+        assert!(!err.contains("pass --"), "{err}");
     }
 }
