@@ -144,16 +144,16 @@ pub(crate) fn rendezvous(
                 ),
             ));
         }
-        for m in 0..cfg.nnodes {
+        for (m, joined) in joined.iter_mut().enumerate().filter(|(_, j)| !**j) {
             let key = format!("{PREFIX}machine{m}/view");
-            if joined[m] || !store.check(&[&key])? {
+            if !store.check(&[&key])? {
                 continue;
             }
             let theirs = JobView::decode(&store.get(&key)?);
             if let Some(msg) = view.disagreement(me, m, &theirs) {
                 return Err(abort(&store, msg));
             }
-            joined[m] = true;
+            *joined = true;
         }
         let missing: Vec<usize> = (0..cfg.nnodes).filter(|m| !joined[*m]).collect();
         if missing.is_empty() {
