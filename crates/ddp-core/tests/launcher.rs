@@ -426,6 +426,27 @@ fn a_launcher_waiting_for_a_machine_says_which_one_until_it_times_out() {
 }
 
 #[test]
+fn rank_0_says_which_ranks_it_is_waiting_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = LaunchConfig::local(2, std::env::current_exe().unwrap(), self_exe_args());
+    cfg.env.push((MODE_ENV.into(), "pg-worker".into()));
+    cfg.env.push(("ACCEL_BACKEND".into(), "cpu".into()));
+    cfg.env.push(("ACCEL_TIMEOUT".into(), "2".into()));
+    cfg.env.push(("ACCEL_PROGRESS_INTERVAL".into(), "0.3".into()));
+    cfg.log_dir = Some(dir.path().to_path_buf());
+    cfg.tee = false;
+    cfg.stop_grace = Duration::from_secs(1);
+    match launch(&cfg) {
+        Err(DdpError::WorkerFailed { rank: 0, status, .. }) => assert_eq!(status, "exit code 1"),
+        other => panic!("expected rank 0 to fail, got {other:?}"),
+    }
+    let log = read(log_path(dir.path(), 0));
+    let lines = log.lines().filter(|l| l.contains("rank 0: waiting for ranks 1 (1/2 connected) at 127.0.0.1:")).count();
+    assert!((3..=8).contains(&lines), "{lines} progress lines in {log:?}");
+    assert!(log.contains("init failed:") && log.contains("ranks [1] did not connect"), "{log:?}");
+}
+
+#[test]
 fn bad_configurations_are_refused_with_a_reason() {
     let check = |cfg: &LaunchConfig, words: &[&str]| {
         let msg = launch(cfg).unwrap_err().to_string();
@@ -466,6 +487,7 @@ fn zz_child_entry() {
     let code = match mode.as_str() {
         "store-worker" => store_worker(),
         "launcher" => launcher_child(),
+        "pg-worker" => pg_worker(),
         other => panic!("unknown {MODE_ENV} {other}"),
     };
     std::process::exit(code);
@@ -496,6 +518,21 @@ fn store_worker() -> i32 {
     );
     std::fs::write(Path::new(&out).join(format!("store{}", env.rank)), text).unwrap();
     0
+}
+
+/// Rank 0 forms a real process group; the other ranks never join (they sleep), so rank 0 waits and says so.
+fn pg_worker() -> i32 {
+    if std::env::var("RANK").unwrap() != "0" {
+        std::thread::sleep(Duration::from_secs(10));
+        return 0;
+    }
+    match ddp_core::ProcessGroup::init_from_env() {
+        Ok(_) => 0,
+        Err(e) => {
+            eprintln!("init failed: {e}");
+            1
+        }
+    }
 }
 
 /// A launcher run from outside, so that the test can read its console and send it signals.

@@ -23,6 +23,12 @@ use std::time::{Duration, Instant};
 const PREFIX: &str = "accel/launch/";
 /// Key holding the message of the first launcher that found the job inconsistent.
 pub(crate) const ABORT_KEY: &str = "accel/launch/abort";
+/// Counter of the launchers that have seen every machine's view agree with theirs.
+const READY_KEY: &str = "accel/launch/ready";
+/// Counter of the launchers that have read [`ABORT_KEY`].
+const ABORT_SEEN_KEY: &str = "accel/launch/abort_seen";
+/// How long machine 0's launcher keeps its store up after an abort, for the other launchers to read why.
+const ABORT_LINGER: Duration = Duration::from_secs(3);
 /// How often a waiting launcher looks at the store.
 const POLL: Duration = Duration::from_millis(100);
 
@@ -129,10 +135,15 @@ pub(crate) fn rendezvous(
     loop {
         let abort = |store: &TcpStore, msg: String| -> DdpError {
             let _ = store.compare_set(ABORT_KEY, b"", msg.as_bytes());
+            if server.is_some() {
+                linger(store, cfg.nnodes);
+            }
             DdpError::Rendezvous(msg)
         };
         if store.check(&[ABORT_KEY])? {
-            return Err(DdpError::Rendezvous(String::from_utf8_lossy(&store.get(ABORT_KEY)?).into_owned()));
+            let msg = String::from_utf8_lossy(&store.get(ABORT_KEY)?).into_owned();
+            let _ = store.add(ABORT_SEEN_KEY, 1);
+            return Err(DdpError::Rendezvous(msg));
         }
         if let Some(refused) = server.and_then(|s| s.refused_peers().into_iter().next()) {
             return Err(abort(
@@ -157,6 +168,15 @@ pub(crate) fn rendezvous(
         }
         let missing: Vec<usize> = (0..cfg.nnodes).filter(|m| !joined[*m]).collect();
         if missing.is_empty() {
+            // Machine 0's store goes away with its launcher, which may be done before a slow peer has read every
+            // view (a short job): it leaves only once every launcher has.
+            store.add(READY_KEY, 1)?;
+            while server.is_some() && store.add(READY_KEY, 0)? < cfg.nnodes as i64 {
+                if start.elapsed() >= cfg.rdzv_timeout {
+                    break; // a launcher vanished after its checks passed: its workers will not find the store
+                }
+                std::thread::sleep(POLL / 4);
+            }
             tracing::info!("launcher: all {} machines joined at {addr}", cfg.nnodes);
             return Ok(());
         }
@@ -180,6 +200,22 @@ pub(crate) fn rendezvous(
             tracing::warn!("launcher: machine {me}: {waiting}");
         }
         std::thread::sleep(POLL);
+    }
+}
+
+/// Machine 0 hosts the store, which goes away with its launcher: before that, wait (at most [`ABORT_LINGER`])
+/// until every other launcher that has claimed its machine rank has read the abort message, so that they fail
+/// with the same words rather than with "the store server closed the connection".
+fn linger(store: &TcpStore, nnodes: usize) {
+    let deadline = Instant::now() + ABORT_LINGER;
+    while Instant::now() < deadline {
+        let claimed = (1..nnodes)
+            .filter(|m| store.check(&[&format!("{PREFIX}machine{m}/owner")]).unwrap_or(false))
+            .count() as i64;
+        if store.add(ABORT_SEEN_KEY, 0).map_or(true, |seen| seen >= claimed) {
+            return;
+        }
+        std::thread::sleep(POLL / 4);
     }
 }
 
