@@ -113,6 +113,12 @@ pub enum DdpError {
         status: String,
     },
 
+    /// Launcher: the machines of a multi-machine job disagree about the job (world size, machine count, backend,
+    /// program, accel-rs version), two machines claim the same machine rank, a peer was refused by the store, or
+    /// a machine did not join in time. The message names the values, the machines and the fix.
+    #[error("rendezvous: {0}")]
+    Rendezvous(String),
+
     /// An error from candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -5,19 +5,25 @@
 //! 1. node 0 hosts the job's [`TcpStoreServer`] on `master_addr:master_port` (port 0: a free port, single
 //!    machine only), checked with the job's run token (fresh per launch on one machine; on several machines
 //!    the same ACCEL_RUN_TOKEN must be exported on each);
-//! 2. it starts `nproc_per_node` workers, each in its own process group, with the environment of
+//! 2. on several machines, every machine's launcher first joins a rendezvous in that store: it claims its machine
+//!    rank, publishes its view of the job (world size, machine count, backend, program, accel-rs version) and
+//!    waits for the other machines, printing which ones are missing every `progress_interval`; a disagreement,
+//!    a machine rank claimed twice or a peer refused by the store fails every machine at once with
+//!    [`DdpError::Rendezvous`] naming the values and machines (no worker has started yet);
+//! 3. it starts `nproc_per_node` workers, each in its own process group, with the environment of
 //!    [`LaunchConfig::worker_env`];
-//! 3. every line a worker prints goes to the console prefixed `[rank r] ` and/or to `log_dir/rank{r}.log`;
-//! 4. when a worker exits non-zero or is killed, the others get SIGTERM, then SIGKILL after `stop_grace`, and
+//! 4. every line a worker prints goes to the console prefixed `[rank r] ` and/or to `log_dir/rank{r}.log`;
+//! 5. when a worker exits non-zero or is killed, the others get SIGTERM, then SIGKILL after `stop_grace`, and
 //!    [`launch`] returns [`DdpError::WorkerFailed`] naming the first failing rank (after up to `max_restarts`
 //!    restarts of the whole group, each with a fresh store);
-//! 5. SIGINT/SIGTERM to the launcher is forwarded to the workers, which are stopped the same way.
+//! 6. SIGINT/SIGTERM to the launcher is forwarded to the workers, which are stopped the same way.
 //!
 //! Workers get no stdin (they run in background process groups, where reading a terminal would stop them).
 //! Anything a worker leaves running in its process group is killed when the group ends.
 
 mod group;
 mod output;
+mod rendezvous;
 mod signals;
 mod status;
 
@@ -38,6 +44,8 @@ use std::time::Duration;
 pub const RESTART_COUNT_ENV: &str = "ACCEL_RESTART_COUNT";
 /// Environment variable: the launch's `max_restarts`, like torchrun's TORCHELASTIC_MAX_RESTARTS.
 pub const MAX_RESTARTS_ENV: &str = "ACCEL_MAX_RESTARTS";
+/// Default of [`LaunchConfig::progress_interval`].
+pub const DEFAULT_PROGRESS_INTERVAL: Duration = Duration::from_secs(15);
 
 /// What to launch and how.
 #[derive(Debug, Clone)]
@@ -66,6 +74,11 @@ pub struct LaunchConfig {
     pub max_restarts: usize,
     /// How long to wait after SIGTERM before SIGKILL when stopping workers.
     pub stop_grace: Duration,
+    /// Multi-machine jobs: how long the launchers wait for every machine to join before any worker starts
+    /// (default 30 min, the collective timeout).
+    pub rdzv_timeout: Duration,
+    /// Multi-machine jobs: how often a launcher still waiting for machines prints which ones (default 15 s).
+    pub progress_interval: Duration,
 }
 
 impl LaunchConfig {
@@ -84,6 +97,8 @@ impl LaunchConfig {
             tee: true,
             max_restarts: 0,
             stop_grace: Duration::from_secs(5),
+            rdzv_timeout: crate::process_group::DEFAULT_COLLECTIVE_TIMEOUT,
+            progress_interval: DEFAULT_PROGRESS_INTERVAL,
         }
     }
 }
@@ -241,6 +256,9 @@ pub fn launch_self(nproc: usize) -> Result<bool> {
 ///
 /// Other errors: [`DdpError::InvalidArgument`] for a bad configuration, [`DdpError::Env`] for a missing run
 /// token on several machines, [`DdpError::Bind`] when node 0 cannot listen on `master_addr:master_port`,
+/// [`DdpError::Rendezvous`] on several machines when they disagree about the job, claim the same machine
+/// rank, a peer is refused by machine 0's store, or a machine does not join within `rdzv_timeout`
+/// ([`DdpError::Connect`] / [`DdpError::TokenRejected`] when this machine cannot reach machine 0's store),
 /// [`DdpError::Io`] when a worker cannot be started (naming the program) or when SIGINT/SIGTERM interrupted the
 /// launch (after the workers were stopped; the message names the signal).
 ///
@@ -258,6 +276,8 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
     let first_rank = cfg.node_rank * cfg.nproc_per_node;
     let sinks = output::Sinks::open(first_rank, cfg.nproc_per_node, cfg.log_dir.as_deref(), cfg.tee)?;
 
+    static LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let launch_id = LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut restart = 0;
     loop {
         // A fresh store per attempt: keys of a failed generation must not leak into the next.
@@ -267,6 +287,9 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
             None
         };
         let port = server.as_ref().map_or(cfg.master_port, |s| s.port());
+        if cfg.nnodes > 1 {
+            rendezvous::rendezvous(cfg, &host_port(&cfg.master_addr, port), token, server.as_ref(), launch_id)?;
+        }
         tracing::info!(
             "launcher: starting {} worker(s) (ranks {}..{} of {}), store at {}{}",
             cfg.nproc_per_node,

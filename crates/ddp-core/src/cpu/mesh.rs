@@ -157,6 +157,18 @@ fn connect_to(spec: &MeshSpec<'_>, peer: usize, addr: &str, deadline: Instant) -
     }
 }
 
+/// Environment variable: seconds between rank 0's "waiting for ranks ..." lines while it forms a CPU group
+/// (default 15).
+pub(crate) const PROGRESS_INTERVAL_ENV: &str = "ACCEL_PROGRESS_INTERVAL";
+
+fn progress_interval() -> Duration {
+    std::env::var(PROGRESS_INTERVAL_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .map_or(Duration::from_secs(15), Duration::from_secs_f64)
+}
+
 fn accept_higher(
     spec: &MeshSpec<'_>,
     listener: &TcpListener,
@@ -168,10 +180,27 @@ fn accept_higher(
     let missing = |peers: &[Option<TcpStream>]| -> Vec<usize> {
         (spec.rank + 1..spec.world_size).filter(|&r| peers[r].is_none()).collect()
     };
+    // Rank 0 accepts every other rank, so it alone can say who is missing; it does, so that nobody stares at a
+    // silent terminal until the timeout.
+    let progress = (spec.rank == 0).then(progress_interval);
+    let mut last_progress = Instant::now();
     loop {
         let waiting = missing(peers);
         if waiting.is_empty() {
             return Ok(());
+        }
+        if progress.is_some_and(|every| last_progress.elapsed() >= every) {
+            last_progress = Instant::now();
+            let ranks = waiting.iter().map(usize::to_string).collect::<Vec<_>>().join(", ");
+            let line = format!(
+                "rank 0: waiting for ranks {ranks} ({}/{} connected) at {} ({})",
+                spec.world_size - waiting.len(),
+                spec.world_size,
+                listener.local_addr().map_or_else(|_| "?".into(), |a| a.to_string()),
+                spec.group_tag
+            );
+            eprintln!("{line}");
+            tracing::warn!("{line}");
         }
         match listener.accept() {
             Ok((stream, from)) => match serve_handshake(spec, stream, from) {

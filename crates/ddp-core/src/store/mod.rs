@@ -24,7 +24,7 @@ mod server;
 pub use client::TcpStore;
 pub use memory::MemoryStore;
 pub use prefix::PrefixStore;
-pub use server::TcpStoreServer;
+pub use server::{RefusedPeer, TcpStoreServer};
 
 use crate::Result;
 use std::time::Duration;

@@ -51,6 +51,22 @@ struct Shared {
     /// Clones of live client sockets, to shut them down when the server stops.
     conns: Mutex<HashMap<u64, TcpStream>>,
     next_conn_id: AtomicU64,
+    /// Peers refused for proving another run token or speaking another protocol version, oldest first (at most
+    /// [`MAX_REFUSED`]): a store host's launcher polls it to fail at once instead of waiting for a peer that
+    /// will never get in.
+    refused: Mutex<Vec<RefusedPeer>>,
+}
+
+/// How many refused peers [`TcpStoreServer::refused_peers`] remembers.
+const MAX_REFUSED: usize = 64;
+
+/// A peer the store refused during the handshake (see [`TcpStoreServer::refused_peers`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RefusedPeer {
+    /// The peer's address (`ip:port`).
+    pub peer: String,
+    /// Why, in words: "run token mismatch" or "protocol version N, we speak M".
+    pub reason: String,
 }
 
 #[derive(Default)]
@@ -73,6 +89,7 @@ impl TcpStoreServer {
             stopping: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
             next_conn_id: AtomicU64::new(0),
+            refused: Mutex::new(Vec::new()),
         });
         let accept_shared = shared.clone();
         let accept_thread = std::thread::Builder::new()
@@ -101,6 +118,13 @@ impl TcpStoreServer {
     /// Number of client connections currently open (after a successful handshake).
     pub fn num_connections(&self) -> usize {
         sync::lock(&self.shared.conns).len()
+    }
+
+    /// Peers refused so far because they proved another run token or speak another protocol version (oldest
+    /// first, the first 64 kept). Peers that are not store clients at all (port scanners, the server's own
+    /// wake-up connection) are not recorded.
+    pub fn refused_peers(&self) -> Vec<RefusedPeer> {
+        sync::lock(&self.shared.refused).clone()
     }
 }
 
@@ -201,6 +225,7 @@ fn handshake(stream: &mut TcpStream, shared: &Shared, peer: &str) -> bool {
     let version = u16::from_le_bytes([hello[4], hello[5]]);
     if version != protocol::VERSION {
         tracing::warn!("store server: refused {peer}: protocol version {version}, we speak {}", protocol::VERSION);
+        record_refused(shared, peer, format!("protocol version {version}, we speak {}", protocol::VERSION));
         let mut answer = protocol::SERVER_MAGIC.to_vec();
         answer.push(protocol::HELLO_BAD_VERSION);
         let _ = stream.write_all(&answer);
@@ -224,6 +249,7 @@ fn handshake(stream: &mut TcpStream, shared: &Shared, peer: &str) -> bool {
     }
     if !shared.token.verify(protocol::CLIENT_LABEL, &server_nonce, client_nonce, &proof) {
         tracing::warn!("store server: refused {peer}: run token mismatch");
+        record_refused(shared, peer, "run token mismatch".into());
         let _ = stream.write_all(&[protocol::HELLO_BAD_TOKEN]);
         return false;
     }
@@ -232,6 +258,13 @@ fn handshake(stream: &mut TcpStream, shared: &Shared, peer: &str) -> bool {
     }
     let _ = stream.set_read_timeout(None);
     true
+}
+
+fn record_refused(shared: &Shared, peer: &str, reason: String) {
+    let mut refused = sync::lock(&shared.refused);
+    if refused.len() < MAX_REFUSED {
+        refused.push(RefusedPeer { peer: peer.to_string(), reason });
+    }
 }
 
 fn request_loop(stream: &mut TcpStream, shared: &Shared) -> std::io::Result<()> {

@@ -290,29 +290,160 @@ fn the_group_is_restarted_up_to_max_restarts() {
     assert!(!dir.path().join("run2.rank0").exists() && !dir.path().join("run2.rank1").exists());
 }
 
+/// A port that was free a moment ago, for jobs on several "machines" (which need a fixed port).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Machine `node_rank` of a loopback job of `nnodes` "machines" with `n` workers each.
+fn machine(n: usize, nnodes: usize, node_rank: usize, port: u16, token: RunToken, script: &str) -> LaunchConfig {
+    let mut cfg = sh(n, script);
+    cfg.nnodes = nnodes;
+    cfg.node_rank = node_rank;
+    cfg.master_port = port;
+    cfg.env.push(("ACCEL_RUN_TOKEN".into(), token.to_hex()));
+    cfg.rdzv_timeout = Duration::from_secs(30);
+    cfg
+}
+
+/// Runs `cfg` on a thread (a second "machine" of the test's job).
+fn launch_on_thread(cfg: LaunchConfig) -> std::thread::JoinHandle<Result<(), DdpError>> {
+    std::thread::spawn(move || launch(&cfg))
+}
+
 #[test]
 fn a_non_zero_node_rank_gets_global_ranks_and_hosts_no_store() {
     let dir = tempfile::tempdir().unwrap();
     let token = RunToken::generate().unwrap();
-    let mut cfg = with_out(
-        sh(
-            2,
-            r#"echo "$RANK $LOCAL_RANK $WORLD_SIZE $GROUP_RANK $GROUP_WORLD_SIZE $MASTER_ADDR $MASTER_PORT $ACCEL_RUN_TOKEN" > "$OUT/rank$RANK""#,
-        ),
-        dir.path(),
-    );
-    cfg.nnodes = 2;
-    cfg.node_rank = 1;
-    cfg.master_addr = "10.1.2.3".into(); // not ours: node 1 must not bind it
-    cfg.master_port = 29999;
-    cfg.env.push(("ACCEL_RUN_TOKEN".into(), token.to_hex()));
-    launch(&cfg).unwrap();
-    for (r, local) in [(2, 0), (3, 1)] {
+    let port = free_port();
+    let script = r#"echo "$RANK $LOCAL_RANK $WORLD_SIZE $GROUP_RANK $GROUP_WORLD_SIZE $MASTER_ADDR $MASTER_PORT $ACCEL_RUN_TOKEN" > "$OUT/rank$RANK""#;
+    let node0 = launch_on_thread(with_out(machine(2, 2, 0, port, token, script), dir.path()));
+    // Machine 1 binds nothing: it joins machine 0's store (and would fail with "port in use" otherwise).
+    launch(&with_out(machine(2, 2, 1, port, token, script), dir.path())).unwrap();
+    node0.join().unwrap().unwrap();
+    for (r, local, group) in [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)] {
         assert_eq!(
             read(dir.path().join(format!("rank{r}"))).trim(),
-            format!("{r} {local} 4 1 2 10.1.2.3 29999 {}", token.to_hex())
+            format!("{r} {local} 4 {group} 2 127.0.0.1 {port} {}", token.to_hex())
         );
     }
+}
+
+#[test]
+fn machines_launched_with_different_num_processes_both_fail_at_once_naming_both_values() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = RunToken::generate().unwrap();
+    let port = free_port();
+    let script = r#"touch "$OUT/ran$RANK""#;
+    let started = Instant::now();
+    // `-n 4` on machine 0 (2 workers each), `-n 2` on machine 1 (1 worker each).
+    let node0 = launch_on_thread(with_out(machine(2, 2, 0, port, token, script), dir.path()));
+    let err1 = launch(&with_out(machine(1, 2, 1, port, token, script), dir.path())).unwrap_err();
+    let err0 = node0.join().unwrap().unwrap_err();
+    let expected = "rendezvous: machine 1 launched with num_processes 2 but machine 0 with 4; pass the same \
+                    -n/--num-processes on every machine (the TOTAL over all machines)";
+    assert_eq!(err0.to_string(), expected);
+    assert_eq!(err1.to_string(), expected);
+    assert!(matches!(err0, DdpError::Rendezvous(_)) && matches!(err1, DdpError::Rendezvous(_)));
+    assert!(started.elapsed() < Duration::from_secs(10), "took {:?}", started.elapsed());
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "no worker may start on an inconsistent job");
+}
+
+#[test]
+fn a_machine_rank_launched_twice_fails_naming_the_holder() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = RunToken::generate().unwrap();
+    let port = free_port();
+    let script = r#"touch "$OUT/started$RANK"; sleep 3"#;
+    let node0 = launch_on_thread(with_out(machine(1, 2, 0, port, token, script), dir.path()));
+    let node1 = launch_on_thread(with_out(machine(1, 2, 1, port, token, script), dir.path()));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !dir.path().join("started1").exists() {
+        assert!(Instant::now() < deadline, "machine 1's worker did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let started = Instant::now();
+    let err = launch(&machine(1, 2, 1, port, token, "true")).unwrap_err();
+    let mut host = [0u8; 256];
+    // SAFETY: gethostname writes at most `len` bytes.
+    assert_eq!(unsafe { libc::gethostname(host.as_mut_ptr().cast(), host.len()) }, 0);
+    let host = String::from_utf8_lossy(&host[..host.iter().position(|b| *b == 0).unwrap()]).into_owned();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "rendezvous: machine rank 1 is already taken by {host} (pid {}); give every machine its own \
+             --machine-rank (0..2)",
+            std::process::id()
+        )
+    );
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    // The first two machines are not disturbed.
+    node0.join().unwrap().unwrap();
+    node1.join().unwrap().unwrap();
+}
+
+#[test]
+fn machine_0_fails_at_once_when_a_machine_with_another_run_token_is_refused() {
+    let port = free_port();
+    let started = Instant::now();
+    let node0 = launch_on_thread(machine(1, 2, 0, port, RunToken::generate().unwrap(), "true"));
+    let err1 = launch(&machine(1, 2, 1, port, RunToken::generate().unwrap(), "true")).unwrap_err();
+    let err0 = node0.join().unwrap().unwrap_err();
+    assert!(matches!(err1, DdpError::TokenRejected { .. }), "{err1}");
+    let msg = err0.to_string();
+    assert!(
+        msg.starts_with(&format!("rendezvous: the store at 127.0.0.1:{port} refused the peer 127.0.0.1:"))
+            && msg.contains("(run token mismatch); export the same ACCEL_RUN_TOKEN"),
+        "{msg}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(10), "took {:?}", started.elapsed());
+}
+
+#[test]
+fn a_launcher_waiting_for_a_machine_says_which_one_until_it_times_out() {
+    let port = free_port();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(self_exe_args())
+        .env(MODE_ENV, "launcher")
+        .env("LAUNCH_N", "2")
+        .env("LAUNCH_SCRIPT", "true")
+        .env("LAUNCH_MACHINE", format!("0 of 3 port {port} timeout-ms 1500 progress-ms 200"))
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let progress = format!("[launcher] machine 0: waiting for machine(s) 1, 2 (1/3 joined) at 127.0.0.1:{port}");
+    let lines = stderr.lines().filter(|l| *l == progress).count();
+    assert!((3..=8).contains(&lines), "{lines} progress lines in {stderr:?}");
+    assert!(
+        stdout.contains(&format!(
+            "LAUNCH_RESULT err rendezvous: timed out after 1.5 s waiting for machine(s) 1, 2 (1/3 joined) at \
+             127.0.0.1:{port}; start `accel launch` on every machine"
+        )),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn rank_0_says_which_ranks_it_is_waiting_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = LaunchConfig::local(2, std::env::current_exe().unwrap(), self_exe_args());
+    cfg.env.push((MODE_ENV.into(), "pg-worker".into()));
+    cfg.env.push(("ACCEL_BACKEND".into(), "cpu".into()));
+    cfg.env.push(("ACCEL_TIMEOUT".into(), "2".into()));
+    cfg.env.push(("ACCEL_PROGRESS_INTERVAL".into(), "0.3".into()));
+    cfg.log_dir = Some(dir.path().to_path_buf());
+    cfg.tee = false;
+    cfg.stop_grace = Duration::from_secs(1);
+    match launch(&cfg) {
+        Err(DdpError::WorkerFailed { rank: 0, status, .. }) => assert_eq!(status, "exit code 1"),
+        other => panic!("expected rank 0 to fail, got {other:?}"),
+    }
+    let log = read(log_path(dir.path(), 0));
+    let lines = log.lines().filter(|l| l.contains("rank 0: waiting for ranks 1 (1/2 connected) at 127.0.0.1:")).count();
+    assert!((3..=8).contains(&lines), "{lines} progress lines in {log:?}");
+    assert!(log.contains("init failed:") && log.contains("ranks [1] did not connect"), "{log:?}");
 }
 
 #[test]
@@ -356,6 +487,7 @@ fn zz_child_entry() {
     let code = match mode.as_str() {
         "store-worker" => store_worker(),
         "launcher" => launcher_child(),
+        "pg-worker" => pg_worker(),
         other => panic!("unknown {MODE_ENV} {other}"),
     };
     std::process::exit(code);
@@ -388,12 +520,37 @@ fn store_worker() -> i32 {
     0
 }
 
+/// Rank 0 forms a real process group; the other ranks never join (they sleep), so rank 0 waits and says so.
+fn pg_worker() -> i32 {
+    if std::env::var("RANK").unwrap() != "0" {
+        std::thread::sleep(Duration::from_secs(10));
+        return 0;
+    }
+    match ddp_core::ProcessGroup::init_from_env() {
+        Ok(_) => 0,
+        Err(e) => {
+            eprintln!("init failed: {e}");
+            1
+        }
+    }
+}
+
 /// A launcher run from outside, so that the test can read its console and send it signals.
 fn launcher_child() -> i32 {
     let n: usize = std::env::var("LAUNCH_N").unwrap().parse().unwrap();
     let mut cfg = sh(n, &std::env::var("LAUNCH_SCRIPT").unwrap());
     cfg.log_dir = std::env::var_os("LAUNCH_LOG_DIR").map(Into::into);
     cfg.tee = std::env::var_os("LAUNCH_NO_TEE").is_none();
+    if let Ok(m) = std::env::var("LAUNCH_MACHINE") {
+        // "<node_rank> of <nnodes> port <port> timeout-ms <ms> progress-ms <ms>"
+        let w: Vec<&str> = m.split(' ').collect();
+        cfg.node_rank = w[0].parse().unwrap();
+        cfg.nnodes = w[2].parse().unwrap();
+        cfg.master_port = w[4].parse().unwrap();
+        cfg.rdzv_timeout = Duration::from_millis(w[6].parse().unwrap());
+        cfg.progress_interval = Duration::from_millis(w[8].parse().unwrap());
+        cfg.env.push(("ACCEL_RUN_TOKEN".into(), RunToken::generate().unwrap().to_hex()));
+    }
     let result = launch(&cfg);
     // One write, after the workers' output threads are done.
     match result {

@@ -136,6 +136,17 @@ fn a_wrong_or_missing_run_token_is_refused() {
     let mut buf = [0u8; 16];
     assert_eq!(raw.read(&mut buf).unwrap_or(0), 0, "server must close a connection with a bad hello");
     assert_eq!(server.num_connections(), 0);
+
+    // The wrong token is on record for a launcher to report (the client may return before the server has
+    // checked its proof); the peer that is no store client at all is not.
+    let deadline = std::time::Instant::now() + LONG;
+    while server.refused_peers().is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let refused = server.refused_peers();
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert_eq!(refused[0].reason, "run token mismatch");
+    assert!(refused[0].peer.starts_with("127.0.0.1:"), "{refused:?}");
 }
 
 #[test]
