@@ -39,6 +39,7 @@ pub mod optim;
 pub mod scheduler;
 pub mod state;
 mod step;
+pub mod tensor_parallel;
 pub mod tracking;
 
 pub mod data;
@@ -50,6 +51,7 @@ pub use error::{AccelError, Result};
 pub use mixed_precision::{GradScaler, GradScalerConfig};
 pub use optim::{AcceleratedOptimizer, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 pub use step::{GradientReduction, StepCounters};
+pub use tensor_parallel::{ParamBuilder, ParamInit, ParamLayout, TensorParallel};
 #[cfg(feature = "tensorboard")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tensorboard")))]
 pub use tracking::TensorBoardTracker;
@@ -64,6 +66,8 @@ const _: () = {
         assert_send_sync::<PreparedModel>();
         assert_send_sync::<AcceleratedOptimizer<AdamW>>();
         assert_send_sync::<AccelError>();
+        assert_send_sync::<TensorParallel>();
+        assert_send_sync::<ParamBuilder>();
     }
 };
 

@@ -28,7 +28,9 @@ pub mod ddp;
 pub mod dtype;
 pub mod env;
 pub mod error;
+pub mod functional;
 pub mod launcher;
+pub mod mesh;
 #[cfg(feature = "mpi")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mpi")))]
 pub mod mpi;
@@ -49,6 +51,7 @@ pub use dtype::{DType, Element, ReduceOp};
 pub use env::{DistEnv, EnvSource};
 pub use error::{DdpError, Result};
 pub use launcher::{launch, LaunchConfig};
+pub use mesh::{DeviceMesh, MeshCoord, MeshDim, MeshShape};
 pub use process_group::{GroupOptions, InitOptions, ProcessGroup, DEFAULT_COLLECTIVE_TIMEOUT};
 pub use sampler::DistributedSampler;
 pub use store::{PrefixStore, Store, TcpStore, TcpStoreServer};
@@ -69,5 +72,6 @@ const _: () = {
         assert_send_sync::<cpu::CpuBackend>();
         assert_send_sync::<RunToken>();
         assert_send_sync::<DistributedDataParallel>();
+        assert_send_sync::<DeviceMesh>();
     }
 };
