@@ -58,7 +58,8 @@ struct Inner {
 #[derive(Default)]
 pub(crate) struct Prepared {
     pub(crate) models: Vec<PreparedModel>,
-    pub(crate) optimizers: Vec<Arc<Mutex<dyn Optimizer>>>,
+    /// Each optimizer with the model whose parameters it steps (its state is laid out like that model's).
+    pub(crate) optimizers: Vec<(Arc<Mutex<dyn Optimizer>>, PreparedModel)>,
     pub(crate) data_loaders: Vec<LoaderStateHandle>,
     pub(crate) schedulers: Vec<SharedStateful>,
     pub(crate) custom: Vec<SharedStateful>,
@@ -231,7 +232,8 @@ impl Accelerator {
         };
         // The model's gradient slots live with the step owner, under the model's index.
         let index = self.inner.step.register_model(num_params);
-        let model = PreparedModel::new(index, &self.inner.pg, self.device(), &self.inner.config.ddp, varmap)?;
+        let model =
+            PreparedModel::new(index, self.dp_group(), self.tensor_parallel(), self.device(), &self.inner.config.ddp, varmap)?;
         lock(&self.inner.prepared).models.push(model.clone());
         Ok(model)
     }
@@ -240,7 +242,7 @@ impl Accelerator {
     /// steps, with fp16 unscaling and overflow skipping. Its state is saved by `save_state`.
     pub fn prepare_optimizer<O: Optimizer>(&self, model: &PreparedModel, opt: O) -> Result<AcceleratedOptimizer<O>> {
         let opt = Arc::new(Mutex::new(opt));
-        lock(&self.inner.prepared).optimizers.push(opt.clone() as Arc<Mutex<dyn Optimizer>>);
+        lock(&self.inner.prepared).optimizers.push((opt.clone() as Arc<Mutex<dyn Optimizer>>, model.clone()));
         Ok(AcceleratedOptimizer::new(self.clone(), model.clone(), opt))
     }
 
@@ -335,17 +337,20 @@ impl Accelerator {
     /// Clips the synced gradients of all prepared models so their global L2 norm is at most `max_norm`
     /// (`torch.nn.utils.clip_grad_norm_`: coefficient `max_norm / (norm + 1e-6)` when below 1). Under fp16 the
     /// gradients are unscaled first (once per optimizer step). Returns the total norm before clipping (inf or
-    /// NaN when an fp16 step overflowed — that step will be skipped and nothing is clipped).
+    /// NaN when an fp16 step overflowed — that step will be skipped and nothing is clipped). Under tensor
+    /// parallelism every parameter counts once: the squares of tp shards are summed over the tp group
+    /// (collective), replicated parameters are not counted once per tp rank (Megatron-LM's
+    /// `param_is_not_tensor_parallel_duplicate`); the norm is the single-process model's.
     ///
     /// Outside a sync step (inside an accumulation window, or in `no_sync`) it does nothing and returns `None`:
     /// call it after the `backward` that syncs, as Accelerate's examples do under `if accelerator.sync_gradients`.
     /// Errors: no prepared model.
     pub fn clip_grad_norm(&self, max_norm: f64) -> Result<Option<f64>> {
-        self.require_models("clip_grad_norm")?;
+        let models = self.require_models("clip_grad_norm")?;
         if max_norm.is_nan() || max_norm < 0.0 {
             return Err(AccelError::InvalidArgument(format!("clip_grad_norm: max_norm must be ≥ 0, got {max_norm}")));
         }
-        self.inner.step.clip_grad_norm(max_norm)
+        self.inner.step.clip_grad_norm(&models, max_norm)
     }
 
     /// Clamps every synced gradient element into `[-clip_value, clip_value]` (`torch.nn.utils.clip_grad_value_`),
@@ -357,8 +362,8 @@ impl Accelerator {
                 "clip_grad_value: clip_value must be ≥ 0, got {clip_value}"
             )));
         }
-        self.require_models("clip_grad_value")?;
-        self.inner.step.clip_grad_value(clip_value)
+        let models = self.require_models("clip_grad_value")?;
+        self.inner.step.clip_grad_value(&models, clip_value)
     }
 
     /// `model`'s current fp32 gradients (one slot per parameter, [`PreparedModel::names`] order; `None` where no
@@ -664,5 +669,17 @@ mod tests {
     fn an_inconsistent_layout_is_an_error_not_a_single_process() {
         let e = DistEnv::detect(|k| (k == "RANK").then(|| "1".to_string())).unwrap_err().to_string();
         assert!(e.contains("WORLD_SIZE"), "{e}");
+    }
+}
+
+// TEMPORARY until the nd-config branch lands (it builds the DeviceMesh and owns these).
+impl Accelerator {
+    pub(crate) fn dp_group(&self) -> &ProcessGroup {
+        &self.inner.pg
+    }
+
+    pub fn tensor_parallel(&self) -> &crate::TensorParallel {
+        static TP: std::sync::OnceLock<crate::TensorParallel> = std::sync::OnceLock::new();
+        TP.get_or_init(|| crate::TensorParallel::new(ProcessGroup::single_process().unwrap()))
     }
 }

@@ -83,6 +83,25 @@ pub(crate) fn check_buffer(who: &str, name: &str, i: usize, buf: &Tensor, p: &Va
 /// The state every optimizer here checkpoints: which optimizer, its hyper-parameters, `step` calls, each
 /// parameter's update count (PyTorch's `state[p]["step"]`), and named per-parameter buffers (`buffers[b][i]` =
 /// buffer `BUFFERS[b]` of parameter `i`). One format and one reader for all of them.
+/// Rewrites every per-parameter tensor of an optimizer state (the `{param index}.{buffer}` keys
+/// [`OptimizerState::to_state_dict`] writes) with `f(param index, tensor)`; other entries are kept. Checkpoints
+/// of tensor-parallel runs gather the buffers of sharded parameters this way, and slice them on load.
+pub(crate) fn map_param_tensors(
+    mut sd: StateDict,
+    mut f: impl FnMut(usize, Tensor) -> Result<Tensor>,
+) -> Result<StateDict> {
+    let tensors = std::mem::take(&mut sd.tensors);
+    for (key, t) in tensors {
+        let param = key.split_once('.').and_then(|(i, _)| i.parse::<usize>().ok());
+        let t = match param {
+            Some(i) => f(i, t)?,
+            None => t,
+        };
+        sd.tensors.insert(key, t);
+    }
+    Ok(sd)
+}
+
 #[derive(Debug, Clone)]
 pub(crate) struct OptimizerState<C> {
     pub(crate) config: C,
