@@ -232,8 +232,14 @@ impl Accelerator {
         };
         // The model's gradient slots live with the step owner, under the model's index.
         let index = self.inner.step.register_model(num_params);
-        let model =
-            PreparedModel::new(index, self.dp_group(), self.tensor_parallel(), self.device(), &self.inner.config.ddp, varmap)?;
+        let model = PreparedModel::new(
+            index,
+            self.dp_group(),
+            self.tensor_parallel(),
+            self.device(),
+            &self.inner.config.ddp,
+            varmap,
+        )?;
         lock(&self.inner.prepared).models.push(model.clone());
         Ok(model)
     }

@@ -44,6 +44,7 @@ pub mod store;
 pub mod sync;
 mod tensor_ops;
 pub mod token;
+pub mod traffic;
 
 pub use backend::{Backend, BackendKind};
 pub use ddp::{DdpOptions, DistributedDataParallel};
@@ -56,6 +57,7 @@ pub use process_group::{GroupOptions, InitOptions, ProcessGroup, DEFAULT_COLLECT
 pub use sampler::DistributedSampler;
 pub use store::{PrefixStore, Store, TcpStore, TcpStoreServer};
 pub use token::{RunToken, RUN_TOKEN_ENV};
+pub use traffic::{OpTraffic, TrafficStats};
 
 // Handles users move into threads must stay Send + Sync (checked at compile time, tokio-style).
 #[allow(dead_code)]
