@@ -202,7 +202,7 @@ pub fn gather_from_group(x: &Tensor, pg: &ProcessGroup, dim: usize) -> Result<Te
 pub fn split_to_group(x: &Tensor, pg: &ProcessGroup, dim: usize) -> Result<Tensor> {
     check_dim(x, dim, "split_to_group")?;
     let (size, world) = (x.dim(dim)?, pg.world_size());
-    if size % world != 0 {
+    if !size.is_multiple_of(world) {
         return Err(DdpError::InvalidArgument(format!(
             "split_to_group: dim {dim} of shape {:?} ({size}) is not divisible by the group size {world}",
             x.dims()
