@@ -9,5 +9,6 @@ mod mixed_precision;
 mod optim;
 mod ranks;
 mod resume;
+mod tensor_parallel;
 mod tensorboard;
 mod trackers;
