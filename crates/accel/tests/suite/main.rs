@@ -7,6 +7,7 @@ mod equivalence;
 mod gather;
 mod mixed_precision;
 mod optim;
+mod parallelism;
 mod ranks;
 mod resume;
 mod tensor_parallel;
