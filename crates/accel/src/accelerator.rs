@@ -164,67 +164,82 @@ impl Accelerator {
     pub fn device(&self) -> &Device {
         &self.inner.device
     }
+
     /// Global rank of this process, `0..world_size`.
     pub fn rank(&self) -> usize {
         self.inner.pg.rank()
     }
+
     /// Rank on this machine.
     pub fn local_rank(&self) -> usize {
         self.inner.pg.local_rank()
     }
+
     /// Number of processes in the job.
     pub fn world_size(&self) -> usize {
         self.inner.pg.world_size()
     }
+
     /// Whether this is rank 0 of the job (the one that prints, logs and writes shared files).
     pub fn is_main_process(&self) -> bool {
         self.rank() == 0
     }
+
     /// Whether this is local rank 0 on its machine.
     pub fn is_local_main_process(&self) -> bool {
         self.local_rank() == 0
     }
+
     /// The process group of the whole job, all `world_size` ranks (for level-1 collectives when the user needs
     /// them; the mesh's groups are in [`Accelerator::mesh`]).
     pub fn process_group(&self) -> &ProcessGroup {
         &self.inner.pg
     }
+
     /// The device mesh: the job's ranks laid out as `[pp, dp_replicate, dp_shard, tp]` (tp innermost) from
     /// [`AcceleratorConfig::parallelism`], with this rank's coordinates and a process group per dimension
     /// (`mesh().tp()`, `mesh().dp()`, ...). Under pure data parallelism: `[1, world_size, 1, 1]`.
     pub fn mesh(&self) -> &DeviceMesh {
         &self.inner.mesh
     }
+
     /// The parallel sizes this Accelerator runs with: the config's, resolved for the world size (every size 1
     /// becomes dp_replicate = world size, as Accelerate).
     pub fn parallelism_config(&self) -> &ParallelismConfig {
         &self.inner.parallelism
     }
+
     /// Tensor parallelism over the mesh's tp group (a one-rank group when tp_size is 1): build tensor-parallel
     /// layers with it, or through [`Accelerator::param_builder`].
     pub fn tensor_parallel(&self) -> &TensorParallel {
         &self.inner.tp
     }
+
     /// This rank's index among the data-parallel ranks (`mesh().dp()`): what data loaders shard by.
     pub fn data_parallel_rank(&self) -> usize {
         self.inner.mesh.dp().rank()
     }
+
     /// The number of data-parallel ranks (dp_replicate × dp_shard): `world_size / (tp × pp)`.
     pub fn data_parallel_size(&self) -> usize {
         self.inner.mesh.dp().world_size()
     }
+
     /// The configuration this Accelerator was built with.
     pub fn config(&self) -> &AcceleratorConfig {
         &self.inner.config
     }
+
     /// The compute precision.
     pub fn mixed_precision(&self) -> MixedPrecision {
         self.inner.config.mixed_precision
     }
+
     /// The dtype model `Var`s and activations use: F32, F16 or BF16.
     pub fn compute_dtype(&self) -> DType {
         self.inner.config.mixed_precision.compute_dtype()
     }
+
     /// Micro-batches per optimizer step.
     pub fn gradient_accumulation_steps(&self) -> usize {
         self.inner.config.gradient_accumulation_steps
@@ -747,14 +762,3 @@ mod tests {
     }
 }
 
-// TEMPORARY until the nd-config branch lands (it builds the DeviceMesh and owns these).
-impl Accelerator {
-    pub(crate) fn dp_group(&self) -> &ProcessGroup {
-        &self.inner.pg
-    }
-
-    pub fn tensor_parallel(&self) -> &crate::TensorParallel {
-        static TP: std::sync::OnceLock<crate::TensorParallel> = std::sync::OnceLock::new();
-        TP.get_or_init(|| crate::TensorParallel::new(ProcessGroup::single_process().unwrap()))
-    }
-}
