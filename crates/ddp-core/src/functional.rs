@@ -13,35 +13,206 @@
 //! gradient by the group size (pytorch#58005). Every rank of the group must call the same functions in the
 //! same order with tensors of the same shape and dtype; a one-rank group makes every function the identity.
 //!
-//! TODO(helper tp-layers): implement.
+//! How: the forward collective runs at tensor level on a detached input (the [`ProcessGroup`] tensor helpers,
+//! so CPU tensors over the CPU backend and CUDA tensors over NCCL alike); a custom op then only attaches the
+//! backward — [`CustomOp2`] "take the second argument's values, send the gradient to the first" for *g*, gather
+//! and split, [`CustomOp1`] identity for *f*. The ops' forward is a plain strided copy written against candle's
+//! `BackendStorage` / `BackendDevice` traits, so it is device-generic. Tensors on a device without a copy here
+//! (Metal) are refused by candle with "no metal implementation for ...".
+//!
+//! Errors: those of the collectives (unsupported dtype or device, a peer failing), and for gather / split a
+//! `dim` out of range or (split) a size the group size does not divide.
 
-use crate::{ProcessGroup, Result};
-use candle_core::Tensor;
+use crate::{DdpError, ProcessGroup, ReduceOp, Result};
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
+
+/// A strided copy of `s` (viewed through `l`) into a fresh contiguous storage on the same device.
+fn copy_storage<S: BackendStorage<Device: BackendDevice<Storage = S>>>(
+    s: &S,
+    l: &Layout,
+) -> candle_core::Result<(S, Shape)> {
+    // SAFETY: `copy_strided_src` writes every element of the `l.shape()`-sized buffer before it is read.
+    let mut dst = unsafe { s.device().alloc_uninit(l.shape(), s.dtype())? };
+    s.copy_strided_src(&mut dst, 0, l)?;
+    Ok((dst, l.shape().clone()))
+}
+
+/// A ddp-core error raised inside a backward pass, carried through candle's error type.
+fn wrap(e: DdpError) -> candle_core::Error {
+    candle_core::Error::wrap(e)
+}
+
+/// *f*'s op: identity forward, all-reduce (sum) backward.
+struct CopyToGroup {
+    pg: ProcessGroup,
+}
+
+impl CustomOp1 for CopyToGroup {
+    fn name(&self) -> &'static str {
+        "copy-to-group"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        copy_storage(s, l)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        copy_storage(s, l)
+    }
+
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(self.pg.all_reduce_tensor(grad, ReduceOp::Sum).map_err(wrap)?))
+    }
+}
+
+/// What the gradient of [`TakeSecond`]'s first argument is, given the gradient of its result.
+enum Backward {
+    /// The gradient unchanged (*g*).
+    Identity,
+    /// This rank's chunk of the gradient along `dim` (gather).
+    Chunk { dim: usize, rank: usize, len: usize },
+    /// The gradient all-gathered along `dim` (split).
+    AllGather { dim: usize, pg: ProcessGroup },
+}
+
+/// `TakeSecond(x, v)`: forward returns `v`'s values (computed from `x` by a collective outside the graph); the
+/// backward gives `x` the gradient [`Backward`] says and `v` none.
+struct TakeSecond {
+    backward: Backward,
+}
+
+impl CustomOp2 for TakeSecond {
+    fn name(&self) -> &'static str {
+        match self.backward {
+            Backward::Identity => "reduce-from-group",
+            Backward::Chunk { .. } => "gather-from-group",
+            Backward::AllGather { .. } => "split-to-group",
+        }
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        copy_storage(s2, l2)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        copy_storage(s2, l2)
+    }
+
+    fn bwd(
+        &self,
+        _arg1: &Tensor,
+        _arg2: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = match &self.backward {
+            Backward::Identity => grad.clone(),
+            Backward::Chunk { dim, rank, len } => grad.narrow(*dim, rank * len, *len)?,
+            Backward::AllGather { dim, pg } => all_gather_dim(pg, grad, *dim).map_err(wrap)?,
+        };
+        Ok((Some(g), None))
+    }
+}
+
+/// All-gather of `x` along `dim` (chunks in group-rank order), outside the autograd graph.
+fn all_gather_dim(pg: &ProcessGroup, x: &Tensor, dim: usize) -> Result<Tensor> {
+    if dim == 0 {
+        return pg.all_gather_tensor(&x.detach());
+    }
+    // [world, ..x] gathered along a new leading dim, then its slices laid side by side along `dim`.
+    let stacked = pg.all_gather_tensor(&x.detach().unsqueeze(0)?)?;
+    let pieces = (0..pg.world_size()).map(|r| stacked.get(r)).collect::<candle_core::Result<Vec<_>>>()?;
+    Ok(Tensor::cat(&pieces, dim)?)
+}
+
+/// `value` (computed from `x` outside the graph) with `backward` attached towards `x`; `value` itself when `x`
+/// carries no gradient.
+fn attach(x: &Tensor, value: Tensor, backward: Backward) -> Result<Tensor> {
+    if !x.track_op() {
+        return Ok(value);
+    }
+    Ok(x.apply_op2(&value, TakeSecond { backward })?)
+}
+
+fn check_dim(x: &Tensor, dim: usize, what: &str) -> Result<()> {
+    if dim >= x.rank() {
+        return Err(DdpError::InvalidArgument(format!(
+            "{what}: dim {dim} is out of range for a tensor of shape {:?} (rank {}; dims 0..{} fit)",
+            x.dims(),
+            x.rank(),
+            x.rank()
+        )));
+    }
+    Ok(())
+}
 
 /// *f*: identity forward, all-reduce (sum) of the gradient over `pg` backward. Put it before a column-parallel
 /// matmul whose input is replicated. Shape and dtype unchanged.
 pub fn copy_to_group(x: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
-    let _ = pg;
-    todo!("{x:?}")
+    // Without a gradient to all-reduce, *f* is the identity (no copy).
+    if pg.world_size() == 1 || !x.track_op() {
+        return Ok(x.clone());
+    }
+    Ok(x.apply_op1(CopyToGroup { pg: pg.clone() })?)
 }
 
 /// *g*: all-reduce (sum) over `pg` forward, identity backward. Put it after a row-parallel matmul whose output
 /// is a partial sum. Shape and dtype unchanged.
 pub fn reduce_from_group(x: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
-    let _ = pg;
-    todo!("{x:?}")
+    if pg.world_size() == 1 {
+        return Ok(x.clone());
+    }
+    let reduced = pg.all_reduce_tensor(&x.detach(), ReduceOp::Sum)?;
+    attach(x, reduced, Backward::Identity)
 }
 
 /// All-gather along `dim` forward (`[.., n, ..] → [.., n·world, ..]`, chunks in group-rank order); backward keeps
 /// this rank's chunk of the gradient.
 pub fn gather_from_group(x: &Tensor, pg: &ProcessGroup, dim: usize) -> Result<Tensor> {
-    let _ = (pg, dim);
-    todo!("{x:?}")
+    check_dim(x, dim, "gather_from_group")?;
+    if pg.world_size() == 1 {
+        return Ok(x.clone());
+    }
+    let gathered = all_gather_dim(pg, x, dim)?;
+    let backward = Backward::Chunk { dim, rank: pg.rank(), len: x.dim(dim)? };
+    attach(x, gathered, backward)
 }
 
 /// This rank's chunk along `dim` forward (`[.., n·world, ..] → [.., n, ..]`; `n·world` must divide evenly);
 /// backward all-gathers the gradient along `dim`.
 pub fn split_to_group(x: &Tensor, pg: &ProcessGroup, dim: usize) -> Result<Tensor> {
-    let _ = (pg, dim);
-    todo!("{x:?}")
+    check_dim(x, dim, "split_to_group")?;
+    let (size, world) = (x.dim(dim)?, pg.world_size());
+    if !size.is_multiple_of(world) {
+        return Err(DdpError::InvalidArgument(format!(
+            "split_to_group: dim {dim} of shape {:?} ({size}) is not divisible by the group size {world}",
+            x.dims()
+        )));
+    }
+    if world == 1 {
+        return Ok(x.clone());
+    }
+    let len = size / world;
+    let chunk = x.detach().narrow(dim, pg.rank() * len, len)?;
+    let backward = Backward::AllGather { dim, pg: pg.clone() };
+    attach(x, chunk, backward)
 }

@@ -1,10 +1,14 @@
-//! The tensor-parallel layers (Megatron-LM §3): column- and row-parallel linear, vocab-parallel embedding.
+//! The tensor-parallel layers (Megatron-LM §3, `megatron/core/tensor_parallel/layers.py`): column- and
+//! row-parallel linear, vocab-parallel embedding.
 //!
-//! TODO(helper tp-layers): implement.
+//! A column-parallel layer followed by a row-parallel one (an MLP, attention's projections) communicates twice
+//! per step: *f* all-reduces the input gradient in the backward, *g* the output in the forward. At tp = 1 the
+//! layers compute exactly what `candle_nn::Linear` / `candle_nn::Embedding` compute with the full weights.
 
 use super::{ParamBuilder, ParamInit, TensorParallel};
-use crate::Result;
-use candle_core::Tensor;
+use crate::{AccelError, Result};
+use candle_core::{DType, Module, Tensor, D};
+use ddp_core::functional::{copy_to_group, gather_from_group, reduce_from_group};
 
 /// Options of the parallel linear layers.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -39,26 +43,55 @@ pub struct ColumnParallelLinear {
     bias: Option<Tensor>,
     tp: TensorParallel,
     gather_output: bool,
+    out_dim: usize,
 }
 
 impl ColumnParallelLinear {
     /// Creates `weight` (and `bias`) under `pb`. Errors: `out_dim` not divisible by tp without `pad_output`.
     pub fn new(pb: &ParamBuilder, in_dim: usize, out_dim: usize, cfg: ParallelLinearConfig) -> Result<Self> {
-        let _ = (pb, in_dim, out_dim, cfg);
-        todo!()
+        let weight = if cfg.pad_output {
+            pb.sharded_padded("weight", (out_dim, in_dim), 0, cfg.init)?
+        } else {
+            pb.sharded("weight", (out_dim, in_dim), 0, cfg.init).map_err(|e| hint_pad_output(e, pb.tp().size()))?
+        };
+        let bias = if !cfg.bias {
+            None
+        } else if cfg.pad_output {
+            Some(pb.sharded_padded("bias", out_dim, 0, ParamInit::Zeros)?)
+        } else {
+            Some(pb.sharded("bias", out_dim, 0, ParamInit::Zeros)?)
+        };
+        Ok(ColumnParallelLinear { weight, bias, tp: pb.tp().clone(), gather_output: cfg.gather_output, out_dim })
+    }
+
+    /// This rank's weight, `[out_padded/tp, in]`.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// This rank's bias, `[out_padded/tp]`.
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
     }
 
     /// Forward from a replicated input: applies *f* (`copy_to_group`) then [`ColumnParallelLinear::forward_copied`].
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let _ = x;
-        todo!()
+        self.forward_copied(&copy_to_group(x, self.tp.group())?)
     }
 
     /// Forward from an input that already went through `copy_to_group` (several column-parallel layers reading
     /// one input — attention's q, k and v — share one *f*, so the backward all-reduces once).
     pub fn forward_copied(&self, x: &Tensor) -> Result<Tensor> {
-        let _ = (x, &self.weight, &self.bias, &self.tp, self.gather_output);
-        todo!()
+        let y = candle_nn::Linear::new(self.weight.clone(), self.bias.clone()).forward(x)?;
+        if !self.gather_output {
+            return Ok(y);
+        }
+        let y = gather_from_group(&y, self.tp.group(), y.rank() - 1)?;
+        // Padded output features (pad_output) are not part of the model's output.
+        if y.dim(D::Minus1)? > self.out_dim {
+            return Ok(y.narrow(D::Minus1, 0, self.out_dim)?);
+        }
+        Ok(y)
     }
 }
 
@@ -74,14 +107,30 @@ pub struct RowParallelLinear {
 impl RowParallelLinear {
     /// Creates `weight` (and `bias`) under `pb`. Errors: `in_dim` not divisible by tp.
     pub fn new(pb: &ParamBuilder, in_dim: usize, out_dim: usize, cfg: ParallelLinearConfig) -> Result<Self> {
-        let _ = (pb, in_dim, out_dim, cfg);
-        todo!()
+        let weight = pb.sharded("weight", (out_dim, in_dim), 1, cfg.init)?;
+        let bias = if cfg.bias { Some(pb.replicated("bias", out_dim, ParamInit::Zeros)?) } else { None };
+        Ok(RowParallelLinear { weight, bias, tp: pb.tp().clone() })
+    }
+
+    /// This rank's weight, `[out, in/tp]`.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The (replicated) bias, `[out]`.
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
     }
 
     /// Forward (see the type's documentation).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let _ = (x, &self.weight, &self.bias, &self.tp);
-        todo!()
+        let partial = candle_nn::Linear::new(self.weight.clone(), None).forward(x)?;
+        let y = reduce_from_group(&partial, self.tp.group())?;
+        // The bias after the sum, so it is added once, not tp times.
+        match &self.bias {
+            Some(b) => Ok(y.broadcast_add(b)?),
+            None => Ok(y),
+        }
     }
 }
 
@@ -97,13 +146,79 @@ pub struct VocabParallelEmbedding {
 impl VocabParallelEmbedding {
     /// Creates `weight` under `pb` with `init` (padding rows are zero).
     pub fn new(pb: &ParamBuilder, vocab_size: usize, dim: usize, init: ParamInit) -> Result<Self> {
-        let _ = (pb, vocab_size, dim, init);
-        todo!()
+        let weight = pb.sharded_padded("weight", (vocab_size, dim), 0, init)?;
+        Ok(VocabParallelEmbedding { weight, tp: pb.tp().clone(), vocab_size })
     }
 
-    /// Forward (see the type's documentation). Errors: an id ≥ vocab_size.
-    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
-        let _ = (ids, &self.weight, &self.tp, self.vocab_size);
-        todo!()
+    /// This rank's rows of the weight, `[padded_vocab/tp, dim]`.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
     }
+
+    /// Forward (see the type's documentation). Errors: an id ≥ vocab_size, ids not of an integer dtype.
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let ids = check_ids(ids, self.vocab_size, "VocabParallelEmbedding")?;
+        if self.tp.size() == 1 {
+            return Ok(candle_nn::Embedding::new(self.weight.clone(), self.weight.dim(1)?).forward(&ids)?);
+        }
+        let rows = self.weight.dim(0)?;
+        let start = self.tp.rank() * rows;
+        let (mask, local) = local_ids(&ids, start, rows)?;
+        let emb = candle_nn::Embedding::new(self.weight.clone(), self.weight.dim(1)?).forward(&local)?;
+        // Ids another rank owns were clamped into this rank's range: zero their rows so only the owner counts.
+        let emb = emb.broadcast_mul(&mask.to_dtype(emb.dtype())?.unsqueeze(D::Minus1)?)?;
+        Ok(reduce_from_group(&emb, self.tp.group())?)
+    }
+}
+
+/// A column-parallel size error, plus the pointer to `pad_output`.
+fn hint_pad_output(e: AccelError, tp: usize) -> AccelError {
+    match e {
+        AccelError::InvalidArgument(m) if m.contains("does not divide") => AccelError::InvalidArgument(format!(
+            "{m}; or set ParallelLinearConfig::pad_output to pad it to a multiple of {tp} (vocabulary heads)"
+        )),
+        e => e,
+    }
+}
+
+/// `ids` as u32, checked to be `< vocab_size`. Errors name the layer, the offending id and the vocabulary size.
+pub(crate) fn check_ids(ids: &Tensor, vocab_size: usize, what: &str) -> Result<Tensor> {
+    let ids = match ids.dtype() {
+        DType::U32 => ids.clone(),
+        DType::U8 | DType::I64 | DType::I32 | DType::I16 => {
+            let min = ids.flatten_all()?.to_dtype(DType::I64)?.min(0);
+            if let Ok(min) = min.and_then(|m| m.to_scalar::<i64>()) {
+                if min < 0 {
+                    return Err(AccelError::InvalidArgument(format!(
+                        "{what}: id {min} is negative (ids must lie in 0..{vocab_size})"
+                    )));
+                }
+            }
+            ids.to_dtype(DType::U32)?
+        }
+        dt => {
+            return Err(AccelError::InvalidArgument(format!(
+                "{what}: ids must be of an integer dtype (u32), not {dt:?}"
+            )))
+        }
+    };
+    if ids.elem_count() > 0 {
+        let max = ids.flatten_all()?.max(0)?.to_scalar::<u32>()? as usize;
+        if max >= vocab_size {
+            return Err(AccelError::InvalidArgument(format!(
+                "{what}: id {max} is out of range for a vocabulary of {vocab_size} (ids must lie in 0..{vocab_size})"
+            )));
+        }
+    }
+    Ok(ids)
+}
+
+/// For the rows `start..start+len` this rank holds: a u8 mask of the ids in that range and the ids made local
+/// (`id − start`, clamped into `0..len` where masked out, so every lookup is in bounds).
+pub(crate) fn local_ids(ids: &Tensor, start: usize, len: usize) -> Result<(Tensor, Tensor)> {
+    let end = start + len;
+    let mask = ids.ge(start as f64)?.mul(&ids.lt(end as f64)?)?;
+    let start_t = Tensor::new(start as u32, ids.device())?;
+    let local = ids.clamp(start as u32, (end - 1) as u32)?.broadcast_sub(&start_t)?;
+    Ok((mask, local))
 }
