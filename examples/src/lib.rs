@@ -10,6 +10,9 @@
 //! - [`run_main`]: what every example's `main` does around its body (log subscriber, error chain, exit status).
 //!
 //! Keep this file small: it is what the three examples have in common, nothing more.
+//!
+//! [`gpt`]: the char-level GPT of the tensor-parallel examples (`accel_gpt`, `train_gpt`), written once with
+//! accel's tensor-parallel layers; [`default_text_path`] finds the shipped Shakespeare text.
 
 use std::path::{Path, PathBuf};
 
@@ -17,6 +20,8 @@ use anyhow::{bail, Context};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Linear, VarBuilder, VarMap};
 use rand::{Rng, SeedableRng};
+
+pub mod gpt;
 
 /// Parses `--nproc`: a whole number ≥ 1 (0 is refused instead of silently training as one process).
 pub fn parse_nproc(s: &str) -> Result<usize, String> {
@@ -162,6 +167,12 @@ pub fn best_checkpoint_line(checkpoint: &str, metric: &str, value: f64) -> Strin
 /// directory of a `cargo run` in this workspace).
 pub fn default_data_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("data").join("mnist")
+}
+
+/// The repository's `data/shakespeare/shakespeare8.txt` (eight plays, 1.1 MB, 76 distinct characters; see
+/// `data/PROVENANCE-shared.md`), found from this crate's manifest directory.
+pub fn default_text_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("data").join("shakespeare").join("shakespeare8.txt")
 }
 
 /// Rows `indices` of `t` along dimension 0 (`index_select` with a u32 index on `t`'s device).

@@ -1,0 +1,551 @@
+//! A decoder-only character-level GPT (Radford et al. 2019, GPT-2's pre-norm block; sizes as Karpathy's nanoGPT
+//! `shakespeare_char`, scaled down), written once with accel's tensor-parallel layers (Megatron-LM, Shoeybi et
+//! al. 2019, §3) so the same code runs at tp = 1 (no communication) and split over tp = 2 / 4 ranks.
+//!
+//! ```text
+//! ids [b, s] u32
+//!  → wte (VocabParallelEmbedding, vocab rows sharded) + wpe (replicated, learned) → x [b, s, d]
+//!  → n_layer × { x += attn(ln_1(x));  x += mlp(ln_2(x)) }
+//!        attn: f → q, k, v (three ColumnParallelLinear, n_head/tp heads per rank) → causal softmax(q kᵀ/√hd) v
+//!              → c_proj (RowParallelLinear, g)
+//!        mlp:  c_fc (ColumnParallelLinear, d → d_ff/tp) → GELU (tanh) → c_proj (RowParallelLinear, g)
+//!  → ln_f → lm_head (ColumnParallelLinear, no bias, vocabulary padded to a multiple of tp, not gathered)
+//!  → logits [b, s, padded_vocab / tp]  (this rank's vocabulary columns)
+//! ```
+//!
+//! Layer norms, the position embedding and the row-parallel biases are replicated (every tp rank holds them
+//! whole). No dropout and no weight tying, so a tp run computes exactly what the single process computes up to
+//! floating-point summation order. Every parameter is created through accel's
+//! [`ParamBuilder`]: drawn on the full model from one seed (per parameter name), each rank keeping its slice, so
+//! every layout starts from the same weights. Initialisation follows GPT-2: Normal(0, 0.02²) for the embeddings and
+//! linear weights, Normal(0, (0.02/√(2·n_layer))²) for the two residual projections, zero biases, layer norms at
+//! weight 1, bias 0.
+//!
+//! The default model for the examples ([`GptConfig::small`], Shakespeare's 76 characters): d_model 128, 4 heads,
+//! 4 layers, context 64, d_ff 512 — 820 992 parameters ([`GptConfig::num_parameters`]).
+
+use accel::tensor_parallel::{
+    vocab_parallel_cross_entropy, ColumnParallelLinear, ParallelLinearConfig, ParamBuilder, ParamInit,
+    RowParallelLinear, TensorParallel, VocabParallelEmbedding,
+};
+use accel::{AccelError, Result};
+use candle_core::{DType, Device, IndexOp, Tensor};
+use rand::Rng;
+
+/// The sizes of a [`CharGpt`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GptConfig {
+    /// Number of tokens (characters); the embedding and the head are padded to a multiple of tp.
+    pub vocab_size: usize,
+    /// Context length: the longest sequence the model reads (rows of the position embedding).
+    pub block_size: usize,
+    /// Number of transformer blocks.
+    pub n_layer: usize,
+    /// Attention heads per block (split across the tp ranks).
+    pub n_head: usize,
+    /// Width of the residual stream; `n_head` must divide it (head size `d_model / n_head`).
+    pub d_model: usize,
+    /// Hidden width of the MLP (GPT-2 uses `4 · d_model`).
+    pub d_ff: usize,
+}
+
+impl GptConfig {
+    /// The examples' default: d_model 128, 4 heads, 4 layers, context 64, d_ff 512 (820 992 parameters for the
+    /// 76-character Shakespeare vocabulary).
+    pub fn small(vocab_size: usize) -> Self {
+        GptConfig { vocab_size, block_size: 64, n_layer: 4, n_head: 4, d_model: 128, d_ff: 512 }
+    }
+
+    /// Size of one attention head, `d_model / n_head`.
+    pub fn head_dim(&self) -> usize {
+        self.d_model / self.n_head.max(1)
+    }
+
+    /// Parameters of the full (unsharded, unpadded) model.
+    pub fn num_parameters(&self) -> usize {
+        let (v, d, f) = (self.vocab_size, self.d_model, self.d_ff);
+        let ln = 2 * d;
+        let block = ln + 3 * (d * d + d) + (d * d + d) + ln + (d * f + f) + (f * d + d);
+        v * d + self.block_size * d + self.n_layer * block + ln + v * d
+    }
+
+    /// The tensor-parallel sizes this model can be split over: the common divisors of `n_head`, `d_model` and
+    /// `d_ff` (the vocabulary is padded, so it does not constrain tp).
+    pub fn fitting_tp_sizes(&self) -> Vec<usize> {
+        (1..=self.n_head).filter(|t| self.n_head % t == 0 && self.d_model % t == 0 && self.d_ff % t == 0).collect()
+    }
+
+    /// Checks the sizes, and that a tensor-parallel group of `tp_size` ranks can split the model.
+    ///
+    /// Errors ([`AccelError::Config`], naming the sizes and what would fit): a size of 0; `n_head` not dividing
+    /// `d_model`; `tp_size` 0 or not dividing `n_head`, `d_model` or `d_ff` (listing the tp sizes that would).
+    pub fn validate(&self, tp_size: usize) -> Result<()> {
+        let sizes = [
+            ("vocab_size", self.vocab_size),
+            ("block_size", self.block_size),
+            ("n_layer", self.n_layer),
+            ("n_head", self.n_head),
+            ("d_model", self.d_model),
+            ("d_ff", self.d_ff),
+        ];
+        if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
+            return Err(config_error(name, 0, "must be at least 1".into()));
+        }
+        if self.d_model % self.n_head != 0 {
+            let heads: Vec<usize> = (1..=self.d_model).filter(|h| self.d_model % h == 0).collect();
+            return Err(config_error(
+                "n_head",
+                self.n_head,
+                format!(
+                    "does not divide d_model = {} (the head size would not be whole); head counts that divide it: \
+                     {heads:?}",
+                    self.d_model
+                ),
+            ));
+        }
+        let fits = self.fitting_tp_sizes();
+        if tp_size == 0 || !fits.contains(&tp_size) {
+            let mut wrong = Vec::new();
+            for (name, v) in [("n_head", self.n_head), ("d_model", self.d_model), ("d_ff", self.d_ff)] {
+                if tp_size == 0 || v % tp_size != 0 {
+                    wrong.push(format!("{name} = {v}"));
+                }
+            }
+            return Err(config_error(
+                "tp_size",
+                tp_size,
+                format!(
+                    "tensor parallelism splits the attention heads, d_model and d_ff evenly over the tp ranks, but \
+                     {tp_size} does not divide {}; tp sizes that fit this model (n_head {}, d_model {}, d_ff {}): \
+                     {fits:?}",
+                    wrong.join(", "),
+                    self.n_head,
+                    self.d_model,
+                    self.d_ff
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn config_error(key: &str, value: usize, reason: String) -> AccelError {
+    AccelError::Config { key: format!("GptConfig.{key}"), value: value.to_string(), reason }
+}
+
+/// `LayerNorm(d)` with replicated `weight` (ones) and `bias` (zeros), eps 1e-5 (PyTorch's default), computed by
+/// candle-nn's differentiable `layer_norm_slow` (in f32 for bf16/f16 inputs; the fused `ops::layer_norm` has no
+/// backward).
+struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl LayerNorm {
+    fn new(pb: &ParamBuilder, d: usize) -> Result<Self> {
+        Ok(LayerNorm {
+            weight: pb.replicated("weight", d, ParamInit::Ones)?,
+            bias: pb.replicated("bias", d, ParamInit::Zeros)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(candle_nn::ops::layer_norm_slow(x, &self.weight, &self.bias, 1e-5)?)
+    }
+}
+
+/// Causal self-attention with this rank's `n_head / tp` heads.
+struct Attention {
+    q: ColumnParallelLinear,
+    k: ColumnParallelLinear,
+    v: ColumnParallelLinear,
+    c_proj: RowParallelLinear,
+    tp: TensorParallel,
+    local_heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    fn new(pb: &ParamBuilder, cfg: &GptConfig) -> Result<Self> {
+        let d = cfg.d_model;
+        let col = ParallelLinearConfig::default();
+        let proj = ParallelLinearConfig { init: residual_init(cfg), ..Default::default() };
+        Ok(Attention {
+            q: ColumnParallelLinear::new(&pb.pp("q"), d, d, col)?,
+            k: ColumnParallelLinear::new(&pb.pp("k"), d, d, col)?,
+            v: ColumnParallelLinear::new(&pb.pp("v"), d, d, col)?,
+            c_proj: RowParallelLinear::new(&pb.pp("c_proj"), d, d, proj)?,
+            tp: pb.tp().clone(),
+            local_heads: cfg.n_head / pb.tp().size(),
+            head_dim: cfg.head_dim(),
+        })
+    }
+
+    /// `x` `[b, s, d]` replicated, `mask` `[s, s]` (0 / −∞) → `[b, s, d]` replicated.
+    fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let (b, s, _) = x.dims3()?;
+        // One f for the three projections: their input gradients are summed locally, then all-reduced once.
+        let x = ddp_core::functional::copy_to_group(x, self.tp.group())?;
+        let heads = |t: Tensor| -> Result<Tensor> {
+            Ok(t.reshape((b, s, self.local_heads, self.head_dim))?.transpose(1, 2)?.contiguous()?)
+        };
+        let q = heads(self.q.forward_copied(&x)?)?;
+        let k = heads(self.k.forward_copied(&x)?)?;
+        let v = heads(self.v.forward_copied(&x)?)?;
+        let scores = (q.matmul(&k.t()?)? * (1.0 / (self.head_dim as f64).sqrt()))?;
+        let att = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(mask)?)?;
+        let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, s, self.local_heads * self.head_dim))?;
+        self.c_proj.forward(&y)
+    }
+}
+
+/// `c_proj(GELU(c_fc(x)))`: d → d_ff/tp per rank → d (summed by g).
+struct Mlp {
+    c_fc: ColumnParallelLinear,
+    c_proj: RowParallelLinear,
+}
+
+impl Mlp {
+    fn new(pb: &ParamBuilder, cfg: &GptConfig) -> Result<Self> {
+        let proj = ParallelLinearConfig { init: residual_init(cfg), ..Default::default() };
+        Ok(Mlp {
+            c_fc: ColumnParallelLinear::new(&pb.pp("c_fc"), cfg.d_model, cfg.d_ff, ParallelLinearConfig::default())?,
+            c_proj: RowParallelLinear::new(&pb.pp("c_proj"), cfg.d_ff, cfg.d_model, proj)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.c_proj.forward(&self.c_fc.forward(x)?.gelu()?)
+    }
+}
+
+/// GPT-2's scaled initialisation of the projections that write into the residual stream.
+fn residual_init(cfg: &GptConfig) -> ParamInit {
+    ParamInit::Normal { std: 0.02 / ((2 * cfg.n_layer) as f64).sqrt() }
+}
+
+struct Block {
+    ln_1: LayerNorm,
+    attn: Attention,
+    ln_2: LayerNorm,
+    mlp: Mlp,
+}
+
+impl Block {
+    fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let x = (x + self.attn.forward(&self.ln_1.forward(x)?, mask)?)?;
+        Ok((&x + self.mlp.forward(&self.ln_2.forward(&x)?)?)?)
+    }
+}
+
+/// The char-level GPT (see the module documentation). Parameter names (single-process, unpadded shapes):
+/// `wte.weight` `[vocab, d]`, `wpe.weight` `[block, d]`, `h.{i}.ln_1.{weight,bias}`,
+/// `h.{i}.attn.{q,k,v,c_proj}.{weight,bias}`, `h.{i}.ln_2.*`, `h.{i}.mlp.{c_fc,c_proj}.{weight,bias}`,
+/// `ln_f.{weight,bias}`, `lm_head.weight` `[vocab, d]`.
+pub struct CharGpt {
+    cfg: GptConfig,
+    wte: VocabParallelEmbedding,
+    wpe: Tensor,
+    blocks: Vec<Block>,
+    ln_f: LayerNorm,
+    lm_head: ColumnParallelLinear,
+    tp: TensorParallel,
+    device: Device,
+    dtype: DType,
+}
+
+impl CharGpt {
+    /// Builds the model's parameters through `pb` (its dtype, device, tp group and seed).
+    ///
+    /// Errors: [`GptConfig::validate`] for `pb.tp().size()`; a parameter name already in the builder's VarMap.
+    pub fn new(cfg: GptConfig, pb: &ParamBuilder) -> Result<Self> {
+        cfg.validate(pb.tp().size())?;
+        let emb = ParamInit::Normal { std: 0.02 };
+        let wte = VocabParallelEmbedding::new(&pb.pp("wte"), cfg.vocab_size, cfg.d_model, emb)?;
+        let wpe = pb.pp("wpe").replicated("weight", (cfg.block_size, cfg.d_model), emb)?;
+        let blocks = (0..cfg.n_layer)
+            .map(|i| {
+                let pb = pb.pp("h").pp(i);
+                Ok(Block {
+                    ln_1: LayerNorm::new(&pb.pp("ln_1"), cfg.d_model)?,
+                    attn: Attention::new(&pb.pp("attn"), &cfg)?,
+                    ln_2: LayerNorm::new(&pb.pp("ln_2"), cfg.d_model)?,
+                    mlp: Mlp::new(&pb.pp("mlp"), &cfg)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let ln_f = LayerNorm::new(&pb.pp("ln_f"), cfg.d_model)?;
+        let head = ParallelLinearConfig { bias: false, pad_output: true, ..Default::default() };
+        let lm_head = ColumnParallelLinear::new(&pb.pp("lm_head"), cfg.d_model, cfg.vocab_size, head)?;
+        Ok(CharGpt {
+            cfg,
+            wte,
+            wpe,
+            blocks,
+            ln_f,
+            lm_head,
+            tp: pb.tp().clone(),
+            device: pb.device().clone(),
+            dtype: pb.dtype(),
+        })
+    }
+
+    /// The sizes.
+    pub fn config(&self) -> &GptConfig {
+        &self.cfg
+    }
+
+    /// The tensor-parallel group the model is split over.
+    pub fn tp(&self) -> &TensorParallel {
+        &self.tp
+    }
+
+    /// The vocabulary padded to a multiple of the tp size (the head's full output width).
+    pub fn padded_vocab(&self) -> usize {
+        self.cfg.vocab_size.div_ceil(self.tp.size()) * self.tp.size()
+    }
+
+    /// This rank's vocabulary-sharded logits: `ids` `[b, s]` u32 (`s ≤ block_size`, ids `< vocab_size`) →
+    /// `[b, s, padded_vocab / tp]` in the parameters' dtype; rank `r` holds the columns
+    /// `r · padded_vocab/tp ..`, the padding columns (`≥ vocab_size`) are zero-weight logits (0) that
+    /// [`vocab_parallel_cross_entropy`] and [`CharGpt::generate`] ignore.
+    ///
+    /// Errors: `ids` not 2-D, `s` 0 or longer than the context; an id outside the vocabulary.
+    pub fn logits(&self, ids: &Tensor) -> Result<Tensor> {
+        let (_b, s) = ids.dims2()?;
+        if s == 0 || s > self.cfg.block_size {
+            return Err(AccelError::InvalidArgument(format!(
+                "CharGpt: a sequence of {s} tokens; the model reads 1 to block_size = {} tokens",
+                self.cfg.block_size
+            )));
+        }
+        let tok = self.wte.forward(ids)?;
+        let mut x = tok.broadcast_add(&self.wpe.narrow(0, 0, s)?)?;
+        let mask = causal_mask(s, self.dtype, &self.device)?;
+        for block in &self.blocks {
+            x = block.forward(&x, &mask)?;
+        }
+        self.lm_head.forward(&self.ln_f.forward(&x)?)
+    }
+
+    /// Mean next-character cross entropy: `ids`, `targets` `[b, s]` u32 → scalar f32, the mean over the `b · s`
+    /// positions of [`vocab_parallel_cross_entropy`] (the full logits are never gathered; the value is the same
+    /// on every tp rank and equals the single-process `cross_entropy` of the unsharded model).
+    pub fn loss(&self, ids: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        Ok(self.token_losses(ids, targets)?.mean_all()?)
+    }
+
+    /// The per-position losses `[b · s]` f32 behind [`CharGpt::loss`] (for a sum-and-count loss).
+    pub fn token_losses(&self, ids: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let logits = self.logits(ids)?;
+        let (b, s, v) = logits.dims3()?;
+        vocab_parallel_cross_entropy(
+            &logits.reshape((b * s, v))?,
+            &targets.reshape(b * s)?,
+            &self.tp,
+            self.cfg.vocab_size,
+        )
+    }
+
+    /// The full-vocabulary logits of the last position, `[vocab_size]` f32: this rank's columns gathered from the
+    /// tp group, padding dropped.
+    fn last_logits(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        let ctx = Tensor::new(ids, &self.device)?.unsqueeze(0)?;
+        let logits = self.logits(&ctx)?.detach();
+        let last = logits.i((0, ids.len() - 1))?.contiguous()?;
+        let full = ddp_core::functional::gather_from_group(&last, self.tp.group(), 0)?;
+        Ok(full.narrow(0, 0, self.cfg.vocab_size)?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+    }
+
+    /// Samples `n` characters after `prompt` (ids `< vocab_size`), feeding back at most the last `block_size`
+    /// tokens. Each step gathers the last position's logits from the tp group, drops the padding and samples
+    /// from `softmax(logits / temperature)` with `rng` (`temperature ≤ 0`: the arg-max). Every tp rank must call
+    /// it with an rng in the same state (e.g. seeded alike): they then draw the same tokens and stay in step.
+    /// Returns the `n` new ids.
+    ///
+    /// Errors: an empty prompt; those of [`CharGpt::logits`].
+    pub fn generate(&self, prompt: &[u32], n: usize, temperature: f64, rng: &mut impl Rng) -> Result<Vec<u32>> {
+        if prompt.is_empty() {
+            return Err(AccelError::InvalidArgument(
+                "CharGpt::generate: the prompt is empty; give at least one token".into(),
+            ));
+        }
+        let mut ids = prompt.to_vec();
+        for _ in 0..n {
+            let start = ids.len().saturating_sub(self.cfg.block_size);
+            let logits = self.last_logits(&ids[start..])?;
+            ids.push(sample(&logits, temperature, rng));
+        }
+        Ok(ids.split_off(prompt.len()))
+    }
+}
+
+/// `[s, s]`: 0 where position `j ≤ i` (may attend), −∞ above the diagonal.
+fn causal_mask(s: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    let values: Vec<f32> =
+        (0..s).flat_map(|i| (0..s).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY })).collect();
+    Ok(Tensor::from_vec(values, (s, s), device)?.to_dtype(dtype)?)
+}
+
+/// An index drawn from `softmax(logits / temperature)` (inverse CDF of one uniform draw), or the arg-max when
+/// `temperature ≤ 0`.
+fn sample(logits: &[f32], temperature: f64, rng: &mut impl Rng) -> u32 {
+    let argmax = || logits.iter().enumerate().fold(0, |best, (i, &v)| if v > logits[best] { i } else { best }) as u32;
+    if temperature <= 0.0 {
+        return argmax();
+    }
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let weights: Vec<f64> = logits.iter().map(|&l| ((l as f64 - max) / temperature).exp()).collect();
+    let mut u = rng.random::<f64>() * weights.iter().sum::<f64>();
+    for (i, w) in weights.iter().enumerate() {
+        if u < *w {
+            return i as u32;
+        }
+        u -= w;
+    }
+    argmax()
+}
+
+/// The model as a candle module for the Trainer: `forward(ids)` = [`CharGpt::logits`].
+impl candle_core::Module for CharGpt {
+    fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        self.logits(ids).map_err(to_candle)
+    }
+}
+
+/// An accel error as a candle error (the Trainer's model builder returns candle results); candle's own errors are
+/// unwrapped.
+pub fn to_candle(e: AccelError) -> candle_core::Error {
+    match e {
+        AccelError::Candle(e) => e,
+        e => candle_core::Error::wrap(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_nn::VarMap;
+    use ddp_core::ProcessGroup;
+
+    fn tiny() -> GptConfig {
+        GptConfig { vocab_size: 11, block_size: 8, n_layer: 2, n_head: 4, d_model: 16, d_ff: 32 }
+    }
+
+    fn build(cfg: GptConfig, seed: u64) -> (CharGpt, VarMap) {
+        let varmap = VarMap::new();
+        let tp = TensorParallel::new(ProcessGroup::single_process().unwrap());
+        let pb = ParamBuilder::new(&varmap, &tp, seed, DType::F32, &Device::Cpu);
+        (CharGpt::new(cfg, &pb).unwrap(), varmap)
+    }
+
+    #[test]
+    fn shapes_and_parameter_count_at_tp1() {
+        let cfg = tiny();
+        let (model, varmap) = build(cfg, 0);
+        let ids = Tensor::new(&[[1u32, 2, 3, 4, 5], [6, 7, 8, 9, 10]], &Device::Cpu).unwrap();
+        let logits = model.logits(&ids).unwrap();
+        assert_eq!(logits.dims(), &[2, 5, 11]);
+        let loss = model.loss(&ids, &ids).unwrap();
+        assert_eq!(loss.dims(), &[] as &[usize]);
+        // A fresh model predicts almost uniformly: loss ≈ ln(11) = 2.398.
+        let l = loss.to_scalar::<f32>().unwrap();
+        assert!((l - 11f32.ln()).abs() < 0.1, "initial loss {l}");
+        let count: usize = varmap.all_vars().iter().map(|v| v.elem_count()).sum();
+        assert_eq!(count, cfg.num_parameters());
+        let names: Vec<String> = varmap.data().lock().unwrap().keys().cloned().collect();
+        for name in
+            ["wte.weight", "wpe.weight", "h.1.attn.q.weight", "h.0.mlp.c_proj.bias", "ln_f.bias", "lm_head.weight"]
+        {
+            assert!(names.iter().any(|n| n == name), "{name} missing from {names:?}");
+        }
+        assert!(!names.iter().any(|n| n == "lm_head.bias"), "the head has no bias");
+    }
+
+    #[test]
+    fn default_size_is_as_documented() {
+        assert_eq!(GptConfig::small(76).num_parameters(), 820_992);
+        assert_eq!(GptConfig::small(76).fitting_tp_sizes(), vec![1, 2, 4]);
+    }
+
+    #[test]
+    fn causal_and_deterministic() {
+        let (a, _) = build(tiny(), 3);
+        let (b, _) = build(tiny(), 3);
+        let ids = Tensor::new(&[[1u32, 2, 3, 4]], &Device::Cpu).unwrap();
+        let changed = Tensor::new(&[[1u32, 2, 3, 9]], &Device::Cpu).unwrap();
+        let la = a.logits(&ids).unwrap();
+        assert_eq!(la.to_vec3::<f32>().unwrap(), b.logits(&ids).unwrap().to_vec3::<f32>().unwrap());
+        // Changing the last token leaves the earlier positions' logits unchanged.
+        let lc = a.logits(&changed).unwrap();
+        let first3 = |t: &Tensor| t.narrow(1, 0, 3).unwrap().to_vec3::<f32>().unwrap();
+        assert_eq!(first3(&la), first3(&lc));
+        assert_ne!(la.to_vec3::<f32>().unwrap(), lc.to_vec3::<f32>().unwrap());
+    }
+
+    #[test]
+    fn generate_is_reproducible_for_a_seed() {
+        use rand::SeedableRng;
+        let (model, _) = build(tiny(), 1);
+        let run = |seed| {
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            model.generate(&[1, 2], 12, 1.0, &mut rng).unwrap()
+        };
+        let out = run(5);
+        assert_eq!(out.len(), 12, "longer than block_size 8: the context is cropped");
+        assert!(out.iter().all(|&t| t < 11));
+        assert_eq!(out, run(5));
+        let greedy = model.generate(&[1], 3, 0.0, &mut rand_chacha::ChaCha8Rng::seed_from_u64(0)).unwrap();
+        assert_eq!(greedy, model.generate(&[1], 3, 0.0, &mut rand_chacha::ChaCha8Rng::seed_from_u64(9)).unwrap());
+        let err = model.generate(&[], 3, 1.0, &mut rand_chacha::ChaCha8Rng::seed_from_u64(0)).unwrap_err();
+        assert!(err.to_string().contains("prompt is empty"), "{err}");
+    }
+
+    #[test]
+    fn too_long_sequences_are_refused() {
+        let (model, _) = build(tiny(), 0);
+        let ids = Tensor::zeros((1, 9), DType::U32, &Device::Cpu).unwrap();
+        let err = model.logits(&ids).unwrap_err().to_string();
+        assert!(err.contains("9 tokens") && err.contains("block_size = 8"), "{err}");
+    }
+
+    #[test]
+    fn validation_names_the_sizes_and_what_fits() {
+        let cfg = GptConfig::small(76);
+        for tp in [1, 2, 4] {
+            cfg.validate(tp).unwrap();
+        }
+        let err = cfg.validate(3).unwrap_err().to_string();
+        assert!(err.contains("GptConfig.tp_size = \"3\""), "{err}");
+        assert!(err.contains("3 does not divide n_head = 4, d_model = 128, d_ff = 512"), "{err}");
+        assert!(err.contains("tp sizes that fit this model (n_head 4, d_model 128, d_ff 512): [1, 2, 4]"), "{err}");
+
+        let odd_ff = GptConfig { d_ff: 510, ..cfg };
+        let err = odd_ff.validate(4).unwrap_err().to_string();
+        assert!(err.contains("4 does not divide d_ff = 510;"), "{err}");
+        assert!(err.contains("[1, 2]"), "{err}");
+
+        let err = GptConfig { n_head: 6, ..cfg }.validate(1).unwrap_err().to_string();
+        assert!(err.contains("GptConfig.n_head = \"6\"") && err.contains("does not divide d_model = 128"), "{err}");
+
+        let err = GptConfig { n_layer: 0, ..cfg }.validate(1).unwrap_err().to_string();
+        assert!(err.contains("GptConfig.n_layer = \"0\"") && err.contains("at least 1"), "{err}");
+
+        let err = cfg.validate(0).unwrap_err().to_string();
+        assert!(err.contains("GptConfig.tp_size = \"0\""), "{err}");
+    }
+
+    #[test]
+    fn sampling_follows_the_distribution() {
+        use rand::SeedableRng;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
+        // Probabilities 1/7, 2/7, 4/7.
+        let logits = [0.0f32, 2f32.ln(), 4f32.ln()];
+        let mut counts = [0usize; 3];
+        for _ in 0..7000 {
+            counts[sample(&logits, 1.0, &mut rng) as usize] += 1;
+        }
+        assert!((counts[2] as f64 / 7000.0 - 4.0 / 7.0).abs() < 0.03, "{counts:?}");
+        assert_eq!(sample(&logits, 0.0, &mut rng), 2);
+    }
+}
