@@ -305,7 +305,7 @@ impl Accelerator {
         let index = self.inner.step.register_model(num_params);
         let model = PreparedModel::new(
             index,
-            self.dp_group(),
+            self.mesh().dp(),
             self.tensor_parallel(),
             self.device(),
             &self.inner.config.ddp,
@@ -761,4 +761,3 @@ mod tests {
         assert!(e.contains("WORLD_SIZE"), "{e}");
     }
 }
-

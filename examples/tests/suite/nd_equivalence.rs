@@ -27,7 +27,8 @@ const RTOL: f64 = 1e-5;
 /// The first 20 000 characters of the shipped text and their vocabulary.
 fn corpus() -> (Vec<u32>, usize) {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../data/shakespeare/shakespeare8.txt");
-    let text: String = std::fs::read_to_string(path).expect("the shipped Shakespeare text").chars().take(20_000).collect();
+    let text: String =
+        std::fs::read_to_string(path).expect("the shipped Shakespeare text").chars().take(20_000).collect();
     let vocab = CharVocab::from_text(&text);
     let ids = vocab.encode(&text).expect("every character is in its own vocabulary");
     // An odd vocabulary (one unused id when the text's is even), so tp 2 and 4 pad the embedding and the head.
@@ -94,16 +95,21 @@ fn run<R: Send + 'static>(
     handles
         .into_iter()
         .enumerate()
-        .map(|(r, h)| h.join().unwrap_or_else(|_| panic!("rank {r} panicked")).unwrap_or_else(|e| panic!("rank {r}: {e:#}")))
+        .map(|(r, h)| {
+            h.join().unwrap_or_else(|_| panic!("rank {r} panicked")).unwrap_or_else(|e| panic!("rank {r}: {e:#}"))
+        })
         .collect()
 }
 
 /// The model and its optimizer on `acc`, from `SEED`.
-fn build(acc: &Accelerator, vocab_size: usize) -> anyhow::Result<(CharGpt, accel::PreparedModel, accel::AcceleratedOptimizer<AdamW>)> {
+fn build(
+    acc: &Accelerator,
+    vocab_size: usize,
+) -> anyhow::Result<(CharGpt, accel::PreparedModel, accel::AcceleratedOptimizer<AdamW>)> {
     let varmap = VarMap::new();
     let gpt = CharGpt::new(model_config(vocab_size), &acc.param_builder(&varmap))?;
     let model = acc.prepare_model(&varmap)?;
-    let opt = acc.prepare_optimizer(&model, AdamW::new(AdamWConfig { lr: 3e-3, ..AdamWConfig::default() }))?;
+    let opt = acc.prepare_optimizer(&model, AdamW::new(AdamWConfig { lr: 3e-3, ..AdamWConfig::default() })?)?;
     Ok((gpt, model, opt))
 }
 
@@ -178,11 +184,17 @@ fn every_layout_matches_the_single_process_losses_and_gradient_norms() {
 }
 
 /// One more step's loss from a model loaded from `dir`'s `model.safetensors`.
-fn next_loss_after_loading(acc: &Accelerator, ids: &[u32], vocab: usize, file: &std::path::Path) -> anyhow::Result<f64> {
+fn next_loss_after_loading(
+    acc: &Accelerator,
+    ids: &[u32],
+    vocab: usize,
+    file: &std::path::Path,
+) -> anyhow::Result<f64> {
     let (gpt, model, _opt) = build(acc, vocab)?;
     model.load_state_dict(&accel::state::load_safetensors(file, acc.device())?)?;
     let micro = micro_batches(acc, ids, STEPS);
-    let local = micro.iter().map(|(x, y)| Ok(gpt.loss(x, y)?.to_scalar::<f32>()? as f64)).sum::<anyhow::Result<f64>>()?;
+    let local =
+        micro.iter().map(|(x, y)| Ok(gpt.loss(x, y)?.to_scalar::<f32>()? as f64)).sum::<anyhow::Result<f64>>()?;
     let mean = acc.reduce(&Tensor::new(local / micro.len() as f64, &Device::Cpu)?, accel::ReduceKind::Mean)?;
     Ok(mean.to_scalar::<f64>()?)
 }
@@ -229,5 +241,30 @@ fn a_tp2_checkpoint_loads_into_one_process_and_into_dp2() {
     for (what, got) in [("one process", one), ("dp2 rank 0", dp2[0]), ("dp2 rank 1", dp2[1])] {
         let rel = (got - next).abs() / next.abs();
         assert!(rel <= RTOL, "{what}: next-step loss {got} vs tp2's {next} (relative {rel:.2e})");
+    }
+}
+
+/// bf16 and fp16 compute (fp32 masters; fp16 with its loss scaler, whose overflow verdict the tp ranks share)
+/// train at tp2 and dp2×tp2 as in one process, within the half-precision tolerance (relative 2e-2: the tp ranks
+/// round partial sums to 16 bits before adding them).
+#[test]
+fn mixed_precision_trains_under_tensor_parallelism_like_one_process() {
+    let (ids, vocab) = corpus();
+    let ids = Arc::new(ids);
+    for mp in [accel::MixedPrecision::Bf16, accel::MixedPrecision::Fp16] {
+        let with_mp = |tp, dp| config(tp, dp, 1).with_mixed_precision(mp);
+        let i = ids.clone();
+        let want = run(1, with_mp(1, 1), move |acc| train(&acc, &i, vocab, 3)).remove(0);
+        for (tp, dp) in [(2, 1), (2, 2)] {
+            let i = ids.clone();
+            let got = run(tp * dp, with_mp(tp, dp), move |acc| train(&acc, &i, vocab, 3));
+            for (rank, t) in got.iter().enumerate() {
+                for (step, (g, w)) in t.losses.iter().zip(&want.losses).enumerate() {
+                    let rel = (g - w).abs() / w.abs();
+                    assert!(rel <= 2e-2, "{mp:?} tp{tp} dp{dp} rank {rank} step {step}: loss {g} vs {w} ({rel:.2e})");
+                }
+                assert!(t.losses[2] < t.losses[0], "{mp:?} tp{tp} dp{dp}: the loss does not go down: {:?}", t.losses);
+            }
+        }
     }
 }
