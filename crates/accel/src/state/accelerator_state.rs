@@ -61,6 +61,15 @@ struct CheckpointMeta {
     gradient_accumulation_steps: usize,
     counters: StepCounters,
     contents: Contents,
+    /// The mesh sizes `[pp, dp_replicate, dp_shard, tp]` of the run that wrote it (absent before tensor
+    /// parallelism existed: pure data parallelism).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    mesh: Option<[usize; 4]>,
+}
+
+fn mesh_sizes(acc: &Accelerator) -> [usize; 4] {
+    let s = acc.mesh().shape();
+    [s.pp, s.dp_replicate, s.dp_shard, s.tp]
 }
 
 /// `random_states_{rank}.json`.
@@ -195,6 +204,17 @@ pub(crate) fn load_state(acc: &Accelerator, dir: Option<&Path>) -> Result<(PathB
                 acc.world_size()
             ),
         ));
+    }
+    let saved_mesh = meta.mesh.unwrap_or([1, meta.world_size, 1, 1]);
+    if saved_mesh != mesh_sizes(acc) {
+        // Weights and optimizer states are full tensors and load into any layout; what is per rank is not.
+        tracing::warn!(
+            "checkpoint {} was written by the layout [pp, dp_replicate, dp_shard, tp] = {saved_mesh:?}, this run \
+             uses {:?}: the model and optimizer load exactly, but data-loader positions and RNG states are per \
+             rank, so the batches after the resume will differ from the original run's",
+            dir.display(),
+            mesh_sizes(acc)
+        );
     }
     if meta.gradient_accumulation_steps != acc.gradient_accumulation_steps() {
         tracing::warn!(
@@ -403,6 +423,7 @@ fn write_shared_files(acc: &Accelerator, dir: &Path, full: FullState) -> Result<
         gradient_accumulation_steps: acc.gradient_accumulation_steps(),
         counters: acc.step_counters(),
         contents: contents(acc),
+        mesh: Some(mesh_sizes(acc)),
     };
     let v = serde_json::to_value(&meta).map_err(|e| AccelError::json("encoding accelerator.json", e))?;
     // Written last: its presence marks the directory as complete.
