@@ -62,6 +62,9 @@ fn to_tensors(rows: &[(Vec<u32>, Vec<u32>)], device: &Device) -> (Tensor, Tensor
 struct Trace {
     losses: Vec<f64>,
     grad_norms: Vec<f64>,
+    /// The bits of every tp-replicated parameter after training (layer norms, position embedding, row-parallel
+    /// biases): tp peers must hold exactly the same values, or they would drift apart.
+    replicated: Vec<u32>,
 }
 
 fn config(tp: usize, dp: usize, ga: usize) -> AcceleratorConfig {
@@ -125,8 +128,8 @@ fn micro_batches(acc: &Accelerator, ids: &[u32], step: usize) -> Vec<(Tensor, Te
 
 /// `STEPS` optimizer steps; every rank returns the trace (the loss averaged over micro-batches and dp ranks).
 fn train(acc: &Accelerator, ids: &[u32], vocab_size: usize, steps: usize) -> anyhow::Result<Trace> {
-    let (gpt, _model, mut opt) = build(acc, vocab_size)?;
-    let mut trace = Trace { losses: Vec::new(), grad_norms: Vec::new() };
+    let (gpt, model, mut opt) = build(acc, vocab_size)?;
+    let mut trace = Trace { losses: Vec::new(), grad_norms: Vec::new(), replicated: Vec::new() };
     for step in 0..steps {
         let micro = micro_batches(acc, ids, step);
         let n = micro.len();
@@ -147,6 +150,11 @@ fn train(acc: &Accelerator, ids: &[u32], vocab_size: usize, steps: usize) -> any
         let mean = acc.reduce(&Tensor::new(loss_sum / n as f64, &Device::Cpu)?, accel::ReduceKind::Mean)?;
         trace.losses.push(mean.to_scalar::<f64>()?);
         trace.grad_norms.push(norm.expect("the window's last micro-batch syncs"));
+    }
+    for (w, layout) in model.master_weights().iter().zip(model.layouts()) {
+        if *layout == accel::ParamLayout::Replicated {
+            trace.replicated.extend(w.flatten_all()?.to_vec1::<f32>()?.into_iter().map(f32::to_bits));
+        }
     }
     Ok(trace)
 }
@@ -179,6 +187,10 @@ fn every_layout_matches_the_single_process_losses_and_gradient_norms() {
             let what = format!("tp{tp} dp{dp} ga{ga} rank {rank}");
             assert_close(&format!("{what} loss"), &t.losses, &want.losses);
             assert_close(&format!("{what} grad norm"), &t.grad_norms, &want.grad_norms);
+            // Same tp group ⇒ same replicated parameters, bit for bit.
+            let peer = &traces[rank - rank % tp];
+            assert!(t.replicated == peer.replicated, "{what}: replicated parameters differ from tp rank 0's");
+            assert!(!t.replicated.is_empty());
         }
     }
 }
