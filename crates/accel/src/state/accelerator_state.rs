@@ -256,7 +256,7 @@ pub(crate) fn load_state(acc: &Accelerator, dir: Option<&Path>) -> Result<(PathB
         let s = stem("optimizer", i);
         let restoring_it = || restoring(&dir.join(format!("{s}.json")), "optimizer state");
         let sd = model.optimizer_state_to_local(StateDict::load(&dir, &s, &device)?).map_err(restoring_it())?;
-        lock(opt).load_state_dict(&sd).map_err(restoring_it())?;
+        lock(opt).load_state_dict(&sd).map_err(AccelError::from).map_err(restoring_it())?;
     }
     match (acc.grad_scaler(), c.scaler) {
         (Some(scaler), true) => {
