@@ -303,6 +303,8 @@ pub mod docs {
     pub struct Guide02Accel;
     #[doc = include_str!("../../docs/guide/03-trainer.md")]
     pub struct Guide03Trainer;
+    #[doc = include_str!("../../docs/guide/04-nd-parallel.md")]
+    pub struct Guide04NdParallel;
     #[doc = include_str!("../../docs/guide/cli.md")]
     pub struct GuideCli;
     #[doc = include_str!("../../docs/ARCHITECTURE.md")]
