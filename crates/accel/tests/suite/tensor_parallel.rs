@@ -543,3 +543,43 @@ fn embedding_mlp_head_cross_entropy_chain_matches_dense() {
         }
     }
 }
+
+/// A vocabulary of 5 over tp 4 pads to 8: rank 3 holds only padding columns (its max is −inf, every target
+/// lookup lands on a −inf column). The losses and gradients stay finite and equal the dense ones; bf16 logits
+/// are computed in f32 and give the same losses as their f32 values.
+#[test]
+fn cross_entropy_with_a_rank_holding_only_padding_and_bf16_logits() {
+    const V: usize = 5;
+    let logits = || (det(&[4, V], 31) * 3.0).unwrap();
+    let targets = || Tensor::from_vec(vec![0u32, 4, 2, 3], 4, &Device::Cpu).unwrap();
+    let out = run_tp(4, move |tp| {
+        let full = logits().pad_with_zeros(1, 0, 8 - V).unwrap();
+        let local = Var::from_tensor(&chunk(&full, 1, tp.rank(), 4)).unwrap();
+        let losses = vocab_parallel_cross_entropy(local.as_tensor(), &targets(), &tp, V).unwrap();
+        let g = losses.sum_all().unwrap().backward().unwrap();
+        let bf16 = local.as_tensor().to_dtype(DType::BF16).unwrap();
+        let losses_bf16 = vocab_parallel_cross_entropy(&bf16, &targets(), &tp, V).unwrap();
+        let as_f32 = bf16.to_dtype(DType::F32).unwrap();
+        let losses_as_f32 = vocab_parallel_cross_entropy(&as_f32, &targets(), &tp, V).unwrap();
+        (vals(&losses), vals(g.get(&local).unwrap()), vals(&losses_bf16), losses_as_f32, losses_bf16.dtype())
+    });
+    let x = Var::from_tensor(&logits()).unwrap();
+    let dense = candle_nn::ops::log_softmax(&x, D::Minus1)
+        .unwrap()
+        .gather(&targets().unsqueeze(1).unwrap(), 1)
+        .unwrap()
+        .squeeze(1)
+        .unwrap()
+        .neg()
+        .unwrap();
+    let g = dense.sum_all().unwrap().backward().unwrap();
+    let g_full = g.get(&x).unwrap().pad_with_zeros(1, 0, 8 - V).unwrap();
+    for (r, (losses, gl, losses_bf16, losses_as_f32, dt)) in out.iter().enumerate() {
+        let what = format!("vocab {V} tp 4 rank {r}");
+        assert!(gl.v.iter().all(|v| v.is_finite()), "{what}: gradient not finite: {:?}", gl.v);
+        assert_close(losses, &dense, &format!("{what}: losses"));
+        assert_close(gl, &chunk(&g_full, 1, r, 4), &format!("{what}: gradient"));
+        assert_eq!(*dt, DType::F32, "{what}: losses are f32 whatever the logits' dtype");
+        assert_close(losses_bf16, losses_as_f32, &format!("{what}: bf16 logits"));
+    }
+}
