@@ -443,3 +443,143 @@ fn errors_name_the_parameter_the_sizes_and_what_would_fit() {
         }
     }
 }
+
+/// A vocabulary head of 65 outputs with `pad_output` and `gather_output`: every rank gets the dense `[.., 65]`
+/// logits (the padding columns cut off) and its chunk of the weight gradient, padding rows zero.
+#[test]
+fn padded_head_with_gather_output_matches_dense() {
+    for tp_size in TPS {
+        let out = run_tp(tp_size, move |tp| {
+            let varmap = VarMap::new();
+            let pb = ParamBuilder::new(&varmap, &tp, SEED, DType::F32, &Device::Cpu);
+            let cfg = ParallelLinearConfig { pad_output: true, gather_output: true, ..linear_cfg(true) };
+            let head = ColumnParallelLinear::new(&pb.pp("head"), IN, VOCAB, cfg).unwrap();
+            set_full(&varmap, &tp, "head.bias", &det(&[VOCAB], 12));
+            let x = Var::from_tensor(&det(&[3, IN], 13)).unwrap();
+            let y = head.forward(x.as_tensor()).unwrap();
+            let g = y.mul(&det(&[3, VOCAB], 14)).unwrap().sum_all().unwrap().backward().unwrap();
+            let gw = g.get(head.weight()).unwrap();
+            let gb = g.get(head.bias().unwrap()).unwrap();
+            (vals(&y), vals(g.get(&x).unwrap()), vals(gw), vals(gb))
+        });
+        let (w, b) = dense_linear("head", IN, VOCAB, 12);
+        let x = Var::from_tensor(&det(&[3, IN], 13)).unwrap();
+        let y = candle_nn::Linear::new(w.as_tensor().clone(), Some(b.as_tensor().clone())).forward(&x).unwrap();
+        let g = y.mul(&det(&[3, VOCAB], 14)).unwrap().sum_all().unwrap().backward().unwrap();
+        let padded = VOCAB.div_ceil(tp_size) * tp_size;
+        let pad = |t: &Tensor| t.pad_with_zeros(0, 0, padded - VOCAB).unwrap();
+        for (r, (yr, gx, gw, gb)) in out.iter().enumerate() {
+            let what = format!("padded head tp {tp_size} rank {r}");
+            assert_close(yr, &y, &format!("{what}: gathered output"));
+            assert_close(gx, g.get(&x).unwrap(), &format!("{what}: input gradient"));
+            assert_close(gw, &chunk(&pad(g.get(&w).unwrap()), 0, r, tp_size), &format!("{what}: weight gradient"));
+            assert_close(gb, &chunk(&pad(g.get(&b).unwrap()), 0, r, tp_size), &format!("{what}: bias gradient"));
+        }
+    }
+}
+
+/// The whole chain a tensor-parallel language model runs: vocab-parallel embedding → column → gelu → row →
+/// padded column-parallel head (no gather) → vocab-parallel cross entropy; the mean loss and every parameter
+/// gradient equal the dense model's (`Embedding`, `Linear`s, `loss::cross_entropy`).
+#[test]
+fn embedding_mlp_head_cross_entropy_chain_matches_dense() {
+    const D_MODEL: usize = 8;
+    const D_FF: usize = 16;
+    let ids = || Tensor::from_vec(vec![5u32, 64, 33, 0, 51, 17, 40, 63], (2, 4), &Device::Cpu).unwrap();
+    let targets = || Tensor::from_vec(vec![64u32, 33, 0, 51, 17, 40, 63, 2], 8, &Device::Cpu).unwrap();
+    let emb_init = ParamInit::Normal { std: 1.0 };
+    for tp_size in TPS {
+        let out = run_tp(tp_size, move |tp| {
+            let varmap = VarMap::new();
+            let pb = ParamBuilder::new(&varmap, &tp, SEED, DType::F32, &Device::Cpu);
+            let wte = VocabParallelEmbedding::new(&pb.pp("wte"), VOCAB, D_MODEL, emb_init).unwrap();
+            let fc = ColumnParallelLinear::new(&pb.pp("fc"), D_MODEL, D_FF, linear_cfg(true)).unwrap();
+            let proj = RowParallelLinear::new(&pb.pp("proj"), D_FF, D_MODEL, linear_cfg(true)).unwrap();
+            let head_cfg = ParallelLinearConfig { pad_output: true, ..linear_cfg(false) };
+            let head = ColumnParallelLinear::new(&pb.pp("head"), D_MODEL, VOCAB, head_cfg).unwrap();
+            set_full(&varmap, &tp, "fc.bias", &det(&[D_FF], 21));
+            set_full(&varmap, &tp, "proj.bias", &det(&[D_MODEL], 22));
+            let h = wte.forward(&ids()).unwrap();
+            let h = (&h + proj.forward(&fc.forward(&h).unwrap().gelu().unwrap()).unwrap()).unwrap();
+            let logits = head.forward(&h).unwrap().flatten_to(1).unwrap();
+            let losses = vocab_parallel_cross_entropy(&logits, &targets(), &tp, VOCAB).unwrap();
+            let loss = losses.mean_all().unwrap();
+            let g = loss.backward().unwrap();
+            let params = [wte.weight(), fc.weight(), fc.bias().unwrap(), proj.weight(), proj.bias().unwrap()];
+            let grads = params.map(|p| vals(g.get(p).unwrap()));
+            (loss.to_scalar::<f32>().unwrap(), grads, vals(g.get(head.weight()).unwrap()))
+        });
+        let pb = dense_builder();
+        let wte = Var::from_tensor(&pb.pp("wte").replicated("weight", (VOCAB, D_MODEL), emb_init).unwrap()).unwrap();
+        let (w1, b1) = dense_linear("fc", D_MODEL, D_FF, 21);
+        let (w2, b2) = dense_linear("proj", D_FF, D_MODEL, 22);
+        let wh = pb.pp("head").replicated("weight", (VOCAB, D_MODEL), ParamInit::Normal { std: 0.5 }).unwrap();
+        let wh = Var::from_tensor(&wh).unwrap();
+        let lin = |w: &Var, b: &Var| candle_nn::Linear::new(w.as_tensor().clone(), Some(b.as_tensor().clone()));
+        let h = candle_nn::Embedding::new(wte.as_tensor().clone(), D_MODEL).forward(&ids()).unwrap();
+        let h = (&h + lin(&w2, &b2).forward(&lin(&w1, &b1).forward(&h).unwrap().gelu().unwrap()).unwrap()).unwrap();
+        let logits = candle_nn::Linear::new(wh.as_tensor().clone(), None).forward(&h).unwrap().flatten_to(1).unwrap();
+        let loss = candle_nn::loss::cross_entropy(&logits, &targets()).unwrap();
+        let g = loss.backward().unwrap();
+        let loss = loss.to_scalar::<f32>().unwrap();
+        let padded = VOCAB.div_ceil(tp_size) * tp_size;
+        let pad = |t: &Tensor| t.pad_with_zeros(0, 0, padded - VOCAB).unwrap();
+        for (r, (loss_r, grads, g_head)) in out.iter().enumerate() {
+            let what = format!("chain tp {tp_size} rank {r}");
+            assert!((loss_r - loss).abs() <= TOL * loss.abs().max(1.0), "{what}: loss {loss_r} vs dense {loss}");
+            let want = [
+                chunk(&pad(g.get(&wte).unwrap()), 0, r, tp_size),
+                chunk(g.get(&w1).unwrap(), 0, r, tp_size),
+                chunk(g.get(&b1).unwrap(), 0, r, tp_size),
+                chunk(g.get(&w2).unwrap(), 1, r, tp_size),
+                g.get(&b2).unwrap().clone(),
+            ];
+            for (name, (got, want)) in
+                ["wte", "fc.weight", "fc.bias", "proj.weight", "proj.bias"].iter().zip(grads.iter().zip(&want))
+            {
+                assert_close(got, want, &format!("{what}: {name} gradient"));
+            }
+            assert_close(g_head, &chunk(&pad(g.get(&wh).unwrap()), 0, r, tp_size), &format!("{what}: head gradient"));
+        }
+    }
+}
+
+/// A vocabulary of 5 over tp 4 pads to 8: rank 3 holds only padding columns (its max is −inf, every target
+/// lookup lands on a −inf column). The losses and gradients stay finite and equal the dense ones; bf16 logits
+/// are computed in f32 and give the same losses as their f32 values.
+#[test]
+fn cross_entropy_with_a_rank_holding_only_padding_and_bf16_logits() {
+    const V: usize = 5;
+    let logits = || (det(&[4, V], 31) * 3.0).unwrap();
+    let targets = || Tensor::from_vec(vec![0u32, 4, 2, 3], 4, &Device::Cpu).unwrap();
+    let out = run_tp(4, move |tp| {
+        let full = logits().pad_with_zeros(1, 0, 8 - V).unwrap();
+        let local = Var::from_tensor(&chunk(&full, 1, tp.rank(), 4)).unwrap();
+        let losses = vocab_parallel_cross_entropy(local.as_tensor(), &targets(), &tp, V).unwrap();
+        let g = losses.sum_all().unwrap().backward().unwrap();
+        let bf16 = local.as_tensor().to_dtype(DType::BF16).unwrap();
+        let losses_bf16 = vocab_parallel_cross_entropy(&bf16, &targets(), &tp, V).unwrap();
+        let as_f32 = bf16.to_dtype(DType::F32).unwrap();
+        let losses_as_f32 = vocab_parallel_cross_entropy(&as_f32, &targets(), &tp, V).unwrap();
+        (vals(&losses), vals(g.get(&local).unwrap()), vals(&losses_bf16), losses_as_f32, losses_bf16.dtype())
+    });
+    let x = Var::from_tensor(&logits()).unwrap();
+    let dense = candle_nn::ops::log_softmax(&x, D::Minus1)
+        .unwrap()
+        .gather(&targets().unsqueeze(1).unwrap(), 1)
+        .unwrap()
+        .squeeze(1)
+        .unwrap()
+        .neg()
+        .unwrap();
+    let g = dense.sum_all().unwrap().backward().unwrap();
+    let g_full = g.get(&x).unwrap().pad_with_zeros(1, 0, 8 - V).unwrap();
+    for (r, (losses, gl, losses_bf16, losses_as_f32, dt)) in out.iter().enumerate() {
+        let what = format!("vocab {V} tp 4 rank {r}");
+        assert!(gl.v.iter().all(|v| v.is_finite()), "{what}: gradient not finite: {:?}", gl.v);
+        assert_close(losses, &dense, &format!("{what}: losses"));
+        assert_close(gl, &chunk(&g_full, 1, r, 4), &format!("{what}: gradient"));
+        assert_eq!(*dt, DType::F32, "{what}: losses are f32 whatever the logits' dtype");
+        assert_close(losses_bf16, losses_as_f32, &format!("{what}: bf16 logits"));
+    }
+}
