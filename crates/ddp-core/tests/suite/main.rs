@@ -9,6 +9,7 @@ mod ddp;
 mod env;
 mod fault;
 mod launcher;
+mod mesh;
 mod multiprocess;
 mod nccl_unavailable;
 mod sampler;
