@@ -10,6 +10,7 @@ mod env;
 mod fault;
 mod functional;
 mod launcher;
+mod mesh;
 mod multiprocess;
 mod nccl_unavailable;
 mod sampler;
