@@ -11,6 +11,7 @@ mod fault;
 mod launcher;
 mod multiprocess;
 mod nccl_unavailable;
+mod optim;
 mod sampler;
 mod store;
 mod subgroups;
