@@ -13,6 +13,7 @@ mod launcher;
 mod mesh;
 mod multiprocess;
 mod nccl_unavailable;
+mod optim;
 mod sampler;
 mod store;
 mod subgroups;
