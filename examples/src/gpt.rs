@@ -29,7 +29,7 @@ use accel::tensor_parallel::{
     RowParallelLinear, TensorParallel, VocabParallelEmbedding,
 };
 use accel::{AccelError, Result};
-use candle_core::{DType, Device, IndexOp, Tensor};
+use candle_core::{DType, Device, IndexOp, Tensor, D};
 use rand::Rng;
 
 /// The sizes of a [`CharGpt`].
@@ -193,7 +193,8 @@ impl Attention {
         let k = heads(self.k.forward_copied(&x)?)?;
         let v = heads(self.v.forward_copied(&x)?)?;
         let scores = (q.matmul(&k.t()?)? * (1.0 / (self.head_dim as f64).sqrt()))?;
-        let att = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(mask)?)?;
+        // candle-nn's fused `softmax_last_dim` has no backward; `softmax` is built from differentiable ops.
+        let att = candle_nn::ops::softmax(&scores.broadcast_add(mask)?, D::Minus1)?;
         let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, s, self.local_heads * self.head_dim))?;
         self.c_proj.forward(&y)
     }

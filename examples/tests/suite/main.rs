@@ -2,3 +2,4 @@
 
 mod bad_inputs;
 mod ddp_mnist;
+mod gpt_tp;
