@@ -72,7 +72,11 @@ impl GptConfig {
     /// The tensor-parallel sizes this model can be split over: the common divisors of `n_head`, `d_model` and
     /// `d_ff` (the vocabulary is padded, so it does not constrain tp).
     pub fn fitting_tp_sizes(&self) -> Vec<usize> {
-        (1..=self.n_head).filter(|t| self.n_head % t == 0 && self.d_model % t == 0 && self.d_ff % t == 0).collect()
+        (1..=self.n_head)
+            .filter(|t| {
+                self.n_head.is_multiple_of(*t) && self.d_model.is_multiple_of(*t) && self.d_ff.is_multiple_of(*t)
+            })
+            .collect()
     }
 
     /// Checks the sizes, and that a tensor-parallel group of `tp_size` ranks can split the model.
@@ -91,8 +95,8 @@ impl GptConfig {
         if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
             return Err(config_error(name, 0, "must be at least 1".into()));
         }
-        if self.d_model % self.n_head != 0 {
-            let heads: Vec<usize> = (1..=self.d_model).filter(|h| self.d_model % h == 0).collect();
+        if !self.d_model.is_multiple_of(self.n_head) {
+            let heads: Vec<usize> = (1..=self.d_model).filter(|h| self.d_model.is_multiple_of(*h)).collect();
             return Err(config_error(
                 "n_head",
                 self.n_head,
@@ -107,7 +111,7 @@ impl GptConfig {
         if tp_size == 0 || !fits.contains(&tp_size) {
             let mut wrong = Vec::new();
             for (name, v) in [("n_head", self.n_head), ("d_model", self.d_model), ("d_ff", self.d_ff)] {
-                if tp_size == 0 || v % tp_size != 0 {
+                if tp_size == 0 || !v.is_multiple_of(tp_size) {
                     wrong.push(format!("{name} = {v}"));
                 }
             }

@@ -154,3 +154,125 @@ fn generation_agrees_across_tp_ranks() {
         assert_eq!(h.join().unwrap(), single);
     }
 }
+
+/// Runs an example binary (a fresh launch: RANK unset); returns stdout + stderr after asserting success.
+fn run_example(bin: &str, args: &[&str]) -> String {
+    let out = std::process::Command::new(bin)
+        .args(args)
+        .env_remove("RANK")
+        .env_remove("PARALLELISM_CONFIG_TP_SIZE")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("running the example");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{bin} {args:?} failed ({}):\n{text}", out.status);
+    text
+}
+
+/// The `step N/M: loss X` values rank 0 printed, in order.
+fn logged_losses(text: &str) -> Vec<String> {
+    text.lines()
+        .filter(|l| !l.starts_with("[rank 1]") && !l.starts_with("[rank 2]") && !l.starts_with("[rank 3]"))
+        .filter_map(|l| l.split(": loss ").nth(1))
+        .map(|rest| rest.split(',').next().unwrap().to_string())
+        .collect()
+}
+
+/// A small accel_gpt run: the same command at 1 process and at tp2 prints the same losses (4 decimals) and a
+/// sample; tp2 reports both ranks' peak RSS.
+#[test]
+fn accel_gpt_tp2_prints_the_single_process_losses() {
+    let small = [
+        "--steps",
+        "4",
+        "--log-every",
+        "2",
+        "--batch-size",
+        "4",
+        "--block-size",
+        "16",
+        "--d-model",
+        "32",
+        "--n-layer",
+        "1",
+        "--d-ff",
+        "64",
+        "--sample-len",
+        "20",
+        "--lr",
+        "1e-2",
+    ];
+    let bin = env!("CARGO_BIN_EXE_accel_gpt");
+    let single = run_example(bin, &[&["--nproc", "1"], &small[..]].concat());
+    let tp2 = run_example(bin, &[&["--nproc", "2", "--tp-size", "2"], &small[..]].concat());
+    let (a, b) = (logged_losses(&single), logged_losses(&tp2));
+    assert_eq!(a.len(), 2, "two logged steps:\n{single}");
+    assert_eq!(a, b, "1 process:\n{single}\ntp2:\n{tp2}");
+    assert!(tp2.contains("dp 1 × tp 2"), "{tp2}");
+    for r in 0..2 {
+        assert!(tp2.contains(&format!("rank {r} (dp 0 tp {r}): peak RSS")), "rank {r}'s RSS:\n{tp2}");
+    }
+    assert!(single.contains("sample (temperature 0.8):\nHAMLET:\n"), "{single}");
+}
+
+/// Layouts the model or the process count cannot take are refused before any worker starts, naming what fits.
+#[test]
+fn gpt_examples_refuse_tp_sizes_that_do_not_fit() {
+    for bin in [env!("CARGO_BIN_EXE_accel_gpt"), env!("CARGO_BIN_EXE_train_gpt")] {
+        let out = std::process::Command::new(bin)
+            .args(["--nproc", "4", "--tp-size", "3"])
+            .env_remove("RANK")
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(!out.status.success() && text.contains("--tp-size 3 must divide --nproc 4"), "{bin}:\n{text}");
+        let out = std::process::Command::new(bin)
+            .args(["--nproc", "3", "--tp-size", "3"])
+            .env_remove("RANK")
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(!out.status.success(), "{bin}:\n{text}");
+        assert!(text.contains("3 does not divide n_head = 4") && text.contains("[1, 2, 4]"), "{bin}:\n{text}");
+    }
+}
+
+/// The Trainer-level example at tp2: trains, evaluates the loss (no metrics over sharded outputs) and samples.
+#[test]
+fn train_gpt_runs_at_tp2() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("run");
+    let text = run_example(
+        env!("CARGO_BIN_EXE_train_gpt"),
+        &[
+            "--nproc",
+            "2",
+            "--tp-size",
+            "2",
+            "--block-size",
+            "16",
+            "--max-steps",
+            "4",
+            "--logging-steps",
+            "2",
+            "--eval-steps",
+            "4",
+            "--per-device-train-batch-size",
+            "4",
+            "--per-device-eval-batch-size",
+            "256",
+            "--sample-len",
+            "10",
+            "--report-to",
+            "none",
+            "--save-plots",
+            "false",
+            "--disable-tqdm",
+            "true",
+            "--output-dir",
+            out_dir.to_str().unwrap(),
+        ],
+    );
+    assert!(text.contains("validation loss"), "{text}");
+    assert!(text.contains("sample (temperature 0.8)"), "{text}");
+}
