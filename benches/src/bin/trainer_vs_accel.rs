@@ -126,7 +126,7 @@ fn main() -> anyhow::Result<()> {
         Trainer::new(args, Mlp::new, data, None, losses::CrossEntropy).process_group(pg.clone()).callback(interleave);
     t.train()?;
     // Same initial weights, data order and arithmetic: the two loops should end with the same parameters.
-    let (ours, theirs) = (t.prepared_model().expect("trained").state_dict(), accel_model.state_dict());
+    let (ours, theirs) = (t.prepared_model().expect("trained").state_dict()?, accel_model.state_dict()?);
     let mut max_diff = 0f32;
     for (name, w) in &ours {
         let d = (w - &theirs[name])?.abs()?.max_all()?.to_scalar::<f32>()?;

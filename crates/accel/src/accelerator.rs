@@ -23,11 +23,12 @@ use crate::mixed_precision::{GradScaler, GradScalerConfig};
 use crate::optim::{AcceleratedOptimizer, Optimizer};
 use crate::state::SharedStateful;
 use crate::step::{StepController, StepCounters};
+use crate::tensor_parallel::{ParamBuilder, TensorParallel};
 use crate::tracking::{TrackerKind, Trackers};
-use crate::{lock, AccelError, AcceleratorConfig, MixedPrecision, Result};
+use crate::{lock, AccelError, AcceleratorConfig, MixedPrecision, ParallelismConfig, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use ddp_core::ProcessGroup;
+use ddp_core::{DeviceMesh, ProcessGroup};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use std::path::{Path, PathBuf};
@@ -43,6 +44,12 @@ pub struct Accelerator {
 struct Inner {
     config: AcceleratorConfig,
     pg: ProcessGroup,
+    /// `config.parallelism` resolved for this job's world size (every size 1 → dp_replicate = world size).
+    parallelism: ParallelismConfig,
+    /// The ranks laid out as `[pp, dp_replicate, dp_shard, tp]`, with a group per dimension.
+    mesh: DeviceMesh,
+    /// Tensor parallelism over the mesh's tp group (and the layouts of the parameters built through it).
+    tp: TensorParallel,
     device: Device,
     /// The accumulation window, sync decision, gradient buffers, fp16 scaler and step counters.
     step: StepController,
@@ -58,7 +65,8 @@ struct Inner {
 #[derive(Default)]
 pub(crate) struct Prepared {
     pub(crate) models: Vec<PreparedModel>,
-    pub(crate) optimizers: Vec<Arc<Mutex<dyn Optimizer>>>,
+    /// Each optimizer with the model whose parameters it steps (its state is laid out like that model's).
+    pub(crate) optimizers: Vec<(Arc<Mutex<dyn Optimizer>>, PreparedModel)>,
     pub(crate) data_loaders: Vec<LoaderStateHandle>,
     pub(crate) schedulers: Vec<SharedStateful>,
     pub(crate) custom: Vec<SharedStateful>,
@@ -85,6 +93,7 @@ impl std::fmt::Debug for Accelerator {
             .field("device", &self.device())
             .field("mixed_precision", &self.mixed_precision())
             .field("gradient_accumulation_steps", &self.inner.config.gradient_accumulation_steps)
+            .field("mesh", &self.inner.mesh.shape())
             .finish()
     }
 }
@@ -112,9 +121,20 @@ impl Accelerator {
     }
 
     /// An Accelerator over an existing process group (tests run ranks as threads this way).
+    ///
+    /// Lays `pg`'s ranks out as the [`DeviceMesh`] of `cfg.parallelism` (collective over `pg`: one group per
+    /// mesh dimension). Errors: the config's ([`AcceleratorConfig::validate`]), sizes whose product is not the
+    /// world size ([`ParallelismConfig::resolve`]), pp or dp_shard > 1 (not trainable yet:
+    /// [`ParallelismConfig::check_accelerator_support`]), the device, backend failures building the mesh.
     pub fn with_process_group(cfg: AcceleratorConfig, pg: ProcessGroup) -> Result<Self> {
         cfg.validate()?;
+        // Every rank has the same config, so these errors are raised by all ranks before any collective.
+        let parallelism = cfg.parallelism.resolve(pg.world_size())?;
+        parallelism.check_accelerator_support()?;
+        let shape = parallelism.mesh_shape(pg.world_size())?;
         let device = pick_device(&cfg, pg.local_rank())?;
+        let mesh = DeviceMesh::new(&pg, shape)?;
+        let tp = TensorParallel::new(mesh.tp().clone());
         let scaler = match cfg.mixed_precision {
             MixedPrecision::Fp16 => Some(GradScaler::new(GradScalerConfig::default())?),
             _ => None,
@@ -125,6 +145,9 @@ impl Accelerator {
                 step: StepController::new(cfg.gradient_accumulation_steps, scaler),
                 config: cfg,
                 pg,
+                parallelism,
+                mesh,
+                tp,
                 device,
                 prepared: Mutex::new(Prepared::default()),
                 trackers: Mutex::new(Trackers::default()),
@@ -141,42 +164,82 @@ impl Accelerator {
     pub fn device(&self) -> &Device {
         &self.inner.device
     }
+
     /// Global rank of this process, `0..world_size`.
     pub fn rank(&self) -> usize {
         self.inner.pg.rank()
     }
+
     /// Rank on this machine.
     pub fn local_rank(&self) -> usize {
         self.inner.pg.local_rank()
     }
+
     /// Number of processes in the job.
     pub fn world_size(&self) -> usize {
         self.inner.pg.world_size()
     }
+
     /// Whether this is rank 0 of the job (the one that prints, logs and writes shared files).
     pub fn is_main_process(&self) -> bool {
         self.rank() == 0
     }
+
     /// Whether this is local rank 0 on its machine.
     pub fn is_local_main_process(&self) -> bool {
         self.local_rank() == 0
     }
-    /// The process group (for level-1 collectives when the user needs them).
+
+    /// The process group of the whole job, all `world_size` ranks (for level-1 collectives when the user needs
+    /// them; the mesh's groups are in [`Accelerator::mesh`]).
     pub fn process_group(&self) -> &ProcessGroup {
         &self.inner.pg
     }
+
+    /// The device mesh: the job's ranks laid out as `[pp, dp_replicate, dp_shard, tp]` (tp innermost) from
+    /// [`AcceleratorConfig::parallelism`], with this rank's coordinates and a process group per dimension
+    /// (`mesh().tp()`, `mesh().dp()`, ...). Under pure data parallelism: `[1, world_size, 1, 1]`.
+    pub fn mesh(&self) -> &DeviceMesh {
+        &self.inner.mesh
+    }
+
+    /// The parallel sizes this Accelerator runs with: the config's, resolved for the world size (every size 1
+    /// becomes dp_replicate = world size, as Accelerate).
+    pub fn parallelism_config(&self) -> &ParallelismConfig {
+        &self.inner.parallelism
+    }
+
+    /// Tensor parallelism over the mesh's tp group (a one-rank group when tp_size is 1): build tensor-parallel
+    /// layers with it, or through [`Accelerator::param_builder`].
+    pub fn tensor_parallel(&self) -> &TensorParallel {
+        &self.inner.tp
+    }
+
+    /// This rank's index among the data-parallel ranks (`mesh().dp()`): what data loaders shard by.
+    pub fn data_parallel_rank(&self) -> usize {
+        self.inner.mesh.dp().rank()
+    }
+
+    /// The number of data-parallel ranks (dp_replicate × dp_shard): `world_size / (tp × pp)`.
+    pub fn data_parallel_size(&self) -> usize {
+        self.inner.mesh.dp().world_size()
+    }
+
     /// The configuration this Accelerator was built with.
     pub fn config(&self) -> &AcceleratorConfig {
         &self.inner.config
     }
+
     /// The compute precision.
     pub fn mixed_precision(&self) -> MixedPrecision {
         self.inner.config.mixed_precision
     }
+
     /// The dtype model `Var`s and activations use: F32, F16 or BF16.
     pub fn compute_dtype(&self) -> DType {
         self.inner.config.mixed_precision.compute_dtype()
     }
+
     /// Micro-batches per optimizer step.
     pub fn gradient_accumulation_steps(&self) -> usize {
         self.inner.config.gradient_accumulation_steps
@@ -186,6 +249,15 @@ impl Accelerator {
     /// build the model with it, then call [`Accelerator::prepare_model`].
     pub fn var_builder(&self, varmap: &VarMap) -> VarBuilder<'static> {
         VarBuilder::from_varmap(varmap, self.compute_dtype(), self.device())
+    }
+
+    /// A [`ParamBuilder`] over `varmap` for tensor-parallel models: parameters drawn on the full model from the
+    /// config's seed (0 without one), in the compute dtype on the Accelerator's device, each rank keeping its
+    /// slice of [`Accelerator::tensor_parallel`]. Build the model with it, then call
+    /// [`Accelerator::prepare_model`].
+    pub fn param_builder(&self, varmap: &VarMap) -> ParamBuilder {
+        let seed = self.inner.config.seed.unwrap_or(0);
+        ParamBuilder::new(varmap, &self.inner.tp, seed, self.compute_dtype(), self.device())
     }
 
     /// Seeds the Accelerator's RNG ([`Accelerator::rng`]) and the device RNG (CUDA; candle's CPU RNG cannot be
@@ -231,7 +303,14 @@ impl Accelerator {
         };
         // The model's gradient slots live with the step owner, under the model's index.
         let index = self.inner.step.register_model(num_params);
-        let model = PreparedModel::new(index, &self.inner.pg, self.device(), &self.inner.config.ddp, varmap)?;
+        let model = PreparedModel::new(
+            index,
+            self.mesh().dp(),
+            self.tensor_parallel(),
+            self.device(),
+            &self.inner.config.ddp,
+            varmap,
+        )?;
         lock(&self.inner.prepared).models.push(model.clone());
         Ok(model)
     }
@@ -240,16 +319,19 @@ impl Accelerator {
     /// steps, with fp16 unscaling and overflow skipping. Its state is saved by `save_state`.
     pub fn prepare_optimizer<O: Optimizer>(&self, model: &PreparedModel, opt: O) -> Result<AcceleratedOptimizer<O>> {
         let opt = Arc::new(Mutex::new(opt));
-        lock(&self.inner.prepared).optimizers.push(opt.clone() as Arc<Mutex<dyn Optimizer>>);
+        lock(&self.inner.prepared).optimizers.push((opt.clone() as Arc<Mutex<dyn Optimizer>>, model.clone()));
         Ok(AcceleratedOptimizer::new(self.clone(), model.clone(), opt))
     }
 
-    /// Prepares a data loader for this process: shards it for `rank` of `world_size` (Accelerate's rules, with
-    /// the Accelerator's `split_batches` and `even_batches`), moves its batches to the Accelerator's device, and
-    /// makes it report each batch it yields to the training step (last batch of the epoch → gradients sync;
-    /// padding rows → trimmed by `gather_for_metrics`). Its position is saved by `save_state`.
+    /// Prepares a data loader for this process: shards it for the data-parallel rank of the data-parallel size
+    /// ([`Accelerator::data_parallel_rank`] of [`Accelerator::data_parallel_size`]; the world under pure data
+    /// parallelism), so tensor-parallel (and pipeline) peers get the same batches, as they must (accelerate#3092).
+    /// Accelerate's rules, with the Accelerator's `split_batches` and `even_batches`. Moves its batches to the
+    /// Accelerator's device, and makes it report each batch it yields to the training step (last batch of the
+    /// epoch → gradients sync; padding rows → trimmed by `gather_for_metrics`). Its position is saved by
+    /// `save_state`.
     ///
-    /// Errors: batch size 0, or with `split_batches` a batch size not divisible by the world size.
+    /// Errors: batch size 0, or with `split_batches` a batch size not divisible by the data-parallel size.
     pub fn prepare_data_loader<D: Dataset>(&self, loader: DataLoader<D>) -> Result<DataLoader<D>> {
         let loader = self.shard_loader(loader)?;
         lock(&self.inner.prepared).data_loaders.push(loader.state_handle());
@@ -335,17 +417,20 @@ impl Accelerator {
     /// Clips the synced gradients of all prepared models so their global L2 norm is at most `max_norm`
     /// (`torch.nn.utils.clip_grad_norm_`: coefficient `max_norm / (norm + 1e-6)` when below 1). Under fp16 the
     /// gradients are unscaled first (once per optimizer step). Returns the total norm before clipping (inf or
-    /// NaN when an fp16 step overflowed — that step will be skipped and nothing is clipped).
+    /// NaN when an fp16 step overflowed — that step will be skipped and nothing is clipped). Under tensor
+    /// parallelism every parameter counts once: the squares of tp shards are summed over the tp group
+    /// (collective), replicated parameters are not counted once per tp rank (Megatron-LM's
+    /// `param_is_not_tensor_parallel_duplicate`); the norm is the single-process model's.
     ///
     /// Outside a sync step (inside an accumulation window, or in `no_sync`) it does nothing and returns `None`:
     /// call it after the `backward` that syncs, as Accelerate's examples do under `if accelerator.sync_gradients`.
     /// Errors: no prepared model.
     pub fn clip_grad_norm(&self, max_norm: f64) -> Result<Option<f64>> {
-        self.require_models("clip_grad_norm")?;
+        let models = self.require_models("clip_grad_norm")?;
         if max_norm.is_nan() || max_norm < 0.0 {
             return Err(AccelError::InvalidArgument(format!("clip_grad_norm: max_norm must be ≥ 0, got {max_norm}")));
         }
-        self.inner.step.clip_grad_norm(max_norm)
+        self.inner.step.clip_grad_norm(&models, max_norm)
     }
 
     /// Clamps every synced gradient element into `[-clip_value, clip_value]` (`torch.nn.utils.clip_grad_value_`),
@@ -357,8 +442,8 @@ impl Accelerator {
                 "clip_grad_value: clip_value must be ≥ 0, got {clip_value}"
             )));
         }
-        self.require_models("clip_grad_value")?;
-        self.inner.step.clip_grad_value(clip_value)
+        let models = self.require_models("clip_grad_value")?;
+        self.inner.step.clip_grad_value(&models, clip_value)
     }
 
     /// `model`'s current fp32 gradients (one slot per parameter, [`PreparedModel::names`] order; `None` where no
@@ -399,32 +484,42 @@ impl Accelerator {
 }
 
 // ==== Collectives =====================================================================================================
+// `gather`, `gather_for_metrics`, `reduce` and `pad_across_processes` work over the data-parallel group
+// (`mesh().dp()`): the ranks that saw different data. Tensor-parallel (and pipeline) peers saw the same batch and
+// hold the same per-sample results, so gathering over the world would repeat every row tp × pp times. Under pure
+// data parallelism the dp group is the world and nothing changes. Every rank still calls them (each dp group runs
+// its own collective). `broadcast` stays over the world (its root is a global rank).
 impl Accelerator {
-    /// Concatenates every rank's `t` along dim 0, in rank order (`[n_r, ..] → [Σ n_r, ..]`; a scalar counts as
-    /// `[1]`). Ranks may hold different numbers of rows; the other dims and the dtype must agree. Collective.
+    /// Concatenates every data-parallel rank's `t` along dim 0, in dp-rank order (`[n_r, ..] → [Σ n_r, ..]`; a
+    /// scalar counts as `[1]`). Ranks may hold different numbers of rows; the other dims and the dtype must agree.
+    /// Collective over the dp group (`mesh().dp()`, the world under pure data parallelism): tp peers, which saw
+    /// the same batch, are not repeated.
     pub fn gather(&self, t: &Tensor) -> Result<Tensor> {
-        collectives::gather(&self.inner.pg, t, 0)
+        collectives::gather(self.inner.mesh.dp(), t, 0)
     }
 
     /// Like [`Accelerator::gather`] for evaluation: drops the rows that `even_batches` duplicated to fill the last
     /// batch (as reported by the prepared data loader), so over an epoch exactly `len(dataset)` rows come back.
+    /// Over the dp group, like `gather`.
     pub fn gather_for_metrics(&self, t: &Tensor) -> Result<Tensor> {
-        collectives::gather(&self.inner.pg, t, self.inner.step.padding_in_batch())
+        collectives::gather(self.inner.mesh.dp(), t, self.inner.step.padding_in_batch())
     }
 
-    /// Reduces `t` element-wise over ranks; every rank gets the result (same shape and dtype). Collective.
+    /// Reduces `t` element-wise over the data-parallel ranks (`mesh().dp()`, the world under pure data
+    /// parallelism); every rank gets the result (same shape and dtype). Collective.
     pub fn reduce(&self, t: &Tensor, op: ReduceKind) -> Result<Tensor> {
-        collectives::reduce(&self.inner.pg, t, op)
+        collectives::reduce(self.inner.mesh.dp(), t, op)
     }
 
-    /// Pads `t` along `dim` with `pad_value` to the largest size any rank has there (at the end, or at the start
-    /// with `pad_first`), so tensors of different lengths can be gathered. Every rank must pass the same rank of
-    /// tensor. Collective.
+    /// Pads `t` along `dim` with `pad_value` to the largest size any data-parallel rank has there (at the end,
+    /// or at the start with `pad_first`), so tensors of different lengths can be gathered. Every rank must pass
+    /// the same rank of tensor. Collective over the dp group, like `gather`.
     pub fn pad_across_processes(&self, t: &Tensor, dim: usize, pad_value: f64, pad_first: bool) -> Result<Tensor> {
-        collectives::pad_across_processes(&self.inner.pg, t, dim, pad_value, pad_first)
+        collectives::pad_across_processes(self.inner.mesh.dp(), t, dim, pad_value, pad_first)
     }
 
-    /// Every rank gets `root`'s `t` (all ranks pass tensors of the same shape and dtype). Collective.
+    /// Every rank of the job gets `root`'s `t` (all ranks pass tensors of the same shape and dtype; `root` is a
+    /// global rank). Collective over the world.
     pub fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         collectives::broadcast(&self.inner.pg, t, root)
     }
@@ -594,7 +689,7 @@ impl Accelerator {
                     inner.step.note_batch(b);
                 }
             }))
-            .with_sharding(self.rank(), self.world_size())
+            .with_sharding(self.data_parallel_rank(), self.data_parallel_size())
     }
 
     /// The prepared models; errors unless `prepare_model` was called (backward, clipping).

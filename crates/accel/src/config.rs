@@ -5,7 +5,7 @@
 //! same variable names as Python Accelerate's launcher (`ACCELERATE_MIXED_PRECISION`, ...), so a program that calls
 //! [`AcceleratorConfig::from_env`] runs unchanged on one CPU or under a launcher.
 
-use crate::{AccelError, Result};
+use crate::{AccelError, ParallelismConfig, Result};
 use candle_core::DType;
 use std::fmt;
 use std::path::PathBuf;
@@ -164,6 +164,9 @@ pub struct AcceleratorConfig {
     pub total_limit: Option<usize>,
     /// Options of the DDP wrapper (bucket sizes, unused parameters, initial broadcast).
     pub ddp: ddp_core::DdpOptions,
+    /// The parallel sizes (default every size 1: data parallelism over all processes). The Accelerator lays its
+    /// [`ddp_core::DeviceMesh`] out from them; see [`ParallelismConfig`].
+    pub parallelism: ParallelismConfig,
 }
 
 impl Default for AcceleratorConfig {
@@ -179,14 +182,16 @@ impl Default for AcceleratorConfig {
             automatic_checkpoint_naming: false,
             total_limit: None,
             ddp: ddp_core::DdpOptions::default(),
+            parallelism: ParallelismConfig::default(),
         }
     }
 }
 
 impl AcceleratorConfig {
     /// Defaults overridden by the variables `accel launch` sets (`ACCELERATE_MIXED_PRECISION`,
-    /// `ACCELERATE_GRADIENT_ACCUMULATION_STEPS`, `ACCELERATE_USE_CPU`, `ACCELERATE_SEED`). A malformed value is an
-    /// error naming the variable and the accepted values.
+    /// `ACCELERATE_GRADIENT_ACCUMULATION_STEPS`, `ACCELERATE_USE_CPU`, `ACCELERATE_SEED`, and the
+    /// `PARALLELISM_CONFIG_{DP_REPLICATE,DP_SHARD,TP,CP,PP}_SIZE` sizes). A malformed value is an error naming the
+    /// variable and the accepted values.
     pub fn from_env() -> Result<Self> {
         Self::from_lookup(|k| std::env::var(k).ok())
     }
@@ -227,12 +232,15 @@ impl AcceleratorConfig {
                 reason: "expected an unsigned 64-bit integer".into(),
             })?);
         }
+        self.parallelism = self.parallelism.with_overrides_from(&get)?;
         Ok(self)
     }
 
     /// Checks the values that cannot work (gradient accumulation 0, total_limit 0, automatic naming without a
-    /// project_dir).
+    /// project_dir, a parallel size of 0, context parallelism). The parallel sizes' product is checked against
+    /// the world size when the Accelerator is built ([`ParallelismConfig::resolve`]).
     pub fn validate(&self) -> Result<()> {
+        self.parallelism.validate_sizes()?;
         if self.gradient_accumulation_steps == 0 {
             return Err(AccelError::Config {
                 key: "gradient_accumulation_steps".into(),
@@ -272,6 +280,12 @@ impl AcceleratorConfig {
     /// Builder: sets the seed.
     pub fn with_seed(mut self, seed: u64) -> Self {
         self.seed = Some(seed);
+        self
+    }
+
+    /// Builder: sets the parallel sizes.
+    pub fn with_parallelism(mut self, parallelism: ParallelismConfig) -> Self {
+        self.parallelism = parallelism;
         self
     }
 
@@ -330,6 +344,29 @@ mod tests {
         let cfg = AcceleratorConfig::from_lookup(lookup(&[])).unwrap();
         assert_eq!(cfg.mixed_precision, MixedPrecision::No);
         assert_eq!(cfg.gradient_accumulation_steps, 1);
+        assert_eq!(cfg.parallelism, ParallelismConfig::default());
+    }
+
+    #[test]
+    fn parallelism_comes_from_accelerates_variables() {
+        let cfg = AcceleratorConfig::from_lookup(lookup(&[
+            ("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "2"),
+            ("PARALLELISM_CONFIG_TP_SIZE", "2"),
+            ("PARALLELISM_CONFIG_PP_SIZE", "1"),
+        ]))
+        .unwrap();
+        assert_eq!(cfg.parallelism, ParallelismConfig::data_parallel(2).with_tp_size(2));
+        // Overrides keep what code set unless the variable is there.
+        let cfg = AcceleratorConfig::default()
+            .with_parallelism(ParallelismConfig::default().with_tp_size(4))
+            .with_overrides_from(lookup(&[("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "2")]))
+            .unwrap();
+        assert_eq!((cfg.parallelism.tp_size, cfg.parallelism.dp_replicate_size), (4, 2));
+        let e = AcceleratorConfig::from_lookup(lookup(&[("PARALLELISM_CONFIG_PP_SIZE", "x")])).unwrap_err();
+        assert!(e.to_string().starts_with("invalid configuration PARALLELISM_CONFIG_PP_SIZE = \"x\""), "{e}");
+        let cfg = AcceleratorConfig { parallelism: ParallelismConfig::default().with_cp_size(2), ..Default::default() };
+        let e = cfg.validate().unwrap_err().to_string();
+        assert!(e.contains("context parallelism is not implemented yet; set cp_size to 1"), "{e}");
     }
 
     #[test]

@@ -11,9 +11,11 @@ pub type Result<T> = std::result::Result<T, AccelError>;
 /// Errors raised by the Accelerator, its optimizers, data loaders, checkpoint state, trackers and the CLI.
 #[derive(Debug, thiserror::Error)]
 pub enum AccelError {
-    /// A distributed operation failed (store, collective, DDP check); see the wrapped error for rank and op.
+    /// A distributed operation failed (store, collective, DDP check) or an optimizer rejected its input; see the
+    /// wrapped error for rank and op. (ddp-core's configuration, checkpoint and JSON errors become the variants of
+    /// the same name here instead, see the `From` impl.)
     #[error(transparent)]
-    Ddp(#[from] ddp_core::DdpError),
+    Ddp(ddp_core::DdpError),
 
     /// An error from candle (shape mismatch, dtype, device, ...).
     #[error(transparent)]
@@ -70,6 +72,21 @@ pub enum AccelError {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// ddp-core's errors arrive as [`AccelError::Ddp`], except those of the optimizers' saved state and settings
+/// (which lived in this crate before they moved to ddp-core): `Config`, `Checkpoint` and `Json` keep their
+/// `AccelError` variant of the same name, so matching on them sees one variant whichever crate raised it.
+impl From<ddp_core::DdpError> for AccelError {
+    fn from(e: ddp_core::DdpError) -> Self {
+        use ddp_core::DdpError as D;
+        match e {
+            D::Config { key, value, reason } => AccelError::Config { key, value, reason },
+            D::Checkpoint { path, reason } => AccelError::Checkpoint { path, reason },
+            D::Json { context, source } => AccelError::Json { context, source },
+            e => AccelError::Ddp(e),
+        }
+    }
 }
 
 impl AccelError {

@@ -26,7 +26,7 @@
 //! ```
 //!
 //! Modules: [`Accelerator`] (prepare, backward, accumulation, clipping, collectives, process control),
-//! [`config`], [`optim`] (SGD, AdamW with saveable state), [`mixed_precision`] (fp16 loss scaling), `data`
+//! [`config`], [`parallelism`] (the dp / tp / pp sizes and the device mesh they give), [`optim`] (SGD, AdamW with saveable state), [`mixed_precision`] (fp16 loss scaling), `data`
 //! (datasets, sharded loaders), `state` (checkpoints), `tracking` (JSONL / TensorBoard), `scheduler` (LR schedules).
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -36,6 +36,7 @@ pub mod config;
 pub mod error;
 pub mod mixed_precision;
 pub mod optim;
+pub mod parallelism;
 pub mod scheduler;
 pub mod state;
 mod step;
@@ -50,6 +51,7 @@ pub use data::{Batch, DataLoader, DataLoaderConfig, Dataset, TensorDataset};
 pub use error::{AccelError, Result};
 pub use mixed_precision::{GradScaler, GradScalerConfig};
 pub use optim::{AcceleratedOptimizer, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
+pub use parallelism::ParallelismConfig;
 pub use step::{GradientReduction, StepCounters};
 pub use tensor_parallel::{ParamBuilder, ParamInit, ParamLayout, TensorParallel};
 #[cfg(feature = "tensorboard")]

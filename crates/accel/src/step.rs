@@ -280,17 +280,22 @@ impl StepController {
     /// (`torch.nn.utils.clip_grad_norm_`). `None` outside a sync step: partial gradients are neither unscaled
     /// nor clipped (clipping a partial sum would not bound the step, and unscaling it early would mix scaled and
     /// unscaled micro-batches under fp16).
-    pub(crate) fn clip_grad_norm(&self, max_norm: f64) -> Result<Option<f64>> {
+    pub(crate) fn clip_grad_norm(&self, models: &[PreparedModel], max_norm: f64) -> Result<Option<f64>> {
         let mut st = lock(&self.state);
         if !st.grads.iter().any(|g| g.synced) {
             return Ok(None);
         }
-        let mut squares = Vec::new();
-        for g in st.grads.iter_mut().filter(|g| g.synced) {
-            self.unscale(g)?;
-            g.squared_norms(&mut squares)?;
+        let mut squares = 0.0;
+        for m in models {
+            let g = &mut st.grads[m.index()];
+            if g.synced {
+                self.unscale(m, g)?;
+                // Each parameter counted once: a tp shard's square summed over its tp group, a replicated one
+                // taken as is (transformers#36132, torchtune#2420 were norms counting replicas tp times).
+                squares += m.squared_norm(&g.squared_norms()?)?;
+            }
         }
-        let norm = squares.iter().sum::<f64>().sqrt();
+        let norm = squares.sqrt();
         if !norm.is_finite() {
             return Ok(Some(norm));
         }
@@ -305,26 +310,30 @@ impl StepController {
 
     /// Clamps the synced gradients into `[-clip_value, clip_value]` (`torch.nn.utils.clip_grad_value_`);
     /// returns whether it did (false outside a sync step, as [`Self::clip_grad_norm`]).
-    pub(crate) fn clip_grad_value(&self, clip_value: f64) -> Result<bool> {
+    pub(crate) fn clip_grad_value(&self, models: &[PreparedModel], clip_value: f64) -> Result<bool> {
         let mut st = lock(&self.state);
         if !st.grads.iter().any(|g| g.synced) {
             return Ok(false);
         }
-        for g in st.grads.iter_mut().filter(|g| g.synced) {
-            self.unscale(g)?;
-            g.clamp(clip_value)?;
+        for m in models {
+            let g = &mut st.grads[m.index()];
+            if g.synced {
+                self.unscale(m, g)?;
+                g.clamp(clip_value)?;
+            }
         }
         Ok(true)
     }
 
-    /// fp16: divides synced gradients by the loss scale, once per optimizer step, and records inf/NaN.
-    fn unscale(&self, g: &mut Gradients) -> Result<()> {
+    /// fp16: divides synced gradients by the loss scale, once per optimizer step, and records inf/NaN — agreed
+    /// over the model's tp group, whose ranks hold different shards but must skip the same steps.
+    fn unscale(&self, model: &PreparedModel, g: &mut Gradients) -> Result<()> {
         let Some(scaler) = &self.scaler else { return Ok(()) };
         if g.unscaled || !g.synced {
             return Ok(());
         }
         g.scale(1.0 / lock(scaler).scale())?;
-        g.found_inf = !g.all_finite()?;
+        g.found_inf = model.any_tp_rank(!g.all_finite()?)?;
         g.unscaled = true;
         Ok(())
     }
@@ -345,7 +354,7 @@ impl StepController {
         if !g.synced {
             return Ok(StepOutcome::NotSynced);
         }
-        self.unscale(g)?;
+        self.unscale(model, g)?;
         if let Some(scaler) = &self.scaler {
             lock(scaler).update(g.found_inf);
         }

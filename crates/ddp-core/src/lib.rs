@@ -9,6 +9,8 @@
 //! - [`DistributedSampler`]: per-rank sample indices with PyTorch's arithmetic.
 //! - [`DistributedDataParallel`]: bucketed, averaged gradient all-reduce for candle `Var`s.
 //! - [`launcher`]: spawn N workers with torchrun's environment and fail fast when one dies.
+//! - [`optim`]: [`AdamW`] and [`Sgd`] (as `torch.optim`'s) with state that [`StateDict`] saves and restores exactly;
+//!   the same optimizers `accel` and `trainer` use, so every level steps at the same speed.
 //!
 //! Invariant: ddp-core knows nothing of `accel` or `trainer`; it depends only on candle and small libraries.
 //!
@@ -38,12 +40,15 @@ pub mod mpirun;
 #[cfg(feature = "nccl")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
 pub mod nccl;
+pub mod optim;
 pub mod process_group;
 pub mod sampler;
+pub mod state;
 pub mod store;
 pub mod sync;
 mod tensor_ops;
 pub mod token;
+pub mod traffic;
 
 pub use backend::{Backend, BackendKind};
 pub use ddp::{DdpOptions, DistributedDataParallel};
@@ -52,10 +57,13 @@ pub use env::{DistEnv, EnvSource};
 pub use error::{DdpError, Result};
 pub use launcher::{launch, LaunchConfig};
 pub use mesh::{DeviceMesh, MeshCoord, MeshDim, MeshShape};
+pub use optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 pub use process_group::{GroupOptions, InitOptions, ProcessGroup, DEFAULT_COLLECTIVE_TIMEOUT};
 pub use sampler::DistributedSampler;
+pub use state::StateDict;
 pub use store::{PrefixStore, Store, TcpStore, TcpStoreServer};
 pub use token::{RunToken, RUN_TOKEN_ENV};
+pub use traffic::{OpTraffic, TrafficStats};
 
 // Handles users move into threads must stay Send + Sync (checked at compile time, tokio-style).
 #[allow(dead_code)]
@@ -73,5 +81,7 @@ const _: () = {
         assert_send_sync::<RunToken>();
         assert_send_sync::<DistributedDataParallel>();
         assert_send_sync::<DeviceMesh>();
+        assert_send_sync::<AdamW>();
+        assert_send_sync::<Sgd>();
     }
 };

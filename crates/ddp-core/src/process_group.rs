@@ -5,6 +5,7 @@ use crate::backend::{Backend, BackendKind};
 use crate::cpu::{CpuBackend, CpuOptions, CpuTuning};
 use crate::store::{MemoryStore, PrefixStore, Store, TcpStore, TcpStoreServer};
 use crate::token::RunToken;
+use crate::traffic::{Op, TrafficCounters, TrafficStats};
 use crate::{DType, DdpError, Element, ReduceOp, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -90,6 +91,8 @@ pub(crate) struct GroupInner {
     pub(crate) namespace: String,
     /// Sub-groups created so far (every rank creates them in the same order, so the count names them).
     pub(crate) subgroups: AtomicU64,
+    /// Calls and payload bytes per operation ([`ProcessGroup::traffic`]).
+    pub(crate) traffic: TrafficCounters,
 }
 
 /// What a group remembers to build sub-groups like itself.
@@ -282,6 +285,7 @@ impl ProcessGroup {
                 spawn,
                 namespace,
                 subgroups: AtomicU64::new(0),
+                traffic: TrafficCounters::default(),
             }),
         })
     }
@@ -338,12 +342,14 @@ impl ProcessGroup {
 
     /// In place: `buf` becomes `op` over every rank's `buf`. All ranks pass the same length.
     pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.inner.traffic.add(Op::AllReduce, std::mem::size_of_val(buf));
         self.inner.backend.all_reduce(bytemuck::cast_slice_mut(buf), T::DTYPE, op)
     }
 
     /// In place: every rank's `buf` becomes `root`'s.
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
         self.check_rank(root, "broadcast root")?;
+        self.inner.traffic.add(Op::Broadcast, std::mem::size_of_val(buf));
         self.inner.backend.broadcast(bytemuck::cast_slice_mut(buf), root)
     }
 
@@ -358,6 +364,7 @@ impl ProcessGroup {
                 input.len() * self.world_size()
             )));
         }
+        self.inner.traffic.add(Op::AllGather, std::mem::size_of_val(input));
         self.inner.backend.all_gather(bytemuck::cast_slice(input), bytemuck::cast_slice_mut(output))
     }
 
@@ -372,19 +379,28 @@ impl ProcessGroup {
                 output.len() * self.world_size()
             )));
         }
+        self.inner.traffic.add(Op::ReduceScatter, std::mem::size_of_val(input));
         self.inner.backend.reduce_scatter(bytemuck::cast_slice(input), bytemuck::cast_slice_mut(output), T::DTYPE, op)
     }
 
     /// Sends `buf` to group rank `dst`.
     pub fn send<T: Element>(&self, buf: &[T], dst: usize) -> Result<()> {
         self.check_peer(dst, "send destination")?;
+        self.inner.traffic.add(Op::Send, std::mem::size_of_val(buf));
         self.inner.backend.send(bytemuck::cast_slice(buf), dst)
     }
 
     /// Receives `buf.len()` elements from group rank `src`.
     pub fn recv<T: Element>(&self, buf: &mut [T], src: usize) -> Result<()> {
         self.check_peer(src, "recv source")?;
+        self.inner.traffic.add(Op::Recv, std::mem::size_of_val(buf));
         self.inner.backend.recv(bytemuck::cast_slice_mut(buf), src)
+    }
+
+    /// This group's collective calls and payload bytes so far, per operation (see [`crate::traffic`]). Sub-groups
+    /// count their own traffic.
+    pub fn traffic(&self) -> TrafficStats {
+        self.inner.traffic.snapshot()
     }
 
     /// Returns when every rank of the group has reached the barrier.
@@ -394,6 +410,7 @@ impl ProcessGroup {
 
     /// Raw byte all_reduce (used by tensor helpers and DDP buckets).
     pub fn all_reduce_bytes(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        self.inner.traffic.add(Op::AllReduce, buf.len());
         self.inner.backend.all_reduce(buf, dtype, op)
     }
 
@@ -491,6 +508,7 @@ impl ProcessGroup {
                 spawn,
                 namespace: String::new(),
                 subgroups: AtomicU64::new(0),
+                traffic: TrafficCounters::default(),
             }),
         }))
     }

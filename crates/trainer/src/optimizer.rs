@@ -55,7 +55,7 @@ impl TrainerOptimizer {
 }
 
 impl Optimizer for TrainerOptimizer {
-    fn step(&mut self, params: &[Var], grads: &[Option<Tensor>]) -> accel::Result<()> {
+    fn step(&mut self, params: &[Var], grads: &[Option<Tensor>]) -> ddp_core::Result<()> {
         self.inner_mut().step(params, grads)
     }
     fn learning_rate(&self) -> f64 {
@@ -64,10 +64,10 @@ impl Optimizer for TrainerOptimizer {
     fn set_learning_rate(&mut self, lr: f64) {
         self.inner_mut().set_learning_rate(lr)
     }
-    fn state_dict(&self) -> accel::Result<StateDict> {
+    fn state_dict(&self) -> ddp_core::Result<StateDict> {
         self.inner().state_dict()
     }
-    fn load_state_dict(&mut self, sd: &StateDict) -> accel::Result<()> {
+    fn load_state_dict(&mut self, sd: &StateDict) -> ddp_core::Result<()> {
         self.inner_mut().load_state_dict(sd)
     }
 }

@@ -315,14 +315,8 @@ where
         self.args.finalize()?;
         let varmap = VarMap::new();
         let vb = crate::init::seeded_var_builder(&varmap, self.args.seed, acc.compute_dtype(), acc.device());
-        // TODO(nd-config): `acc.param_builder(&varmap)` (the mesh's tp group) once the Accelerator builds the mesh.
-        let pb = ParamBuilder::new(
-            &varmap,
-            &TensorParallel::new(ProcessGroup::single_process()?),
-            self.args.seed,
-            acc.compute_dtype(),
-            acc.device(),
-        );
+        // Parameters drawn from args.seed (the Accelerator's seed), split over the mesh's tp group.
+        let pb = acc.param_builder(&varmap);
         let tp = pb.tp().clone();
         let model = (self.model_init)(&pb, vb)?;
         let prepared = acc.prepare_model(&varmap)?;
@@ -911,7 +905,7 @@ where
             return Ok(());
         }
         // Every rank holds the same weights, so every rank reaches the same verdict without communication.
-        for (name, t) in rt.prepared.state_dict() {
+        for (name, t) in rt.prepared.state_dict()? {
             let values = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
             if let Some(v) = values.iter().find(|v| !v.is_finite()) {
                 return Err(TrainerError::NonFinite(format!(
@@ -980,10 +974,12 @@ where
         let rt = self.rt.as_ref().expect("setup created the runtime");
         let dir = dir.map(Path::to_path_buf).unwrap_or_else(|| self.args.output_dir.clone());
         let path = dir.join("model.safetensors");
+        // Every rank takes part: under tensor parallelism the full weights are gathered over the tp group.
+        let weights = rt.prepared.state_dict()?;
         if rt.acc.is_main_process() {
             std::fs::create_dir_all(&dir).map_err(|e| TrainerError::io(format!("creating {}", dir.display()), e))?;
             // Atomic: save_safetensors goes through accel::state::write_atomic.
-            accel::state::save_safetensors(&rt.prepared.state_dict(), &path)?;
+            accel::state::save_safetensors(&weights, &path)?;
             let args_path = dir.join("training_args.yaml");
             std::fs::write(&args_path, self.args.to_yaml()?)
                 .map_err(|e| TrainerError::io(format!("writing {}", args_path.display()), e))?;

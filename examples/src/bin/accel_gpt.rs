@@ -7,11 +7,12 @@
 //! cargo run -p accel-examples --bin accel_gpt -- --nproc 2 --tp-size 2   # tp2
 //! cargo run -p accel-examples --bin accel_gpt -- --nproc 4 --tp-size 4   # tp4
 //! cargo run -p accel-examples --bin accel_gpt -- --nproc 4 --tp-size 2   # dp2 × tp2
-//! PARALLELISM_CONFIG_TP_SIZE=2 accel launch -n 4 target/debug/accel_gpt         # the same under the launcher
+//! accel launch -n 4 --parallelism-config-dp-replicate-size 2 --parallelism-config-tp-size 2 target/debug/accel_gpt
 //! ```
 //!
 //! Without RANK in the environment and with `--nproc N > 1` the program launches N copies of itself with
-//! `PARALLELISM_CONFIG_TP_SIZE = --tp-size` (Accelerate's variable); the Accelerator lays the N ranks out as
+//! `PARALLELISM_CONFIG_TP_SIZE = --tp-size` and `PARALLELISM_CONFIG_DP_REPLICATE_SIZE = N / tp` (Accelerate's
+//! variables; under `accel launch` its flags set them); the Accelerator lays the N ranks out as
 //! `dp × tp` (tp innermost: ranks 0-1 are one tp group at dp2 × tp2) and `accelerator.param_builder` splits the
 //! model over the tp group. The data loader shards by the data-parallel rank only, so the tp peers read the same
 //! batches; `--batch-size` is per data-parallel replica, and the global batch is `batch · dp · GA`.
@@ -35,9 +36,6 @@ use clap::Parser;
 use rand::SeedableRng;
 use std::path::PathBuf;
 use std::time::Instant;
-
-/// The environment variable Accelerate (and accel's config) reads the tensor-parallel size from.
-const TP_ENV: &str = "PARALLELISM_CONFIG_TP_SIZE";
 
 /// Train a character-level GPT on Shakespeare with the Accelerator, data- and/or tensor-parallel.
 #[derive(Parser, Debug)]
@@ -146,7 +144,7 @@ fn run() -> anyhow::Result<()> {
         anyhow::ensure!(path.is_file(), "--data-dir: no text at {}", path.display());
         let exe = std::env::current_exe().context("locating this executable to launch its workers")?;
         let mut launch = ddp_core::LaunchConfig::local(args.nproc, exe, std::env::args().skip(1).collect());
-        launch.env.push((TP_ENV.into(), args.tp_size.to_string())); // accel: the workers' mesh
+        launch.env.extend(accel_examples::parallel_env(args.nproc, args.tp_size)); // accel: the workers' mesh
         ddp_core::launch(&launch).context("the training workers failed")?;
         return Ok(());
     }
@@ -154,16 +152,7 @@ fn run() -> anyhow::Result<()> {
 }
 
 fn train(args: &Args) -> anyhow::Result<()> {
-    // A worker started by another launcher (`accel launch`, torchrun) gets the tp size from its environment; the
-    // flag must agree with it.
-    match std::env::var(TP_ENV) {
-        Ok(v) if v.trim() != args.tp_size.to_string() && args.tp_size != 1 => {
-            bail!("--tp-size {} disagrees with {TP_ENV}={v} from the launcher; give one of them", args.tp_size)
-        }
-        Ok(_) => {}
-        // Single-threaded here, before the Accelerator starts anything: setting the variable is sound.
-        Err(_) => std::env::set_var(TP_ENV, args.tp_size.to_string()),
-    }
+    accel_examples::apply_tp_size(args.tp_size)?; // --tp-size, unless the launcher set PARALLELISM_CONFIG_*
     let mut cfg = AcceleratorConfig::from_env()?; // accel: sizes from PARALLELISM_CONFIG_*
     if let Some(mp) = args.mixed_precision {
         cfg.mixed_precision = mp;
@@ -173,8 +162,7 @@ fn train(args: &Args) -> anyhow::Result<()> {
     }
     cfg.seed = Some(args.seed);
     let acc = Accelerator::new(cfg)?; // accel: process group, mesh (dp × tp), device, precision
-                                      // TODO(nd-config): `acc.tensor_parallel()` / `acc.param_builder(&varmap)` once the Accelerator builds the mesh.
-    let tp = accel::TensorParallel::new(ddp_core::ProcessGroup::single_process()?); // accel: this rank's tp group
+    let tp = acc.tensor_parallel().clone(); // accel: this rank's tp group
     let dp = acc.world_size() / tp.size();
 
     let path = text_path(args);
@@ -191,8 +179,7 @@ fn train(args: &Args) -> anyhow::Result<()> {
     };
 
     let varmap = VarMap::new();
-    let pb = accel::ParamBuilder::new(&varmap, &tp, args.seed, acc.compute_dtype(), acc.device());
-    let model = CharGpt::new(gpt_cfg, &pb)?; // accel: parameters split over tp, from the seed
+    let model = CharGpt::new(gpt_cfg, &acc.param_builder(&varmap))?; // accel: parameters split over tp, from the seed
     let opt = AdamW::new(AdamWConfig { lr: args.lr, weight_decay: 0.1, ..Default::default() })?;
     let prepared = acc.prepare_model(&varmap)?; // accel: gradient sync over dp, fp32 masters
     let mut opt = acc.prepare_optimizer(&prepared, opt)?;

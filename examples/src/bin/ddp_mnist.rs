@@ -16,8 +16,9 @@ use std::time::Instant;
 use accel_examples::{correct_count, default_data_dir, load_mnist, seed_parameters, Mlp, Mnist};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Module};
-use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use candle_nn::{VarBuilder, VarMap};
 use clap::Parser;
+use ddp_core::optim::{grads_for, AdamW, AdamWConfig, Optimizer};
 use ddp_core::{DdpOptions, DistributedDataParallel, DistributedSampler, ProcessGroup, ReduceOp};
 
 /// Data-parallel MNIST training with raw ddp-core (level 1).
@@ -81,7 +82,10 @@ fn train(cli: &Cli, pg: &ProcessGroup) -> Result<()> {
     let model = Mlp::with_hidden(VarBuilder::from_varmap(&varmap, DType::F32, &device), &cli.hidden)?;
     seed_parameters(&varmap, cli.seed)?;
     let ddp = DistributedDataParallel::new(pg, &varmap, DdpOptions::default())?;
-    let mut opt = AdamW::new(varmap.all_vars(), ParamsAdamW { lr: cli.lr, ..ParamsAdamW::default() })?;
+    // ddp-core's AdamW (torch.optim.AdamW's defaults, saveable state), the one the Accelerator and the Trainer
+    // use. Its per-parameter state follows the order of `vars`, so the list is taken once.
+    let vars = varmap.all_vars();
+    let mut opt = AdamW::new(AdamWConfig::new(cli.lr))?;
 
     // Each rank reads its own shard of a per-epoch shuffle; every rank uses the same seed.
     let mut sampler = DistributedSampler::for_group(train_set.len(), pg)?.seed(cli.seed);
@@ -111,7 +115,7 @@ fn train(cli: &Cli, pg: &ProcessGroup) -> Result<()> {
             let loss = candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?;
             let mut grads = loss.backward()?;
             ddp.sync_gradients(&mut grads)?; // bucketed, averaged all_reduce
-            opt.step(&grads)?;
+            opt.step(&vars, &grads_for(&vars, &grads))?;
             loss_sum[0] += f64::from(loss.to_scalar::<f32>()?) * batch.len() as f64;
             loss_sum[1] += batch.len() as f64;
         }

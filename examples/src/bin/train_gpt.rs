@@ -26,9 +26,6 @@ use clap::Parser;
 use rand::SeedableRng;
 use trainer::{losses, IntervalStrategy, SaveStrategy, Trainer, TrainingArguments, TrainingArgumentsCli};
 
-/// The environment variable the Accelerator reads the tensor-parallel size from (as Accelerate).
-const TP_ENV: &str = "PARALLELISM_CONFIG_TP_SIZE";
-
 /// Train a character-level GPT on Shakespeare with the Trainer, data- and/or tensor-parallel.
 #[derive(Parser, Debug)]
 #[command(name = "train_gpt", version)]
@@ -101,14 +98,11 @@ fn run() -> anyhow::Result<()> {
     if !ddp_core::launcher::is_worker() && cli.nproc > 1 {
         let exe = std::env::current_exe().context("locating this executable to launch its workers")?;
         let mut launch = ddp_core::LaunchConfig::local(cli.nproc, exe, std::env::args().skip(1).collect());
-        launch.env.push((TP_ENV.into(), cli.tp_size.to_string()));
+        launch.env.extend(accel_examples::parallel_env(cli.nproc, cli.tp_size));
         ddp_core::launch(&launch).context("the training workers failed")?;
         return Ok(());
     }
-    if std::env::var_os(TP_ENV).is_none() {
-        // Single-threaded here, before the Trainer starts anything: setting the variable is sound.
-        std::env::set_var(TP_ENV, cli.tp_size.to_string());
-    }
+    accel_examples::apply_tp_size(cli.tp_size)?; // --tp-size, unless the launcher set PARALLELISM_CONFIG_*
     worker(cli)
 }
 

@@ -3,3 +3,4 @@
 mod bad_inputs;
 mod ddp_mnist;
 mod gpt_tp;
+mod nd_equivalence;

@@ -1,9 +1,17 @@
 //! [`PreparedModel`]: a model's parameters as the Accelerator manages them — the compute-dtype `Var`s the model
 //! reads, their fp32 master copies the optimizer updates (the same `Var`s in fp32) and the parameter groups
-//! whose gradients are reduced together ([`GradientReduction`]). Its gradients are not here: the Accelerator's
-//! step owner holds them (see `crate::step`).
+//! whose gradients are reduced together ([`GradientReduction`]), and how each is laid out over the
+//! tensor-parallel group ([`ParamLayout`]). Its gradients are not here: the Accelerator's step owner holds them
+//! (see `crate::step`).
+//!
+//! Under tensor parallelism a rank holds a shard of some parameters: their gradients are averaged over the
+//! data-parallel group only (tp peers hold different pieces), their squared norms summed over the tp group, and
+//! checkpoints hold the full tensors under the single-process names (gathered on save, sliced on load), so any
+//! layout reads any other's `model.safetensors`.
 
+use crate::state::StateDict;
 use crate::step::GradientReduction;
+use crate::tensor_parallel::{ParamLayout, TensorParallel};
 use crate::{AccelError, Result};
 use candle_core::{DType, Tensor, Var};
 use candle_nn::VarMap;
@@ -28,6 +36,10 @@ struct ModelInner {
     masters: Vec<Var>,
     /// Whether `masters` are separate copies (bf16 / fp16 compute).
     has_masters: bool,
+    /// Each parameter's layout over `tp` (in `names` order).
+    layouts: Vec<ParamLayout>,
+    /// The tensor-parallel group the sharded parameters are split over.
+    tp: TensorParallel,
     /// Parameter groups (indices into `params`) and how each group's gradients are reduced.
     groups: Vec<(Vec<usize>, GradientReduction)>,
     find_unused_parameters: bool,
@@ -44,11 +56,13 @@ impl std::fmt::Debug for PreparedModel {
 
 impl PreparedModel {
     /// Sorts `varmap`'s variables by name, checks their device, makes fp32 masters under bf16/fp16 and wraps the
-    /// masters in DDP (names and shapes checked across ranks, rank 0's values broadcast). `index` is the slot the
-    /// step owner keeps this model's gradients in.
+    /// masters in DDP over the data-parallel group `dp` (names and shapes checked across its ranks, its rank 0's
+    /// values broadcast). Layouts come from `tp`'s registry (parameters built by a [`crate::ParamBuilder`]).
+    /// `index` is the slot the step owner keeps this model's gradients in.
     pub(crate) fn new(
         index: usize,
-        pg: &ProcessGroup,
+        dp: &ProcessGroup,
+        tp: &TensorParallel,
         device: &candle_core::Device,
         ddp: &ddp_core::DdpOptions,
         varmap: &VarMap,
@@ -83,9 +97,12 @@ impl PreparedModel {
         } else {
             params.clone()
         };
-        // Data parallelism only: one group, every parameter replicated. Gradients are reduced in fp32.
+        let layouts: Vec<ParamLayout> = params.iter().map(|v| tp.layout(v)).collect();
+        // One group: every parameter — replicated over tp or a tp shard — is averaged over its data-parallel
+        // replicas, which hold the same piece (Megatron-LM: a shard is never reduced with its tp peers; the
+        // replicated ones have equal gradients on every tp rank already). Gradients are reduced in fp32.
         let replicated = DistributedDataParallel::from_named_vars(
-            pg,
+            dp,
             names.iter().cloned().zip(masters.iter().cloned()).collect(),
             ddp.clone(),
         )?;
@@ -97,6 +114,8 @@ impl PreparedModel {
                 params,
                 masters,
                 has_masters,
+                layouts,
+                tp: tp.clone(),
                 find_unused_parameters: ddp.find_unused_parameters,
             }),
         };
@@ -142,13 +161,77 @@ impl PreparedModel {
         self.inner.groups.iter().map(|(p, r)| (p.as_slice(), r))
     }
 
-    /// fp32 master weights by name (what `model.safetensors` holds).
-    pub fn state_dict(&self) -> BTreeMap<String, Tensor> {
-        self.inner.names.iter().cloned().zip(self.inner.masters.iter().map(|v| v.as_tensor().clone())).collect()
+    /// Each parameter's layout over the tensor-parallel group, in [`PreparedModel::names`] order.
+    pub fn layouts(&self) -> &[ParamLayout] {
+        &self.inner.layouts
     }
 
-    /// Loads weights by name into the masters and the compute-dtype parameters (cast as needed). Errors name a
-    /// missing, unexpected or mis-shaped tensor.
+    /// The tensor-parallel group the sharded parameters are split over (one rank without tensor parallelism).
+    pub fn tensor_parallel(&self) -> &TensorParallel {
+        &self.inner.tp
+    }
+
+    /// The full fp32 weights by single-process name (what `model.safetensors` holds): tp shards are gathered and
+    /// their padding dropped, so the result is the same for every layout. Collective over the tp group when the
+    /// model has sharded parameters (every tp rank must call it); no communication otherwise.
+    pub fn state_dict(&self) -> Result<BTreeMap<String, Tensor>> {
+        self.full_tensors(self.inner.masters.iter().map(|v| Some(v.as_tensor().clone())).collect())
+            .map(|full| self.inner.names.iter().cloned().zip(full.into_iter().flatten()).collect())
+    }
+
+    /// Per-parameter tensors in this rank's layout → full tensors (see [`PreparedModel::state_dict`]); `None`
+    /// entries stay `None` but must be `None` on every tp rank alike.
+    pub(crate) fn full_tensors(&self, local: Vec<Option<Tensor>>) -> Result<Vec<Option<Tensor>>> {
+        local
+            .into_iter()
+            .zip(&self.inner.layouts)
+            .map(|(t, layout)| t.map(|t| layout.gather(&t, &self.inner.tp)).transpose())
+            .collect()
+    }
+
+    /// Full tensors (single-process shapes) → this rank's pieces (the inverse of [`PreparedModel::full_tensors`]).
+    pub(crate) fn local_tensors(&self, full: Vec<Option<Tensor>>) -> Result<Vec<Option<Tensor>>> {
+        let (rank, size) = (self.inner.tp.rank(), self.inner.tp.size());
+        full.into_iter()
+            .zip(&self.inner.layouts)
+            .map(|(t, layout)| t.map(|t| layout.slice(&t, rank, size)).transpose())
+            .collect()
+    }
+
+    /// An optimizer state for this model's parameters with the buffers of tp shards gathered into full tensors
+    /// (collective over the tp group when the model has sharded parameters).
+    pub(crate) fn optimizer_state_to_full(&self, sd: StateDict) -> Result<StateDict> {
+        let tp = &self.inner.tp;
+        crate::optim::map_param_tensors(sd, |i, t| self.layout_of(i)?.gather(&t, tp))
+    }
+
+    /// The inverse of [`PreparedModel::optimizer_state_to_full`]: this rank's pieces of a full optimizer state.
+    pub(crate) fn optimizer_state_to_local(&self, sd: StateDict) -> Result<StateDict> {
+        let (rank, size) = (self.inner.tp.rank(), self.inner.tp.size());
+        crate::optim::map_param_tensors(sd, |i, t| self.layout_of(i)?.slice(&t, rank, size))
+    }
+
+    fn layout_of(&self, i: usize) -> Result<ParamLayout> {
+        self.inner.layouts.get(i).copied().ok_or_else(|| {
+            AccelError::InvalidArgument(format!(
+                "the optimizer state names parameter {i}, but the model has {} parameters",
+                self.inner.layouts.len()
+            ))
+        })
+    }
+
+    /// The shape parameter `i` has in a single-process model.
+    fn full_shape(&self, i: usize) -> Vec<usize> {
+        let mut dims = self.inner.masters[i].dims().to_vec();
+        if let ParamLayout::Sharded { dim, full, .. } = self.inner.layouts[i] {
+            dims[dim] = full;
+        }
+        dims
+    }
+
+    /// Loads full weights by single-process name (any layout's `model.safetensors`, or a single-process one)
+    /// into the masters and the compute-dtype parameters (cast as needed; tp shards sliced out). No
+    /// communication. Errors name a missing, unexpected or mis-shaped tensor.
     pub fn load_state_dict(&self, weights: &BTreeMap<String, Tensor>) -> Result<()> {
         for name in weights.keys() {
             if !self.inner.names.contains(name) {
@@ -157,18 +240,22 @@ impl PreparedModel {
                 )));
             }
         }
-        for (name, master) in self.inner.names.iter().zip(&self.inner.masters) {
+        let mut full = Vec::with_capacity(self.inner.names.len());
+        for (i, name) in self.inner.names.iter().enumerate() {
             let t = weights.get(name).ok_or_else(|| {
                 AccelError::InvalidArgument(format!("load_state_dict: no tensor for parameter {name:?}"))
             })?;
-            if t.shape() != master.shape() {
+            let want = self.full_shape(i);
+            if t.dims() != want.as_slice() {
                 return Err(AccelError::InvalidArgument(format!(
-                    "load_state_dict: parameter {name:?} has shape {:?} but the tensor has shape {:?}",
-                    master.shape(),
+                    "load_state_dict: parameter {name:?} has shape {want:?} but the tensor has shape {:?}",
                     t.shape()
                 )));
             }
-            master.set(&t.to_device(master.device())?.to_dtype(DType::F32)?)?;
+            full.push(Some(t.to_device(self.inner.masters[i].device())?.to_dtype(DType::F32)?));
+        }
+        for (master, t) in self.inner.masters.iter().zip(self.local_tensors(full)?) {
+            master.set(&t.expect("every parameter has a tensor"))?;
         }
         self.copy_masters_to_params()
     }
@@ -189,6 +276,42 @@ impl PreparedModel {
 
     pub(crate) fn find_unused_parameters(&self) -> bool {
         self.inner.find_unused_parameters
+    }
+
+    /// The squared L2 norm of the whole model from each parameter's squared gradient norm on this rank
+    /// (`per_param[i]`, `names` order): tp shards summed over the tp group, replicated parameters counted once.
+    /// Collective over the tp group when the model has sharded parameters.
+    pub(crate) fn squared_norm(&self, per_param: &[f64]) -> Result<f64> {
+        let (mut sharded, mut replicated) = (0.0, 0.0);
+        for (sq, layout) in per_param.iter().zip(&self.inner.layouts) {
+            match layout {
+                ParamLayout::Replicated => replicated += sq,
+                ParamLayout::Sharded { .. } => sharded += sq,
+            }
+        }
+        if self.has_shards() {
+            let mut buf = [sharded];
+            self.inner.tp.group().all_reduce(&mut buf, ddp_core::ReduceOp::Sum)?;
+            sharded = buf[0];
+        }
+        Ok(sharded + replicated)
+    }
+
+    /// Whether `local` holds on any rank of the tp group (collective over it when the model has sharded
+    /// parameters; `local` otherwise).
+    pub(crate) fn any_tp_rank(&self, local: bool) -> Result<bool> {
+        if !self.has_shards() {
+            return Ok(local);
+        }
+        let mut flag = [i32::from(local)];
+        self.inner.tp.group().all_reduce(&mut flag, ddp_core::ReduceOp::Max)?;
+        Ok(flag[0] != 0)
+    }
+
+    /// Whether some parameter is split over a tp group of more than one rank (the same answer on every tp rank:
+    /// the model is built by the same code).
+    fn has_shards(&self) -> bool {
+        self.inner.tp.size() > 1 && self.inner.layouts.iter().any(|l| matches!(l, ParamLayout::Sharded { .. }))
     }
 
     /// Reduces this model's gradient slots across ranks, group by group (collective).

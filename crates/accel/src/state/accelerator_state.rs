@@ -61,6 +61,15 @@ struct CheckpointMeta {
     gradient_accumulation_steps: usize,
     counters: StepCounters,
     contents: Contents,
+    /// The mesh sizes `[pp, dp_replicate, dp_shard, tp]` of the run that wrote it (absent before tensor
+    /// parallelism existed: pure data parallelism).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    mesh: Option<[usize; 4]>,
+}
+
+fn mesh_sizes(acc: &Accelerator) -> [usize; 4] {
+    let s = acc.mesh().shape();
+    [s.pp, s.dp_replicate, s.dp_shard, s.tp]
 }
 
 /// `random_states_{rank}.json`.
@@ -109,11 +118,13 @@ pub(crate) fn save_state(acc: &Accelerator, dir: Option<&Path>) -> Result<PathBu
     let prepared = if main { remove_if_exists(&partial).and_then(|()| create_dir(&partial)) } else { Ok(()) };
     agree(acc, "preparing", &final_dir, prepared)?;
 
+    // Under tensor parallelism the full tensors are gathered by every tp rank (collective); rank 0 writes them.
+    let full = FullState::collect(acc);
     let written = create_dir(&partial).and_then(|()| write_random_states(acc, &partial)).and_then(|()| {
         if main {
-            write_shared_files(acc, &partial)
+            write_shared_files(acc, &partial, full?)
         } else {
-            Ok(())
+            full.map(drop)
         }
     });
     if let Err(e) = agree(acc, "writing", &final_dir, written) {
@@ -194,6 +205,17 @@ pub(crate) fn load_state(acc: &Accelerator, dir: Option<&Path>) -> Result<(PathB
             ),
         ));
     }
+    let saved_mesh = meta.mesh.unwrap_or([1, meta.world_size, 1, 1]);
+    if saved_mesh != mesh_sizes(acc) {
+        // Weights and optimizer states are full tensors and load into any layout; what is per rank is not.
+        tracing::warn!(
+            "checkpoint {} was written by the layout [pp, dp_replicate, dp_shard, tp] = {saved_mesh:?}, this run \
+             uses {:?}: the model and optimizer load exactly, but data-loader positions and RNG states are per \
+             rank, so the batches after the resume will differ from the original run's",
+            dir.display(),
+            mesh_sizes(acc)
+        );
+    }
     if meta.gradient_accumulation_steps != acc.gradient_accumulation_steps() {
         tracing::warn!(
             "checkpoint {} was written with gradient_accumulation_steps = {}, this run uses {}: the resumed run \
@@ -230,10 +252,11 @@ pub(crate) fn load_state(acc: &Accelerator, dir: Option<&Path>) -> Result<(PathB
         let weights = load_safetensors(&file, &device)?;
         model.load_state_dict(&weights).map_err(restoring(&file, "model weights"))?;
     }
-    for (i, opt) in prepared.optimizers.iter().enumerate() {
+    for (i, (opt, model)) in prepared.optimizers.iter().enumerate() {
         let s = stem("optimizer", i);
-        let sd = StateDict::load(&dir, &s, &device)?;
-        lock(opt).load_state_dict(&sd).map_err(restoring(&dir.join(format!("{s}.json")), "optimizer state"))?;
+        let restoring_it = || restoring(&dir.join(format!("{s}.json")), "optimizer state");
+        let sd = model.optimizer_state_to_local(StateDict::load(&dir, &s, &device)?).map_err(restoring_it())?;
+        lock(opt).load_state_dict(&sd).map_err(AccelError::from).map_err(restoring_it())?;
     }
     match (acc.grad_scaler(), c.scaler) {
         (Some(scaler), true) => {
@@ -345,14 +368,36 @@ fn write_random_states(acc: &Accelerator, dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Everything but the per-rank RNG files (rank 0 only).
-fn write_shared_files(acc: &Accelerator, dir: &Path) -> Result<()> {
-    let prepared = acc.prepared();
-    for (i, model) in prepared.models.iter().enumerate() {
-        save_safetensors(&model.state_dict(), &dir.join(format!("{}.safetensors", stem("model", i))))?;
+/// The models' weights and the optimizers' states as a single process would hold them (tp shards gathered).
+struct FullState {
+    models: Vec<std::collections::BTreeMap<String, candle_core::Tensor>>,
+    optimizers: Vec<StateDict>,
+}
+
+impl FullState {
+    /// Collective over each model's tp group when it has sharded parameters.
+    fn collect(acc: &Accelerator) -> Result<Self> {
+        let prepared = acc.prepared();
+        let models = prepared.models.iter().map(|m| m.state_dict()).collect::<Result<_>>()?;
+        let optimizers = prepared
+            .optimizers
+            .iter()
+            .map(|(opt, model)| {
+                let sd = lock(opt).state_dict()?;
+                model.optimizer_state_to_full(sd)
+            })
+            .collect::<Result<_>>()?;
+        Ok(FullState { models, optimizers })
     }
-    for (i, opt) in prepared.optimizers.iter().enumerate() {
-        let sd = lock(opt).state_dict()?;
+}
+
+/// Everything but the per-rank RNG files (rank 0 only).
+fn write_shared_files(acc: &Accelerator, dir: &Path, full: FullState) -> Result<()> {
+    let prepared = acc.prepared();
+    for (i, weights) in full.models.iter().enumerate() {
+        save_safetensors(weights, &dir.join(format!("{}.safetensors", stem("model", i))))?;
+    }
+    for (i, sd) in full.optimizers.iter().enumerate() {
         sd.save(dir, &stem("optimizer", i))?;
     }
     if let Some(scaler) = acc.grad_scaler() {
@@ -378,6 +423,7 @@ fn write_shared_files(acc: &Accelerator, dir: &Path) -> Result<()> {
         gradient_accumulation_steps: acc.gradient_accumulation_steps(),
         counters: acc.step_counters(),
         contents: contents(acc),
+        mesh: Some(mesh_sizes(acc)),
     };
     let v = serde_json::to_value(&meta).map_err(|e| AccelError::json("encoding accelerator.json", e))?;
     // Written last: its presence marks the directory as complete.

@@ -57,13 +57,16 @@ impl Gradients {
         Ok(())
     }
 
-    /// Appends each present gradient's sum of squares (computed in fp32 on the device, read back as f64).
-    pub(crate) fn squared_norms(&self, out: &mut Vec<f64>) -> Result<()> {
+    /// Each slot's sum of squares (0 for an empty slot), computed in fp32 on the device, read back as f64.
+    pub(crate) fn squared_norms(&self) -> Result<Vec<f64>> {
         let sums = self.slots.iter().flatten().map(|g| g.sqr()?.sum_all()).collect::<candle_core::Result<Vec<_>>>()?;
-        if !sums.is_empty() {
-            out.extend(Tensor::stack(&sums, 0)?.to_dtype(DType::F64)?.to_vec1::<f64>()?);
+        let mut present = if sums.is_empty() {
+            Vec::new()
+        } else {
+            Tensor::stack(&sums, 0)?.to_dtype(DType::F64)?.to_vec1::<f64>()?
         }
-        Ok(())
+        .into_iter();
+        Ok(self.slots.iter().map(|s| if s.is_some() { present.next().unwrap_or(0.0) } else { 0.0 }).collect())
     }
 
     /// Whether every present gradient is finite.

@@ -139,16 +139,12 @@ impl ParamBuilder {
             )));
         }
         self.check_free(&full_name)?;
-        let padded = size.div_ceil(tp) * tp;
-        let mut full = draw_full(self.seed, &full_name, &shape, init)?;
-        if padded > size {
-            // Zero rows past the model's size: they take part in no real output (the vocab-parallel loss masks
-            // them out) and are dropped from checkpoints.
-            full = full.pad_with_zeros(dim, 0, padded - size)?;
-        }
-        let chunk = padded / tp;
-        let local = full.narrow(dim, self.tp.rank() * chunk, chunk)?;
-        self.insert(full_name, local, ParamLayout::Sharded { dim, full: size, padded })
+        // Past the model's size the layout pads with zero rows: they take part in no real output (the
+        // vocab-parallel loss masks them out) and are dropped from checkpoints.
+        let layout = ParamLayout::Sharded { dim, full: size, padded: size.div_ceil(tp) * tp };
+        let full = draw_full(self.seed, &full_name, &shape, init)?;
+        let local = layout.slice(&full, self.tp.rank(), tp)?;
+        self.insert(full_name, local, layout)
     }
 
     fn check_free(&self, full_name: &str) -> Result<()> {

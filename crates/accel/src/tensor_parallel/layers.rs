@@ -37,7 +37,9 @@ impl Default for ParallelLinearConfig {
 
 /// `y = x Wᵀ + b` with `W` (`[out, in]`, parameter `weight`) split by rows — output features — over the tp group
 /// (`[out/tp, in]` per rank; bias `[out/tp]`). Input `[.., in]` replicated; output `[.., out/tp]`, or `[.., out]`
-/// with `gather_output`.
+/// with `gather_output`. With `pad_output`, `out` reads `out_padded` (the next multiple of tp) in these shapes,
+/// except the gathered output, whose padding columns are cut off (`[.., out]`). Any float dtype (the parameters').
+/// Megatron-LM's `ColumnParallelLinear`.
 pub struct ColumnParallelLinear {
     weight: Tensor,
     bias: Option<Tensor>,
@@ -47,7 +49,9 @@ pub struct ColumnParallelLinear {
 }
 
 impl ColumnParallelLinear {
-    /// Creates `weight` (and `bias`) under `pb`. Errors: `out_dim` not divisible by tp without `pad_output`.
+    /// Creates `weight` (and `bias`) under `pb`. Errors: `out_dim` not divisible by tp without `pad_output` (the
+    /// message names the parameter, the sizes, the tp sizes that divide and `pad_output`); a name already in the
+    /// `VarMap`.
     pub fn new(pb: &ParamBuilder, in_dim: usize, out_dim: usize, cfg: ParallelLinearConfig) -> Result<Self> {
         let weight = if cfg.pad_output {
             pb.sharded_padded("weight", (out_dim, in_dim), 0, cfg.init)?
@@ -98,6 +102,7 @@ impl ColumnParallelLinear {
 /// `y = x Wᵀ + b` with `W` (`[out, in]`) split by columns — input features — over the tp group (`[out, in/tp]` per
 /// rank). Input `[.., in/tp]` (a column-parallel layer's output); the partial products are summed by *g*
 /// (`reduce_from_group`), then the replicated bias `[out]` is added once. Output `[.., out]` replicated.
+/// Megatron-LM's `RowParallelLinear` (with `input_is_parallel=True`).
 pub struct RowParallelLinear {
     weight: Tensor,
     bias: Option<Tensor>,
@@ -105,7 +110,8 @@ pub struct RowParallelLinear {
 }
 
 impl RowParallelLinear {
-    /// Creates `weight` (and `bias`) under `pb`. Errors: `in_dim` not divisible by tp.
+    /// Creates `weight` (and `bias`) under `pb`. Errors: `in_dim` not divisible by tp (naming the parameter, the
+    /// sizes and the tp sizes that divide); a name already in the `VarMap`.
     pub fn new(pb: &ParamBuilder, in_dim: usize, out_dim: usize, cfg: ParallelLinearConfig) -> Result<Self> {
         let weight = pb.sharded("weight", (out_dim, in_dim), 1, cfg.init)?;
         let bias = if cfg.bias { Some(pb.replicated("bias", out_dim, ParamInit::Zeros)?) } else { None };
@@ -136,7 +142,7 @@ impl RowParallelLinear {
 
 /// A token embedding (`weight` `[vocab, dim]`) split by vocabulary rows over the tp group (padded to a multiple
 /// of tp). Each rank looks up the ids in its range, zeros the others, and *g* sums the pieces. Input ids `[..]`
-/// (u32); output `[.., dim]` replicated.
+/// (u32); output `[.., dim]` replicated. Megatron-LM's `VocabParallelEmbedding`.
 pub struct VocabParallelEmbedding {
     weight: Tensor,
     tp: TensorParallel,
@@ -155,7 +161,8 @@ impl VocabParallelEmbedding {
         &self.weight
     }
 
-    /// Forward (see the type's documentation). Errors: an id ≥ vocab_size, ids not of an integer dtype.
+    /// Forward (see the type's documentation). Errors: an id ≥ vocab_size, ids not of an integer dtype. The id
+    /// check reads the largest id back to the host (one small device sync per call).
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         let ids = check_ids(ids, self.vocab_size, "VocabParallelEmbedding")?;
         if self.tp.size() == 1 {

@@ -20,8 +20,8 @@ pub use cross_entropy::vocab_parallel_cross_entropy;
 pub use init::{ParamBuilder, ParamInit};
 pub use layers::{ColumnParallelLinear, ParallelLinearConfig, RowParallelLinear, VocabParallelEmbedding};
 
-use crate::lock;
-use candle_core::{TensorId, Var};
+use crate::{lock, AccelError, Result};
+use candle_core::{Tensor, TensorId, Var};
 use ddp_core::ProcessGroup;
 use std::collections::HashMap;
 use std::ops::Range;
@@ -102,5 +102,44 @@ impl TensorParallel {
 
     pub(crate) fn register(&self, var: &Var, layout: ParamLayout) {
         lock(&self.layouts).insert(var.as_tensor().id(), layout);
+    }
+}
+
+impl ParamLayout {
+    /// This tp rank's piece of a full parameter `full` (the model's shape: `full.dim(dim) == self.full`): padded
+    /// with zeros to `padded` along `dim`, then narrowed to [`ParamLayout::shard_range`]. A replicated parameter
+    /// comes back whole. Errors: a size along `dim` other than `full`.
+    pub fn slice(&self, full: &Tensor, rank: usize, size: usize) -> Result<Tensor> {
+        let ParamLayout::Sharded { dim, full: n, padded } = *self else { return Ok(full.clone()) };
+        if full.dim(dim)? != n {
+            return Err(AccelError::InvalidArgument(format!(
+                "tensor parallelism: a tensor of shape {:?} has {} rows along dim {dim}, but the parameter has {n}",
+                full.shape(),
+                full.dim(dim)?
+            )));
+        }
+        let padded_t = if padded > n {
+            let mut pad_shape = full.dims().to_vec();
+            pad_shape[dim] = padded - n;
+            Tensor::cat(&[full, &Tensor::zeros(pad_shape, full.dtype(), full.device())?], dim)?
+        } else {
+            full.clone()
+        };
+        let range = self.shard_range(rank, size).expect("sharded");
+        Ok(padded_t.narrow(dim, range.start, range.len())?.contiguous()?)
+    }
+
+    /// The full parameter from this rank's `shard`: all-gathers the shards over `tp`'s group along `dim` and drops
+    /// the padding (collective over the tp group; every tp rank gets the full tensor). A replicated parameter
+    /// comes back as is, without communication.
+    pub fn gather(&self, shard: &Tensor, tp: &TensorParallel) -> Result<Tensor> {
+        let ParamLayout::Sharded { dim, full, .. } = *self else { return Ok(shard.clone()) };
+        if tp.size() == 1 {
+            return Ok(shard.narrow(dim, 0, full)?);
+        }
+        // all_gather_tensor concatenates along dim 0: move `dim` to the front and back.
+        let front = shard.transpose(0, dim)?.contiguous()?;
+        let gathered = tp.group().all_gather_tensor(&front)?;
+        Ok(gathered.transpose(0, dim)?.narrow(dim, 0, full)?.contiguous()?)
     }
 }

@@ -32,7 +32,7 @@ fn train(world: usize, ga: usize, global: usize) -> BTreeMap<String, Vec<f32>> {
             }
         }
         assert_eq!(steps, ROWS / global);
-        Ok(to_f32_map(&prepared.state_dict()))
+        Ok(to_f32_map(&prepared.state_dict()?))
     });
     for w in &out[1..] {
         assert_eq!(w, &out[0]);
@@ -67,7 +67,7 @@ fn gradients_sync_only_on_sync_steps() {
         let prepared = acc.prepare_model(&varmap)?;
         let mut opt = acc.prepare_optimizer(&prepared, Sgd::new(SgdConfig::new(0.1))?)?;
         let (x, y) = dataset(12, 9);
-        let w0 = to_f32_map(&prepared.state_dict());
+        let w0 = to_f32_map(&prepared.state_dict()?);
         let mut local = Vec::new(); // this rank's accumulated gradients after each micro-step (before any sync)
         let mut synced_flags = Vec::new();
         for m in 0..3 {
@@ -85,7 +85,7 @@ fn gradients_sync_only_on_sync_steps() {
             if m < 2 {
                 opt.zero_grad(); // must not drop the window's gradients
                 assert!(!opt.step()?);
-                assert_eq!(to_f32_map(&prepared.state_dict()), w0, "weights moved between syncs");
+                assert_eq!(to_f32_map(&prepared.state_dict()?), w0, "weights moved between syncs");
             }
         }
         assert_eq!(synced_flags, vec![(false, false), (false, false), (true, true)]);
@@ -101,7 +101,7 @@ fn gradients_sync_only_on_sync_steps() {
             assert!(d <= 1e-6, "parameter {i}: synced gradient differs from the reference by {d:e}");
         }
         assert!(opt.step()?);
-        assert_ne!(to_f32_map(&prepared.state_dict()), w0);
+        assert_ne!(to_f32_map(&prepared.state_dict()?), w0);
         Ok(local)
     });
     let (r0, r1) = (&out[0], &out[1]);

@@ -44,7 +44,7 @@ fn train(world: usize, mp: MixedPrecision, adamw: bool) -> BTreeMap<String, Vec<
             let cast = m.as_tensor().to_dtype(p.dtype())?.to_dtype(candle_core::DType::F32)?;
             assert_eq!(var_values(p), cast.flatten_all()?.to_vec1::<f32>()?);
         }
-        Ok(to_f32_map(&prepared.state_dict()))
+        Ok(to_f32_map(&prepared.state_dict()?))
     });
     for (r, w) in results.iter().enumerate().skip(1) {
         assert_eq!(w, &results[0], "rank {r}'s weights differ from rank 0's");
@@ -56,7 +56,7 @@ fn initial() -> BTreeMap<String, Vec<f32>> {
     run_ranks(1, AcceleratorConfig::default(), |acc| {
         let (_m, varmap) = tiny_model(&acc, 7)?;
         let prepared = acc.prepare_model(&varmap)?;
-        Ok(to_f32_map(&prepared.state_dict()))
+        Ok(to_f32_map(&prepared.state_dict()?))
     })
     .remove(0)
 }
@@ -119,7 +119,7 @@ fn prepared_loader_on_two_ranks_matches_one_process() {
                 }
             }
             assert_eq!(acc.optimizer_step_count(), 10);
-            Ok(to_f32_map(&prepared.state_dict()))
+            Ok(to_f32_map(&prepared.state_dict()?))
         })
         .remove(0)
     };

@@ -55,14 +55,14 @@ fn fp16_overflow_skips_exactly_the_bad_step_on_every_rank() {
                 if s == 2 && acc.rank() == 1 {
                     l = (l * 1e9)?; // fp16 gradients overflow to inf on this rank only
                 }
-                let before = to_f32_map(&prepared.state_dict());
+                let before = to_f32_map(&prepared.state_dict()?);
                 acc.backward(&l)?;
                 let stepped = opt.step()?;
-                let after = to_f32_map(&prepared.state_dict());
+                let after = to_f32_map(&prepared.state_dict()?);
                 let scale = scaler.lock().unwrap().scale();
                 log.push((s, stepped, opt.step_was_skipped(), scale, before != after));
             }
-            Ok((log, acc.optimizer_step_count(), to_f32_map(&prepared.state_dict())))
+            Ok((log, acc.optimizer_step_count(), to_f32_map(&prepared.state_dict()?)))
         })
     };
     let with = run(true);
@@ -161,7 +161,7 @@ fn fp16_clipping_on_every_micro_step_equals_clipping_on_sync_steps() {
             }
             let c = acc.step_counters();
             let scale = acc.grad_scaler().unwrap().lock().unwrap().scale();
-            Ok((norms, c.optimizer_steps, c.skipped_steps, scale, to_f32_map(&prepared.state_dict())))
+            Ok((norms, c.optimizer_steps, c.skipped_steps, scale, to_f32_map(&prepared.state_dict()?)))
         })
     };
     let every = run(true);

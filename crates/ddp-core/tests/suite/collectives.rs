@@ -374,3 +374,25 @@ fn backend_not_compiled_in_is_unavailable() {
     let err = ProcessGroup::from_store(store, 0, 1, opts).unwrap_err();
     assert!(matches!(err, DdpError::BackendUnavailable { backend: "nccl", .. }), "{err}");
 }
+
+#[test]
+fn traffic_counts_calls_and_payload_bytes_per_operation() {
+    let stats = run_ranks(2, None, |pg| {
+        let before = pg.traffic();
+        let mut v = vec![1.0f32; 10];
+        pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+        pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+        let mut out = vec![0i64; 6];
+        pg.all_gather(&[1i64, 2, 3], &mut out).unwrap();
+        let mut b = [0u8; 5];
+        pg.broadcast(&mut b, 0).unwrap();
+        pg.traffic() - before
+    });
+    for s in stats {
+        assert_eq!((s.all_reduce.calls, s.all_reduce.bytes), (2, 80));
+        assert_eq!((s.all_gather.calls, s.all_gather.bytes), (1, 24));
+        assert_eq!((s.broadcast.calls, s.broadcast.bytes), (1, 5));
+        assert_eq!((s.send.calls, s.recv.calls, s.reduce_scatter.calls), (0, 0, 0));
+        assert_eq!((s.total_calls(), s.total_bytes()), (4, 109));
+    }
+}

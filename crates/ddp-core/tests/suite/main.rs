@@ -8,6 +8,7 @@ mod conformance_cpu;
 mod ddp;
 mod env;
 mod fault;
+mod functional;
 mod launcher;
 mod multiprocess;
 mod nccl_unavailable;

@@ -155,6 +155,7 @@ pub fn snapshot<M: ModuleT + 'static, D: Dataset + 'static>(t: &trainer::Trainer
     let prepared = t.prepared_model().expect("trainer set up");
     prepared
         .state_dict()
+        .expect("state_dict")
         .into_iter()
         .map(|(k, v)| {
             let bits = v.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();

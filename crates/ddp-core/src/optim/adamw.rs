@@ -3,7 +3,7 @@
 
 use super::{check_buffer, check_grads, Optimizer, OptimizerState};
 use crate::state::StateDict;
-use crate::{AccelError, Result};
+use crate::{DdpError, Result};
 use candle_core::{Tensor, Var};
 use serde::{Deserialize, Serialize};
 
@@ -60,7 +60,7 @@ const EXP_AVG_SQ: usize = 1;
 impl AdamW {
     /// A new optimizer. Errors: negative lr/eps/weight decay, betas outside `[0, 1)`.
     pub fn new(cfg: AdamWConfig) -> Result<Self> {
-        let bad = |what: &str, v: f64, reason: &str| AccelError::Config {
+        let bad = |what: &str, v: f64, reason: &str| DdpError::Config {
             key: format!("AdamWConfig.{what}"),
             value: v.to_string(),
             reason: reason.into(),
@@ -148,7 +148,7 @@ impl Optimizer for AdamW {
         if let Some(i) = (0..state.param_steps.len())
             .find(|&i| state.param_steps[i] > 0 && state.buffers.iter().any(|b| b[i].is_none()))
         {
-            return Err(AccelError::InvalidArgument(format!(
+            return Err(DdpError::InvalidArgument(format!(
                 "AdamW.load_state_dict: parameter {i} was updated {} time(s) but the state lacks its \
                  exp_avg/exp_avg_sq tensors",
                 state.param_steps[i]
