@@ -29,7 +29,7 @@ use accel::tensor_parallel::{
     RowParallelLinear, TensorParallel, VocabParallelEmbedding,
 };
 use accel::{AccelError, Result};
-use candle_core::{DType, Device, IndexOp, Tensor};
+use candle_core::{DType, Device, IndexOp, Tensor, D};
 use rand::Rng;
 
 /// The sizes of a [`CharGpt`].
@@ -72,7 +72,11 @@ impl GptConfig {
     /// The tensor-parallel sizes this model can be split over: the common divisors of `n_head`, `d_model` and
     /// `d_ff` (the vocabulary is padded, so it does not constrain tp).
     pub fn fitting_tp_sizes(&self) -> Vec<usize> {
-        (1..=self.n_head).filter(|t| self.n_head % t == 0 && self.d_model % t == 0 && self.d_ff % t == 0).collect()
+        (1..=self.n_head)
+            .filter(|t| {
+                self.n_head.is_multiple_of(*t) && self.d_model.is_multiple_of(*t) && self.d_ff.is_multiple_of(*t)
+            })
+            .collect()
     }
 
     /// Checks the sizes, and that a tensor-parallel group of `tp_size` ranks can split the model.
@@ -91,8 +95,8 @@ impl GptConfig {
         if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
             return Err(config_error(name, 0, "must be at least 1".into()));
         }
-        if self.d_model % self.n_head != 0 {
-            let heads: Vec<usize> = (1..=self.d_model).filter(|h| self.d_model % h == 0).collect();
+        if !self.d_model.is_multiple_of(self.n_head) {
+            let heads: Vec<usize> = (1..=self.d_model).filter(|h| self.d_model.is_multiple_of(*h)).collect();
             return Err(config_error(
                 "n_head",
                 self.n_head,
@@ -107,7 +111,7 @@ impl GptConfig {
         if tp_size == 0 || !fits.contains(&tp_size) {
             let mut wrong = Vec::new();
             for (name, v) in [("n_head", self.n_head), ("d_model", self.d_model), ("d_ff", self.d_ff)] {
-                if tp_size == 0 || v % tp_size != 0 {
+                if tp_size == 0 || !v.is_multiple_of(tp_size) {
                     wrong.push(format!("{name} = {v}"));
                 }
             }
@@ -193,8 +197,8 @@ impl Attention {
         let k = heads(self.k.forward_copied(&x)?)?;
         let v = heads(self.v.forward_copied(&x)?)?;
         let scores = (q.matmul(&k.t()?)? * (1.0 / (self.head_dim as f64).sqrt()))?;
-        // `ops::softmax` (composed of differentiable ops): the fused `softmax_last_dim` has no backward in candle.
-        let att = candle_nn::ops::softmax(&scores.broadcast_add(mask)?, candle_core::D::Minus1)?;
+        // candle-nn's fused `softmax_last_dim` has no backward; `softmax` is built from differentiable ops.
+        let att = candle_nn::ops::softmax(&scores.broadcast_add(mask)?, D::Minus1)?;
         let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, s, self.local_heads * self.head_dim))?;
         self.c_proj.forward(&y)
     }

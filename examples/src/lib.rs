@@ -169,6 +169,39 @@ pub fn default_data_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("data").join("mnist")
 }
 
+/// The `PARALLELISM_CONFIG_*` variables (Accelerate's, read by `AcceleratorConfig::from_env`) that lay `nproc`
+/// processes out as `dp × tp` with `dp = nproc / tp`: what the GPT examples hand the workers they launch.
+pub fn parallel_env(nproc: usize, tp: usize) -> Vec<(String, String)> {
+    accel::ParallelismConfig::default().with_tp_size(tp).with_dp_replicate_size(nproc / tp.max(1)).env_vars()
+}
+
+/// In a worker of the GPT examples: makes the Accelerator's layout follow `--tp-size`. A launcher that already
+/// set `PARALLELISM_CONFIG_TP_SIZE` (this program's own, or `accel launch --parallelism-config-tp-size`) wins;
+/// a `--tp-size` other than 1 that disagrees with it is an error. Otherwise the variables of
+/// [`parallel_env`] for `WORLD_SIZE` (1 when unset) are set. Call it before anything starts a thread.
+pub fn apply_tp_size(tp: usize) -> anyhow::Result<()> {
+    if let Ok(v) = std::env::var(accel::parallelism::TP_SIZE_ENV) {
+        if tp != 1 && v.trim() != tp.to_string() {
+            bail!(
+                "--tp-size {tp} disagrees with {}={v} set by the launcher; give one of them",
+                accel::parallelism::TP_SIZE_ENV
+            );
+        }
+        return Ok(());
+    }
+    let world: usize = std::env::var("WORLD_SIZE").ok().and_then(|w| w.trim().parse().ok()).unwrap_or(1);
+    if tp == 0 || !world.is_multiple_of(tp) {
+        bail!("--tp-size {tp} must divide the {world} processes of this job (laid out as dp × tp)");
+    }
+    if tp > 1 {
+        for (k, v) in parallel_env(world, tp) {
+            // Before the Accelerator (or anything else) starts a thread: setting the environment is sound here.
+            std::env::set_var(k, v);
+        }
+    }
+    Ok(())
+}
+
 /// The repository's `data/shakespeare/shakespeare8.txt` (eight plays, 1.1 MB, 76 distinct characters; see
 /// `data/PROVENANCE-shared.md`), found from this crate's manifest directory.
 pub fn default_text_path() -> PathBuf {

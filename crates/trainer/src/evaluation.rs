@@ -158,7 +158,22 @@ where
         Ok(metrics)
     }
 
+    /// Refuses what evaluation cannot do for a model split over tp > 1 ranks: gathering its outputs (they are
+    /// shards, e.g. of the vocabulary) for `compute_metrics` or [`Trainer::predict`].
+    pub(crate) fn check_tp_evaluation(&self, rt: &Runtime<M, D>, keep_predictions: bool) -> Result<()> {
+        if keep_predictions && rt.tp.size() > 1 {
+            return Err(TrainerError::Usage(format!(
+                "the model is split over {} tensor-parallel ranks: evaluation reports the loss only, its outputs \
+                 are shards that compute_metrics / predict cannot use; drop compute_metrics (eval_loss is still \
+                 reported), or evaluate with tp_size 1",
+                rt.tp.size()
+            )));
+        }
+        Ok(())
+    }
+
     fn evaluation_loop(&mut self, rt: &mut Runtime<M, D>, ds: Arc<D>, keep_predictions: bool) -> Result<LoopOutput> {
+        self.check_tp_evaluation(rt, keep_predictions)?;
         let acc = rt.acc.clone();
         let n = ds.len();
         let loader = eval_loader(&acc, ds, self.args.per_device_eval_batch_size)?;
@@ -172,7 +187,8 @@ where
             let rows = batch.len();
             let keep = rows - acc.padding_in_batch().min(rows);
             if keep > 0 {
-                let out = self.loss.compute(&y.narrow(0, 0, keep)?, &batch.targets.narrow(0, 0, keep)?)?;
+                let (y, t) = (y.narrow(0, 0, keep)?, batch.targets.narrow(0, 0, keep)?);
+                let out = self.loss.compute_parallel(&y, &t, &rt.tp)?;
                 loss_sum += out.loss_sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
                 items += out.num_items;
             }

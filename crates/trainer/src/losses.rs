@@ -4,6 +4,7 @@
 //! when the number of target tokens differs between micro-batches — the bug HF fixed in transformers 4.46 (2024),
 //! where averaging per-micro-batch means weighted short sequences too much.
 
+use accel::tensor_parallel::{vocab_parallel_cross_entropy, TensorParallel};
 use candle_core::{DType, Tensor, D};
 
 use crate::metrics::IGNORE_INDEX;
@@ -33,9 +34,28 @@ impl LossOutput {
 /// → [`LossOutput`]. Closures `Fn(&Tensor, &Tensor) -> candle_core::Result<LossOutput>` implement it; the
 /// built-in [`CrossEntropy`], [`TokenCrossEntropy`] and [`Mse`] also say whether their item count is fixed per
 /// row, which lets the trainer skip one collective per optimizer step.
+///
+/// The Trainer calls [`Loss::compute_parallel`], which sees the tensor-parallel group; it defaults to
+/// [`Loss::compute`] (outputs that are whole on every rank), and [`VocabParallelCrossEntropy`] overrides it for a
+/// model whose head leaves the logits split by vocabulary.
 pub trait Loss: Send + Sync {
     /// The loss of one micro-batch.
     fn compute(&self, outputs: &Tensor, targets: &Tensor) -> candle_core::Result<LossOutput>;
+
+    /// The loss of one micro-batch of a model split over the tensor-parallel group `tp` (a one-rank group when
+    /// there is no tensor parallelism). Every tp rank sees the same batch and must return the same
+    /// [`LossOutput`] (the same sum and count): the Trainer counts items over all ranks, so each tp rank's copy
+    /// is counted alike and the normalisation `Σ loss / N` is unchanged. Default: [`Loss::compute`], for outputs
+    /// that are whole (replicated) on every tp rank.
+    fn compute_parallel(
+        &self,
+        outputs: &Tensor,
+        targets: &Tensor,
+        tp: &TensorParallel,
+    ) -> candle_core::Result<LossOutput> {
+        let _ = tp;
+        self.compute(outputs, targets)
+    }
 
     /// Whether `num_items` is always the batch's row count times a constant (one item per sample, or per
     /// element of a fixed-size output). Then, as every rank holds the same number of rows at every step
@@ -114,6 +134,83 @@ impl Loss for Mse {
     }
 }
 
+/// Token-level cross entropy of a language model whose head is column-parallel over the vocabulary (Megatron-LM's
+/// vocab-parallel cross entropy): `outputs` `[b, s, padded_vocab / tp]` (this rank's logits, F32), `targets`
+/// `[b, s]` token ids (u32, or any integer dtype; all `< vocab_size`, no ignore index) → the summed negative
+/// log-likelihood over the `b · s` positions. The full logits are never gathered: the max, the sum of
+/// exponentials and the target logit are all-reduced over the tp group
+/// ([`accel::tensor_parallel::vocab_parallel_cross_entropy`]); padding columns (`≥ vocab_size`) get no
+/// probability. One item per target token, a fixed count per row.
+///
+/// [`Loss::compute`] (no tp group) takes full logits `[b, s, ≥ vocab_size]` and ignores the columns past
+/// `vocab_size` (the padding a tp = 1 head does not have, or a gathered padded head).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VocabParallelCrossEntropy {
+    /// The unpadded vocabulary size.
+    pub vocab_size: usize,
+}
+
+impl VocabParallelCrossEntropy {
+    fn shapes(&self, outputs: &Tensor, targets: &Tensor) -> candle_core::Result<(usize, usize, usize)> {
+        let (b, s, v) = outputs.dims3().map_err(|_| {
+            candle_core::Error::Msg(format!(
+                "VocabParallelCrossEntropy: outputs must be [batch, seq, vocab shard], got {:?}",
+                outputs.dims()
+            ))
+        })?;
+        if targets.dims() != [b, s] {
+            candle_core::bail!(
+                "VocabParallelCrossEntropy: targets {:?} do not match the outputs' [batch, seq] = [{b}, {s}]",
+                targets.dims()
+            );
+        }
+        Ok((b, s, v))
+    }
+}
+
+impl Loss for VocabParallelCrossEntropy {
+    fn compute(&self, outputs: &Tensor, targets: &Tensor) -> candle_core::Result<LossOutput> {
+        let (_, _, v) = self.shapes(outputs, targets)?;
+        if v < self.vocab_size {
+            candle_core::bail!(
+                "VocabParallelCrossEntropy: the outputs have {v} vocabulary columns, fewer than vocab_size = {}; \
+                 vocabulary-sharded logits need the tensor-parallel group (Loss::compute_parallel)",
+                self.vocab_size
+            );
+        }
+        let full = outputs.narrow(D::Minus1, 0, self.vocab_size)?.contiguous()?;
+        token_cross_entropy(&full, &targets.to_dtype(DType::U32)?)
+    }
+
+    fn compute_parallel(
+        &self,
+        outputs: &Tensor,
+        targets: &Tensor,
+        tp: &TensorParallel,
+    ) -> candle_core::Result<LossOutput> {
+        let (b, s, v) = self.shapes(outputs, targets)?;
+        let per_token = vocab_parallel_cross_entropy(
+            &outputs.reshape((b * s, v))?,
+            &targets.to_dtype(DType::U32)?.reshape(b * s)?,
+            tp,
+            self.vocab_size,
+        )
+        .map_err(|e| match e {
+            accel::AccelError::Candle(e) => e,
+            e => candle_core::Error::wrap(e),
+        })?;
+        Ok(LossOutput { loss_sum: per_token.sum_all()?, num_items: b * s })
+    }
+
+    fn items_fixed_per_row(&self) -> bool {
+        true
+    }
+
+    fn count_items(&self, targets: &Tensor) -> candle_core::Result<Option<usize>> {
+        Ok(Some(targets.elem_count()))
+    }
+}
+
 /// Classification cross-entropy, one item per row: `logits` `[b, classes]`, `targets` `[b]` class indices (any
 /// integer dtype) → `Σ_i −log softmax(logits_i)[targets_i]` over `b` items.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> candle_core::Result<LossOutput> {
@@ -171,6 +268,30 @@ mod tests {
         let mean = candle_nn::loss::cross_entropy(&logits, &targets).unwrap().to_scalar::<f32>().unwrap();
         assert_eq!(ours.num_items, 2);
         assert!((ours.loss_sum.to_scalar::<f32>().unwrap() - 2.0 * mean).abs() < 1e-6);
+    }
+
+    #[test]
+    fn vocab_parallel_cross_entropy_at_tp1_is_token_cross_entropy() {
+        let dev = Device::Cpu;
+        // [1, 2, 4] logits over a vocabulary of 3 padded to 4 columns (the last is padding, logit 0).
+        let logits = Tensor::new(&[[[1.0f32, 2.0, 0.5, 0.0], [0.1, -1.0, 3.0, 0.0]]], &dev).unwrap();
+        let targets = Tensor::new(&[[1u32, 2]], &dev).unwrap();
+        let reference = token_cross_entropy(&logits.narrow(2, 0, 3).unwrap(), &targets).unwrap();
+        let loss = VocabParallelCrossEntropy { vocab_size: 3 };
+        let tp = TensorParallel::new(ddp_core::ProcessGroup::single_process().unwrap());
+        let expected = reference.loss_sum.to_scalar::<f32>().unwrap();
+        // compute: full logits, padding column ignored; compute_parallel: a tp = 1 head has no padding column.
+        let unpadded = logits.narrow(2, 0, 3).unwrap();
+        for out in [loss.compute(&logits, &targets).unwrap(), loss.compute_parallel(&unpadded, &targets, &tp).unwrap()]
+        {
+            assert_eq!(out.num_items, 2);
+            assert!((out.loss_sum.to_scalar::<f32>().unwrap() - expected).abs() < 1e-6);
+        }
+        assert_eq!(loss.count_items(&targets).unwrap(), Some(2));
+        let err = VocabParallelCrossEntropy { vocab_size: 5 }.compute(&logits, &targets).unwrap_err().to_string();
+        assert!(err.contains("4 vocabulary columns, fewer than vocab_size = 5"), "{err}");
+        let err = loss.compute(&logits, &Tensor::new(&[1u32, 2], &dev).unwrap()).unwrap_err().to_string();
+        assert!(err.contains("targets [2] do not match"), "{err}");
     }
 
     #[test]

@@ -18,6 +18,11 @@
 //! same number of rows (`even_batches` or `dataloader_drop_last`): then `N = W ×` the local count, with no
 //! communication. With `average_tokens_across_devices = false` each rank normalises by its own count (DDP then
 //! averages per-rank means, HF's behaviour with that flag).
+//!
+//! Tensor parallelism ([`Trainer::new_parallel`]): the `tp` ranks of a data-parallel replica see the same batch and
+//! return the same loss ([`crate::losses::Loss::compute_parallel`]), so summing counts over all `W = dp · tp`
+//! ranks counts each replica's items `tp` times: `GA · W / N = GA · dp / N_dp`, which the Accelerator's
+//! averaging over the `dp` ranks turns into the same `∇(Σ loss) / N_dp`; the logged means are unchanged too.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -27,6 +32,7 @@ use accel::data::{Batch, DataLoader, DataLoaderConfig, Dataset};
 use accel::optim::AcceleratedOptimizer;
 use accel::scheduler::{warmup_steps_from, LrScheduler, Scheduler};
 use accel::state::Stateful;
+use accel::tensor_parallel::{ParamBuilder, TensorParallel};
 use accel::{Accelerator, AcceleratorConfig, MixedPrecision, PreparedModel};
 use candle_core::{DType, ModuleT, Tensor};
 use candle_nn::{VarBuilder, VarMap};
@@ -46,6 +52,10 @@ use crate::state::{LogEntry, LossTallyState, TrainerState, TRAINER_STATE_NAME};
 
 /// Builds the model from a `VarBuilder` (device, dtype and seeded initialisation chosen by the trainer).
 pub type ModelInit<M> = Box<dyn Fn(VarBuilder<'static>) -> candle_core::Result<M> + Send>;
+/// The one model builder the Trainer keeps: it is handed both the Accelerator's `ParamBuilder` and the trainer's
+/// seeded `VarBuilder` over the same VarMap ([`crate::init::seeded_var_builder`]: `Trainer::new`'s models keep
+/// their seeded candle-nn initialisation), and each constructor's wrapper uses the one its closure wants.
+type InitFn<M> = Box<dyn Fn(&ParamBuilder, VarBuilder<'static>) -> candle_core::Result<M> + Send>;
 /// Computes metrics from everything predicted on the evaluation set (gathered from all processes).
 pub type ComputeMetrics = Box<dyn Fn(&EvalPrediction) -> Result<Metrics> + Send>;
 
@@ -63,6 +73,8 @@ pub struct TrainOutput {
 /// The model and everything the Accelerator prepared for it; created on first use.
 pub(crate) struct Runtime<M, D> {
     pub(crate) acc: Accelerator,
+    /// The tensor-parallel group the model is split over (one rank without tensor parallelism).
+    pub(crate) tp: TensorParallel,
     pub(crate) varmap: VarMap,
     pub(crate) model: M,
     pub(crate) prepared: PreparedModel,
@@ -88,7 +100,7 @@ pub(crate) struct Runtime<M, D> {
 /// ```
 pub struct Trainer<M, D> {
     pub(crate) args: TrainingArguments,
-    model_init: ModelInit<M>,
+    model_init: InitFn<M>,
     train_dataset: Arc<D>,
     pub(crate) eval_dataset: Option<Arc<D>>,
     pub(crate) loss: Arc<dyn Loss>,
@@ -170,9 +182,66 @@ where
     where
         F: Fn(VarBuilder<'static>) -> candle_core::Result<M> + Send + 'static,
     {
+        let init: InitFn<M> = Box::new(move |_pb, vb| model_init(vb));
+        Self::with_init(args, init, train_dataset, eval_dataset, loss)
+    }
+
+    /// Like [`Trainer::new`], for a model built from the Accelerator's [`ParamBuilder`]: tensor-parallel layers
+    /// ([`accel::tensor_parallel`]) split over the tp group of the Accelerator's mesh (`PARALLELISM_CONFIG_TP_SIZE`
+    /// / `accel launch --parallelism-config-tp-size`), every parameter drawn from `args.seed` on the full model.
+    /// The loss sees the tp group through [`Loss::compute_parallel`] (e.g.
+    /// [`crate::losses::VocabParallelCrossEntropy`] for a vocabulary-sharded head). Tp peers read the same
+    /// batches; the data is sharded over the data-parallel ranks only.
+    ///
+    /// Evaluation of a model split over tp > 1 ranks reports the loss only: `compute_metrics` and
+    /// [`Trainer::predict`] are refused (the outputs are shards).
+    ///
+    /// ```no_run
+    /// use accel::tensor_parallel::{ColumnParallelLinear, ParallelLinearConfig};
+    /// use trainer::{losses, Trainer, TrainingArguments};
+    /// # fn data() -> accel::data::TensorDataset { unimplemented!() }
+    /// # struct Head(ColumnParallelLinear);
+    /// # impl candle_core::Module for Head {
+    /// #     fn forward(&self, x: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
+    /// #         self.0.forward(x).map_err(candle_core::Error::wrap)
+    /// #     }
+    /// # }
+    /// # fn main() -> trainer::Result<()> {
+    /// let cfg = ParallelLinearConfig { pad_output: true, ..Default::default() };
+    /// let mut t = Trainer::new_parallel(
+    ///     TrainingArguments::default(),
+    ///     move |pb| ColumnParallelLinear::new(&pb.pp("head"), 16, 65, cfg).map(Head).map_err(candle_core::Error::wrap),
+    ///     data(),
+    ///     None,
+    ///     losses::VocabParallelCrossEntropy { vocab_size: 65 },
+    /// );
+    /// t.train()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn new_parallel<F>(
+        args: TrainingArguments,
+        model_init: F,
+        train_dataset: D,
+        eval_dataset: Option<D>,
+        loss: impl Loss + 'static,
+    ) -> Self
+    where
+        F: Fn(&ParamBuilder) -> candle_core::Result<M> + Send + 'static,
+    {
+        let init: InitFn<M> = Box::new(move |pb, _vb| model_init(pb));
+        Self::with_init(args, init, train_dataset, eval_dataset, loss)
+    }
+
+    fn with_init(
+        args: TrainingArguments,
+        model_init: InitFn<M>,
+        train_dataset: D,
+        eval_dataset: Option<D>,
+        loss: impl Loss + 'static,
+    ) -> Self {
         Trainer {
             args,
-            model_init: Box::new(model_init),
+            model_init,
             train_dataset: Arc::new(train_dataset),
             eval_dataset: eval_dataset.map(Arc::new),
             loss: Arc::new(loss),
@@ -246,7 +315,10 @@ where
         self.args.finalize()?;
         let varmap = VarMap::new();
         let vb = crate::init::seeded_var_builder(&varmap, self.args.seed, acc.compute_dtype(), acc.device());
-        let model = (self.model_init)(vb)?;
+        // Parameters drawn from args.seed (the Accelerator's seed), split over the mesh's tp group.
+        let pb = acc.param_builder(&varmap);
+        let tp = pb.tp().clone();
+        let model = (self.model_init)(&pb, vb)?;
         let prepared = acc.prepare_model(&varmap)?;
         let optimizer = acc.prepare_optimizer(&prepared, TrainerOptimizer::from_args(&self.args)?)?;
         let cfg = DataLoaderConfig {
@@ -264,7 +336,8 @@ where
             std::fs::create_dir_all(&self.args.output_dir)
                 .map_err(|e| TrainerError::io(format!("creating output_dir {}", self.args.output_dir.display()), e))?;
         }
-        self.rt = Some(Runtime { acc, varmap, model, prepared, optimizer, train_loader, scheduler: None, callbacks });
+        self.rt =
+            Some(Runtime { acc, tp, varmap, model, prepared, optimizer, train_loader, scheduler: None, callbacks });
         Ok(())
     }
 
@@ -370,6 +443,10 @@ where
         let start = Instant::now();
         let ga = self.args.gradient_accumulation_steps;
         let world = rt.acc.world_size();
+        // Tensor-parallel peers train on the same batches: the samples per step count the data-parallel ranks.
+        let dp = world / rt.tp.size();
+        let evaluates = self.args.eval_strategy != crate::args::IntervalStrategy::No;
+        self.check_tp_evaluation(rt, evaluates && self.compute_metrics.is_some())?;
         let loader_len = rt.train_loader.len();
         if loader_len == 0 {
             return Err(TrainerError::Usage(format!(
@@ -394,7 +471,7 @@ where
             logging_steps: self.args.logging_interval(max_steps),
             eval_steps: self.args.eval_interval(max_steps),
             save_steps: self.args.save_interval(max_steps),
-            train_batch_size: (self.args.per_device_train_batch_size * world) as u64,
+            train_batch_size: (self.args.per_device_train_batch_size * dp) as u64,
             num_train_epochs: num_epochs,
             world_size: Some(world as u64),
             gradient_accumulation_steps: Some(ga as u64),
@@ -530,7 +607,7 @@ where
         let steps_this_run = self.state.global_step - start_step;
         since_log.flush()?;
         let training_loss = since_log.run_mean(&rt.acc)?.unwrap_or(0.0);
-        let samples = steps_this_run as f64 * (self.args.per_device_train_batch_size * ga * world) as f64;
+        let samples = steps_this_run as f64 * (self.args.per_device_train_batch_size * ga * dp) as f64;
         let metrics = Metrics::from([
             ("train_runtime".to_string(), runtime),
             ("train_samples_per_second".to_string(), samples / runtime.max(1e-9)),
@@ -585,7 +662,7 @@ where
         };
         let forward = |batch: &Batch| -> Result<crate::losses::LossOutput> {
             let y = outputs_f32(rt.model.forward_t(&cast_input(&batch.inputs, dtype)?, true)?)?;
-            Ok(self.loss.compute(&y, &batch.targets)?)
+            Ok(self.loss.compute_parallel(&y, &batch.targets, &rt.tp)?)
         };
         // The trainer cuts windows itself (it needs the window's item count first): the window's last micro-batch
         // syncs, whatever the loader's end-of-data flag says about the batch fetched last.

@@ -2,4 +2,5 @@
 
 mod bad_inputs;
 mod ddp_mnist;
+mod gpt_tp;
 mod nd_equivalence;

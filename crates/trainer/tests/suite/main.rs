@@ -4,4 +4,5 @@ mod common;
 mod grad_accumulation;
 mod resume;
 mod safety;
+mod tensor_parallel;
 mod trainer_loop;
