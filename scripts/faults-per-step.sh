@@ -9,7 +9,9 @@
 # removes start-up, data loading and the first steps, so what is left is the steady state:
 #   faults/step = Δ minor page faults (all processes, GNU time's %R) / Δ optimizer steps (summed over processes)
 #   samples/s   = Δ training samples / Δ wall seconds (ddp/accel: with one test-set evaluation per epoch)
-# Printed: every measurement, then the median over REPS per program and build.
+# Printed: every measurement, then the median over REPS per program and build. The page-fault figure is robust to a
+# loaded machine; the samples/s figure is a difference of two wall times and is not (cross-check it with the
+# per-epoch times the programs print).
 set -euo pipefail
 NPROC=1 REPS=1 PROGRAMS="ddp_mnist accel_mnist train_mnist"
 while getopts n:r:p: o; do
