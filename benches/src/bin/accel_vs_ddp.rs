@@ -22,6 +22,12 @@ use clap::Parser;
 use ddp_core::{DdpOptions, DistributedDataParallel};
 use std::time::Instant;
 
+/// Global allocator: mimalloc keeps freed blocks for reuse, where glibc's malloc returns large ones to the kernel
+/// and faults them in again on the next step (candle allocates every temporary anew: thousands of page faults per
+/// training step). Measured in docs/benchmarks.md ("Allocator").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Accelerator step time vs the raw ddp-core loop.
 #[derive(Parser, Debug, Clone)]
 struct Cli {

@@ -19,6 +19,12 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use ddp_core::{launch, LaunchConfig, ProcessGroup};
 
+/// Global allocator: mimalloc keeps freed blocks for reuse, where glibc's malloc returns large ones to the kernel
+/// and faults them in again on the next step (candle allocates every temporary anew: thousands of page faults per
+/// training step). Measured in docs/benchmarks.md ("Allocator").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser, Debug)]
 #[command(about = "All-reduce bandwidth of ddp-core's CPU backend (nccl-tests style table)")]
 struct Args {

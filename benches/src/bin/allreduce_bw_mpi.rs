@@ -17,6 +17,12 @@ use clap::Parser;
 use ddp_core::ProcessGroup;
 use std::time::Duration;
 
+/// Global allocator: mimalloc keeps freed blocks for reuse, where glibc's malloc returns large ones to the kernel
+/// and faults them in again on the next step (candle allocates every temporary anew: thousands of page faults per
+/// training step). Measured in docs/benchmarks.md ("Allocator").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser, Debug)]
 #[command(about = "All-reduce bandwidth of ddp-core's MPI backend (run under mpirun)")]
 struct Args {

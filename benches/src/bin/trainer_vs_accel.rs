@@ -36,6 +36,12 @@ use trainer::{
     losses, CallbackContext, ReportTo, SaveStrategy, Trainer, TrainerCallback, TrainerControl, TrainingArguments,
 };
 
+/// Global allocator: mimalloc keeps freed blocks for reuse, where glibc's malloc returns large ones to the kernel
+/// and faults them in again on the next step (candle allocates every temporary anew: thousands of page faults per
+/// training step). Measured in docs/benchmarks.md ("Allocator").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Trainer step time vs the Accelerator loop.
 #[derive(Parser, Debug, Clone)]
 struct Cli {

@@ -134,6 +134,29 @@ pub struct LaunchArgs {
     /// Accelerate's debug mode for the workers (ACCELERATE_DEBUG_MODE=true: collective checks).
     #[arg(long)]
     pub debug: bool,
+    /// Data-parallel replicas (PARALLELISM_CONFIG_DP_REPLICATE_SIZE; overrides the config file's
+    /// `parallelism_config` block). With every size 1 (the default) the job is data parallel over all processes.
+    #[arg(long, alias = "parallelism_config_dp_replicate_size", value_name = "N",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub parallelism_config_dp_replicate_size: Option<u64>,
+    /// Sharded data-parallel size (PARALLELISM_CONFIG_DP_SHARD_SIZE). The Accelerator cannot train dp_shard > 1
+    /// yet; programs that lay out a ddp_core::DeviceMesh themselves can.
+    #[arg(long, alias = "parallelism_config_dp_shard_size", value_name = "N",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub parallelism_config_dp_shard_size: Option<u64>,
+    /// Tensor-parallel size (PARALLELISM_CONFIG_TP_SIZE). The sizes must multiply to the number of processes.
+    #[arg(long, alias = "parallelism_config_tp_size", value_name = "N",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub parallelism_config_tp_size: Option<u64>,
+    /// Pipeline-parallel size (PARALLELISM_CONFIG_PP_SIZE; accel's own). The Accelerator cannot train pp > 1 yet;
+    /// programs that lay out a ddp_core::DeviceMesh themselves can.
+    #[arg(long, alias = "parallelism_config_pp_size", value_name = "N",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub parallelism_config_pp_size: Option<u64>,
+    /// Context-parallel size (PARALLELISM_CONFIG_CP_SIZE): only 1, context parallelism is not implemented.
+    #[arg(long, alias = "parallelism_config_cp_size", value_name = "N",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub parallelism_config_cp_size: Option<u64>,
     /// Communication backend of the workers (ACCEL_BACKEND): cpu, nccl or auto run under accel's own launcher;
     /// mpi hands the job to `mpirun` (the program must be built with the `mpi` feature).
     #[arg(long, value_name = "BACKEND", value_parser = ["cpu", "nccl", "mpi", "auto"])]
@@ -236,6 +259,44 @@ mod tests {
         let e = Cli::try_parse_from(["accel", "launch", "--multi_gpu", "--cpu", "prog"]).unwrap_err().to_string();
         assert!(e.contains("--cpu") && e.contains("cannot be used with"), "{e}");
         let e = Cli::try_parse_from(["accel", "launch", "--num_cpu_threads_per_process", "0", "prog"]).unwrap_err();
+        assert!(e.to_string().contains("0 is not in 1.."), "{e}");
+    }
+
+    #[test]
+    fn parallelism_flags_are_accepted_in_both_spellings() {
+        for spelling in ["--parallelism_config_", "--parallelism-config-"] {
+            let flag = |name: &str| {
+                format!("{spelling}{}", if spelling.ends_with('_') { name.to_string() } else { name.replace('_', "-") })
+            };
+            let cli = Cli::parse_from([
+                "accel".to_string(),
+                "launch".to_string(),
+                flag("dp_replicate_size"),
+                "2".to_string(),
+                flag("dp_shard_size"),
+                "1".to_string(),
+                flag("tp_size"),
+                "4".to_string(),
+                flag("pp_size"),
+                "3".to_string(),
+                flag("cp_size"),
+                "1".to_string(),
+                "prog".to_string(),
+            ]);
+            let Command::Launch(a) = cli.command else { panic!("not launch") };
+            assert_eq!(
+                (
+                    a.parallelism_config_dp_replicate_size,
+                    a.parallelism_config_dp_shard_size,
+                    a.parallelism_config_tp_size,
+                    a.parallelism_config_pp_size,
+                    a.parallelism_config_cp_size
+                ),
+                (Some(2), Some(1), Some(4), Some(3), Some(1)),
+                "{spelling}"
+            );
+        }
+        let e = Cli::try_parse_from(["accel", "launch", "--parallelism-config-tp-size", "0", "prog"]).unwrap_err();
         assert!(e.to_string().contains("0 is not in 1.."), "{e}");
     }
 }

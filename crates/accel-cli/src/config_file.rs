@@ -108,78 +108,10 @@ impl<'de> Deserialize<'de> for DistributedType {
     }
 }
 
-/// Accelerate's `parallelism_config` block (Accelerate ≥ 1.10). accel implements data parallelism across
-/// replicas (`dp_replicate`) only; the other sizes must be 1 to launch.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ParallelismConfig {
-    /// Context-parallel communication strategy (`allgather` / `alltoall`), kept verbatim.
-    #[serde(rename = "parallelism_config_cp_comm_strategy", default, skip_serializing_if = "Option::is_none")]
-    pub cp_comm_strategy: Option<String>,
-    /// Context-parallel size (1 = off).
-    #[serde(rename = "parallelism_config_cp_size", default = "one")]
-    pub cp_size: usize,
-    /// Data-parallel replicas (DDP): the parallelism accel implements.
-    #[serde(rename = "parallelism_config_dp_replicate_size", default = "one")]
-    pub dp_replicate_size: usize,
-    /// Sharded data parallelism (FSDP) size (1 = off).
-    #[serde(rename = "parallelism_config_dp_shard_size", default = "one")]
-    pub dp_shard_size: usize,
-    /// Tensor-parallel size (1 = off).
-    #[serde(rename = "parallelism_config_tp_size", default = "one")]
-    pub tp_size: usize,
-}
-
-impl ParallelismConfig {
-    /// Pure data parallelism over `n` processes.
-    pub fn data_parallel(n: usize) -> Self {
-        ParallelismConfig { cp_comm_strategy: None, cp_size: 1, dp_replicate_size: n, dp_shard_size: 1, tp_size: 1 }
-    }
-
-    /// dp_replicate × dp_shard × tp × cp: the number of processes the layout needs.
-    pub fn total_size(&self) -> usize {
-        self.dp_replicate_size * self.dp_shard_size * self.tp_size * self.cp_size
-    }
-
-    /// Checks the layout against accel's capabilities and the process count: every size ≥ 1, the product equal to
-    /// `num_processes`, and dp_shard / tp / cp equal to 1 (accel has no FSDP, tensor or context parallelism).
-    pub fn validate(&self, num_processes: usize) -> CliResult<()> {
-        for (name, v) in self.sizes() {
-            if v == 0 {
-                return Err(CliError::invalid(format!("parallelism_config_{name}_size"), "0", "sizes are at least 1"));
-            }
-        }
-        for (name, v) in self.sizes().into_iter().skip(1) {
-            if v != 1 {
-                return Err(CliError::invalid(
-                    format!("parallelism_config_{name}_size"),
-                    v.to_string(),
-                    "accel implements data parallelism (dp_replicate) only; set it to 1".to_string(),
-                ));
-            }
-        }
-        if self.total_size() != num_processes {
-            return Err(CliError::invalid(
-                "parallelism_config",
-                format!(
-                    "dp_replicate {} × dp_shard {} × tp {} × cp {}",
-                    self.dp_replicate_size, self.dp_shard_size, self.tp_size, self.cp_size
-                ),
-                format!("the product ({}) must equal num_processes ({num_processes})", self.total_size()),
-            ));
-        }
-        Ok(())
-    }
-
-    /// `(name, size)` in the order dp_replicate, dp_shard, tp, cp.
-    pub fn sizes(&self) -> [(&'static str, usize); 4] {
-        [
-            ("dp_replicate", self.dp_replicate_size),
-            ("dp_shard", self.dp_shard_size),
-            ("tp", self.tp_size),
-            ("cp", self.cp_size),
-        ]
-    }
-}
+/// Accelerate's `parallelism_config` block (Accelerate ≥ 1.10, plus our `parallelism_config_pp_size`): the
+/// library's type, so the file, `accel launch`'s flags and the workers' [`accel::AcceleratorConfig`] agree on keys
+/// and rules.
+pub use accel::ParallelismConfig;
 
 fn one() -> usize {
     1
@@ -232,7 +164,7 @@ pub struct AccelerateConfig {
     /// Processes in the job, TOTAL over all machines (Accelerate writes -1 for "unset").
     #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "num_processes")]
     pub num_processes: Option<usize>,
-    /// Layout over data / tensor / context parallelism (Accelerate ≥ 1.10).
+    /// Layout over data / tensor / pipeline / context parallelism (Accelerate ≥ 1.10; pp is ours).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parallelism_config: Option<ParallelismConfig>,
     /// torchrun rendezvous backend (`static`, `c10d`); accel's launcher always uses its own TCP store.
@@ -318,13 +250,19 @@ pub const TYPED_KEYS: &[&str] = &[
     "use_cpu",
 ];
 
-/// Keys of the `parallelism_config` block ([`ParallelismConfig`]).
+/// Keys of the `parallelism_config` block ([`ParallelismConfig`]): Accelerate's, our `parallelism_config_pp_size`,
+/// and the aliases `data_parallel_size`, `pipeline_parallel_size`, `tensor_parallel_size` (kept equal to
+/// [`accel::parallelism::YAML_KEYS`] + [`accel::parallelism::ALIAS_KEYS`] by a unit test).
 pub const PARALLELISM_KEYS: &[&str] = &[
     "parallelism_config_cp_comm_strategy",
     "parallelism_config_cp_size",
     "parallelism_config_dp_replicate_size",
     "parallelism_config_dp_shard_size",
+    "parallelism_config_pp_size",
     "parallelism_config_tp_size",
+    "data_parallel_size",
+    "pipeline_parallel_size",
+    "tensor_parallel_size",
 ];
 
 /// A config file as read from disk: the model, its source text and the warnings reading it produced.
@@ -407,8 +345,8 @@ impl AccelerateConfig {
         for (key, value) in &raw {
             if ACCELERATE_ONLY_KEYS.contains(&key.as_str()) && requests_feature(key, value) {
                 warnings.push(format!(
-                    "{}: `{key}` asks for an Accelerate feature accel does not implement (accel runs plain data \
-                     parallelism); it is ignored",
+                    "{}: `{key}` asks for an Accelerate feature accel does not implement (accel's parallelism is \
+                     set by the `parallelism_config` block); it is ignored",
                     path.display()
                 ));
             }
@@ -855,13 +793,46 @@ mod tests {
     }
 
     #[test]
-    fn parallelism_layout_is_checked() {
-        ParallelismConfig::data_parallel(4).validate(4).unwrap();
-        let e = ParallelismConfig::data_parallel(2).validate(4).unwrap_err().to_string();
-        assert!(e.contains("must equal num_processes (4)"), "{e}");
-        let p = ParallelismConfig { tp_size: 2, ..ParallelismConfig::data_parallel(2) };
-        let e = p.validate(4).unwrap_err().to_string();
-        assert!(e.contains("tp_size") && e.contains("data parallelism"), "{e}");
+    fn parallelism_keys_are_the_librarys() {
+        let mut lib: Vec<&str> =
+            accel::parallelism::YAML_KEYS.iter().chain(accel::parallelism::ALIAS_KEYS).copied().collect();
+        let mut ours = PARALLELISM_KEYS.to_vec();
+        lib.sort_unstable();
+        ours.sort_unstable();
+        assert_eq!(ours, lib);
+    }
+
+    #[test]
+    fn the_parallelism_block_reads_accelerates_keys_ours_and_the_aliases() {
+        let text = "num_processes: 8\nparallelism_config:\n  parallelism_config_dp_replicate_size: 2\n  \
+                    parallelism_config_tp_size: 2\n  parallelism_config_pp_size: 2\n";
+        let c = AccelerateConfig::parse(text, Path::new("x.yaml")).unwrap().config;
+        let p = c.parallelism_config.unwrap();
+        assert_eq!((p.dp_replicate_size, p.tp_size, p.pp_size, p.dp_shard_size, p.cp_size), (2, 2, 2, 1, 1));
+        let text = "parallelism_config:\n  data_parallel_size: 2\n  tensor_parallel_size: 4\n  \
+                    pipeline_parallel_size: 1\n";
+        let c = AccelerateConfig::parse(text, Path::new("x.yaml")).unwrap().config;
+        assert_eq!(c.parallelism_config, Some(ParallelismConfig::data_parallel(2).with_tp_size(4)));
+        // A key and its alias together are one setting given twice.
+        let text = "parallelism_config:\n  tensor_parallel_size: 4\n  parallelism_config_tp_size: 2\n";
+        let e = AccelerateConfig::parse(text, Path::new("x.yaml")).unwrap_err().to_string();
+        assert!(e.contains("duplicate field `parallelism_config_tp_size`"), "{e}");
+        let e = AccelerateConfig::parse("parallelism_config:\n  tensor_parallel_size: 0\n", Path::new("x.yaml"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.ends_with(
+                "line 1, column 1: parallelism_config: expected a whole number ≥ 1 for `tensor_parallel_size`, \
+                 got `0`"
+            ),
+            "{e}"
+        );
+        // pp is written only when it is not 1 (Python Accelerate refuses keys it does not know).
+        let yaml =
+            AccelerateConfig { parallelism_config: Some(ParallelismConfig::data_parallel(2)), ..Default::default() }
+                .to_yaml()
+                .unwrap();
+        assert!(yaml.contains("parallelism_config_tp_size: 1") && !yaml.contains("pp_size"), "{yaml}");
     }
 
     #[test]

@@ -52,7 +52,10 @@ pub struct LaunchPlan {
     pub num_cpu_threads_per_process: Option<usize>,
     /// Things the launch accepted but will not honour as asked (printed before it starts).
     pub warnings: Vec<String>,
-    /// Parallelism layout (data parallel only).
+    /// Parallelism layout from the config file's `parallelism_config` block and the `--parallelism-config-*`
+    /// flags (`None` when neither gives one: data parallelism over all processes). Validated against
+    /// `num_processes` with the library's rules ([`ParallelismConfig::resolve`]); passed to the workers as
+    /// `PARALLELISM_CONFIG_*_SIZE`.
     pub parallelism: Option<ParallelismConfig>,
     /// Group restarts after a failure.
     pub max_restarts: usize,
@@ -71,7 +74,9 @@ pub struct LaunchPlan {
 impl LaunchPlan {
     /// Combines `flags` (highest precedence), `file` and the defaults, and checks the result: counts ≥ 1,
     /// `num_processes` divisible by `num_machines`, `machine_rank < num_machines`, an address and a fixed port for
-    /// several machines, a parallelism layout accel can run.
+    /// several machines, parallel sizes whose product is `num_processes` (or all 1) and cp = 1. Layouts the
+    /// Accelerator cannot train yet (pp or dp_shard > 1) are launched with a warning: a program that lays out a
+    /// `ddp_core::DeviceMesh` itself can run them.
     pub fn resolve(flags: &LaunchArgs, file: Option<&AccelerateConfig>) -> CliResult<Self> {
         let num_machines = flags.num_machines.or(file.map(|f| f.num_machines)).unwrap_or(1);
         if num_machines == 0 {
@@ -165,9 +170,15 @@ impl LaunchPlan {
                  main_process_ip:main_process_port with fixed machine ranks (like `static`)"
             ));
         }
-        let parallelism = file.and_then(|f| f.parallelism_config.clone());
+        let parallelism = resolve_parallelism(flags, file.and_then(|f| f.parallelism_config.as_ref()));
         if let Some(p) = &parallelism {
-            p.validate(num_processes)?;
+            p.resolve(num_processes)?;
+            if let Err(e) = p.check_accelerator_support() {
+                warnings.push(format!(
+                    "{e} (launching anyway: only a program that lays out a ddp_core::DeviceMesh itself can run this \
+                     layout)"
+                ));
+            }
         }
         let tee = match (&flags.log_dir, &flags.tee) {
             (None, _) => true,
@@ -237,9 +248,7 @@ impl LaunchPlan {
         }
         if let Some(p) = &self.parallelism {
             env.push((USE_PARALLELISM_CONFIG_ENV.to_string(), "true".to_string()));
-            for (name, size) in p.sizes() {
-                env.push((format!("PARALLELISM_CONFIG_{}_SIZE", name.to_ascii_uppercase()), size.to_string()));
-            }
+            env.extend(p.env_vars());
         }
         env
     }
@@ -278,6 +287,34 @@ impl LaunchPlan {
             self.program.display()
         )
     }
+}
+
+/// The config file's `parallelism_config` block with each `--parallelism-config-*` flag given overriding its
+/// size; `None` when neither the file nor a flag names one.
+fn resolve_parallelism(flags: &LaunchArgs, file: Option<&ParallelismConfig>) -> Option<ParallelismConfig> {
+    let given = [
+        flags.parallelism_config_dp_replicate_size,
+        flags.parallelism_config_dp_shard_size,
+        flags.parallelism_config_tp_size,
+        flags.parallelism_config_pp_size,
+        flags.parallelism_config_cp_size,
+    ];
+    if file.is_none() && given.iter().all(Option::is_none) {
+        return None;
+    }
+    let mut p = file.cloned().unwrap_or_default();
+    for (flag, slot) in given.into_iter().zip([
+        &mut p.dp_replicate_size,
+        &mut p.dp_shard_size,
+        &mut p.tp_size,
+        &mut p.pp_size,
+        &mut p.cp_size,
+    ]) {
+        if let Some(n) = flag {
+            *slot = n as usize;
+        }
+    }
+    Some(p)
 }
 
 /// Checks that `program` can be started: a path must name an existing file, a bare name must be on PATH.
@@ -445,6 +482,63 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("fp8") && e.contains("bf16"), "{e}");
+    }
+
+    #[test]
+    fn parallelism_flags_override_the_file_and_reach_the_workers() {
+        let tp2 = LaunchArgs { num_processes: Some(4), parallelism_config_tp_size: Some(2), ..flags("p") };
+        // tp 2 alone on 4 processes: the product is 2, and the message says what fits.
+        let e = LaunchPlan::resolve(&tp2, None).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "invalid configuration parallelism_config = \"dp_replicate 1 × dp_shard 1 × tp 2 × pp 1 × cp 1\": the \
+             sizes multiply to 2 but the job has 4 processes; with tp 2 and 4 processes set dp_replicate_size 2"
+        );
+        let f = LaunchArgs { parallelism_config_dp_replicate_size: Some(2), ..tp2.clone() };
+        let p = LaunchPlan::resolve(&f, None).unwrap();
+        assert!(p.warnings.is_empty(), "{:?}", p.warnings);
+        let env = p.worker_env();
+        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        assert_eq!(get("ACCELERATE_USE_PARALLELISM_CONFIG"), Some("true"));
+        assert_eq!(get("PARALLELISM_CONFIG_TP_SIZE"), Some("2"));
+        assert_eq!(get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE"), Some("2"));
+        assert_eq!(get("PARALLELISM_CONFIG_PP_SIZE"), Some("1"));
+        // What the workers read back is the launch's layout.
+        let back = accel::AcceleratorConfig::from_lookup(|k| get(k).map(str::to_string)).unwrap();
+        assert_eq!(back.parallelism, ParallelismConfig::data_parallel(2).with_tp_size(2));
+        // The file's block, with a flag overriding one size.
+        let file = AccelerateConfig {
+            num_processes: Some(8),
+            parallelism_config: Some(ParallelismConfig::data_parallel(4).with_tp_size(2)),
+            ..AccelerateConfig::default()
+        };
+        let f = LaunchArgs {
+            parallelism_config_tp_size: Some(4),
+            parallelism_config_dp_replicate_size: Some(2),
+            ..flags("p")
+        };
+        let p = LaunchPlan::resolve(&f, Some(&file)).unwrap();
+        assert_eq!(p.parallelism, Some(ParallelismConfig::data_parallel(2).with_tp_size(4)));
+        let p = LaunchPlan::resolve(&flags("p"), Some(&file)).unwrap();
+        assert_eq!(p.parallelism, Some(ParallelismConfig::data_parallel(4).with_tp_size(2)));
+        // No block and no flag: nothing passed, the workers run data parallel over all processes.
+        let p = LaunchPlan::resolve(&LaunchArgs { num_processes: Some(4), ..flags("p") }, None).unwrap();
+        assert_eq!(p.parallelism, None);
+        assert!(p.worker_env().iter().all(|(k, _)| !k.starts_with("PARALLELISM_CONFIG_")));
+        // cp is refused; pp and dp_shard launch with a warning (the Accelerator refuses them, a mesh can use them).
+        let e = LaunchPlan::resolve(&LaunchArgs { parallelism_config_cp_size: Some(2), ..tp2.clone() }, None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.ends_with("context parallelism is not implemented yet; set cp_size to 1"), "{e}");
+        let p = LaunchPlan::resolve(&LaunchArgs { parallelism_config_pp_size: Some(2), ..tp2 }, None).unwrap();
+        assert_eq!(p.warnings.len(), 1);
+        assert!(
+            p.warnings[0].contains("cannot train with pipeline parallelism yet")
+                && p.warnings[0]
+                    .ends_with("only a program that lays out a ddp_core::DeviceMesh itself can run this layout)"),
+            "{:?}",
+            p.warnings
+        );
     }
 
     #[test]

@@ -6,6 +6,12 @@
 use clap::Parser;
 use std::process::ExitCode;
 
+/// Global allocator: mimalloc keeps freed blocks for reuse, where glibc's malloc returns large ones to the kernel
+/// and faults them in again on the next step (candle allocates every temporary anew: thousands of page faults per
+/// training step). Measured in docs/benchmarks.md ("Allocator").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let cli = accel_cli::Cli::parse();
     // Warnings from the libraries (and the config-file reader) reach the user; RUST_LOG overrides the level.

@@ -25,8 +25,9 @@ pub struct MachineDefaults {
 /// Asks the questions on `input`, writing prompts and complaints to `out`, and returns the config.
 ///
 /// Order: CPU or GPU; number of machines; for several machines this machine's rank, the main machine's address
-/// and port and whether all share a network; total number of processes; GPU ids; mixed precision; and, for more
-/// than one process, an optional parallelism layout. Errors: [`CliError::Questionnaire`] when the input ends or a
+/// and port and whether all share a network; total number of processes; for more than one process the
+/// tensor-parallel and pipeline-parallel sizes (the data-parallel size is what remains: processes / (tp × pp)); GPU
+/// ids; mixed precision. A `parallelism_config` block is written only when tp or pp is above 1. Errors: [`CliError::Questionnaire`] when the input ends or a
 /// question got [`MAX_ATTEMPTS`] invalid answers.
 pub fn ask(input: &mut dyn BufRead, out: &mut dyn Write, machine: MachineDefaults) -> CliResult<AccelerateConfig> {
     let mut q = Asker { input, out };
@@ -104,6 +105,9 @@ pub fn ask(input: &mut dyn BufRead, out: &mut dyn Write, machine: MachineDefault
             machine.gpus
         ))?;
     }
+    if num_processes > 1 {
+        cfg.parallelism_config = ask_parallelism(&mut q, num_processes, per_machine)?;
+    }
 
     if !use_cpu {
         let ids = q.ask("Which GPUs should be used (comma-separated indices, or `all`)?", Some("all"), |s| {
@@ -132,43 +136,50 @@ pub fn ask(input: &mut dyn BufRead, out: &mut dyn Write, machine: MachineDefault
             _ => Err(format!("choose one of {}", MixedPrecision::CHOICES)),
         })?;
 
-    if num_processes > 1
-        && q.ask("Write a parallelism config (dp_replicate/dp_shard/tp/cp sizes)? [yes/no]", Some("no"), yes_no)?
-    {
-        cfg.parallelism_config = Some(ask_parallelism(&mut q, num_processes)?);
-    }
     Ok(cfg)
 }
 
-/// The four sizes; dp_replicate must make up the whole job since accel implements data parallelism only.
-fn ask_parallelism(q: &mut Asker<'_>, num_processes: usize) -> CliResult<ParallelismConfig> {
-    let dp = q.ask(
-        &format!("Data-parallel replicas (dp_replicate size; must equal the {num_processes} processes)?"),
-        Some(&num_processes.to_string()),
-        |s| {
-            let n = positive("dp_replicate size", s)?;
-            if n != num_processes {
-                return Err(format!(
-                    "accel implements data parallelism only, so dp_replicate must be the number of processes ({num_processes})"
-                ));
-            }
-            Ok(n)
-        },
-    )?;
-    let mut cfg = ParallelismConfig::data_parallel(dp);
-    for (name, slot) in
-        [("dp_shard (FSDP)", &mut cfg.dp_shard_size), ("tp", &mut cfg.tp_size), ("cp", &mut cfg.cp_size)]
-    {
-        *slot = q.ask(&format!("{name} size?"), Some("1"), |s| {
-            let n = positive("size", s)?;
-            if n != 1 {
-                return Err(format!("accel has no {name} parallelism; only 1 is supported"));
-            }
-            Ok(n)
-        })?;
+/// The tensor-parallel and pipeline-parallel sizes (each must divide what is left of the processes); `None` when
+/// both are 1 (data parallelism over all processes needs no block).
+fn ask_parallelism(
+    q: &mut Asker<'_>,
+    num_processes: usize,
+    per_machine: usize,
+) -> CliResult<Option<ParallelismConfig>> {
+    let tp = q.ask("Tensor-parallel size (tp: processes that split each layer; 1 = off)?", Some("1"), |s| {
+        dividing("tp", s, num_processes)
+    })?;
+    if tp > per_machine {
+        q.say(&format!(
+            "  warning: tp {tp} is more than the {per_machine} processes of a machine: every layer will talk across \
+             machines (keep tp within a machine when you can)\n"
+        ))?;
     }
-    cfg.validate(num_processes)?;
-    Ok(cfg)
+    let pp = q.ask("Pipeline-parallel size (pp: pipeline stages; 1 = off)?", Some("1"), |s| {
+        dividing("pp", s, num_processes / tp)
+    })?;
+    let p = ParallelismConfig::data_parallel(num_processes / (tp * pp)).with_tp_size(tp).with_pp_size(pp);
+    if let Err(e) = p.check_accelerator_support() {
+        q.say(&format!(
+            "  note: {e}; the config is written anyway (a program that lays out a ddp_core::DeviceMesh itself can run \
+             it)\n"
+        ))?;
+    }
+    Ok((tp > 1 || pp > 1).then_some(p))
+}
+
+/// A size ≥ 1 that divides `processes` (what is left of the job for this dimension and the ones after it).
+fn dividing(what: &str, s: &str, processes: usize) -> Result<usize, String> {
+    let n = positive(&format!("{what} ranks"), s)?;
+    if !processes.is_multiple_of(n) {
+        let divisors: Vec<String> =
+            (1..=processes).filter(|d| processes.is_multiple_of(*d)).map(|d| d.to_string()).collect();
+        return Err(format!(
+            "{what} {n} does not divide the {processes} processes left for it; choose one of {}",
+            divisors.join(", ")
+        ));
+    }
+    Ok(n)
 }
 
 struct Asker<'a> {
@@ -278,7 +289,8 @@ mod tests {
 
     #[test]
     fn multi_machine_answers_are_recorded() {
-        let (cfg, _) = run("gpu\n2\n1\n10.1.2.3\n6000\nno\n8\n0,1,2,3\nbf16\nyes\n\n\n\n\n", 0);
+        // gpu; 2 machines; rank 1; address; port; not the same network; 8 processes; tp 2; pp 1; ids; bf16.
+        let (cfg, _) = run("gpu\n2\n1\n10.1.2.3\n6000\nno\n8\n2\n\n0,1,2,3\nbf16\n", 0);
         let cfg = cfg.unwrap();
         assert!(!cfg.use_cpu);
         assert_eq!((cfg.num_machines, cfg.machine_rank, cfg.num_processes), (2, 1, Some(8)));
@@ -288,16 +300,17 @@ mod tests {
         assert_eq!(cfg.gpu_ids.as_deref(), Some("0,1,2,3"));
         assert_eq!(cfg.mixed_precision, MixedPrecision::Bf16);
         assert_eq!(cfg.distributed_type, DistributedType::MultiGpu);
-        assert_eq!(cfg.parallelism_config, Some(ParallelismConfig::data_parallel(8)));
+        assert_eq!(cfg.parallelism_config, Some(ParallelismConfig::data_parallel(4).with_tp_size(2)));
     }
 
     #[test]
     fn invalid_answers_are_asked_again() {
-        let (cfg, out) = run("cpu\n2\n0\n127.0.0.1\n0\n29501\nyes\n3\n4\nfp8\nfp16\nno\n", 0);
+        let (cfg, out) = run("cpu\n2\n0\n127.0.0.1\n0\n29501\nyes\n3\n4\n\n\nfp8\nfp16\n", 0);
         let cfg = cfg.unwrap();
         assert_eq!(cfg.num_processes, Some(4));
         assert_eq!(cfg.main_process_port, Some(29501));
         assert_eq!(cfg.mixed_precision, MixedPrecision::Fp16);
+        assert_eq!(cfg.parallelism_config, None, "tp 1 and pp 1: no block");
         assert!(out.contains("cannot be spread evenly over 2 machines"), "{out}");
         assert!(out.contains("invalid answer \"fp8\""), "{out}");
         assert!(out.contains("fixed port"), "{out}");
@@ -317,10 +330,29 @@ mod tests {
     }
 
     #[test]
-    fn unsupported_parallelism_is_refused() {
-        let (cfg, out) = run("cpu\n1\n2\nno\nyes\n2\n1\n2\n1\n1\n", 0);
-        assert_eq!(cfg.unwrap().parallelism_config, Some(ParallelismConfig::data_parallel(2)));
-        assert!(out.contains("accel has no tp parallelism"), "{out}");
+    fn tp_and_pp_sizes_are_asked_after_the_processes_and_must_divide_them() {
+        // cpu; 1 machine; 4 processes; tp 3 (refused) then 2; pp 4 (refused: 2 processes are left) then 1; no.
+        let (cfg, out) = run("cpu\n1\n4\n3\n2\n4\n\nno\n", 0);
+        assert_eq!(cfg.unwrap().parallelism_config, Some(ParallelismConfig::data_parallel(2).with_tp_size(2)));
+        assert!(
+            out.contains(
+                "invalid answer \"3\": tp 3 does not divide the 4 processes left for it; choose one of 1, 2, 4"
+            ),
+            "{out}"
+        );
+        assert!(out.contains("invalid answer \"4\": pp 4 does not divide the 2 processes left for it"), "{out}");
+        // pp 2 is written, with a note that the Accelerator cannot train it yet.
+        let (cfg, out) = run("cpu\n1\n4\n2\n2\nno\n", 0);
+        let p = cfg.unwrap().parallelism_config.unwrap();
+        assert_eq!((p.dp_replicate_size, p.tp_size, p.pp_size), (1, 2, 2));
+        assert!(
+            out.contains("note: invalid configuration parallelism_config_pp_size = \"2\": the Accelerator"),
+            "{out}"
+        );
+        // tp wider than a machine: a warning.
+        let (cfg, out) = run("cpu\n2\n0\n10.0.0.1\n\nyes\n4\n4\n\nno\n", 0);
+        assert_eq!(cfg.unwrap().parallelism_config, Some(ParallelismConfig::data_parallel(1).with_tp_size(4)));
+        assert!(out.contains("warning: tp 4 is more than the 2 processes of a machine"), "{out}");
     }
 
     #[test]
@@ -334,8 +366,8 @@ mod tests {
 
     #[test]
     fn gpus_this_machine_cannot_see_are_warned_about_and_too_few_gpu_ids_refused() {
-        // gpu; 1 machine; 2 processes; `0` (refused: 2 processes need 2 ids) then `0,1`; no; no parallelism.
-        let (cfg, out) = run("gpu\n1\n2\n0\n0,1\nno\nno\n", 0);
+        // gpu; 1 machine; 2 processes; tp 1; pp 1; `0` (refused: 2 processes need 2 ids) then `0,1`; no.
+        let (cfg, out) = run("gpu\n1\n2\n\n\n0\n0,1\nno\n", 0);
         let cfg = cfg.unwrap();
         assert_eq!((cfg.gpu_ids.as_deref(), cfg.distributed_type), (Some("0,1"), DistributedType::MultiGpu));
         assert!(
@@ -346,12 +378,12 @@ mod tests {
             out.contains("invalid answer \"0\": 2 GPU processes per machine need 2 GPU ids, but \"0\" names 1"),
             "{out}"
         );
-        let mut input = "gpu\n1\n4\nall\nno\nno\n".as_bytes();
+        let mut input = "gpu\n1\n4\n\n\nall\nno\n".as_bytes();
         let mut out = Vec::new();
         ask(&mut input, &mut out, MachineDefaults { gpus: 0, cuda_compiled: true }).unwrap();
         let out = String::from_utf8(out).unwrap();
         assert!(out.contains("warning: no GPU is visible on this machine"), "{out}");
-        let (_, out) = run("gpu\n1\n4\nall\nno\nno\n", 2);
+        let (_, out) = run("gpu\n1\n4\n\n\nall\nno\n", 2);
         assert!(out.contains("warning: 4 processes per machine, but 2 GPU(s) are visible here"), "{out}");
         assert!(!out.contains("no GPU is visible"), "{out}");
     }

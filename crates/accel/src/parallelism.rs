@@ -309,15 +309,15 @@ impl ParallelismConfig {
     /// [`ddp_core::DeviceMesh`] layouts (level-1 code may use them) but the Accelerator has neither pipeline
     /// schedules nor sharded optimizer state yet.
     ///
-    /// Errors: [`AccelError::Config`] naming the size and the issue that adds it.
+    /// Errors: [`AccelError::Config`] naming the size and what to use instead.
     pub fn check_accelerator_support(&self) -> Result<()> {
         if self.pp_size > 1 {
             return Err(AccelError::Config {
                 key: "parallelism_config_pp_size".into(),
                 value: self.pp_size.to_string(),
-                reason: "the Accelerator cannot train with pipeline parallelism yet (it comes with the ND-parallel \
-                         issue \"pipeline parallelism\", after issue 10; a ddp_core::DeviceMesh can already lay pp \
-                         out); set pp_size to 1"
+                reason: "the Accelerator cannot train with pipeline parallelism yet (a ddp_core::DeviceMesh can \
+                         already lay pp out, but accel has no pipeline schedule); set pp_size to 1 and use tp_size \
+                         or dp_replicate_size"
                     .into(),
             });
         }
@@ -325,10 +325,9 @@ impl ParallelismConfig {
             return Err(AccelError::Config {
                 key: "parallelism_config_dp_shard_size".into(),
                 value: self.dp_shard_size.to_string(),
-                reason: "the Accelerator cannot train with sharded data parallelism (ZeRO / FSDP) yet (it comes with \
-                         the ND-parallel issue \"sharded data parallelism\", after issue 10; a ddp_core::DeviceMesh \
-                         can already lay dp_shard out); set dp_shard_size to 1 and use dp_replicate_size for data \
-                         parallelism"
+                reason: "the Accelerator cannot train with sharded data parallelism (ZeRO / FSDP) yet (a \
+                         ddp_core::DeviceMesh can already lay dp_shard out, but accel does not shard optimizer state \
+                         yet); set dp_shard_size to 1 and use dp_replicate_size for data parallelism"
                     .into(),
             });
         }
@@ -448,11 +447,11 @@ mod tests {
     }
 
     #[test]
-    fn the_accelerator_refuses_pp_and_dp_shard_naming_the_issue() {
+    fn the_accelerator_refuses_pp_and_dp_shard_saying_what_to_use() {
         ParallelismConfig::default().with_tp_size(4).check_accelerator_support().unwrap();
         let e = ParallelismConfig::default().with_pp_size(2).check_accelerator_support().unwrap_err().to_string();
         assert!(e.starts_with("invalid configuration parallelism_config_pp_size = \"2\": the Accelerator cannot"));
-        assert!(e.contains("pipeline parallelism") && e.ends_with("set pp_size to 1"), "{e}");
+        assert!(e.contains("pipeline parallelism") && e.contains("set pp_size to 1"), "{e}");
         let e = ParallelismConfig::default().with_dp_shard_size(2).check_accelerator_support().unwrap_err();
         let e = e.to_string();
         assert!(e.contains("sharded data parallelism") && e.contains("set dp_shard_size to 1"), "{e}");

@@ -23,6 +23,12 @@ use clap::Parser;
 use std::path::PathBuf;
 use std::time::Instant;
 
+/// Global allocator: mimalloc keeps freed blocks for reuse, where glibc's malloc returns large ones to the kernel
+/// and faults them in again on the next step (candle allocates every temporary anew: thousands of page faults per
+/// training step). Measured in docs/benchmarks.md ("Allocator").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Train the MNIST MLP (784-256-10) with the Accelerator on the shipped 10k/10k MNIST subsets.
 #[derive(Parser, Debug)]
 #[command(about)]

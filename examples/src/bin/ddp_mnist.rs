@@ -15,11 +15,17 @@ use std::time::Instant;
 
 use accel_examples::{correct_count, default_data_dir, load_mnist, seed_parameters, Mlp, Mnist};
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Module};
+use candle_core::{DType, Device, Module, Var};
 use candle_nn::{VarBuilder, VarMap};
 use clap::Parser;
 use ddp_core::optim::{grads_for, AdamW, AdamWConfig, Optimizer};
 use ddp_core::{DdpOptions, DistributedDataParallel, DistributedSampler, ProcessGroup, ReduceOp};
+
+/// Global allocator: mimalloc keeps freed blocks for reuse, where glibc's malloc returns large ones to the kernel
+/// and faults them in again on the next step (candle allocates every temporary anew: thousands of page faults per
+/// training step). Measured in docs/benchmarks.md ("Allocator").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// Data-parallel MNIST training with raw ddp-core (level 1).
 #[derive(Parser, Debug)]
@@ -83,8 +89,8 @@ fn train(cli: &Cli, pg: &ProcessGroup) -> Result<()> {
     seed_parameters(&varmap, cli.seed)?;
     let ddp = DistributedDataParallel::new(pg, &varmap, DdpOptions::default())?;
     // ddp-core's AdamW (torch.optim.AdamW's defaults, saveable state), the one the Accelerator and the Trainer
-    // use. Its per-parameter state follows the order of `vars`, so the list is taken once.
-    let vars = varmap.all_vars();
+    // use. Its per-parameter state follows the order of `vars`: DDP's registration order (sorted names), fixed.
+    let vars: Vec<Var> = ddp.named_vars().iter().map(|(_, v)| v.clone()).collect();
     let mut opt = AdamW::new(AdamWConfig::new(cli.lr))?;
 
     // Each rank reads its own shard of a per-epoch shuffle; every rank uses the same seed.

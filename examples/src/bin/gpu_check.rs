@@ -23,6 +23,12 @@ use ddp_core::{BackendKind, DdpOptions, DistributedDataParallel, InitOptions, Pr
 use std::path::PathBuf;
 use std::time::Instant;
 
+/// Global allocator: mimalloc keeps freed blocks for reuse, where glibc's malloc returns large ones to the kernel
+/// and faults them in again on the next step (candle allocates every temporary anew: thousands of page faults per
+/// training step). Measured in docs/benchmarks.md ("Allocator").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser, Debug)]
 #[command(about = "Checks NCCL collectives and CUDA training (f32, bf16) against the CPU on this GPU machine")]
 struct Args {

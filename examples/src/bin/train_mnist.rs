@@ -33,6 +33,12 @@ use clap::Parser;
 use trainer::hpsearch::{HyperparameterSearch, Params, TrialState};
 use trainer::{losses, metrics, IntervalStrategy, SaveStrategy, Trainer, TrainingArguments, TrainingArgumentsCli};
 
+/// Global allocator: mimalloc keeps freed blocks for reuse, where glibc's malloc returns large ones to the kernel
+/// and faults them in again on the next step (candle allocates every temporary anew: thousands of page faults per
+/// training step). Measured in docs/benchmarks.md ("Allocator").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Train an MLP on MNIST with the Trainer, data-parallel over several processes.
 #[derive(Parser, Debug)]
 #[command(name = "train_mnist", version)]

@@ -41,7 +41,7 @@ fn model_config(vocab_size: usize) -> GptConfig {
 }
 
 /// The global batch of step `step`: `GLOBAL_BATCH` windows (inputs, next-character targets), deterministic.
-fn global_batch(ids: &[u32], step: usize) -> Vec<(Vec<u32>, Vec<u32>)> {
+fn global_batch(ids: &[u32], step: usize) -> Vec<Window> {
     (0..GLOBAL_BATCH)
         .map(|i| {
             let start = (step * 7919 + i * 1013) % (ids.len() - SEQ - 1);
@@ -50,10 +50,14 @@ fn global_batch(ids: &[u32], step: usize) -> Vec<(Vec<u32>, Vec<u32>)> {
         .collect()
 }
 
-fn to_tensors(rows: &[(Vec<u32>, Vec<u32>)], device: &Device) -> (Tensor, Tensor) {
-    let flat = |f: fn(&(Vec<u32>, Vec<u32>)) -> &Vec<u32>| rows.iter().flat_map(|r| f(r).clone()).collect::<Vec<_>>();
-    let x = Tensor::from_vec(flat(|r| &r.0), (rows.len(), SEQ), device).unwrap();
-    let y = Tensor::from_vec(flat(|r| &r.1), (rows.len(), SEQ), device).unwrap();
+/// One training window: input ids and next-character targets.
+type Window = (Vec<u32>, Vec<u32>);
+
+fn to_tensors(rows: &[Window], device: &Device) -> (Tensor, Tensor) {
+    let inputs: Vec<u32> = rows.iter().flat_map(|r| r.0.clone()).collect();
+    let targets: Vec<u32> = rows.iter().flat_map(|r| r.1.clone()).collect();
+    let x = Tensor::from_vec(inputs, (rows.len(), SEQ), device).unwrap();
+    let y = Tensor::from_vec(targets, (rows.len(), SEQ), device).unwrap();
     (x, y)
 }
 

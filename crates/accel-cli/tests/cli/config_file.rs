@@ -60,15 +60,36 @@ fn reads_a_two_machine_fsdp_file_and_warns_about_what_accel_ignores() {
             cp_size: 1,
             dp_replicate_size: 2,
             dp_shard_size: 2,
+            pp_size: 1,
             tp_size: 1
         })
     );
     let all = loaded.warnings.join("\n");
     assert!(all.contains("fsdp_config") && all.contains("FSDP"), "{all}");
-    // Launching its dp_shard layout is refused with a reason.
+    // Its dp_shard layout is a valid mesh (2 × 2 = 4 processes) that the Accelerator cannot train yet: launched
+    // with a warning saying so.
     let flags = LaunchArgs { program: "prog".into(), ..LaunchArgs::default() };
+    let plan = LaunchPlan::resolve(&flags, Some(c)).unwrap();
+    let all = plan.warnings.join("\n");
+    assert!(
+        all.contains(
+            "parallelism_config_dp_shard_size = \"2\": the Accelerator cannot train with sharded data \
+                      parallelism (ZeRO / FSDP) yet"
+        ),
+        "{all}"
+    );
+    let env = plan.worker_env();
+    assert!(env.contains(&("PARALLELISM_CONFIG_DP_SHARD_SIZE".to_string(), "2".to_string())), "{env:?}");
+    // A layout whose product is not the process count is refused, naming what fits.
+    let flags = LaunchArgs { program: "prog".into(), parallelism_config_tp_size: Some(2), ..LaunchArgs::default() };
     let e = LaunchPlan::resolve(&flags, Some(c)).unwrap_err().to_string();
-    assert!(e.contains("dp_shard_size") && e.contains("data parallelism"), "{e}");
+    assert!(
+        e.ends_with(
+            "the sizes multiply to 8 but the job has 4 processes; with dp_shard 2, tp 2 and 4 processes set \
+                     dp_replicate_size 1"
+        ),
+        "{e}"
+    );
 }
 
 #[test]
