@@ -107,6 +107,7 @@ pub struct Trainer<M, D> {
     pub(crate) compute_metrics: Option<ComputeMetrics>,
     user_callbacks: Vec<Box<dyn TrainerCallback>>,
     process_group: Option<ProcessGroup>,
+    parallelism: Option<accel::ParallelismConfig>,
     pub(crate) rt: Option<Runtime<M, D>>,
     pub(crate) state: TrainerState,
     pub(crate) control: TrainerControl,
@@ -248,6 +249,7 @@ where
             compute_metrics: None,
             user_callbacks: Vec::new(),
             process_group: None,
+            parallelism: None,
             rt: None,
             state: TrainerState::default(),
             control: TrainerControl::default(),
@@ -273,6 +275,14 @@ where
     /// Runs on this process group instead of the one described by the environment (tests run ranks as threads).
     pub fn process_group(mut self, pg: ProcessGroup) -> Self {
         self.process_group = Some(pg);
+        self
+    }
+
+    /// Lays the processes out with these parallel sizes (e.g. `ParallelismConfig::default().with_tp_size(2)
+    /// .with_dp_replicate_size(2)` on 4 ranks) instead of the environment's `PARALLELISM_CONFIG_*` (HF's
+    /// `TrainingArguments.parallelism_config`). Errors at setup: the sizes do not multiply to the world size.
+    pub fn parallelism_config(mut self, parallelism: accel::ParallelismConfig) -> Self {
+        self.parallelism = Some(parallelism);
         self
     }
 
@@ -352,6 +362,9 @@ where
             cfg.gradient_accumulation_steps = self.args.gradient_accumulation_steps;
         }
         cfg.seed = Some(self.args.seed);
+        if let Some(p) = &self.parallelism {
+            cfg.parallelism = p.clone();
+        }
         self.args.mixed_precision = cfg.mixed_precision;
         self.args.gradient_accumulation_steps = cfg.gradient_accumulation_steps;
         Ok(match self.process_group.take() {

@@ -1,6 +1,8 @@
 //! `Trainer::new_parallel` (a model built from the Accelerator's `ParamBuilder`) and the tp-aware loss
 //! `losses::VocabParallelCrossEntropy`: a bigram language model (vocab-parallel embedding → column-parallel head
-//! with a padded vocabulary) trained by the Trainer is reproducible for a seed, learns, and evaluates its loss.
+//! with a padded vocabulary) trained by the Trainer is reproducible for a seed, learns, and evaluates its loss;
+//! split over tp2 and dp2 × tp2 (ranks as threads) it logs the single process's losses with the global batch
+//! held fixed; a tp-split model's evaluation refuses `compute_metrics`.
 
 use std::path::Path;
 
@@ -11,7 +13,8 @@ use accel::tensor_parallel::{
 use candle_core::{Device, Module, Tensor};
 use trainer::{losses, IntervalStrategy, ReportTo, SaveStrategy, Trainer, TrainingArguments};
 
-use crate::common::snapshot;
+use crate::common::{run_ranks, snapshot};
+use accel::ParallelismConfig;
 
 const VOCAB: usize = 5;
 const SEQ: usize = 6;
@@ -106,4 +109,78 @@ fn new_parallel_is_reproducible_and_learns() {
     let eval = a.evaluate().unwrap();
     let loss = eval["eval_loss"];
     assert!(loss < 0.5, "eval loss {loss} (ln 5 = 1.61 before training)");
+}
+
+/// (logged training losses, final eval loss, train_batch_size) of a run on `world` ranks laid out by `layout`,
+/// `per_device` sequences per replica, 3 evaluations of the loss on the way.
+fn layout_run(world: usize, layout: ParallelismConfig, per_device: usize) -> Vec<(Vec<f64>, f64, u64)> {
+    run_ranks(world, move |pg| {
+        let dir = tempfile::tempdir().unwrap();
+        let mut args = args(dir.path());
+        args.per_device_train_batch_size = per_device;
+        args.eval_strategy = IntervalStrategy::Steps;
+        args.eval_steps = Some(10.0);
+        let mut t = Trainer::new_parallel(
+            args,
+            Bigram::new,
+            walks(64),
+            Some(walks(20)),
+            losses::VocabParallelCrossEntropy { vocab_size: VOCAB },
+        )
+        .process_group(pg)
+        .parallelism_config(layout.clone());
+        t.train().unwrap();
+        let state = t.state();
+        let losses: Vec<f64> = state.log_history.iter().filter_map(|e| e.get("loss")).collect();
+        let evals: Vec<f64> = state.log_history.iter().filter_map(|e| e.get("eval_loss")).collect();
+        assert_eq!((losses.len(), evals.len()), (3, 3), "{:?}", state.log_history);
+        (losses, *evals.last().unwrap(), state.train_batch_size)
+    })
+}
+
+/// tp2 and dp2 × tp2 give the single process's logged losses and eval losses (relative 1e-5, f32: the
+/// vocab-parallel loss and the row sums add in another order), with the global batch held fixed (16
+/// sequences: 16 per replica at dp 1, 8 at dp 2); train_batch_size counts the data-parallel replicas only.
+#[test]
+fn tp2_and_dp2_tp2_log_the_single_process_losses() {
+    let reference = layout_run(1, ParallelismConfig::default(), 16).pop().unwrap();
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * b.abs().max(1e-3);
+    for (world, layout, per_device) in [
+        (2, ParallelismConfig::default().with_tp_size(2), 16),
+        (4, ParallelismConfig::default().with_tp_size(2).with_dp_replicate_size(2), 8),
+    ] {
+        for (rank, (losses, eval, batch)) in layout_run(world, layout.clone(), per_device).into_iter().enumerate() {
+            assert_eq!(batch, 16, "{layout:?} rank {rank}");
+            assert!(
+                losses.iter().zip(&reference.0).all(|(a, b)| close(*a, *b)) && close(eval, reference.1),
+                "{layout:?} rank {rank}: losses {losses:?} eval {eval} vs {:?} {}",
+                reference.0,
+                reference.1
+            );
+        }
+    }
+}
+
+/// compute_metrics would gather vocabulary shards: refused at tp 2 before training, naming the fix.
+#[test]
+fn compute_metrics_is_refused_for_a_tp_split_model() {
+    let errors = run_ranks(2, |pg| {
+        let dir = tempfile::tempdir().unwrap();
+        let mut args = args(dir.path());
+        args.eval_strategy = IntervalStrategy::Steps;
+        let mut t = Trainer::new_parallel(
+            args,
+            Bigram::new,
+            walks(64),
+            Some(walks(20)),
+            losses::VocabParallelCrossEntropy { vocab_size: VOCAB },
+        )
+        .process_group(pg)
+        .parallelism_config(ParallelismConfig::default().with_tp_size(2))
+        .compute_metrics(trainer::metrics::classification);
+        t.train().unwrap_err().to_string()
+    });
+    for e in errors {
+        assert!(e.contains("split over 2 tensor-parallel ranks") && e.contains("drop compute_metrics"), "{e}");
+    }
 }
