@@ -163,7 +163,7 @@ fn train(args: &Args) -> anyhow::Result<()> {
     cfg.seed = Some(args.seed);
     let acc = Accelerator::new(cfg)?; // accel: process group, mesh (dp × tp), device, precision
     let tp = acc.tensor_parallel().clone(); // accel: this rank's tp group
-    let dp = acc.world_size() / tp.size();
+    let dp = acc.data_parallel_size();
 
     let path = text_path(args);
     let data = TextDataset::from_file(&path, args.block_size).with_context(|| format!("loading {}", path.display()))?;
@@ -213,6 +213,8 @@ fn train(args: &Args) -> anyhow::Result<()> {
     let start = Instant::now();
     // Throughput is measured after the first logged interval (allocation, first-touch and thread-pool start-up).
     let mut measured: Option<(Instant, u64)> = None;
+    // The tp group's collective payload over the measured interval (ddp_core::traffic counters).
+    let mut tp_traffic_at_start = acc.mesh().tp().traffic();
     let (mut step, mut epoch) = (0u64, 0u64);
     let (mut loss_sum, mut loss_count) = (0f64, 0usize);
     let mut last_loss = f64::NAN;
@@ -253,6 +255,7 @@ fn train(args: &Args) -> anyhow::Result<()> {
                 ));
                 if measured.is_none() {
                     measured = Some((Instant::now(), step));
+                    tp_traffic_at_start = acc.mesh().tp().traffic();
                 }
                 (loss_sum, loss_count) = (0.0, 0);
             }
@@ -263,6 +266,8 @@ fn train(args: &Args) -> anyhow::Result<()> {
         epoch += 1;
     }
     let elapsed = start.elapsed().as_secs_f64();
+    let tp_traffic = acc.mesh().tp().traffic() - tp_traffic_at_start;
+    let measured_steps = measured.map_or(step, |(_, s0)| step - s0).max(1);
     let throughput = match measured {
         Some((t0, s0)) if step > s0 => (step - s0) as f64 * tokens_per_step / t0.elapsed().as_secs_f64().max(1e-9),
         _ => step as f64 * tokens_per_step / elapsed.max(1e-9),
@@ -272,12 +277,30 @@ fn train(args: &Args) -> anyhow::Result<()> {
          (dp {dp} × tp {})",
         tp.size()
     ));
+    if tp.size() > 1 {
+        // Megatron-LM (Shoeybi et al. 2019, §3): per layer and micro-batch, two all-reduces of the [b, s, h]
+        // activations forward (after attention and after the MLP) and two backward (the input gradients of their
+        // column-parallel layers) = 4·b·s·h·bytes of all-reduce payload. The embedding (forward), the head
+        // (backward), the vocab-parallel loss and the gradient norm add the rest.
+        let bytes = acc.compute_dtype().size_in_bytes();
+        let per_layer = 4 * args.batch_size * args.block_size * gpt_cfg.d_model * bytes;
+        acc.print(format!(
+            "tp traffic per optimizer step (rank {}): {} B of all-reduce payload in {} calls, {} B of all-gather; \
+             formula 4·b·s·h·bytes per layer per micro-batch × {} layers × {ga} micro-batches = {} B",
+            acc.rank(),
+            tp_traffic.all_reduce.bytes / measured_steps,
+            tp_traffic.all_reduce.calls / measured_steps,
+            tp_traffic.all_gather.bytes / measured_steps,
+            gpt_cfg.n_layer,
+            per_layer * gpt_cfg.n_layer * ga
+        ));
+    }
     acc.wait_for_everyone()?;
     // Every rank reports its own peak; the launcher prefixes the lines with [rank r].
     println!(
         "rank {} (dp {} tp {}): peak RSS {:.1} MiB",
         acc.rank(),
-        acc.rank() / tp.size(),
+        acc.data_parallel_rank(),
         tp.rank(),
         peak_rss_mib()
     );
