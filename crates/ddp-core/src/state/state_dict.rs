@@ -99,19 +99,15 @@ pub fn save_safetensors(tensors: &BTreeMap<String, Tensor>, path: &Path) -> Resu
         .iter()
         .map(|(k, t)| Ok((k.clone(), t.to_device(&Device::Cpu)?.contiguous()?)))
         .collect::<Result<_>>()?;
-    let bytes = safetensors::tensor::serialize(map, None).map_err(|e| DdpError::Checkpoint {
-        path: path.to_path_buf(),
-        reason: format!("cannot write tensors: {e}"),
-    })?;
+    let bytes = safetensors::tensor::serialize(map, None)
+        .map_err(|e| DdpError::Checkpoint { path: path.to_path_buf(), reason: format!("cannot write tensors: {e}") })?;
     super::write_atomic(path, bytes)
 }
 
 /// Reads every tensor of a safetensors file onto `device`.
 pub fn load_safetensors(path: &Path, device: &Device) -> Result<BTreeMap<String, Tensor>> {
-    let map = candle_core::safetensors::load(path, device).map_err(|e| DdpError::Checkpoint {
-        path: path.to_path_buf(),
-        reason: format!("cannot read tensors: {e}"),
-    })?;
+    let map = candle_core::safetensors::load(path, device)
+        .map_err(|e| DdpError::Checkpoint { path: path.to_path_buf(), reason: format!("cannot read tensors: {e}") })?;
     Ok(map.into_iter().collect())
 }
 
