@@ -249,16 +249,7 @@ impl CpuBackend {
         })?;
         let shm = if world_size > 1 {
             shm::check_block(opts.tuning.shm_block_bytes)?;
-            shm::ShmChannel::establish(
-                store.as_ref(),
-                &opts.key_prefix,
-                rank,
-                world_size,
-                opts.tuning.shm_block_bytes,
-                opts.tuning.shm_depth,
-                opts.tuning.shm_slot_bytes,
-                opts.tuning.shared_memory,
-            )?
+            shm::ShmChannel::establish(store.as_ref(), &opts.key_prefix, rank, world_size, &opts.tuning)?
         } else {
             None
         };

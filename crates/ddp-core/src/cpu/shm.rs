@@ -119,11 +119,10 @@ impl ShmChannel {
         prefix: &str,
         rank: usize,
         world_size: usize,
-        block_bytes: usize,
-        depth: usize,
-        slot_bytes: usize,
-        enabled: bool,
+        tuning: &super::CpuTuning,
     ) -> Result<Option<ShmChannel>> {
+        let (block_bytes, depth, slot_bytes, enabled) =
+            (tuning.shm_block_bytes, tuning.shm_depth, tuning.shm_slot_bytes, tuning.shared_memory);
         let slot_cap = Self::slot_capacity(world_size, slot_bytes);
         let (data_offset, slots_offset, total) = Self::layout(world_size, block_bytes, depth, slot_cap);
         let key = format!("{prefix}shm/segment");
