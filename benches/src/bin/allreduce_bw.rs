@@ -65,10 +65,13 @@ fn worker(args: &Args) -> Result<()> {
 fn tuning() -> String {
     match ddp_core::cpu::CpuTuning::from_env() {
         Ok(t) => format!(
-            "segment {} / small ≤ {} / socket buffers {}",
+            "segment {} / small ≤ {} / socket buffers {} / shared memory {} (slots {}, pipelined above {})",
             human(t.segment_bytes),
             human(t.small_all_reduce_bytes),
-            t.socket_buffer_bytes.map_or("auto".into(), human)
+            t.socket_buffer_bytes.map_or("auto".into(), human),
+            if t.shared_memory { "on" } else { "off" },
+            human(t.shm_slot_bytes),
+            human(t.shm_min_bytes)
         ),
         Err(e) => format!("invalid: {e}"),
     }

@@ -6,13 +6,18 @@
 //! - `ring`: bandwidth-optimal segmented ring (all_reduce, reduce_scatter, all_gather).
 //! - `small`: latency-optimal direct exchange for small all_reduce.
 //! - `broadcast`, `barrier`, `p2p`: the other operations.
-//! - `shm`: shared-memory all_reduce for large buffers when every rank is on this machine.
+//! - `shm`: when every rank is on this machine, a shared segment: the slot exchange (small all_reduce,
+//!   broadcast, all_gather, reduce_scatter, barrier) and the pipelined all_reduce of large buffers.
 //! - `fault`: abort propagation so a dead or mismatching rank fails the collective on every rank, fast.
 //!
-//! all_reduce picks its path by size (the same on every rank): up to `small_all_reduce_bytes` (64 KiB) a
-//! direct exchange over TCP (latency), then the segmented TCP ring, and above `shm_min_bytes` (512 KiB) the
-//! shared-memory channel when all ranks share a machine (else the ring). Other collectives use TCP. See
-//! `docs/benchmarks.md` for measurements.
+//! When all ranks share a machine (the shared segment could be set up by every rank), every collective but
+//! send/recv runs over it: all_reduce up to `small_all_reduce_bytes` (64 KiB, and at most `shm_slot_bytes`)
+//! through the slot exchange — every rank writes its input into its slot and reduces all slots itself in rank
+//! order, microseconds instead of a TCP round trip; broadcast, all_gather, reduce_scatter and barrier through
+//! the slot exchange in rounds of at most `shm_slot_bytes` per rank; larger all_reduce through the segmented
+//! TCP ring and above `shm_min_bytes` (512 KiB) the pipelined shared-memory all_reduce, both after one empty
+//! exchange round that checks every rank's call identity. Without shared memory everything uses TCP: all_reduce
+//! up to `small_all_reduce_bytes` as a direct exchange, then the ring. See `docs/benchmarks.md`.
 
 mod barrier;
 mod broadcast;
@@ -63,6 +68,10 @@ pub struct CpuTuning {
     /// Blocks in flight per rank in the shared-memory all_reduce (default 4; ≥ 2). The segment holds
     /// depth·(P+1) blocks.
     pub shm_depth: usize,
+    /// Payload of one rank's slot in the shared-memory slot exchange, bytes (default 256 KiB; rounded up to a
+    /// multiple of 64 and to at least 8 bytes per rank). Broadcast / all_gather / reduce_scatter move at most this
+    /// much per rank per round; all_reduce takes the slot path only up to it. The segment holds 2·P slots.
+    pub shm_slot_bytes: usize,
 }
 
 impl Default for CpuTuning {
@@ -76,6 +85,7 @@ impl Default for CpuTuning {
             shm_min_bytes: 512 << 10,
             shm_block_bytes: 1 << 20,
             shm_depth: 4,
+            shm_slot_bytes: 256 << 10,
         }
     }
 }
@@ -83,7 +93,8 @@ impl Default for CpuTuning {
 impl CpuTuning {
     /// Defaults overridden by `ACCEL_CPU_SEGMENT_BYTES`, `ACCEL_CPU_SMALL_BYTES`, `ACCEL_CPU_CHAIN_BYTES` and
     /// `ACCEL_CPU_SOCKET_BUFFER_BYTES` (0 = kernel autotuning), `ACCEL_CPU_SHM` (0 = TCP only),
-    /// `ACCEL_CPU_SHM_MIN_BYTES`, `ACCEL_CPU_SHM_BLOCK_BYTES` and `ACCEL_CPU_SHM_DEPTH`. Malformed values are errors naming the variable.
+    /// `ACCEL_CPU_SHM_MIN_BYTES`, `ACCEL_CPU_SHM_BLOCK_BYTES`, `ACCEL_CPU_SHM_DEPTH` and
+    /// `ACCEL_CPU_SHM_SLOT_BYTES`. Malformed values are errors naming the variable.
     pub fn from_env() -> Result<Self> {
         let mut t = CpuTuning::default();
         let get = |name: &str| -> Result<Option<usize>> {
@@ -109,6 +120,9 @@ impl CpuTuning {
         }
         if let Some(v) = get("ACCEL_CPU_SHM_MIN_BYTES")? {
             t.shm_min_bytes = v;
+        }
+        if let Some(v) = get("ACCEL_CPU_SHM_SLOT_BYTES")? {
+            t.shm_slot_bytes = v;
         }
         if let Some(v) = get("ACCEL_CPU_SHM_DEPTH")? {
             t.shm_depth = v.max(2);
@@ -188,6 +202,8 @@ struct State {
     aborted: Option<AbortRecord>,
     /// Last shared-memory epoch used (epochs count blocks; the same on every rank).
     shm_epoch: u64,
+    /// Last round of the shared-memory slot exchange (the same on every rank).
+    shm_round: u64,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -233,15 +249,7 @@ impl CpuBackend {
         })?;
         let shm = if world_size > 1 {
             shm::check_block(opts.tuning.shm_block_bytes)?;
-            shm::ShmChannel::establish(
-                store.as_ref(),
-                &opts.key_prefix,
-                rank,
-                world_size,
-                opts.tuning.shm_block_bytes,
-                opts.tuning.shm_depth,
-                opts.tuning.shared_memory,
-            )?
+            shm::ShmChannel::establish(store.as_ref(), &opts.key_prefix, rank, world_size, &opts.tuning)?
         } else {
             None
         };
@@ -265,6 +273,7 @@ impl CpuBackend {
                 tx_mid_frame: vec![false; world_size],
                 aborted: None,
                 shm_epoch: 0,
+                shm_round: 0,
             }),
         })
     }
@@ -274,7 +283,7 @@ impl CpuBackend {
         self.tuning
     }
 
-    /// Whether all_reduce of large buffers goes through shared memory (all ranks on this machine).
+    /// Whether collectives go through shared memory (all ranks on this machine, see the module docs).
     pub fn uses_shared_memory(&self) -> bool {
         self.shm.is_some()
     }
@@ -405,6 +414,23 @@ impl Backend for CpuBackend {
         if p == 1 {
             return Ok(()); // Avg over one rank divides by 1: the identity.
         }
+        let started = Instant::now();
+        if let Some(shm) = &self.shm {
+            if n <= self.tuning.small_all_reduce_bytes && n <= shm.slot_cap() {
+                let round = self.shm_exchange(&mut st, shm, call, 0, started, |slot| slot[..n].copy_from_slice(buf))?;
+                // Every rank reduces all slots in rank order: the same bits everywhere.
+                buf.copy_from_slice(&shm.peer_slot(0, round)[..n]);
+                for q in 1..p {
+                    crate::dtype::reduce_into(dtype, op, buf, &shm.peer_slot(q, round)[..n]);
+                }
+                if op == ReduceOp::Avg {
+                    crate::dtype::divide_in_place(dtype, buf, p);
+                }
+                return Ok(());
+            }
+            // Check every rank's call before taking a path on which a mismatch could strand ranks.
+            self.shm_exchange(&mut st, shm, call, 0, started, |_| {})?;
+        }
         if n <= self.tuning.small_all_reduce_bytes {
             let plan = small::plan(r, p, n, call);
             let scratch = small::scratch_bytes(p, n);
@@ -444,6 +470,23 @@ impl Backend for CpuBackend {
         if self.world_size == 1 {
             return Ok(());
         }
+        if let Some(shm) = &self.shm {
+            let (cap, n, started) = (shm.slot_cap(), buf.len(), Instant::now());
+            for i in 0..n.div_ceil(cap).max(1) {
+                let range = i * cap..((i + 1) * cap).min(n);
+                let len = range.len();
+                let mine = self.rank == root;
+                let round = self.shm_exchange(&mut st, shm, call, i as u32, started, |slot| {
+                    if mine {
+                        slot[..len].copy_from_slice(&buf[range.clone()]);
+                    }
+                })?;
+                if !mine {
+                    buf[range].copy_from_slice(&shm.peer_slot(root, round)[..len]);
+                }
+            }
+            return Ok(());
+        }
         let chain = buf.len() >= self.tuning.chain_broadcast_bytes;
         let plan = broadcast::plan(self.rank, self.world_size, root, buf.len(), self.tuning.segment_bytes, chain, call);
         self.exec(&mut st, &plan, buf, &[], 0)
@@ -462,6 +505,20 @@ impl Backend for CpuBackend {
         let call = self.begin(&mut st, Op::AllGather, n, None, None, 0)?;
         output[r * n..(r + 1) * n].copy_from_slice(input);
         if p == 1 {
+            return Ok(());
+        }
+        if let Some(shm) = &self.shm {
+            let (cap, started) = (shm.slot_cap(), Instant::now());
+            for i in 0..n.div_ceil(cap).max(1) {
+                let range = i * cap..((i + 1) * cap).min(n);
+                let len = range.len();
+                let round = self.shm_exchange(&mut st, shm, call, i as u32, started, |slot| {
+                    slot[..len].copy_from_slice(&input[range.clone()])
+                })?;
+                for q in (0..p).filter(|&q| q != r) {
+                    output[q * n + range.start..q * n + range.end].copy_from_slice(&shm.peer_slot(q, round)[..len]);
+                }
+            }
             return Ok(());
         }
         let chunks: Vec<_> = (0..p).map(|i| i * n..(i + 1) * n).collect();
@@ -495,6 +552,30 @@ impl Backend for CpuBackend {
         let call = self.begin(&mut st, Op::ReduceScatter, n, Some(dtype), Some(op), 0)?;
         if p == 1 {
             output.copy_from_slice(input);
+            return Ok(());
+        }
+        if let Some(shm) = &self.shm {
+            // Per round every rank puts one piece of `chunk` bytes per destination rank into its slot.
+            let es = dtype.size_in_bytes();
+            let chunk = shm.slot_cap() / (p * es) * es;
+            let started = Instant::now();
+            for i in 0..n.div_ceil(chunk).max(1) {
+                let (a, b) = (i * chunk, ((i + 1) * chunk).min(n));
+                let round = self.shm_exchange(&mut st, shm, call, i as u32, started, |slot| {
+                    for q in 0..p {
+                        slot[q * chunk..q * chunk + b - a].copy_from_slice(&input[q * n + a..q * n + b]);
+                    }
+                })?;
+                // My piece from every rank, reduced in rank order (as the reference and the TCP ring's result).
+                let piece = r * chunk..r * chunk + b - a;
+                output[a..b].copy_from_slice(&shm.peer_slot(0, round)[piece.clone()]);
+                for q in 1..p {
+                    crate::dtype::reduce_into(dtype, op, &mut output[a..b], &shm.peer_slot(q, round)[piece.clone()]);
+                }
+                if op == ReduceOp::Avg {
+                    crate::dtype::divide_in_place(dtype, &mut output[a..b], p);
+                }
+            }
             return Ok(());
         }
         let chunks: Vec<_> = (0..p).map(|i| i * n..(i + 1) * n).collect();
@@ -562,15 +643,41 @@ impl Backend for CpuBackend {
         if self.world_size == 1 {
             return Ok(());
         }
+        if let Some(shm) = &self.shm {
+            self.shm_exchange(&mut st, shm, call, 0, Instant::now(), |_| {})?;
+            return Ok(());
+        }
         let plan = barrier::plan(self.rank, self.world_size, call);
         self.exec(&mut st, &plan, &mut [], &[], 0)
     }
 }
 
 impl CpuBackend {
-    /// all_reduce through shared memory, bracketed by an empty frame to and from every peer over TCP that
-    /// carries the call's identity: a rank in a different collective (or size) is detected by the frame
-    /// checks exactly as on the TCP path, and never left waiting on the shared segment.
+    /// One round of the shared-memory slot exchange (see `shm`'s module docs) for `call`; returns the round
+    /// number to read the slots with. On failure aborts the group.
+    fn shm_exchange(
+        &self,
+        st: &mut State,
+        shm: &shm::ShmChannel,
+        call: CallId,
+        unit: u32,
+        started: Instant,
+        fill: impl FnOnce(&mut [u8]),
+    ) -> Result<u64> {
+        st.shm_round += 1;
+        let round = st.shm_round;
+        let check_abort = || self.remote_abort();
+        let ctx =
+            shm::WaitCtx { peers: &self.peers, deadline: started + self.timeout, started, check_abort: &check_abort };
+        match shm.exchange(round, call, unit, fill, &ctx) {
+            Ok(()) => Ok(round),
+            Err(f) => Err(self.abort(st, &call, f)),
+        }
+    }
+
+    /// The pipelined all_reduce through shared memory. The caller has run an exchange round first, so every
+    /// rank is in this same call (a rank in a different collective or size was reported as a mismatch there and
+    /// is never left waiting on the shared segment).
     fn shm_all_reduce(
         &self,
         st: &mut State,
@@ -580,21 +687,16 @@ impl CpuBackend {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
-        let mut hello = barrier::plan(self.rank, self.world_size, call);
-        let mut hello_back = hello.clone();
-        hello.recvs.clear();
-        hello_back.sends.clear();
-        self.exec(st, &hello, &mut [], &[], 0)?;
         let first_epoch = st.shm_epoch + 1;
         st.shm_epoch += shm.epochs(buf.len());
         let started = Instant::now();
         let check_abort = || self.remote_abort();
         let ctx =
             shm::WaitCtx { peers: &self.peers, deadline: started + self.timeout, started, check_abort: &check_abort };
-        if let Err(f) = shm.all_reduce(buf, dtype, op, first_epoch, &ctx) {
-            return Err(self.abort(st, &call, f));
+        match shm.all_reduce(buf, dtype, op, first_epoch, &ctx) {
+            Ok(()) => Ok(()),
+            Err(f) => Err(self.abort(st, &call, f)),
         }
-        self.exec(st, &hello_back, &mut [], &[], 0)
     }
 
     fn segmenting(&self) -> ring::Segmenting {

@@ -1,4 +1,5 @@
-//! Shared-memory all_reduce for groups whose ranks all run on one machine.
+//! Shared-memory collectives for groups whose ranks all run on one machine: the pipelined all_reduce of large
+//! buffers (below) and the slot exchange every other collective uses (see "Slot exchange").
 //!
 //! Why: on loopback every byte crosses the kernel's TCP stack twice (copy in, copy out) and its packet
 //! processing runs in softirq context, which the kernel defers to `ksoftirqd` under CPU pressure — on a busy
@@ -24,7 +25,29 @@
 //! (acquire/release atomics, one cache line each); waiters spin briefly, then yield, then sleep in short steps,
 //! and while waiting watch the shared abort word, the peers' TCP connections (a dead process closes them), the
 //! store's abort record and the deadline — so a failure is still reported on every rank, quickly.
+//!
+//! # Slot exchange
+//!
+//! Every collective (all_reduce, broadcast, all_gather, reduce_scatter, barrier) on a group with a channel runs
+//! one or more *rounds*, numbered alike on every rank (`State::shm_round`). Each rank owns two slots (round
+//! parity picks one), each a 64-byte header and `slot_cap` payload bytes. In round k rank r
+//! 1. writes its payload into its slot k mod 2 and the call's identity (an encoded frame header: op, sequence
+//!    number, size, dtype, reduction, root, round index within the call) into the slot's header;
+//! 2. publishes `posted[r] = k` (release) and rings its doorbell;
+//! 3. waits until every rank posted ≥ k (acquire), checks every peer's header against its own call — a rank in
+//!    a different collective, size or order is reported as a mismatch naming both calls, on every rank — and
+//!    reads what it needs from the slots (e.g. small all_reduce: every rank reduces *all* slots itself in rank
+//!    order `((x0 ⊕ x1) ⊕ x2) ⊕ …`, so every rank gets the same bits).
+//!
+//! Why two slots and one counter suffice: rank w rewrites slot k mod 2 only in round k + 2, which it enters after
+//! finishing round k + 1, i.e. after seeing `posted[q] ≥ k + 1` for every q; and q posts k + 1 only after it has
+//! finished reading round k. So no reader can still be reading a slot when it is rewritten, and a reader waiting
+//! for round k never sees round k + 2's data (which needs its own `posted ≥ k + 1` first). Collectives that take
+//! another path (TCP ring, pipelined all_reduce) still run one empty round first: every rank then has checked
+//! every other rank's call identity before anyone enters a path where a mismatch could leave ranks waiting on
+//! different channels.
 
+use super::frame::{CallId, Header, HEADER_LEN};
 use super::ring::split_even;
 use super::transport::Failure;
 use crate::store::Store;
@@ -40,8 +63,11 @@ const LINE: usize = 128; // two cache lines: adjacent-line prefetch must not cou
 const NONCE_LEN: usize = 16;
 const ABORT_OFFSET: usize = LINE;
 const COUNTERS_OFFSET: usize = 2 * LINE;
-/// Per rank: `arrived`, `reduced`, `consumed` (u64 each) and the doorbell line (u32 futex word + u32 sleepers).
-const LINES_PER_RANK: usize = 4;
+/// Per rank: `arrived`, `reduced`, `consumed` (u64 each), the doorbell line (u32 futex word + u32 sleepers) and
+/// `posted` (the slot exchange's round counter).
+const LINES_PER_RANK: usize = 5;
+/// Bytes before each exchange slot's payload (an encoded frame header, padded to a cache line).
+const SLOT_HEADER: usize = 64;
 
 /// One group's shared segment, mapped in this process.
 pub(crate) struct ShmChannel {
@@ -52,6 +78,10 @@ pub(crate) struct ShmChannel {
     /// Blocks in flight per rank (buffers of each slot / of the result area).
     depth: usize,
     data_offset: usize,
+    /// Payload bytes of one exchange slot.
+    slot_cap: usize,
+    /// Offset of the exchange slots (2 per rank).
+    slots_offset: usize,
 }
 
 // SAFETY: the mapping is only accessed through atomics (counters, abort word) and through byte copies of
@@ -67,11 +97,19 @@ pub(crate) struct WaitCtx<'a> {
 }
 
 impl ShmChannel {
-    fn layout(world_size: usize, block_bytes: usize, depth: usize) -> (usize, usize) {
+    /// (data offset, exchange slots offset, total bytes).
+    fn layout(world_size: usize, block_bytes: usize, depth: usize, slot_cap: usize) -> (usize, usize, usize) {
         let header = COUNTERS_OFFSET + world_size * LINES_PER_RANK * LINE;
         let data_offset = header.div_ceil(4096) * 4096;
-        let total = data_offset + depth * (world_size + 1) * block_bytes;
-        (data_offset, total)
+        let slots_offset = data_offset + depth * (world_size + 1) * block_bytes;
+        let total = slots_offset + 2 * world_size * (SLOT_HEADER + slot_cap);
+        (data_offset, slots_offset, total)
+    }
+
+    /// Payload bytes of an exchange slot for `slot_bytes` asked: a multiple of 64 (alignment of every slot) and at
+    /// least 8 bytes per rank (reduce_scatter puts one piece per rank in a slot).
+    pub(crate) fn slot_capacity(world_size: usize, slot_bytes: usize) -> usize {
+        slot_bytes.max(8 * world_size).max(64).div_ceil(64) * 64
     }
 
     /// Sets up the channel through the store (collective over the group). `Ok(None)` when shared memory is not
@@ -81,11 +119,12 @@ impl ShmChannel {
         prefix: &str,
         rank: usize,
         world_size: usize,
-        block_bytes: usize,
-        depth: usize,
-        enabled: bool,
+        tuning: &super::CpuTuning,
     ) -> Result<Option<ShmChannel>> {
-        let (data_offset, total) = Self::layout(world_size, block_bytes, depth);
+        let (block_bytes, depth, slot_bytes, enabled) =
+            (tuning.shm_block_bytes, tuning.shm_depth, tuning.shm_slot_bytes, tuning.shared_memory);
+        let slot_cap = Self::slot_capacity(world_size, slot_bytes);
+        let (data_offset, slots_offset, total) = Self::layout(world_size, block_bytes, depth, slot_cap);
         let key = format!("{prefix}shm/segment");
         let mut path = None;
         let attempt: std::result::Result<MmapMut, String> = if !enabled {
@@ -154,7 +193,7 @@ impl ShmChannel {
         match attempt {
             Ok(map) if all_ok => {
                 tracing::debug!(rank, world_size, block_bytes, "cpu backend: shared-memory all_reduce enabled");
-                Ok(Some(ShmChannel { map, rank, world_size, block_bytes, depth, data_offset }))
+                Ok(Some(ShmChannel { map, rank, world_size, block_bytes, depth, data_offset, slot_cap, slots_offset }))
             }
             Ok(_) => Ok(None),
             Err(reason) => {
@@ -178,6 +217,9 @@ impl ShmChannel {
     }
     fn consumed(&self, r: usize) -> &AtomicU64 {
         self.atomic(COUNTERS_OFFSET + r * LINES_PER_RANK * LINE + 2 * LINE)
+    }
+    fn posted(&self, r: usize) -> &AtomicU64 {
+        self.atomic(COUNTERS_OFFSET + r * LINES_PER_RANK * LINE + 4 * LINE)
     }
     /// Rank r's doorbell: a futex word bumped on every counter update, and how many ranks sleep on it.
     fn bell(&self, r: usize) -> (&AtomicU32, &AtomicU32) {
@@ -218,6 +260,71 @@ impl ShmChannel {
     /// Tells the other ranks to stop waiting (they then read the abort record from the store or TCP).
     pub(crate) fn signal_abort(&self, blamed: Option<usize>) {
         self.abort_word().store(blamed.map_or(u64::MAX, |b| b as u64 + 1), Ordering::Release);
+    }
+
+    /// Payload bytes of one exchange slot (the most one rank contributes to one round).
+    pub(crate) fn slot_cap(&self) -> usize {
+        self.slot_cap
+    }
+
+    /// Byte offset of rank `q`'s exchange slot (header first) for `round`.
+    fn exchange_slot(&self, q: usize, round: u64) -> usize {
+        self.slots_offset + (2 * q + (round % 2) as usize) * (SLOT_HEADER + self.slot_cap)
+    }
+
+    /// One round of the slot exchange (module docs): `fill` writes this rank's payload into its slot, then the
+    /// round is posted and every peer's post awaited and its header checked against `call` / `unit`. Afterwards
+    /// [`ShmChannel::peer_slot`] reads any rank's payload of this round.
+    pub(crate) fn exchange(
+        &self,
+        round: u64,
+        call: CallId,
+        unit: u32,
+        fill: impl FnOnce(&mut [u8]),
+        ctx: &WaitCtx<'_>,
+    ) -> std::result::Result<(), Failure> {
+        let me = self.exchange_slot(self.rank, round);
+        let header = Header::data(call, unit, 0).encode();
+        // SAFETY: my slot for this round's parity is mine to write: every rank finished reading it (round − 2)
+        // before posting round − 1, which this rank saw before starting this round (module docs).
+        unsafe {
+            fill(std::slice::from_raw_parts_mut(self.shared_ptr(me + SLOT_HEADER), self.slot_cap));
+            std::ptr::copy_nonoverlapping(header.as_ptr(), self.shared_ptr(me), HEADER_LEN);
+        }
+        self.publish(self.posted(self.rank), round);
+        self.wait(ctx, |q| self.posted(q).load(Ordering::Acquire) >= round)?;
+        for q in (0..self.world_size).filter(|&q| q != self.rank) {
+            let mut raw = [0u8; HEADER_LEN];
+            // SAFETY: q posted ≥ round (acquire in `wait`) and rewrites this slot only after we post round + 1.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.shared_ptr(self.exchange_slot(q, round)),
+                    raw.as_mut_ptr(),
+                    HEADER_LEN,
+                )
+            };
+            let h = Header::decode(&raw).map_err(|detail| Failure::Mismatch { peer: q, detail })?;
+            if h.call != call || h.unit != unit {
+                return Err(Failure::Mismatch {
+                    peer: q,
+                    detail: format!(
+                        "this rank is in {call} (part {unit}), but rank {q} is in {} (part {}); every rank must call \
+                         the same collectives in the same order with the same sizes",
+                        h.call, h.unit
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Rank `q`'s payload in `round` (all `slot_cap` bytes; callers take the prefix the protocol filled). Only
+    /// valid after [`ShmChannel::exchange`] of that round returned `Ok` and before this rank's next exchange.
+    pub(crate) fn peer_slot(&self, q: usize, round: u64) -> &[u8] {
+        // SAFETY: in bounds; q does not rewrite it before this rank posts round + 1 (module docs).
+        unsafe {
+            std::slice::from_raw_parts(self.shared_ptr(self.exchange_slot(q, round) + SLOT_HEADER), self.slot_cap)
+        }
     }
 
     /// Epochs an all_reduce of `n` bytes uses.
@@ -347,7 +454,8 @@ impl ShmChannel {
 
     /// Waits until `ready(q)` holds for every other rank q, watching for failures.
     ///
-    /// Spins for up to [`SPIN`] (the peer normally runs on another core, microseconds behind), then sleeps on
+    /// Spins for up to [`SPIN`] (the peer normally runs on another core, microseconds behind), yields until
+    /// [`SPIN_AND_YIELD`], then sleeps on
     /// the doorbell of a rank it waits for (a futex in the shared segment, rung by every publish) in slices of
     /// at most 1 ms. Sleeping matters on a loaded machine: when both ranks share a core, spinning would only
     /// burn the time the peer needs.
@@ -377,6 +485,11 @@ impl ShmChannel {
             if now - start < SPIN {
                 continue;
             }
+            if now - start < SPIN_AND_YIELD {
+                // The peer may be runnable on this core (2-core machine, other builds): give it the CPU.
+                std::thread::yield_now();
+                continue;
+            }
             let Some(q) = others().find(|&q| !ready(q)) else { return Ok(()) };
             let (bell, sleepers) = self.bell(q);
             let seen = bell.load(Ordering::SeqCst);
@@ -404,8 +517,11 @@ impl ShmChannel {
     }
 }
 
-/// How long a waiter spins before sleeping on the peer's doorbell.
+/// How long a waiter spins before yielding (a peer on another core answers within microseconds).
 const SPIN: Duration = Duration::from_micros(30);
+/// How long a waiter spins and yields before it sleeps on the peer's doorbell (bounded: spinning ranks must not
+/// starve a peer that shares their core).
+const SPIN_AND_YIELD: Duration = Duration::from_micros(50);
 
 /// Sleeps while `*word == seen`, at most `limit` (spurious wake-ups are fine: callers re-check).
 fn futex_wait(word: &AtomicU32, seen: u32, limit: Duration) {

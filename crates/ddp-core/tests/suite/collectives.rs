@@ -45,7 +45,9 @@ fn all_reduce_every_dtype_op_size_and_world_size() {
         run_ranks(world, Some(tiny_segments()), |pg| all_dtypes_all_reduce(&pg));
         // Shared memory in 4 KiB blocks: one and many blocks, both halves of the double buffer.
         run_ranks(world, Some(tiny_shm_blocks()), |pg| all_dtypes_all_reduce(&pg));
-        // Default tuning: sizes up to 3 KiB take the direct path.
+        // Shared-memory slots of 64 bytes: the slot path, its fall-back to the TCP paths and the pipelined path.
+        run_ranks(world, Some(tiny_shm_slots()), |pg| all_dtypes_all_reduce(&pg));
+        // Default tuning: sizes up to 12 KiB take the shared-memory slot path (P > 1).
         run_ranks(world, None, |pg| check_all_reduce::<f32>(&pg));
     }
 }
@@ -59,6 +61,7 @@ fn uses_shared_memory(pg: &ProcessGroup) -> bool {
 fn shared_memory_is_used_on_one_machine_and_can_be_disabled() {
     assert_eq!(run_ranks(3, Some(tiny_shm_blocks()), |pg| uses_shared_memory(&pg)), vec![true; 3]);
     assert_eq!(run_ranks(2, Some(tiny_segments()), |pg| uses_shared_memory(&pg)), vec![false; 2]);
+    assert_eq!(run_ranks(4, None, |pg| uses_shared_memory(&pg)), vec![true; 4]);
 }
 
 #[test]
@@ -110,7 +113,9 @@ fn two_rank_example_from_the_docs() {
 #[test]
 fn random_floats_are_bit_identical_across_ranks() {
     use rand::{Rng, SeedableRng};
-    for (world, tuning) in [(2, None), (3, Some(tiny_segments())), (4, None)] {
+    // Default tuning: 5 and 3000 elements take the shared-memory slot path, 300 001 the pipelined one.
+    let cases = [(2, None), (3, Some(tiny_segments())), (3, Some(tiny_shm_slots())), (4, None)];
+    for (world, tuning) in cases {
         let out = run_ranks(world, tuning, |pg| {
             let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(pg.rank() as u64);
             let mut results = Vec::new();
@@ -151,8 +156,9 @@ fn check_reduce_scatter<T: FromSmall>(pg: &ProcessGroup) {
 
 #[test]
 fn reduce_scatter_every_dtype_and_op() {
-    for world in 1..=4 {
-        run_ranks(world, Some(tiny_segments()), |pg| {
+    // TCP ring; shared-memory slot exchange in many rounds (64-byte slots) and in one round (default tuning).
+    for (world, tuning) in (1..=4).flat_map(|w| [(w, Some(tiny_segments())), (w, Some(tiny_shm_slots())), (w, None)]) {
+        run_ranks(world, tuning, |pg| {
             check_reduce_scatter::<f32>(&pg);
             check_reduce_scatter::<f64>(&pg);
             check_reduce_scatter::<half::f16>(&pg);
@@ -187,7 +193,7 @@ fn check_broadcast<T: FromSmall>(pg: &ProcessGroup) {
 #[test]
 fn all_gather_and_broadcast_every_dtype() {
     for world in 1..=4 {
-        for tuning in [Some(tiny_segments()), None] {
+        for tuning in [Some(tiny_segments()), Some(tiny_shm_slots()), None] {
             run_ranks(world, tuning, |pg| {
                 check_all_gather::<f32>(&pg);
                 check_all_gather::<f64>(&pg);
@@ -210,8 +216,8 @@ fn all_gather_and_broadcast_every_dtype() {
 
 #[test]
 fn send_recv_ring_and_barrier() {
-    for world in 2..=4 {
-        run_ranks(world, Some(tiny_segments()), |pg| {
+    for (world, tuning) in (2..=4).flat_map(|w| [(w, Some(tiny_segments())), (w, None)]) {
+        run_ranks(world, tuning, |pg| {
             let (p, r) = (pg.world_size(), pg.rank());
             for n in [0usize, 1, 1001] {
                 // Even ranks send first, odd ranks receive first: no two ranks block on each other's send.
@@ -394,5 +400,58 @@ fn traffic_counts_calls_and_payload_bytes_per_operation() {
         assert_eq!((s.broadcast.calls, s.broadcast.bytes), (1, 5));
         assert_eq!((s.send.calls, s.recv.calls, s.reduce_scatter.calls), (0, 0, 0));
         assert_eq!((s.total_calls(), s.total_bytes()), (4, 109));
+    }
+}
+
+#[test]
+fn mismatched_sizes_on_the_shared_memory_slot_path_fail_on_every_rank() {
+    // Default tuning: both sizes take the slot exchange, which compares every rank's call identity.
+    let errs = run_ranks(3, None, |pg| {
+        let mut v = vec![1.0f32; if pg.rank() == 2 { 12 } else { 10 }];
+        let first = pg.all_reduce(&mut v, ReduceOp::Sum).unwrap_err().to_string();
+        let later = pg.all_gather(&[1u8], &mut [0u8; 3]).unwrap_err().to_string();
+        (first, later)
+    });
+    for (rank, (first, later)) in errs.iter().enumerate() {
+        assert!(first.contains("all_reduce") && first.contains("sequence number 1"), "rank {rank}: {first}");
+        assert!(later.contains("all_gather") && later.contains("aborted"), "rank {rank}: {later}");
+    }
+    assert!(errs.iter().any(|(e, _)| e.contains("40 bytes") && e.contains("48 bytes")), "{errs:?}");
+}
+
+#[test]
+fn slot_path_and_tcp_path_sizes_mismatch_fails_instead_of_hanging() {
+    // Rank 0's 64 bytes take the slot path, rank 1's 512 bytes the TCP ring: the empty exchange round before
+    // the ring catches it on both ranks.
+    let errs = run_ranks(2, Some(tiny_shm_slots()), |pg| {
+        let mut v = vec![1u8; if pg.rank() == 0 { 64 } else { 512 }];
+        pg.all_reduce(&mut v, ReduceOp::Max).unwrap_err().to_string()
+    });
+    for (rank, e) in errs.iter().enumerate() {
+        assert!(e.contains("all_reduce") && e.contains("sequence number 1"), "rank {rank}: {e}");
+    }
+}
+
+#[test]
+fn mixed_collectives_on_shared_memory_reuse_slots_in_order() {
+    // Many rounds back to back of every kind (both slot parities, rounds split across calls) at world 2–4.
+    for world in 2..=4 {
+        run_ranks(world, Some(tiny_shm_slots()), |pg| {
+            let (p, r) = (pg.world_size(), pg.rank());
+            for it in 0..50usize {
+                let n = 1 + (it * 7) % 40;
+                let mut v = input::<i64>(r + it, n);
+                pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+                let want: Vec<i64> = (0..n).map(|i| (0..p).map(|q| input::<i64>(q + it, n)[i]).sum()).collect();
+                assert_eq!(v, want, "it {it}");
+                let mut b = input::<f32>(r + it, n);
+                pg.broadcast(&mut b, it % p).unwrap();
+                assert_eq!(bits(&b), bits(&input::<f32>(it % p + it, n)));
+                let mut g = vec![0u8; n * p];
+                pg.all_gather(&input::<u8>(r, n), &mut g).unwrap();
+                assert_eq!(g, (0..p).flat_map(|q| input::<u8>(q, n)).collect::<Vec<_>>());
+                pg.barrier().unwrap();
+            }
+        });
     }
 }

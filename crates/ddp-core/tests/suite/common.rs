@@ -33,6 +33,22 @@ pub fn tiny_shm_blocks() -> CpuTuning {
     }
 }
 
+/// Tuning for the shared-memory slot exchange with 64-byte slots: all_reduce up to 64 bytes takes the slot path,
+/// up to 256 bytes the TCP direct exchange, up to 1 KiB the TCP ring and above it the pipelined shared-memory
+/// all_reduce (each after an empty exchange round); broadcast / all_gather / reduce_scatter run in many rounds
+/// (both slots of the double buffer).
+pub fn tiny_shm_slots() -> CpuTuning {
+    CpuTuning {
+        segment_bytes: 256,
+        small_all_reduce_bytes: 256,
+        shared_memory: true,
+        shm_min_bytes: 1024,
+        shm_block_bytes: 4096,
+        shm_slot_bytes: 64,
+        ..CpuTuning::default()
+    }
+}
+
 /// Runs `f(pg)` on `world` threads, each a rank of a group over one MemoryStore; returns results by rank.
 pub fn run_ranks<T: Send + 'static>(
     world: usize,

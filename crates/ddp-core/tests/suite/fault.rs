@@ -8,8 +8,9 @@ use std::io::{BufRead, BufReader};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// Worker: all_reduce in a loop (a small buffer on the direct path and a 1 MiB one on the ring) until an
-/// error, which it prints before exiting with code 3.
+/// Worker: all_reduce in a loop (a small buffer on the direct / slot path and a 1 MiB one on the ring / pipelined
+/// shared-memory path; only the small one with `ACCEL_TEST_SMALL_ONLY`) until an error, which it prints before
+/// exiting with code 3.
 #[test]
 fn worker() {
     let Some(scenario) = procs::scenario() else { return };
@@ -17,8 +18,15 @@ fn worker() {
     let pg = ProcessGroup::init_from_env().unwrap();
     let mut small = vec![1.0f32; 256];
     let mut large = vec![1.0f32; 1 << 18];
+    let small_only = std::env::var_os("ACCEL_TEST_SMALL_ONLY").is_some();
     for iter in 0u64.. {
-        let res = pg.all_reduce(&mut small, ReduceOp::Sum).and_then(|_| pg.all_reduce(&mut large, ReduceOp::Avg));
+        let res = pg.all_reduce(&mut small, ReduceOp::Sum).and_then(|_| {
+            if small_only {
+                Ok(())
+            } else {
+                pg.all_reduce(&mut large, ReduceOp::Avg)
+            }
+        });
         if let Err(e) = res {
             eprintln!("worker error: {e}");
             std::process::exit(3);
@@ -36,6 +44,12 @@ fn killed_worker_fails_every_other_rank_within_seconds() {
 #[test]
 fn killed_worker_fails_every_other_rank_on_the_tcp_path_too() {
     kill_and_check_survivors(1, &[("ACCEL_CPU_SHM", "0".to_string())], false);
+}
+
+#[test]
+fn killed_worker_fails_every_other_rank_on_the_shared_memory_slot_path() {
+    // Only 1 KiB all_reduces: every call is one round of the slot exchange, so the kill lands mid-round.
+    kill_and_check_survivors(2, &[("ACCEL_TEST_SMALL_ONLY", "1".to_string())], false);
 }
 
 #[test]
