@@ -286,7 +286,9 @@ fn train(args: &Args) -> anyhow::Result<()> {
         let per_layer = 4 * args.batch_size * args.block_size * gpt_cfg.d_model * bytes;
         acc.print(format!(
             "tp traffic per optimizer step (rank {}): {} B of all-reduce payload in {} calls, {} B of all-gather; \
-             formula 4·b·s·h·bytes per layer per micro-batch × {} layers × {ga} micro-batches = {} B",
+             formula 4·b·s·h·bytes per layer per micro-batch × {} layers × {ga} micro-batches = {} B, plus \
+             2·b·s·h·bytes for the embedding (forward) and the head (backward), 3·b·s·4 for the vocab-parallel \
+             loss and 8 for the gradient norm",
             acc.rank(),
             tp_traffic.all_reduce.bytes / measured_steps,
             tp_traffic.all_reduce.calls / measured_steps,

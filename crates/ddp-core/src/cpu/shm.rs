@@ -475,11 +475,14 @@ impl ShmChannel {
             }
             let abort = self.abort_word().load(Ordering::Acquire);
             if abort != 0 {
-                return Err(Failure::RemoteAbort {
-                    from: None,
-                    blamed: (abort != u64::MAX).then(|| (abort - 1) as usize),
-                    reason: "another rank aborted the group".into(),
-                });
+                let blamed = (abort != u64::MAX).then(|| (abort - 1) as usize);
+                // The aborting rank's full record may be unreachable (the store's host may be the dead rank), so
+                // the reason names the blamed rank itself: every survivor then names the culprit.
+                let reason = match blamed {
+                    Some(b) => format!("rank {b} is gone or failed (another rank aborted the group)"),
+                    None => "another rank aborted the group".into(),
+                };
+                return Err(Failure::RemoteAbort { from: None, blamed, reason });
             }
             let now = Instant::now();
             if now - start < SPIN {
