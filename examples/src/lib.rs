@@ -175,6 +175,22 @@ pub fn parallel_env(nproc: usize, tp: usize) -> Vec<(String, String)> {
     accel::ParallelismConfig::default().with_tp_size(tp).with_dp_replicate_size(nproc / tp.max(1)).env_vars()
 }
 
+/// Checks `--tp-size` against `--nproc` before any worker starts (one message instead of one per rank): the
+/// processes are laid out as dp × tp, so tp must be at least 1 and divide the process count.
+pub fn check_tp_size(nproc: usize, tp: usize) -> anyhow::Result<()> {
+    let fits: Vec<usize> = (1..=nproc).filter(|t| nproc.is_multiple_of(*t)).collect();
+    if tp == 0 {
+        anyhow::bail!("--tp-size 0: the tensor-parallel size is at least 1 (1 = no tensor parallelism); with --nproc {nproc} it could be one of {fits:?}");
+    }
+    if !nproc.is_multiple_of(tp) {
+        anyhow::bail!(
+            "--tp-size {tp} must divide --nproc {nproc} (the processes are laid out as dp × tp); with --nproc {nproc} \
+             it could be one of {fits:?}"
+        );
+    }
+    Ok(())
+}
+
 /// In a worker of the GPT examples: makes the Accelerator's layout follow `--tp-size`. A launcher that already
 /// set `PARALLELISM_CONFIG_TP_SIZE` (this program's own, or `accel launch --parallelism-config-tp-size`) wins;
 /// a `--tp-size` other than 1 that disagrees with it is an error. Otherwise the variables of

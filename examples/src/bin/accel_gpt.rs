@@ -126,16 +126,7 @@ fn model_config(args: &Args, vocab_size: usize) -> GptConfig {
 
 fn run() -> anyhow::Result<()> {
     let args = Args::parse();
-    if args.tp_size == 0 || !args.nproc.is_multiple_of(args.tp_size) {
-        bail!(
-            "--tp-size {} must divide --nproc {} (the processes are laid out as dp × tp); with --nproc {} it could be \
-             one of {:?}",
-            args.tp_size,
-            args.nproc,
-            args.nproc,
-            (1..=args.nproc).filter(|t| args.nproc.is_multiple_of(*t)).collect::<Vec<_>>()
-        );
-    }
+    accel_examples::check_tp_size(args.nproc, args.tp_size)?;
     // Check the model against the tp size once, here, before any worker starts (76 = the shipped vocabulary;
     // the vocabulary never constrains tp).
     model_config(&args, 76).validate(args.tp_size)?;

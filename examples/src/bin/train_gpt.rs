@@ -21,7 +21,7 @@ use std::path::PathBuf;
 
 use accel::data::{CharVocab, TextDataset};
 use accel_examples::gpt::{to_candle, CharGpt, GptConfig};
-use anyhow::{bail, Context};
+use anyhow::Context;
 use clap::Parser;
 use rand::SeedableRng;
 use trainer::{losses, IntervalStrategy, SaveStrategy, Trainer, TrainingArguments, TrainingArgumentsCli};
@@ -89,9 +89,7 @@ fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     // Check everything once, here, before any worker starts: one clear message instead of one per rank.
     cli.train.resolve(defaults())?;
-    if cli.tp_size == 0 || !cli.nproc.is_multiple_of(cli.tp_size) {
-        bail!("--tp-size {} must divide --nproc {} (the processes are laid out as dp × tp)", cli.tp_size, cli.nproc);
-    }
+    accel_examples::check_tp_size(cli.nproc, cli.tp_size)?;
     model_config(&cli, 76).validate(cli.tp_size)?;
     let path = text_path(&cli);
     anyhow::ensure!(path.is_file(), "--data-dir: no text at {}", path.display());
