@@ -37,6 +37,7 @@ pub mod mesh;
 #[cfg_attr(docsrs, doc(cfg(feature = "mpi")))]
 pub mod mpi;
 pub mod mpirun;
+pub mod nn;
 #[cfg(feature = "nccl")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
 pub mod nccl;
