@@ -1,7 +1,8 @@
 //! Adam with decoupled weight decay, as `torch.optim.AdamW` (Loshchilov & Hutter, "Decoupled Weight Decay
 //! Regularization", ICLR 2019; Adam: Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015).
 
-use super::{check_buffer, check_grads, Optimizer, OptimizerState};
+use super::{adamw_cpu, check_buffer, check_grads, Optimizer, OptimizerState};
+use crate::nn::fused_ops_enabled;
 use crate::state::StateDict;
 use crate::{DdpError, Result};
 use candle_core::{Tensor, Var};
@@ -101,28 +102,27 @@ impl Optimizer for AdamW {
             let bias_correction1 = 1.0 - c.beta1.powi(t);
             let bias_correction2_sqrt = (1.0 - c.beta2.powi(t)).sqrt();
             let step_size = c.lr / bias_correction1;
-            let m = match st.buffers[EXP_AVG][i].take() {
-                Some(m) => {
-                    check_buffer("AdamW", "exp_avg", i, &m, p)?;
-                    (m.affine(c.beta1, 0.0)? + g.affine(1.0 - c.beta1, 0.0)?)?
-                }
-                None => g.affine(1.0 - c.beta1, 0.0)?,
-            };
-            let v = match st.buffers[EXP_AVG_SQ][i].take() {
-                Some(v) => {
-                    check_buffer("AdamW", "exp_avg_sq", i, &v, p)?;
-                    (v.affine(c.beta2, 0.0)? + g.sqr()?.affine(1.0 - c.beta2, 0.0)?)?
-                }
-                None => g.sqr()?.affine(1.0 - c.beta2, 0.0)?,
-            };
-            let decayed = if c.weight_decay != 0.0 {
-                p.as_tensor().affine(1.0 - c.lr * c.weight_decay, 0.0)?
+            let m_old = st.buffers[EXP_AVG][i].take();
+            let v_old = st.buffers[EXP_AVG_SQ][i].take();
+            if let Some(m) = &m_old {
+                check_buffer("AdamW", "exp_avg", i, m, p)?;
+            }
+            if let Some(v) = &v_old {
+                check_buffer("AdamW", "exp_avg_sq", i, v, p)?;
+            }
+            let (m, v) = if fused_ops_enabled() && adamw_cpu::applies(p.as_tensor(), g) {
+                // One in-place pass, bit-identical to the composed ops. The moments start at zero, which the
+                // composed path's first step (`(1−β)·g`) equals exactly. The optimizer owns its buffers'
+                // storage (state_dict and load_state_dict copy), so writing them in place touches nothing else.
+                let g = g.contiguous()?;
+                let m = adamw_cpu::owned_buffer(m_old, p.as_tensor())?;
+                let v = adamw_cpu::owned_buffer(v_old, p.as_tensor())?;
+                let coefficients = adamw_cpu::Coefficients::new(&c, step_size, bias_correction2_sqrt);
+                adamw_cpu::step_in_place(p.as_tensor(), &g, &m, &v, coefficients)?;
+                (m, v)
             } else {
-                p.as_tensor().clone()
+                composed_update(p, g, m_old, v_old, &c, step_size, bias_correction2_sqrt)?
             };
-            let denom = v.sqrt()?.affine(1.0 / bias_correction2_sqrt, c.eps)?;
-            let update = m.div(&denom)?.affine(step_size, 0.0)?;
-            p.set(&(decayed - update)?)?;
             st.buffers[EXP_AVG][i] = Some(m);
             st.buffers[EXP_AVG_SQ][i] = Some(v);
             st.param_steps[i] += 1;
@@ -156,5 +156,89 @@ impl Optimizer for AdamW {
         }
         self.state = state;
         Ok(())
+    }
+}
+
+/// The update in candle's composed ops (any device and dtype): sets `p` and returns the new `(m, v)`.
+fn composed_update(
+    p: &Var,
+    g: &Tensor,
+    m: Option<Tensor>,
+    v: Option<Tensor>,
+    c: &AdamWConfig,
+    step_size: f64,
+    bias_correction2_sqrt: f64,
+) -> Result<(Tensor, Tensor)> {
+    let m = match m {
+        Some(m) => (m.affine(c.beta1, 0.0)? + g.affine(1.0 - c.beta1, 0.0)?)?,
+        None => g.affine(1.0 - c.beta1, 0.0)?,
+    };
+    let v = match v {
+        Some(v) => (v.affine(c.beta2, 0.0)? + g.sqr()?.affine(1.0 - c.beta2, 0.0)?)?,
+        None => g.sqr()?.affine(1.0 - c.beta2, 0.0)?,
+    };
+    let decayed = if c.weight_decay != 0.0 {
+        p.as_tensor().affine(1.0 - c.lr * c.weight_decay, 0.0)?
+    } else {
+        p.as_tensor().clone()
+    };
+    let denom = v.sqrt()?.affine(1.0 / bias_correction2_sqrt, c.eps)?;
+    let update = m.div(&denom)?.affine(step_size, 0.0)?;
+    p.set(&(decayed - update)?)?;
+    Ok((m, v))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Deterministic values with both signs, zeros (−0 and +0) and a spread of magnitudes.
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let x = ((i as u32).wrapping_mul(2654435761).wrapping_add(seed.wrapping_mul(97)) % 2001) as f32;
+                match i % 17 {
+                    0 => 0.0,
+                    1 => -0.0,
+                    _ => (x - 1000.0) * 1e-3 * (1 + i % 5) as f32,
+                }
+            })
+            .collect()
+    }
+
+    /// The in-place pass and the composed ops give the same bits for p, m and v over several steps, with and
+    /// without weight decay (`adamw_cpu`'s promise).
+    #[test]
+    fn in_place_pass_is_bit_identical_to_the_composed_ops() {
+        for weight_decay in [0.0, 1e-2] {
+            let c = AdamWConfig { lr: 3e-3, weight_decay, ..Default::default() };
+            let n = 1031;
+            let init = Tensor::from_vec(values(n, 1), n, &Device::Cpu).unwrap();
+            let (p_fused, p_composed) = (Var::from_tensor(&init).unwrap(), Var::from_tensor(&init).unwrap());
+            let (mut mv_fused, mut mv_composed): (Option<(Tensor, Tensor)>, Option<(Tensor, Tensor)>) = (None, None);
+            for t in 1..=4 {
+                let g = Tensor::from_vec(values(n, 10 + t), n, &Device::Cpu).unwrap();
+                let bias_correction2_sqrt = (1.0 - c.beta2.powi(t as i32)).sqrt();
+                let step_size = c.lr / (1.0 - c.beta1.powi(t as i32));
+                let (m, v) = mv_composed.take().unzip();
+                mv_composed =
+                    Some(composed_update(&p_composed, &g, m, v, &c, step_size, bias_correction2_sqrt).unwrap());
+                let (m, v) = mv_fused.take().unzip();
+                let m = adamw_cpu::owned_buffer(m, p_fused.as_tensor()).unwrap();
+                let v = adamw_cpu::owned_buffer(v, p_fused.as_tensor()).unwrap();
+                let coefficients = adamw_cpu::Coefficients::new(&c, step_size, bias_correction2_sqrt);
+                assert!(adamw_cpu::applies(p_fused.as_tensor(), &g));
+                adamw_cpu::step_in_place(p_fused.as_tensor(), &g, &m, &v, coefficients).unwrap();
+                mv_fused = Some((m, v));
+                let bits = |t: &Tensor| t.to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                let (mf, vf) = mv_fused.as_ref().unwrap();
+                let (mc, vc) = mv_composed.as_ref().unwrap();
+                assert_eq!(bits(p_fused.as_tensor()), bits(p_composed.as_tensor()), "p, step {t}, λ {weight_decay}");
+                assert_eq!(bits(mf), bits(mc), "m, step {t}");
+                assert_eq!(bits(vf), bits(vc), "v, step {t}");
+                assert_ne!(bits(p_fused.as_tensor()), bits(&init), "the update moved nothing");
+            }
+        }
     }
 }

@@ -13,6 +13,7 @@
 //!   Adam by Kingma & Ba 2015, with bias correction).
 
 mod adamw;
+mod adamw_cpu;
 mod sgd;
 
 pub use adamw::{AdamW, AdamWConfig};
@@ -159,7 +160,8 @@ impl<C: serde::Serialize + serde::de::DeserializeOwned> OptimizerState<C> {
         for (name, bufs) in names.iter().zip(&self.buffers) {
             for (i, b) in bufs.iter().enumerate() {
                 if let Some(b) = b {
-                    sd.tensors.insert(format!("{i}.{name}"), b.clone());
+                    // A copy: optimizers update their buffers in place, which must not reach a saved state.
+                    sd.tensors.insert(format!("{i}.{name}"), b.copy()?);
                 }
             }
         }
@@ -178,10 +180,15 @@ impl<C: serde::Serialize + serde::de::DeserializeOwned> OptimizerState<C> {
         let config: C = sd.meta_field("config")?;
         let steps: u64 = sd.meta_field("steps")?;
         let n: usize = sd.meta_field("num_params")?;
+        // Copies: the optimizers update their buffers in place, which must not reach the caller's state dict.
         let buffers: Vec<Vec<Option<Tensor>>> = names
             .iter()
-            .map(|name| (0..n).map(|i| sd.tensors.get(&format!("{i}.{name}")).cloned()).collect())
-            .collect();
+            .map(|name| {
+                (0..n)
+                    .map(|i| sd.tensors.get(&format!("{i}.{name}")).map(Tensor::copy).transpose())
+                    .collect::<candle_core::Result<Vec<_>>>()
+            })
+            .collect::<candle_core::Result<_>>()?;
         let param_steps = match sd.meta.get("param_steps") {
             Some(_) => sd.meta_field("param_steps")?,
             None => (0..n).map(|i| if buffers.iter().any(|b| b[i].is_some()) { steps } else { 0 }).collect(),
