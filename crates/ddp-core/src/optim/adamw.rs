@@ -216,7 +216,8 @@ mod tests {
             let n = 1031;
             let init = Tensor::from_vec(values(n, 1), n, &Device::Cpu).unwrap();
             let (p_fused, p_composed) = (Var::from_tensor(&init).unwrap(), Var::from_tensor(&init).unwrap());
-            let (mut mv_fused, mut mv_composed): (Option<(Tensor, Tensor)>, Option<(Tensor, Tensor)>) = (None, None);
+            type Moments = Option<(Tensor, Tensor)>;
+            let (mut mv_fused, mut mv_composed): (Moments, Moments) = (None, None);
             for t in 1..=4 {
                 let g = Tensor::from_vec(values(n, 10 + t), n, &Device::Cpu).unwrap();
                 let bias_correction2_sqrt = (1.0 - c.beta2.powi(t as i32)).sqrt();
