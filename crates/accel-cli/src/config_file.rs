@@ -324,7 +324,7 @@ impl AccelerateConfig {
         }
         // First pass: the YAML itself (a whole-document parse, so an unclosed `[` is reported as such rather than
         // as a value of the wrong type), then unknown keys, then each known key's value, then the typed model.
-        let raw: serde_json::Value = serde_saphyr::from_str(text).map_err(|e| syntax_error(path, &e))?;
+        let raw: serde_json::Value = serde_saphyr::from_str(text).map_err(|e| syntax_error(path, text, &e))?;
         let serde_json::Value::Object(raw) = raw else {
             return Err(CliError::ConfigValue {
                 path: path.to_path_buf(),
@@ -340,7 +340,7 @@ impl AccelerateConfig {
                 return Err(value_error(path, text, key, &format!("{key}: expected {expected}")));
             }
         }
-        let config: AccelerateConfig = serde_saphyr::from_str(text).map_err(|e| syntax_error(path, &e))?;
+        let config: AccelerateConfig = serde_saphyr::from_str(text).map_err(|e| syntax_error(path, text, &e))?;
         let mut warnings = Vec::new();
         for (key, value) in &raw {
             if ACCELERATE_ONLY_KEYS.contains(&key.as_str()) && requests_feature(key, value) {
@@ -405,16 +405,57 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> CliResult<()> {
     Ok(())
 }
 
-fn syntax_error(path: &Path, e: &serde_saphyr::Error) -> CliError {
+fn syntax_error(path: &Path, text: &str, e: &serde_saphyr::Error) -> CliError {
     use serde_saphyr::MessageFormatter;
     // The bare message: no snippet (it would name the source `<input>`) and no position (given once, below).
-    let message = clean_parser_message(&serde_saphyr::DefaultMessageFormatter.format_message(e.without_snippet()));
+    let mut message = clean_parser_message(&serde_saphyr::DefaultMessageFormatter.format_message(e.without_snippet()));
+    let error_line = e.location().map_or(usize::MAX, |l| l.line() as usize);
+    // A scanner meets an unclosed `[` / `{` only lines later, and names what it found there; say where it opened.
+    if let Some((line, bracket)) = unclosed_flow_bracket(text, error_line) {
+        let close = if bracket == '[' { ']' } else { '}' };
+        message.push_str(&format!(
+            " (line {line} opens a `{bracket}` that is never closed: end the list with `{close}`, or write the \
+             value without brackets)"
+        ));
+    }
     match e.location().filter(|l| l.line() > 0) {
         Some(loc) => {
             CliError::ConfigSyntax { path: path.to_path_buf(), line: loc.line(), column: loc.column(), message }
         }
         None => CliError::ConfigValue { path: path.to_path_buf(), message },
     }
+}
+
+/// The first line (1-based, at most `up_to`) whose `[` or `{` is not closed by the end of that line and whose
+/// next non-blank line starts a new `key:` — a flow collection left open — with the bracket. Quoted text and
+/// comments are skipped.
+fn unclosed_flow_bracket(text: &str, up_to: usize) -> Option<(usize, char)> {
+    let lines: Vec<&str> = text.lines().collect();
+    for (i, line) in lines.iter().enumerate().take(up_to.min(lines.len())) {
+        let mut open: Vec<char> = Vec::new();
+        let mut quote: Option<char> = None;
+        for c in line.chars() {
+            match (quote, c) {
+                (Some(q), c) if c == q => quote = None,
+                (Some(_), _) => {}
+                (None, '"' | '\'') => quote = Some(c),
+                (None, '#') => break,
+                (None, '[' | '{') => open.push(c),
+                (None, ']' | '}') => {
+                    open.pop();
+                }
+                _ => {}
+            }
+        }
+        let next_starts_key = lines[i + 1..]
+            .iter()
+            .find(|l| !l.trim().is_empty())
+            .is_some_and(|l| !l.starts_with([' ', '\t']) && l.contains(':'));
+        if let (Some(&bracket), true) = (open.first(), next_starts_key) {
+            return Some((i + 1, bracket));
+        }
+    }
+    None
 }
 
 /// Drops the positions and `error:` prefixes a YAML scanner writes into its own messages
@@ -722,7 +763,17 @@ fn num_processes<'de, D: Deserializer<'de>>(d: D) -> Result<Option<usize>, D::Er
 
 #[cfg(test)]
 mod tests {
+
     use super::*;
+
+    #[test]
+    fn an_unclosed_bracket_names_the_line_that_opens_it() {
+        let text = "compute_environment: LOCAL_MACHINE\nnum_processes: [2\nmixed_precision: 'no'\n";
+        let e = AccelerateConfig::parse(text, Path::new("bad.yaml")).unwrap_err().to_string();
+        assert!(e.contains("bad.yaml") && e.contains("line 2 opens a `[` that is never closed"), "{e}");
+        assert_eq!(unclosed_flow_bracket("a: [1, 2]\nb: {x: 1}\nc: '[' # [\n", usize::MAX), None);
+        assert_eq!(unclosed_flow_bracket("a: 1\nb: {x: 1,\nc: 2\n", usize::MAX), Some((2, '{')));
+    }
 
     #[test]
     fn typed_keys_match_the_struct() {
