@@ -21,6 +21,10 @@
 //! linear weights, Normal(0, (0.02/√(2·n_layer))²) for the two residual projections, zero biases, layer norms at
 //! weight 1, bias 0.
 //!
+//! Layer norm, the causal softmax and GELU are `ddp_core::nn`'s fused ops (one kernel forward and one backward
+//! on the CPU in f32, candle's composed ops on other devices and dtypes; `ACCEL_FUSED_OPS=0` turns the fused
+//! kernels off), so the same code runs fast on the CPU and unchanged on CUDA or in bf16.
+//!
 //! The default model for the examples ([`GptConfig::small`], Shakespeare's 76 characters): d_model 128, 4 heads,
 //! 4 layers, context 64, d_ff 512 — 820 992 parameters ([`GptConfig::num_parameters`]).
 
@@ -29,7 +33,7 @@ use accel::tensor_parallel::{
     RowParallelLinear, TensorParallel, VocabParallelEmbedding,
 };
 use accel::{AccelError, Result};
-use candle_core::{DType, Device, IndexOp, Tensor, D};
+use candle_core::{DType, Device, IndexOp, Tensor};
 use rand::Rng;
 
 /// The sizes of a [`CharGpt`].
@@ -138,8 +142,8 @@ fn config_error(key: &str, value: usize, reason: String) -> AccelError {
 }
 
 /// `LayerNorm(d)` with replicated `weight` (ones) and `bias` (zeros), eps 1e-5 (PyTorch's default), computed by
-/// candle-nn's differentiable `layer_norm_slow` (in f32 for bf16/f16 inputs; the fused `ops::layer_norm` has no
-/// backward).
+/// [`ddp_core::nn::layer_norm::layer_norm`] (fused on the CPU in f32; candle-nn's `layer_norm_slow` elsewhere, in
+/// f32 for bf16/f16 inputs).
 struct LayerNorm {
     weight: Tensor,
     bias: Tensor,
@@ -154,7 +158,7 @@ impl LayerNorm {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(candle_nn::ops::layer_norm_slow(x, &self.weight, &self.bias, 1e-5)?)
+        Ok(ddp_core::nn::layer_norm::layer_norm(x, &self.weight, &self.bias, 1e-5)?)
     }
 }
 
@@ -185,8 +189,8 @@ impl Attention {
         })
     }
 
-    /// `x` `[b, s, d]` replicated, `mask` `[s, s]` (0 / −∞) → `[b, s, d]` replicated.
-    fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    /// `x` `[b, s, d]` replicated → `[b, s, d]` replicated.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (b, s, _) = x.dims3()?;
         // One f for the three projections: their input gradients are summed locally, then all-reduced once.
         let x = ddp_core::functional::copy_to_group(x, self.tp.group())?;
@@ -196,9 +200,8 @@ impl Attention {
         let q = heads(self.q.forward_copied(&x)?)?;
         let k = heads(self.k.forward_copied(&x)?)?;
         let v = heads(self.v.forward_copied(&x)?)?;
-        let scores = (q.matmul(&k.t()?)? * (1.0 / (self.head_dim as f64).sqrt()))?;
-        // candle-nn's fused `softmax_last_dim` has no backward; `softmax` is built from differentiable ops.
-        let att = candle_nn::ops::softmax(&scores.broadcast_add(mask)?, D::Minus1)?;
+        // softmax(q kᵀ / √hd) with keys after the query masked, scaling and masking fused into the softmax.
+        let att = ddp_core::nn::softmax::causal_softmax(&q.matmul(&k.t()?)?, 1.0 / (self.head_dim as f64).sqrt())?;
         let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, s, self.local_heads * self.head_dim))?;
         self.c_proj.forward(&y)
     }
@@ -220,7 +223,7 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.c_proj.forward(&self.c_fc.forward(x)?.gelu()?)
+        self.c_proj.forward(&ddp_core::nn::activation::gelu(&self.c_fc.forward(x)?)?)
     }
 }
 
@@ -237,8 +240,8 @@ struct Block {
 }
 
 impl Block {
-    fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
-        let x = (x + self.attn.forward(&self.ln_1.forward(x)?, mask)?)?;
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = (x + self.attn.forward(&self.ln_1.forward(x)?)?)?;
         Ok((&x + self.mlp.forward(&self.ln_2.forward(&x)?)?)?)
     }
 }
@@ -256,7 +259,6 @@ pub struct CharGpt {
     lm_head: ColumnParallelLinear,
     tp: TensorParallel,
     device: Device,
-    dtype: DType,
 }
 
 impl CharGpt {
@@ -282,17 +284,7 @@ impl CharGpt {
         let ln_f = LayerNorm::new(&pb.pp("ln_f"), cfg.d_model)?;
         let head = ParallelLinearConfig { bias: false, pad_output: true, ..Default::default() };
         let lm_head = ColumnParallelLinear::new(&pb.pp("lm_head"), cfg.d_model, cfg.vocab_size, head)?;
-        Ok(CharGpt {
-            cfg,
-            wte,
-            wpe,
-            blocks,
-            ln_f,
-            lm_head,
-            tp: pb.tp().clone(),
-            device: pb.device().clone(),
-            dtype: pb.dtype(),
-        })
+        Ok(CharGpt { cfg, wte, wpe, blocks, ln_f, lm_head, tp: pb.tp().clone(), device: pb.device().clone() })
     }
 
     /// The sizes.
@@ -326,9 +318,8 @@ impl CharGpt {
         }
         let tok = self.wte.forward(ids)?;
         let mut x = tok.broadcast_add(&self.wpe.narrow(0, 0, s)?)?;
-        let mask = causal_mask(s, self.dtype, &self.device)?;
         for block in &self.blocks {
-            x = block.forward(&x, &mask)?;
+            x = block.forward(&x)?;
         }
         self.lm_head.forward(&self.ln_f.forward(&x)?)
     }
@@ -383,13 +374,6 @@ impl CharGpt {
         }
         Ok(ids.split_off(prompt.len()))
     }
-}
-
-/// `[s, s]`: 0 where position `j ≤ i` (may attend), −∞ above the diagonal.
-fn causal_mask(s: usize, dtype: DType, device: &Device) -> Result<Tensor> {
-    let values: Vec<f32> =
-        (0..s).flat_map(|i| (0..s).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY })).collect();
-    Ok(Tensor::from_vec(values, (s, s), device)?.to_dtype(dtype)?)
 }
 
 /// An index drawn from `softmax(logits / temperature)` (inverse CDF of one uniform draw), or the arg-max when
