@@ -19,6 +19,7 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 
 pub mod activation;
+mod cpu;
 pub mod cross_entropy;
 pub mod layer_norm;
 pub mod linear;

@@ -13,6 +13,8 @@ mod launcher;
 mod mesh;
 mod multiprocess;
 mod nccl_unavailable;
+mod nn_cross_entropy;
+mod nn_linear;
 mod optim;
 mod sampler;
 mod store;
