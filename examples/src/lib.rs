@@ -18,7 +18,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{Linear, VarBuilder, VarMap};
+use candle_nn::{VarBuilder, VarMap};
+use ddp_core::nn::linear::{Activation, Linear};
 use rand::{Rng, SeedableRng};
 
 pub mod gpt;
@@ -48,7 +49,8 @@ pub const DEFAULT_HIDDEN: &[usize] = &[256];
 /// fewer epochs. Parameters are named `fc1.weight` (shape `[h1, 784]`), `fc1.bias` (`[h1]`), `fc2.weight`, … in
 /// the `VarBuilder`'s namespace, initialised by candle_nn's `linear` (Kaiming-normal weights, uniform bias;
 /// call [`seed_parameters`] for a reproducible PyTorch-style init). The dtype and device are those of the
-/// `VarBuilder`.
+/// `VarBuilder`. Each layer is a [`ddp_core::nn::linear::Linear`] with its ReLU fused (one candle custom op
+/// forward and backward on the CPU in f32, candle's own ops elsewhere; `ACCEL_FUSED_OPS=0` switches it off).
 #[derive(Debug, Clone)]
 pub struct Mlp {
     layers: Vec<Linear>,
@@ -64,10 +66,14 @@ impl Mlp {
     pub fn with_hidden(vb: VarBuilder, hidden: &[usize]) -> candle_core::Result<Self> {
         let widths: Vec<usize> =
             std::iter::once(MNIST_PIXELS).chain(hidden.iter().copied()).chain([MNIST_CLASSES]).collect();
+        let last = widths.len() - 2;
         let layers = widths
             .windows(2)
             .enumerate()
-            .map(|(i, w)| candle_nn::linear(w[0], w[1], vb.pp(format!("fc{}", i + 1))))
+            .map(|(i, w)| {
+                let act = if i == last { Activation::None } else { Activation::Relu };
+                Ok(Linear::new_vb(w[0], w[1], vb.pp(format!("fc{}", i + 1)))?.with_activation(act))
+            })
             .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(Self { layers })
     }
@@ -76,13 +82,10 @@ impl Mlp {
 impl Module for Mlp {
     /// `xs`: `[batch, 784]` (the VarBuilder's dtype) → logits `[batch, 10]`.
     fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
-        let last = self.layers.len() - 1;
         let mut h = xs.affine(1.0 / MNIST_STD, -MNIST_MEAN / MNIST_STD)?;
-        for (i, layer) in self.layers.iter().enumerate() {
+        for layer in &self.layers {
+            // ReLU fused into every layer but the last.
             h = layer.forward(&h)?;
-            if i != last {
-                h = h.relu()?;
-            }
         }
         Ok(h)
     }

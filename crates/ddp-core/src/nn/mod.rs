@@ -19,6 +19,7 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 
 pub mod activation;
+mod cpu;
 mod cpu_f32;
 pub mod cross_entropy;
 pub mod layer_norm;
