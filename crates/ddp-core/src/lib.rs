@@ -37,10 +37,10 @@ pub mod mesh;
 #[cfg_attr(docsrs, doc(cfg(feature = "mpi")))]
 pub mod mpi;
 pub mod mpirun;
-pub mod nn;
 #[cfg(feature = "nccl")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
 pub mod nccl;
+pub mod nn;
 pub mod optim;
 pub mod process_group;
 pub mod sampler;
