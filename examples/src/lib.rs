@@ -227,6 +227,26 @@ pub fn default_text_path() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("data").join("shakespeare").join("shakespeare8.txt")
 }
 
+/// The GPT examples' and benchmarks' datasets from the text file at `path`: non-overlapping windows of
+/// `block_size` characters (targets shifted by one) over the first 95 % of the characters for training and over
+/// the last 5 % for validation, both with the vocabulary of the whole text (the shipped text's 76 characters,
+/// sorted). `scripts/torch_ref/models.py` reads the text the same way.
+///
+/// Errors name the file that cannot be read, or a `block_size` of 0.
+pub fn split_text_datasets(
+    path: &Path,
+    block_size: usize,
+) -> anyhow::Result<(accel::data::TextDataset, accel::data::TextDataset)> {
+    use accel::data::{CharVocab, TextDataset};
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let vocab = CharVocab::from_text(&text);
+    let chars: Vec<char> = text.chars().collect();
+    let cut = chars.len() * 95 / 100;
+    let (train, val): (String, String) = (chars[..cut].iter().collect(), chars[cut..].iter().collect());
+    let s = block_size;
+    Ok((TextDataset::with_vocab(&train, vocab.clone(), s, s)?, TextDataset::with_vocab(&val, vocab, s, s)?))
+}
+
 /// Rows `indices` of `t` along dimension 0 (`index_select` with a u32 index on `t`'s device).
 pub fn select_rows(t: &Tensor, indices: &[usize]) -> candle_core::Result<Tensor> {
     let idx: Vec<u32> = indices.iter().map(|&i| i as u32).collect();

@@ -19,7 +19,6 @@
 
 use std::path::PathBuf;
 
-use accel::data::{CharVocab, TextDataset};
 use accel_examples::gpt::{to_candle, CharGpt, GptConfig};
 use anyhow::Context;
 use clap::Parser;
@@ -104,23 +103,10 @@ fn run() -> anyhow::Result<()> {
     worker(cli)
 }
 
-/// The text split into the first 95 % (training windows) and the last 5 % (validation), with the training
-/// vocabulary (the shipped text's 76 characters).
-fn datasets(cli: &Cli) -> anyhow::Result<(TextDataset, TextDataset)> {
-    let path = text_path(cli);
-    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let vocab = CharVocab::from_text(&text);
-    let chars: Vec<char> = text.chars().collect();
-    let cut = chars.len() * 95 / 100;
-    let (train, val): (String, String) = (chars[..cut].iter().collect(), chars[cut..].iter().collect());
-    let s = cli.block_size;
-    Ok((TextDataset::with_vocab(&train, vocab.clone(), s, s)?, TextDataset::with_vocab(&val, vocab, s, s)?))
-}
-
 fn worker(cli: Cli) -> anyhow::Result<()> {
     let args = cli.train.resolve(defaults())?;
     let seed = args.seed;
-    let (train, validation) = datasets(&cli)?;
+    let (train, validation) = accel_examples::split_text_datasets(&text_path(&cli), cli.block_size)?;
     let vocab = train.vocab().clone();
     let cfg = model_config(&cli, vocab.len());
     let mut trainer = Trainer::new_parallel(

@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# The levels benchmark: accel-rs (plain candle loop, ddp-core, Accelerator, Trainer) against PyTorch (plain loop,
+# DDP under torchrun + gloo, Accelerate cpu=True, HF Trainer use_cpu=True) on the same task, at 1 and 2
+# processes, interleaved, medians of --repeat runs; writes docs/benchmarks/levels.json, the charts
+# docs/benchmarks/levels-{mlp,gpt}.{svg,png} and the section between <!-- levels:begin/end --> of
+# docs/benchmarks.md.
+#
+#   scripts/bench-levels.sh [--model mlp|gpt|all] [--repeat 3] [--epochs 3] [--gpt-steps 100] [--threads 1]
+#                           [--nproc "1 2"] [--max-load 0.5] [--max-wait 900] [--no-report]
+#
+# Python (torch, accelerate, transformers, matplotlib from PyPI) goes into ${CARGO_TARGET_DIR:-target}/bench-venv
+# the first time, only when this script runs — never in CI. TORCH_INDEX_URL installs torch from another index
+# (e.g. https://download.pytorch.org/whl/cpu). Before starting, the script waits (up to --max-wait s) until the
+# 1-minute load average is below --max-load, and records the load before every run. Raw results:
+# ${CARGO_TARGET_DIR:-target}/bench-levels/runs.jsonl (one JSON line per run), logs next to it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+model=all repeat=3 epochs=3 gpt_steps=100 threads=1 nprocs="1 2" max_load=0.5 max_wait=900 report=1
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --model) model="$2"; shift 2 ;;
+        --repeat) repeat="$2"; shift 2 ;;
+        --epochs) epochs="$2"; shift 2 ;;
+        --gpt-steps) gpt_steps="$2"; shift 2 ;;
+        --threads) threads="$2"; shift 2 ;;
+        --nproc) nprocs="$2"; shift 2 ;;
+        --max-load) max_load="$2"; shift 2 ;;
+        --max-wait) max_wait="$2"; shift 2 ;;
+        --no-report) report=0; shift ;;
+        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+        *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+case "$model" in mlp) models=(mlp) ;; gpt) models=(gpt) ;; all) models=(mlp gpt) ;;
+    *) echo "--model must be mlp, gpt or all, not $model" >&2; exit 2 ;; esac
+
+target="${CARGO_TARGET_DIR:-target}"
+venv="$target/bench-venv"
+out="$target/bench-levels"
+mkdir -p "$out"
+py="$venv/bin/python"
+
+# --- the venv (only here, never in CI) ------------------------------------------------------------------------
+source scripts/bench-venv.sh
+ensure_bench_venv "$venv"
+
+# --- the Rust side: the dev profile, as the README builds -----------------------------------------------------
+echo ">> building levels (dev profile)" >&2
+cargo build --quiet -p accel-benches --bin levels
+levels_bin="$target/debug/levels"
+
+# --- wait for a quiet machine ---------------------------------------------------------------------------------
+load1() { cut -d' ' -f1 /proc/loadavg; }
+waited_from=$(date +%s)
+while awk -v l="$(load1)" -v m="$max_load" 'BEGIN { exit !(l >= m) }'; do
+    if (( $(date +%s) - waited_from >= max_wait )); then
+        echo ">> load average still $(load1) after ${max_wait} s; running anyway (the load is recorded)" >&2
+        break
+    fi
+    echo ">> waiting for the 1-minute load average ($(load1)) to drop below $max_load" >&2
+    sleep 15
+done
+waited="waited $(( $(date +%s) - waited_from )) s, load $(load1) at the start"
+
+# --- the runs, interleaved ------------------------------------------------------------------------------------
+runs="$out/runs.jsonl"; loads="$out/loads.txt"; : > "$runs"; : > "$loads"
+failed=()
+export OMP_NUM_THREADS="$threads"
+# One run: $1 = label, the rest = the command. Keeps the JSON line (the launcher prefixes "[rank 0] ").
+run_one() {
+    local label="$1"; shift
+    load1 >> "$loads"
+    echo ">> $label (load $(load1))" >&2
+    local log="$out/${label// /_}.log"
+    if LEVELS_T0_NS=$(date +%s%N) "$@" > "$log" 2>&1; then
+        grep -o '{.*"framework".*}' "$log" | tail -1 >> "$runs" \
+            || { echo "   no result line in $log" >&2; failed+=("$label"); }
+    else
+        echo "   FAILED (see $log)" >&2; failed+=("$label")
+    fi
+}
+torchrun() { "$py" -m torch.distributed.run --standalone --nproc_per_node "$1" "${@:2}"; }
+# `torch_py N LEVEL args...`: a PyTorch level at N processes — torchrun for N > 1, the bare interpreter for 1 (the
+# accel-rs side also trains in the process itself at 1). DDP always runs under torchrun (it needs a process group).
+torch_py() {
+    if [[ $1 == 1 ]]; then "$py" scripts/torch_ref/levels.py --level "$2" "${@:3}"
+    else torchrun "$1" scripts/torch_ref/levels.py --level "$2" "${@:3}"; fi
+}
+
+for i in $(seq "$repeat"); do
+    for m in "${models[@]}"; do
+        if [[ $m == mlp ]]; then work=(--epochs "$epochs"); else work=(--steps "$gpt_steps"); fi
+        common=(--model "$m" --threads "$threads" "${work[@]}")
+        for n in $nprocs; do
+            for tier in plain ddp accel trainer; do
+                [[ $tier == plain && $n != 1 ]] && continue
+                case $tier in
+                    plain) ours=candle; theirs=(torch_py "$n" torch) ;;
+                    ddp) ours=ddp; theirs=(torchrun "$n" scripts/torch_ref/levels.py --level ddp) ;;
+                    accel) ours=accel; theirs=(torch_py "$n" accelerate) ;;
+                    trainer) ours=trainer; theirs=(torch_py "$n" trainer) ;;
+                esac
+                ours_cmd=("$levels_bin" --level "$ours" --nproc "$n" "${common[@]}")
+                # Alternate which framework goes first, so a drift in load hits both alike.
+                if (( (i + n) % 2 == 0 )); then
+                    run_one "$i accel-rs $m $ours ${n}p" "${ours_cmd[@]}"
+                    run_one "$i pytorch $m $tier ${n}p" "${theirs[@]}" "${common[@]}"
+                else
+                    run_one "$i pytorch $m $tier ${n}p" "${theirs[@]}" "${common[@]}"
+                    run_one "$i accel-rs $m $ours ${n}p" "${ours_cmd[@]}"
+                fi
+            done
+        done
+    done
+done
+
+
+# --- metadata and the report ----------------------------------------------------------------------------------
+meta="$out/meta.json"
+CPU="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')" CORES="$(nproc)" \
+RAM="$(awk '/MemTotal/ { printf "%.1f GiB", $2 / 1048576 }' /proc/meminfo)" KERNEL="$(uname -r)" \
+DATE="$(date -u '+%Y-%m-%d %H:%M UTC')" RUSTC="$(rustc --version)" LOADS="$loads" QUIET="$max_load" WAITED="$waited" \
+VENV="$venv" TASK="MLP 784-512-512-10 on the 10k MNIST training images, ${epochs} epochs, batch 64 per process; \
+char-GPT (d_model 128, 4 heads, 4 layers, context 64, d_ff 512) on Shakespeare, ${gpt_steps} steps of 16 sequences per \
+process; AdamW lr 1e-3; ${threads} thread(s) per process; medians of ${repeat} interleaved runs." \
+"$py" - "$meta" <<'PY'
+import json, os, sys
+import accelerate, torch, transformers
+loads = [float(l) for l in open(os.environ["LOADS"]) if l.strip()]
+meta = {k.lower(): os.environ[k] for k in ("CPU", "CORES", "RAM", "KERNEL", "DATE", "QUIET", "WAITED", "VENV", "TASK")}
+meta["loads"] = loads
+meta["versions"] = {"rustc": os.environ["RUSTC"], "torch": torch.__version__, "accelerate": accelerate.__version__,
+                    "transformers": transformers.__version__}
+json.dump(meta, open(sys.argv[1], "w"), indent=1)
+PY
+echo ">> results: $runs" >&2
+if (( report )); then
+    "$py" scripts/torch_ref/report.py levels --results "$runs" --meta "$meta"
+fi
+if (( ${#failed[@]} )); then
+    printf '>> FAILED runs: %s\n' "${failed[@]}" >&2
+    exit 1
+fi
