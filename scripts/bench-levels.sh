@@ -8,7 +8,7 @@
 #   scripts/bench-levels.sh [--model mlp|gpt|all] [--repeat 3] [--epochs 3] [--gpt-steps 100] [--threads 1]
 #                           [--nproc "1 2"] [--max-load 0.5] [--max-wait 900] [--no-report]
 #
-# Python (torch, accelerate, transformers, matplotlib from PyPI) goes into ${CARGO_TARGET_DIR:-target}/bench-venv
+# Python (torch, accelerate, transformers, matplotlib from PyPI) goes into ${BENCH_VENV:-${CARGO_TARGET_DIR:-target}/bench-venv}
 # the first time, only when this script runs — never in CI. TORCH_INDEX_URL installs torch from another index
 # (e.g. https://download.pytorch.org/whl/cpu). Before starting, the script waits (up to --max-wait s) until the
 # 1-minute load average is below --max-load, and records the load before every run. Raw results:
@@ -36,13 +36,13 @@ case "$model" in mlp) models=(mlp) ;; gpt) models=(gpt) ;; all) models=(mlp gpt)
     *) echo "--model must be mlp, gpt or all, not $model" >&2; exit 2 ;; esac
 
 target="${CARGO_TARGET_DIR:-target}"
-venv="$target/bench-venv"
+venv="${BENCH_VENV:-$target/bench-venv}"
 out="$target/bench-levels"
 mkdir -p "$out"
 py="$venv/bin/python"
 
 # --- the venv (only here, never in CI) ------------------------------------------------------------------------
-source scripts/bench-venv.sh
+source scripts/bench-common.sh
 ensure_bench_venv "$venv"
 
 # --- the Rust side: the dev profile, as the README builds -----------------------------------------------------
@@ -51,17 +51,7 @@ cargo build --quiet -p accel-benches --bin levels
 levels_bin="$target/debug/levels"
 
 # --- wait for a quiet machine ---------------------------------------------------------------------------------
-load1() { cut -d' ' -f1 /proc/loadavg; }
-waited_from=$(date +%s)
-while awk -v l="$(load1)" -v m="$max_load" 'BEGIN { exit !(l >= m) }'; do
-    if (( $(date +%s) - waited_from >= max_wait )); then
-        echo ">> load average still $(load1) after ${max_wait} s; running anyway (the load is recorded)" >&2
-        break
-    fi
-    echo ">> waiting for the 1-minute load average ($(load1)) to drop below $max_load" >&2
-    sleep 15
-done
-waited="waited $(( $(date +%s) - waited_from )) s, load $(load1) at the start"
+wait_for_quiet "$max_load" "$max_wait"
 
 # --- the runs, interleaved ------------------------------------------------------------------------------------
 runs="$out/runs.jsonl"; loads="$out/loads.txt"; : > "$runs"; : > "$loads"
@@ -118,22 +108,10 @@ done
 
 # --- metadata and the report ----------------------------------------------------------------------------------
 meta="$out/meta.json"
-CPU="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')" CORES="$(nproc)" \
-RAM="$(awk '/MemTotal/ { printf "%.1f GiB", $2 / 1048576 }' /proc/meminfo)" KERNEL="$(uname -r)" \
-DATE="$(date -u '+%Y-%m-%d %H:%M UTC')" RUSTC="$(rustc --version)" LOADS="$loads" QUIET="$max_load" WAITED="$waited" \
-VENV="$venv" TASK="MLP 784-512-512-10 on the 10k MNIST training images, ${epochs} epochs, batch 64 per process; \
-char-GPT (d_model 128, 4 heads, 4 layers, context 64, d_ff 512) on Shakespeare, ${gpt_steps} steps of 16 sequences per \
-process; AdamW lr 1e-3; ${threads} thread(s) per process; medians of ${repeat} interleaved runs." \
-"$py" - "$meta" <<'PY'
-import json, os, sys
-import accelerate, torch, transformers
-loads = [float(l) for l in open(os.environ["LOADS"]) if l.strip()]
-meta = {k.lower(): os.environ[k] for k in ("CPU", "CORES", "RAM", "KERNEL", "DATE", "QUIET", "WAITED", "VENV", "TASK")}
-meta["loads"] = loads
-meta["versions"] = {"rustc": os.environ["RUSTC"], "torch": torch.__version__, "accelerate": accelerate.__version__,
-                    "transformers": transformers.__version__}
-json.dump(meta, open(sys.argv[1], "w"), indent=1)
-PY
+write_bench_meta "$py" "$meta" "$loads" "$max_load" "MLP 784-512-512-10 on the 10k MNIST training images, \
+${epochs} epochs, batch 64 per process; char-GPT (d_model 128, 4 heads, 4 layers, context 64, d_ff 512) on \
+Shakespeare, ${gpt_steps} steps of 16 sequences per process; AdamW lr 1e-3; ${threads} thread(s) per process; \
+medians of ${repeat} interleaved runs."
 echo ">> results: $runs" >&2
 if (( report )); then
     "$py" scripts/torch_ref/report.py levels --results "$runs" --meta "$meta"

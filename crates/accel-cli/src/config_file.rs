@@ -934,7 +934,9 @@ mod tests {
         let e = AccelerateConfig::parse(text, Path::new("bad.yaml")).unwrap_err();
         let msg = e.to_string();
         assert!(msg.starts_with("config file bad.yaml: line "), "{msg}");
-        assert_eq!(msg.matches("line").count(), 1, "the position once: {msg}");
+        // The parser's position once ("line 4, column 8"), then the hint naming the line that opens the bracket.
+        assert_eq!(msg.matches("column").count(), 1, "the position once: {msg}");
+        assert!(msg.contains("line 3 opens a `[` that is never closed"), "{msg}");
         assert!(!msg.contains("<input>") && !msg.contains("invalid type"), "{msg}");
         assert_eq!(
             clean_parser_message("error: line 2 column 1: did not find expected ']'"),

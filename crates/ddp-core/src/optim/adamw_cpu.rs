@@ -11,6 +11,7 @@
 
 use super::AdamWConfig;
 use candle_core::{CpuStorage, DType, Device, InplaceOp1, InplaceOp2, Layout, Tensor};
+use rayon::prelude::*;
 use std::cell::RefCell;
 
 /// The per-parameter scalars of one AdamW update, already in f32 exactly as candle's `affine` converts them.
@@ -149,20 +150,39 @@ impl InplaceOp2 for OnP<'_, '_, '_, '_> {
         let mut m = self.m.borrow_mut();
         let mut v = self.v.borrow_mut();
         let c = self.c;
-        // Each line is one composed candle op of adamw.rs, in its order (see the module docs).
-        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-            let m_new = (*m * c.beta1 + 0.0) + (g * c.one_minus_beta1 + 0.0);
-            let v_new = (*v * c.beta2 + 0.0) + ((g * g) * c.one_minus_beta2 + 0.0);
-            let decayed = match c.decay {
-                Some(d) => *p * d + 0.0,
-                None => *p,
-            };
-            let denom = v_new.sqrt() * c.inv_bias_correction2_sqrt + c.eps;
-            let update = (m_new / denom) * c.step_size + 0.0;
-            *p = decayed - update;
-            *m = m_new;
-            *v = v_new;
+        // Chunks of the four arrays go to rayon's threads when there are several (candle's thread count) and the
+        // parameter is large enough to pay for the hand-off; every element is updated the same way either way.
+        let (m, v): (&mut [f32], &mut [f32]) = (&mut m, &mut v);
+        if p.len() >= 2 * CHUNK && rayon::current_num_threads() > 1 {
+            p.par_chunks_mut(CHUNK)
+                .zip(g.par_chunks(CHUNK))
+                .zip(m.par_chunks_mut(CHUNK))
+                .zip(v.par_chunks_mut(CHUNK))
+                .for_each(|(((p, g), m), v)| update(p, g, m, v, c));
+        } else {
+            update(p, g, m, v, c);
         }
         Ok(())
+    }
+}
+
+/// Elements per rayon task of the update (256 KiB of each array).
+const CHUNK: usize = 64 * 1024;
+
+/// The update of one stretch of the arrays.
+fn update(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: Coefficients) {
+    // Each line is one composed candle op of adamw.rs, in its order (see the module docs).
+    for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+        let m_new = (*m * c.beta1 + 0.0) + (g * c.one_minus_beta1 + 0.0);
+        let v_new = (*v * c.beta2 + 0.0) + ((g * g) * c.one_minus_beta2 + 0.0);
+        let decayed = match c.decay {
+            Some(d) => *p * d + 0.0,
+            None => *p,
+        };
+        let denom = v_new.sqrt() * c.inv_bias_correction2_sqrt + c.eps;
+        let update = (m_new / denom) * c.step_size + 0.0;
+        *p = decayed - update;
+        *m = m_new;
+        *v = v_new;
     }
 }

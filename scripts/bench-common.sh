@@ -1,0 +1,63 @@
+# Sourced by the PyTorch comparison scripts (bench-levels.sh, bench-step.sh): what both need, written once.
+#
+#   ensure_bench_venv DIR     creates the venv DIR with torch, accelerate, transformers and matplotlib from PyPI
+#                             unless they import already. Only these scripts call it — never CI. TORCH_INDEX_URL:
+#                             install torch from that index instead (e.g. the CPU wheels,
+#                             https://download.pytorch.org/whl/cpu).
+#   wait_for_quiet MAX_LOAD MAX_WAIT
+#                             waits (up to MAX_WAIT s) until the 1-minute load average is below MAX_LOAD; sets
+#                             $waited to a sentence saying how long it waited and the load at the start.
+#   load1                     the 1-minute load average now.
+#   write_bench_meta PY OUT LOADS QUIET TASK
+#                             writes OUT (meta.json for scripts/torch_ref/report.py): the machine (CPU, cores, RAM,
+#                             kernel), the date, the loads recorded in the file LOADS, the quiet threshold, $waited,
+#                             the venv, TASK and the versions of rustc, torch, accelerate and transformers.
+ensure_bench_venv() {
+    local venv="$1"
+    if [[ -x "$venv/bin/python" ]] && "$venv/bin/python" -c "import torch, accelerate, transformers, matplotlib" 2>/dev/null; then
+        return 0
+    fi
+    echo ">> installing torch, accelerate, transformers, matplotlib into $venv (first run only)" >&2
+    [[ -x "$venv/bin/python" ]] || python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --upgrade pip || true
+    if [[ -n "${TORCH_INDEX_URL:-}" ]]; then
+        "$venv/bin/pip" install --quiet --index-url "$TORCH_INDEX_URL" torch
+    else
+        "$venv/bin/pip" install --quiet torch
+    fi
+    "$venv/bin/pip" install --quiet accelerate transformers matplotlib
+}
+
+load1() { cut -d' ' -f1 /proc/loadavg; }
+
+wait_for_quiet() {
+    local max_load="$1" max_wait="$2" from
+    from=$(date +%s)
+    while awk -v l="$(load1)" -v m="$max_load" 'BEGIN { exit !(l >= m) }'; do
+        if (( $(date +%s) - from >= max_wait )); then
+            echo ">> load average still $(load1) after ${max_wait} s; running anyway (the load is recorded)" >&2
+            break
+        fi
+        echo ">> waiting for the 1-minute load average ($(load1)) to drop below $max_load" >&2
+        sleep 15
+    done
+    waited="waited $(( $(date +%s) - from )) s, load $(load1) at the start"
+}
+
+write_bench_meta() {
+    local py="$1" out="$2" loads="$3" quiet="$4" task="$5"
+    CPU="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')" CORES="$(nproc)" \
+    RAM="$(awk '/MemTotal/ { printf "%.1f GiB", $2 / 1048576 }' /proc/meminfo)" KERNEL="$(uname -r)" \
+    DATE="$(date -u '+%Y-%m-%d %H:%M UTC')" RUSTC="$(rustc --version)" LOADS="$loads" QUIET="$quiet" \
+    WAITED="${waited:-not waited}" VENV="$(dirname "$(dirname "$py")")" TASK="$task" \
+    "$py" - "$out" <<'PY'
+import json, os, sys
+import accelerate, torch, transformers
+loads = [float(l) for l in open(os.environ["LOADS"]) if l.strip()]
+meta = {k.lower(): os.environ[k] for k in ("CPU", "CORES", "RAM", "KERNEL", "DATE", "QUIET", "WAITED", "VENV", "TASK")}
+meta["loads"] = loads
+meta["versions"] = {"rustc": os.environ["RUSTC"], "torch": torch.__version__, "accelerate": accelerate.__version__,
+                    "transformers": transformers.__version__}
+json.dump(meta, open(sys.argv[1], "w"), indent=1)
+PY
+}

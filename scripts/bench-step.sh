@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# One training step in one process, accel-rs against PyTorch: benches/src/bin/step_time.rs (--ops both: the fused ops
+# of ddp_core::nn and candle's own ops, interleaved step by step) and scripts/torch_ref/step.py, for the MLP at batch
+# 128 and the char-GPT at 16 sequences, at 1 and 2 threads, the two programs alternating; medians of --repeat runs.
+# Writes the section between <!-- step:begin/end --> of docs/benchmarks.md.
+#
+#   scripts/bench-step.sh [--repeat 3] [--steps 200] [--warmup 20] [--threads "1 2"] [--model mlp|gpt|all]
+#                         [--max-load 0.5] [--max-wait 900] [--no-report]
+#
+# Python (torch, accelerate, transformers, matplotlib from PyPI) goes into ${BENCH_VENV:-${CARGO_TARGET_DIR:-target}/bench-venv}
+# the first time, only when this script runs — never in CI. Raw results: ${CARGO_TARGET_DIR:-target}/bench-step/runs.jsonl.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+repeat=3 steps=200 warmup=20 threads_list="1 2" model=all max_load=0.5 max_wait=900 report=1
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --repeat) repeat="$2"; shift 2 ;;
+        --steps) steps="$2"; shift 2 ;;
+        --warmup) warmup="$2"; shift 2 ;;
+        --threads) threads_list="$2"; shift 2 ;;
+        --model) model="$2"; shift 2 ;;
+        --max-load) max_load="$2"; shift 2 ;;
+        --max-wait) max_wait="$2"; shift 2 ;;
+        --no-report) report=0; shift ;;
+        -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+        *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+case "$model" in mlp) models=(mlp) ;; gpt) models=(gpt) ;; all) models=(mlp gpt) ;;
+    *) echo "--model must be mlp, gpt or all, not $model" >&2; exit 2 ;; esac
+
+target="${CARGO_TARGET_DIR:-target}"
+venv="${BENCH_VENV:-$target/bench-venv}"
+out="$target/bench-step"
+mkdir -p "$out"
+py="$venv/bin/python"
+
+source scripts/bench-common.sh
+ensure_bench_venv "$venv"
+
+echo ">> building step_time (dev profile)" >&2
+cargo build --quiet -p accel-benches --bin step_time
+step_bin="$target/debug/step_time"
+
+wait_for_quiet "$max_load" "$max_wait"
+
+runs="$out/runs.jsonl"; loads="$out/loads.txt"; : > "$runs"; : > "$loads"
+failed=()
+run_one() {
+    local label="$1"; shift
+    load1 >> "$loads"
+    echo ">> $label (load $(load1))" >&2
+    local log="$out/${label// /_}.log"
+    if "$@" > "$log" 2>&1; then
+        grep '^{.*"impl"' "$log" >> "$runs" || { echo "   no result line in $log" >&2; failed+=("$label"); }
+    else
+        echo "   FAILED (see $log)" >&2; failed+=("$label")
+    fi
+}
+
+for i in $(seq "$repeat"); do
+    for m in "${models[@]}"; do
+        batch=$([[ $m == mlp ]] && echo 128 || echo 16)
+        for t in $threads_list; do
+            ours=(env RAYON_NUM_THREADS="$t" "$step_bin" --model "$m" --batch "$batch" --ops both --steps "$steps"
+                  --warmup "$warmup" --json)
+            theirs=(env OMP_NUM_THREADS="$t" "$py" scripts/torch_ref/step.py --model "$m" --batch "$batch" --threads "$t"
+                    --steps "$steps" --warmup "$warmup" --json)
+            # Alternate which framework goes first, so a drift in load hits both alike.
+            if (( (i + t) % 2 == 0 )); then
+                run_one "$i accel-rs $m ${t}t" "${ours[@]}"; run_one "$i pytorch $m ${t}t" "${theirs[@]}"
+            else
+                run_one "$i pytorch $m ${t}t" "${theirs[@]}"; run_one "$i accel-rs $m ${t}t" "${ours[@]}"
+            fi
+        done
+    done
+done
+
+meta="$out/meta.json"
+write_bench_meta "$py" "$meta" "$loads" "$max_load" "One training step (forward + loss, backward, AdamW) in one \
+process: MLP 784-512-512-10 at batch 128, char-GPT (d_model 128, 4 heads, 4 layers, context 64, d_ff 512) at 16 \
+sequences; ${steps} timed steps after ${warmup} warm-up steps per run; medians of ${repeat} alternating runs."
+echo ">> results: $runs" >&2
+if (( report )); then
+    "$py" scripts/torch_ref/report.py step --results "$runs" --meta "$meta"
+fi
+if (( ${#failed[@]} )); then
+    printf '>> FAILED runs: %s\n' "${failed[@]}" >&2
+    exit 1
+fi
