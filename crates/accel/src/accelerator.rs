@@ -374,6 +374,22 @@ impl Accelerator {
         self.inner.step.backward(&models, loss)
     }
 
+    /// [`Accelerator::backward`] with the gradient all-reduce overlapped with the backward pass: `segments` are
+    /// the cuts recorded while computing `loss` — `let (loss, segments) = accel::segments::record(|| ...)?`
+    /// around the forward pass, with the model calling [`crate::segments::cut`] between its layers. The backward
+    /// pass runs segment by segment and, on a sync step, each bucket is all-reduced as soon as its gradients
+    /// are final (ddp-core's `DistributedDataParallel::backward`; the first sync step plans the buckets and
+    /// reduces after its backward pass). Gradients, loss scaling, accumulation and clipping are exactly
+    /// `backward`'s. Overlap needs one prepared model without `find_unused_parameters`; otherwise the segments
+    /// run one after the other and the reduction follows, as in `backward`.
+    ///
+    /// Errors: those of `backward`; a cut the loss does not depend on; ranks whose cuts differ; a parameter
+    /// whose gradient arrives after its bucket went out (the model changed where it uses the parameter).
+    pub fn backward_segments(&self, loss: &Tensor, segments: crate::segments::BackwardSegments) -> Result<()> {
+        let models = self.require_models("backward_segments")?;
+        self.inner.step.backward_segments(&models, loss, segments)
+    }
+
     /// Runs one micro-step (forward + `backward`) in `f`, Accelerate's `with accelerator.accumulate(model)`:
     /// advances the accumulation window on entry, so [`Accelerator::sync_gradients`] tells inside `f` whether this
     /// micro-step will sync. `backward` advances the window itself when called outside `accumulate`, so using it

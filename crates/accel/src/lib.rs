@@ -48,6 +48,9 @@ pub mod data;
 pub use accelerator::{Accelerator, PreparedModel, ReduceKind};
 pub use config::{AcceleratorConfig, MixedPrecision};
 pub use data::{Batch, DataLoader, DataLoaderConfig, Dataset, TensorDataset};
+/// Backward segments (`record`, `cut`, `BackwardSegments`): where a model lets its gradient all-reduce start
+/// during the backward pass ([`Accelerator::backward_segments`]); ddp-core's module, re-exported.
+pub use ddp_core::segments;
 pub use error::{AccelError, Result};
 pub use mixed_precision::{GradScaler, GradScalerConfig};
 pub use optim::{AcceleratedOptimizer, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};

@@ -34,6 +34,7 @@ use crate::state::StateDict;
 use crate::{AccelError, Result};
 use candle_core::backprop::GradStore;
 use candle_core::Tensor;
+use ddp_core::segments::BackwardSegments;
 use std::sync::{Arc, Mutex};
 
 /// Step counters saved in checkpoints (`accelerator.json`).
@@ -242,6 +243,111 @@ impl StepController {
     /// One micro-batch's backward: scales `loss` (÷ GA, × fp16 loss scale), computes its gradients, adds them to
     /// every model's slots and, on a sync step, reduces them across ranks.
     pub(crate) fn backward(&self, models: &[PreparedModel], loss: &Tensor) -> Result<()> {
+        let (sync, loss) = self.begin_micro_batch(loss)?;
+        let mut store = loss.backward()?;
+        let mut st = lock(&self.state);
+        for m in models {
+            add_micro_batch(&mut st.grads[m.index()], m, &mut store)?;
+        }
+        drop(store);
+        if sync {
+            for m in models {
+                let g = &mut st.grads[m.index()];
+                m.reduce_gradients(&mut g.slots)?;
+                g.synced = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Self::backward`] over a forward pass recorded with `ddp_core::segments::record`: the backward pass runs
+    /// segment by segment, and with one prepared model the sync step's bucket all-reduces start while later
+    /// segments still compute (DDP's overlapped backward). Several models: the same segmented backward, then
+    /// the usual reduction model by model. Gradients are the same as `backward`'s.
+    pub(crate) fn backward_segments(
+        &self,
+        models: &[PreparedModel],
+        loss: &Tensor,
+        segments: BackwardSegments,
+    ) -> Result<()> {
+        let (sync, loss) = self.begin_micro_batch(loss)?;
+        // The slots leave the state for the backward pass (its ops must not wait on the step controller's lock).
+        let mut taken: Vec<Gradients> = {
+            let mut st = lock(&self.state);
+            models
+                .iter()
+                .map(|m| {
+                    let g = &mut st.grads[m.index()];
+                    if g.synced {
+                        g.clear(); // a new window after a step that did not happen: start clean
+                    }
+                    std::mem::take(g)
+                })
+                .collect()
+        };
+        let result = self.segmented_into(models, &loss, segments, sync, &mut taken);
+        let mut st = lock(&self.state);
+        for (m, g) in models.iter().zip(taken) {
+            st.grads[m.index()] = g;
+        }
+        result
+    }
+
+    fn segmented_into(
+        &self,
+        models: &[PreparedModel],
+        loss: &Tensor,
+        segments: BackwardSegments,
+        sync: bool,
+        grads: &mut [Gradients],
+    ) -> Result<()> {
+        let mut received: Vec<Vec<bool>> = models.iter().map(|m| vec![false; m.parameters().len()]).collect();
+        match (models, &mut *grads) {
+            ([model], [g]) if model.overlappable() => {
+                let ddp = model.ddp();
+                let params = model.parameters();
+                let seen = &mut received[0];
+                ddp.backward_segments_into(loss, segments, &mut g.slots, sync, |mut store, slots| {
+                    let mut got = Vec::new();
+                    for (i, p) in params.iter().enumerate() {
+                        if let Some(grad) = store.remove(p.as_tensor()) {
+                            gradients::add_into(&mut slots[i], grad)?;
+                            seen[i] = true;
+                            got.push(i);
+                        }
+                    }
+                    Ok(got)
+                })?;
+                check_received(model, seen)?;
+                g.synced = sync;
+            }
+            _ => {
+                segments.backward(loss, |_, mut store| -> Result<()> {
+                    for ((m, g), seen) in models.iter().zip(grads.iter_mut()).zip(&mut received) {
+                        for (i, p) in m.parameters().iter().enumerate() {
+                            if let Some(grad) = store.remove(p.as_tensor()) {
+                                g.add(i, grad)?;
+                                seen[i] = true;
+                            }
+                        }
+                    }
+                    Ok(())
+                })?;
+                for ((m, g), seen) in models.iter().zip(grads.iter_mut()).zip(&received) {
+                    check_received(m, seen)?;
+                    if sync {
+                        m.reduce_gradients(&mut g.slots)?;
+                        g.synced = true;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Advances the window for one micro-batch's backward and scales its loss (÷ GA, × fp16 loss scale); returns
+    /// whether this micro-batch syncs, and the scaled loss.
+    fn begin_micro_batch(&self, loss: &Tensor) -> Result<(bool, Tensor)> {
         let sync = {
             let mut st = lock(&self.state);
             if !st.window.in_accumulate {
@@ -258,20 +364,7 @@ impl StepController {
             let scale = lock(scaler).scale();
             loss = loss.to_dtype(candle_core::DType::F32)?.affine(scale, 0.0)?;
         }
-        let mut store = loss.backward()?;
-        let mut st = lock(&self.state);
-        for m in models {
-            add_micro_batch(&mut st.grads[m.index()], m, &mut store)?;
-        }
-        drop(store);
-        if sync {
-            for m in models {
-                let g = &mut st.grads[m.index()];
-                m.reduce_gradients(&mut g.slots)?;
-                g.synced = true;
-            }
-        }
-        Ok(())
+        Ok((sync, loss))
     }
 
     // ---- clipping ---------------------------------------------------------------------------------------------
@@ -459,6 +552,21 @@ impl StepController {
             ..Window::default()
         };
         st.grads.iter_mut().for_each(Gradients::clear);
+    }
+}
+
+/// The unused-parameter check of a segmented backward: every parameter got a gradient from this micro-batch,
+/// unless `find_unused_parameters` (then the reduction resolves it across ranks).
+fn check_received(model: &PreparedModel, received: &[bool]) -> Result<()> {
+    if model.find_unused_parameters() {
+        return Ok(());
+    }
+    let missing: Vec<String> =
+        received.iter().zip(model.names()).filter(|(r, _)| !**r).map(|(_, n)| n.clone()).collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(ddp_core::DdpError::UnusedParameters { names: missing }.into())
     }
 }
 

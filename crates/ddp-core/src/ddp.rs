@@ -8,25 +8,36 @@
 //! order with [`ReduceOp::Avg`] and writes the averages back into the `GradStore`. A communication thread reduces
 //! bucket k while the calling thread packs bucket k+1 and unpacks the buckets already reduced.
 //!
-//! Differences from PyTorch, on purpose: candle has no autograd hooks, so the reduction starts after the whole
-//! backward pass (not while it runs); and gradient accumulation is explicit: candle's `backward()` returns a
+//! Overlap with the backward pass: candle has no autograd hooks, so `sync_gradients` starts after the whole
+//! backward pass. [`DistributedDataParallel::backward`] instead runs the backward pass of a forward recorded with
+//! [`crate::segments::record`] one segment at a time (the model marks the cuts with [`crate::segments::cut`]) and
+//! all-reduces each bucket on the communication thread as soon as the segments that produce its gradients are
+//! done, while the next segment computes — PyTorch's overlap (Li et al. §3.2.3), with cuts instead of hooks. The
+//! first such call learns after which segment each gradient is final (agreed across ranks: the latest on any
+//! rank) and rebuilds the buckets in that order, never spanning a cut, as PyTorch rebuilds its buckets after the
+//! first iteration; it reduces after its backward pass. Later calls overlap.
+//!
+//! Difference from PyTorch, on purpose: gradient accumulation is explicit: candle's `backward()` returns a
 //! fresh `GradStore`, so with sync off the user sums micro-batch gradients (see
 //! [`DistributedDataParallel::accumulate_gradients`]) and the next synced call averages the sum.
 
 mod bucket;
 mod fingerprint;
 mod flat;
+mod overlap;
 
 pub use bucket::compute_bucket_layout;
 
+use crate::segments::BackwardSegments;
 use crate::{DType, DdpError, ProcessGroup, ReduceOp, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use candle_nn::VarMap;
 use fingerprint::ParamSig;
 use flat::FlatBuffer;
+use overlap::OverlapPlan;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Mutex};
+use std::sync::{mpsc, Arc, Mutex};
 
 /// Bytes in a MiB (caps are given in MiB, as PyTorch's `bucket_cap_mb`).
 const MIB: f64 = (1u64 << 20) as f64;
@@ -88,12 +99,25 @@ pub struct DistributedDataParallel {
     vars: Vec<(String, Var)>,
     /// Size of each parameter in bytes.
     sizes: Vec<usize>,
-    buckets: Vec<BucketPlan>,
+    /// Element type each parameter's gradient travels as.
+    dtypes: Vec<DType>,
+    /// Caps in bytes: the first bucket's, the later ones'.
+    caps: (usize, usize),
     opts: DdpOptions,
     require_sync: AtomicBool,
+    /// The bucket layout: reverse registration order at construction, rebuilt once by the first overlapped
+    /// backward (then with the plan that says when each bucket is ready).
+    layout: Mutex<Arc<BucketLayout>>,
     /// One flat buffer per bucket, kept between steps so big buckets are not re-allocated (and page-faulted)
     /// every step.
     buffers: Mutex<Vec<FlatBuffer>>,
+}
+
+/// The buckets in communication order, and the overlap plan they were built for (if any).
+#[derive(Debug)]
+struct BucketLayout {
+    buckets: Vec<BucketPlan>,
+    overlap: Option<OverlapPlan>,
 }
 
 impl std::fmt::Debug for DistributedDataParallel {
@@ -156,34 +180,25 @@ impl DistributedDataParallel {
             .collect();
         fingerprint::check_across_ranks(pg, &sigs)?;
 
-        let layout = bucket::assign(
-            &sizes.iter().copied().zip(dtypes.iter().copied()).collect::<Vec<_>>(),
-            first_cap,
-            later_cap,
+        let buckets = plan_buckets(
+            bucket::assign(
+                &sizes.iter().copied().zip(dtypes.iter().copied()).collect::<Vec<_>>(),
+                first_cap,
+                later_cap,
+            ),
+            &sizes,
+            &dtypes,
         );
-        let buckets = layout
-            .into_iter()
-            .map(|b| {
-                let offsets = b
-                    .params
-                    .iter()
-                    .scan(0usize, |off, &p| {
-                        let here = *off;
-                        *off += sizes[p];
-                        Some(here)
-                    })
-                    .collect();
-                BucketPlan { dtype: dtypes[b.params[0]], params: b.params, offsets, bytes: b.bytes }
-            })
-            .collect::<Vec<_>>();
         let buffers = Mutex::new((0..buckets.len()).map(|_| FlatBuffer::default()).collect());
         let ddp = DistributedDataParallel {
             pg: pg.clone(),
             vars,
             sizes,
-            buckets,
+            dtypes,
+            caps: (first_cap, later_cap),
             opts,
             require_sync: AtomicBool::new(true),
+            layout: Mutex::new(Arc::new(BucketLayout { buckets, overlap: None })),
             buffers,
         };
         if ddp.opts.broadcast_parameters && pg.world_size() > 1 {
@@ -248,6 +263,77 @@ impl DistributedDataParallel {
         Ok(())
     }
 
+    /// `loss.backward()` followed by [`Self::sync_gradients`], with the bucket all-reduces overlapped with the
+    /// backward pass: `segments` are the cuts recorded while computing `loss` ([`crate::segments::record`]); see
+    /// the module docs for how the first call plans the buckets. Collective, like `sync_gradients` (every rank
+    /// calls it for the same step, with the same cuts). Without cuts, or with sync off ([`Self::no_sync`]), or
+    /// on one rank, it is exactly `loss.backward()` then `sync_gradients`.
+    ///
+    /// Returns every gradient of the backward pass: the wrapped parameters' averaged across ranks (when sync is
+    /// on), other variables' as computed. Gradients equal `loss.backward()`'s, bit for bit (up to the sign of
+    /// an exact zero at a cut).
+    ///
+    /// Errors: those of `sync_gradients`; a rank whose number of segments differs from the others' (on the
+    /// first call, on every rank); a parameter that gets a gradient from a segment after its bucket went out
+    /// (the model used it across different cuts than when the plan was made); candle's.
+    pub fn backward(&self, loss: &Tensor, segments: BackwardSegments) -> Result<GradStore> {
+        self.backward_accumulated(loss, segments, GradStore::default())
+    }
+
+    /// [`Self::backward`] for the last micro-batch of a gradient-accumulation window: `acc` holds the sums of the
+    /// window's earlier micro-batches ([`Self::accumulate_gradients`] inside [`Self::no_sync`]); this
+    /// micro-batch's gradients are added to them and the sums are averaged across ranks, overlapped with the
+    /// backward pass.
+    pub fn backward_accumulated(
+        &self,
+        loss: &Tensor,
+        segments: BackwardSegments,
+        mut acc: GradStore,
+    ) -> Result<GradStore> {
+        let mut slots: Vec<Option<Tensor>> = self.vars.iter().map(|(_, v)| acc.remove(v.as_tensor())).collect();
+        self.backward_segments_into(loss, segments, &mut slots, self.require_sync(), |mut store, slots| {
+            let mut got = Vec::new();
+            for (i, (_, var)) in self.vars.iter().enumerate() {
+                if let Some(g) = store.remove(var.as_tensor()) {
+                    slots[i] = Some(match slots[i].take() {
+                        Some(sum) => (sum + g)?,
+                        None => g,
+                    });
+                    got.push(i);
+                }
+            }
+            acc.extend(store)?; // other variables' gradients, summed over the segments
+            Ok(got)
+        })?;
+        for ((_, var), slot) in self.vars.iter().zip(slots) {
+            match slot {
+                Some(g) => acc.insert(var.as_tensor(), g),
+                None => acc.remove(var.as_tensor()),
+            };
+        }
+        Ok(acc)
+    }
+
+    /// The segmented, overlapped backward over caller-owned gradient slots (what the Accelerator uses; the
+    /// slots are those of [`Self::reduce_gradients`]): runs `segments`' backward pass of `loss`; after each
+    /// segment `add(store, slots)` moves that segment's gradients of the wrapped parameters into `slots`
+    /// (summing with what is there, in whatever dtype the caller keeps) and returns the slot indices it gave a
+    /// gradient. With `sync`, the slots are averaged across ranks, each bucket as soon as its gradients are
+    /// final; without, nothing is communicated.
+    ///
+    /// Errors: as [`Self::backward`]; [`DdpError::InvalidArgument`] for a slot count that is not the number of
+    /// wrapped parameters; `add`'s.
+    pub fn backward_segments_into(
+        &self,
+        loss: &Tensor,
+        segments: BackwardSegments,
+        slots: &mut [Option<Tensor>],
+        sync: bool,
+        add: impl FnMut(GradStore, &mut [Option<Tensor>]) -> Result<Vec<usize>>,
+    ) -> Result<()> {
+        self.run_segments_into(loss, segments, slots, sync, add)
+    }
+
     /// Averages gradient slots across ranks in place: `grads[i]` is the gradient of the `i`-th wrapped parameter
     /// ([`Self::named_vars`] order), `None` where this rank produced none. Collective: every rank must call it for
     /// the same step. Ignores [`Self::set_require_sync`] (the caller decides when to sync).
@@ -297,25 +383,51 @@ impl DistributedDataParallel {
             vec![true; grads.len()]
         };
 
-        let mut buffers = std::mem::take(&mut *self.buffers.lock().unwrap_or_else(|e| e.into_inner()));
-        buffers.resize_with(self.buckets.len(), FlatBuffer::default);
-        let result = self.reduce_buckets(grads, &globally_used, &mut buffers);
-        *self.buffers.lock().unwrap_or_else(|e| e.into_inner()) = buffers;
-        result
+        let layout = self.layout();
+        self.with_buffers(&layout, |buffers| {
+            if let ([plan], [only]) = (&layout.buckets[..], &mut buffers[..]) {
+                // One bucket: nothing to overlap, no thread.
+                self.pack_gradients(plan, grads, only)?;
+                self.pg.all_reduce_bytes(only.bytes_mut(), plan.dtype, ReduceOp::Avg)?;
+                return self.unpack_gradients(plan, only, &globally_used, grads);
+            }
+            self.pipelined(&layout, buffers, |pipe| {
+                for k in 0..layout.buckets.len() {
+                    pipe.launch(k, grads)?;
+                }
+                Ok(())
+            })?
+            .unpack_into(grads, &globally_used)
+        })
     }
 
-    /// The pipeline: this thread packs bucket k+1 while a communication thread all-reduces bucket k, then
-    /// unpacks reduced buckets in order. Collectives are issued strictly in bucket order by the one comm thread.
-    fn reduce_buckets(&self, grads: &mut [Option<Tensor>], used: &[bool], buffers: &mut [FlatBuffer]) -> Result<()> {
-        if let [only] = buffers {
-            self.pack_gradients(0, grads, only)?;
-            self.pg.all_reduce_bytes(only.bytes_mut(), self.buckets[0].dtype, ReduceOp::Avg)?;
-            return self.unpack_gradients(0, only, used, grads);
-        }
+    /// The current bucket layout.
+    fn layout(&self) -> Arc<BucketLayout> {
+        crate::sync::lock(&self.layout).clone()
+    }
+
+    /// Runs `f` with one flat buffer per bucket of `layout` (the ones kept from the last step).
+    fn with_buffers<R>(&self, layout: &BucketLayout, f: impl FnOnce(&mut [FlatBuffer]) -> R) -> R {
+        let mut buffers = std::mem::take(&mut *crate::sync::lock(&self.buffers));
+        buffers.resize_with(layout.buckets.len(), FlatBuffer::default);
+        let r = f(&mut buffers);
+        *crate::sync::lock(&self.buffers) = buffers;
+        r
+    }
+
+    /// The pipeline: `produce` launches buckets (packing them on this thread) while a communication thread
+    /// all-reduces the ones launched before, strictly in launch order — which must be bucket order, the same
+    /// on every rank. Returns the reduced buckets once `produce` is done and every launched bucket came back.
+    fn pipelined<'b>(
+        &self,
+        layout: &'b BucketLayout,
+        buffers: &'b mut [FlatBuffer],
+        produce: impl FnOnce(&mut Pipeline<'_, 'b>) -> Result<()>,
+    ) -> Result<Reduced<'_, 'b>> {
         std::thread::scope(|scope| {
             let (to_comm, comm_inbox) = mpsc::channel::<(usize, FlatBuffer)>();
             let (to_main, main_inbox) = mpsc::channel::<Result<(usize, FlatBuffer)>>();
-            let (pg, buckets) = (&self.pg, &self.buckets);
+            let (pg, buckets) = (&self.pg, &layout.buckets);
             scope.spawn(move || {
                 for (k, mut buf) in comm_inbox {
                     let r = pg.all_reduce_bytes(buf.bytes_mut(), buckets[k].dtype, ReduceOp::Avg);
@@ -325,40 +437,33 @@ impl DistributedDataParallel {
                     }
                 }
             });
-            let mut first_err: Option<DdpError> = None;
-            for (k, slot) in buffers.iter_mut().enumerate() {
-                let mut buf = std::mem::take(slot);
-                if let Err(e) = self.pack_gradients(k, grads, &mut buf) {
-                    first_err = Some(e);
-                    break;
-                }
-                if to_comm.send((k, buf)).is_err() {
-                    break; // the comm thread stopped on an error, which it has sent us
-                }
-            }
-            drop(to_comm);
+            let mut pipe = Pipeline { ddp: self, layout, buffers, to_comm: Some(to_comm), launched: 0 };
+            let produced = produce(&mut pipe);
+            let (launched, buffers) = (pipe.launched, pipe.buffers);
+            drop(pipe.to_comm.take()); // the comm thread ends once it has reduced what it was sent
+            let mut first_err = produced.err();
+            let mut done = 0;
             for msg in main_inbox {
                 match msg {
                     Ok((k, buf)) => {
-                        if first_err.is_none() {
-                            if let Err(e) = self.unpack_gradients(k, &buf, used, grads) {
-                                first_err = Some(e);
-                            }
-                        }
                         buffers[k] = buf;
+                        done += 1;
                     }
                     Err(e) => {
                         first_err.get_or_insert(e);
                     }
                 }
             }
-            first_err.map_or(Ok(()), Err)
+            if let Some(e) = first_err {
+                return Err(e);
+            }
+            debug_assert_eq!(done, launched);
+            Ok(Reduced { ddp: self, layout, buffers, count: launched })
         })
     }
 
-    /// Copies the gradients of bucket `k` into `buf` (zeros for parameters without one).
-    fn pack_gradients(&self, k: usize, local: &[Option<Tensor>], buf: &mut FlatBuffer) -> Result<()> {
-        let plan = &self.buckets[k];
+    /// Copies the gradients of `plan`'s parameters into `buf` (zeros for parameters without one).
+    fn pack_gradients(&self, plan: &BucketPlan, local: &[Option<Tensor>], buf: &mut FlatBuffer) -> Result<()> {
         buf.resize(plan.bytes);
         let bytes = buf.bytes_mut();
         for (&p, &off) in plan.params.iter().zip(&plan.offsets) {
@@ -378,9 +483,15 @@ impl DistributedDataParallel {
         Ok(())
     }
 
-    /// Writes the reduced gradients of bucket `k` back into their slots (`None` for parameters no rank used).
-    fn unpack_gradients(&self, k: usize, buf: &FlatBuffer, used: &[bool], grads: &mut [Option<Tensor>]) -> Result<()> {
-        let plan = &self.buckets[k];
+    /// Writes the reduced gradients of `plan`'s parameters back into their slots (`None` for parameters no rank
+    /// used).
+    fn unpack_gradients(
+        &self,
+        plan: &BucketPlan,
+        buf: &FlatBuffer,
+        used: &[bool],
+        grads: &mut [Option<Tensor>],
+    ) -> Result<()> {
         let bytes = buf.bytes();
         for (&p, &off) in plan.params.iter().zip(&plan.offsets) {
             if !used[p] {
@@ -397,7 +508,7 @@ impl DistributedDataParallel {
     /// Copies rank 0's parameter values into every rank's `Var`s, one broadcast per bucket.
     fn broadcast_parameters(&self) -> Result<()> {
         let mut buf = FlatBuffer::default();
-        for plan in &self.buckets {
+        for plan in &self.layout().buckets {
             buf.resize(plan.bytes);
             for (&p, &off) in plan.params.iter().zip(&plan.offsets) {
                 flat::copy_in(self.vars[p].1.as_tensor(), plan.dtype, &mut buf.bytes_mut()[off..off + self.sizes[p]])?;
@@ -450,13 +561,79 @@ impl DistributedDataParallel {
     }
 
     /// Bucket layout: the parameter indices (registration order) in each bucket, in communication order;
-    /// within a bucket, reverse registration order.
+    /// within a bucket, reverse registration order — until the first overlapped [`Self::backward`] rebuilds the
+    /// buckets in the order gradients become final (see the module docs).
     pub fn bucket_layout(&self) -> Vec<Vec<usize>> {
-        self.buckets.iter().map(|b| b.params.clone()).collect()
+        self.layout().buckets.iter().map(|b| b.params.clone()).collect()
     }
 
     /// Size of each bucket in bytes, in communication order.
     pub fn bucket_bytes(&self) -> Vec<usize> {
-        self.buckets.iter().map(|b| b.bytes).collect()
+        self.layout().buckets.iter().map(|b| b.bytes).collect()
+    }
+}
+
+/// Byte offsets within each bucket, from an assignment of parameters to buckets.
+fn plan_buckets(assigned: Vec<bucket::Bucket>, sizes: &[usize], dtypes: &[DType]) -> Vec<BucketPlan> {
+    assigned
+        .into_iter()
+        .map(|b| {
+            let offsets = b
+                .params
+                .iter()
+                .scan(0usize, |off, &p| {
+                    let here = *off;
+                    *off += sizes[p];
+                    Some(here)
+                })
+                .collect();
+            BucketPlan { dtype: dtypes[b.params[0]], params: b.params, offsets, bytes: b.bytes }
+        })
+        .collect()
+}
+
+/// The packing side of [`DistributedDataParallel::pipelined`]: hands buckets to the communication thread.
+struct Pipeline<'d, 'b> {
+    ddp: &'d DistributedDataParallel,
+    layout: &'b BucketLayout,
+    buffers: &'b mut [FlatBuffer],
+    to_comm: Option<mpsc::Sender<(usize, FlatBuffer)>>,
+    /// Buckets sent so far (always the first `launched`, in order).
+    launched: usize,
+}
+
+impl Pipeline<'_, '_> {
+    /// Packs bucket `k` from `grads` and sends it to be all-reduced. Buckets must be launched in order.
+    fn launch(&mut self, k: usize, grads: &[Option<Tensor>]) -> Result<()> {
+        debug_assert_eq!(k, self.launched, "buckets go out in bucket order");
+        let mut buf = std::mem::take(&mut self.buffers[k]);
+        self.ddp.pack_gradients(&self.layout.buckets[k], grads, &mut buf)?;
+        self.launched += 1;
+        // A closed channel means the comm thread stopped on an error, which `pipelined` reports.
+        let _ = self.to_comm.as_ref().map(|tx| tx.send((k, buf)));
+        Ok(())
+    }
+
+    /// Buckets launched so far.
+    fn launched(&self) -> usize {
+        self.launched
+    }
+}
+
+/// Reduced buckets, ready to be unpacked.
+struct Reduced<'d, 'b> {
+    ddp: &'d DistributedDataParallel,
+    layout: &'b BucketLayout,
+    buffers: &'b [FlatBuffer],
+    count: usize,
+}
+
+impl Reduced<'_, '_> {
+    /// Writes the averages into `grads` (`None` where `used` says no rank had a gradient).
+    fn unpack_into(self, grads: &mut [Option<Tensor>], used: &[bool]) -> Result<()> {
+        for (plan, buf) in self.layout.buckets.iter().zip(self.buffers).take(self.count) {
+            self.ddp.unpack_gradients(plan, buf, used, grads)?;
+        }
+        Ok(())
     }
 }

@@ -7,7 +7,8 @@
 //!   send/recv, barrier, sub-groups) on slices and candle tensors, over a [`Backend`]: the CPU backend over TCP
 //!   (default, multi-process and multi-machine) or NCCL (feature `nccl`).
 //! - [`DistributedSampler`]: per-rank sample indices with PyTorch's arithmetic.
-//! - [`DistributedDataParallel`]: bucketed, averaged gradient all-reduce for candle `Var`s.
+//! - [`DistributedDataParallel`]: bucketed, averaged gradient all-reduce for candle `Var`s, overlapped with the
+//!   backward pass when the model marks [`segments`] (cut points).
 //! - [`launcher`]: spawn N workers with torchrun's environment and fail fast when one dies.
 //! - [`optim`]: [`AdamW`] and [`Sgd`] (as `torch.optim`'s) with state that [`StateDict`] saves and restores exactly;
 //!   the same optimizers `accel` and `trainer` use, so every level steps at the same speed.
@@ -44,6 +45,7 @@ pub mod nn;
 pub mod optim;
 pub mod process_group;
 pub mod sampler;
+pub mod segments;
 pub mod state;
 pub mod store;
 pub mod sync;

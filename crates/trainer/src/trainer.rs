@@ -31,6 +31,7 @@ use std::time::Instant;
 use accel::data::{Batch, DataLoader, DataLoaderConfig, Dataset};
 use accel::optim::AcceleratedOptimizer;
 use accel::scheduler::{warmup_steps_from, LrScheduler, Scheduler};
+use accel::segments::{self, BackwardSegments};
 use accel::state::Stateful;
 use accel::tensor_parallel::{ParamBuilder, TensorParallel};
 use accel::{Accelerator, AcceleratorConfig, MixedPrecision, PreparedModel};
@@ -673,9 +674,13 @@ where
             });
             Ok(())
         };
-        let forward = |batch: &Batch| -> Result<crate::losses::LossOutput> {
-            let y = outputs_f32(rt.model.forward_t(&cast_input(&batch.inputs, dtype)?, true)?)?;
-            Ok(self.loss.compute_parallel(&y, &batch.targets, &rt.tp)?)
+        // The forward pass is recorded: where the model marks backward-segment cuts (`accel::segments::cut`),
+        // the gradient all-reduce starts during the backward pass (Accelerator::backward_segments).
+        let forward = |batch: &Batch| -> Result<(crate::losses::LossOutput, BackwardSegments)> {
+            segments::record(|| {
+                let y = outputs_f32(rt.model.forward_t(&cast_input(&batch.inputs, dtype)?, true)?)?;
+                Ok(self.loss.compute_parallel(&y, &batch.targets, &rt.tp)?)
+            })
         };
         // The trainer cuts windows itself (it needs the window's item count first): the window's last micro-batch
         // syncs, whatever the loader's end-of-data flag says about the batch fetched last.
@@ -684,7 +689,7 @@ where
                 let local_items: usize = counts.iter().sum();
                 let scale = self.loss_scale(acc, local_items, rows)?;
                 acc.accumulate_window(window.len(), |i| {
-                    let out = forward(&window[i])?;
+                    let (out, cuts) = forward(&window[i])?;
                     if out.num_items != counts[i] {
                         return Err(TrainerError::Usage(format!(
                             "the loss counted {} items from the targets (count_items) but computed {} \
@@ -693,7 +698,7 @@ where
                         )));
                     }
                     add_to_sum(&out.loss_sum)?;
-                    Ok(acc.backward(&out.loss_sum.affine(scale, 0.0)?)?)
+                    Ok(acc.backward_segments(&out.loss_sum.affine(scale, 0.0)?, cuts)?)
                 })?;
                 local_items
             }
@@ -701,14 +706,15 @@ where
                 let mut sums = Vec::with_capacity(window.len());
                 let mut local_items = 0usize;
                 for batch in window {
-                    let out = forward(batch)?;
+                    let (out, cuts) = forward(batch)?;
                     add_to_sum(&out.loss_sum)?;
                     local_items += out.num_items;
-                    sums.push(out.loss_sum);
+                    sums.push((out.loss_sum, Some(cuts)));
                 }
                 let scale = self.loss_scale(acc, local_items, rows)?;
                 acc.accumulate_window(sums.len(), |i| {
-                    Ok::<_, TrainerError>(acc.backward(&sums[i].affine(scale, 0.0)?)?)
+                    let cuts = sums[i].1.take().unwrap_or_default();
+                    Ok::<_, TrainerError>(acc.backward_segments(&sums[i].0.affine(scale, 0.0)?, cuts)?)
                 })?;
                 local_items
             }

@@ -278,6 +278,14 @@ impl PreparedModel {
         self.inner.find_unused_parameters
     }
 
+    /// Whether one DDP reduces every parameter, slot `i` = parameter `i` (what the overlapped backward drives).
+    pub(crate) fn overlappable(&self) -> bool {
+        match &self.inner.groups[..] {
+            [(params, GradientReduction::AllReduce(_))] => params.iter().copied().eq(0..self.inner.params.len()),
+            _ => false,
+        }
+    }
+
     /// The squared L2 norm of the whole model from each parameter's squared gradient norm on this rank
     /// (`per_param[i]`, `names` order): tp shards summed over the tp group, replicated parameters counted once.
     /// Collective over the tp group when the model has sharded parameters.

@@ -33,14 +33,21 @@ impl Gradients {
 
     /// Adds a micro-batch's gradient of parameter `i` (cast to fp32); the old sum and `grad` are freed here.
     pub(crate) fn add(&mut self, i: usize, grad: Tensor) -> Result<()> {
-        let g = grad.to_dtype(DType::F32)?;
-        self.slots[i] = Some(match self.slots[i].take() {
-            None => g,
-            Some(acc) => (acc + g)?,
-        });
-        Ok(())
+        Ok(add_into(&mut self.slots[i], grad)?)
     }
+}
 
+/// Adds `grad` (cast to fp32) to the sum in `slot`.
+pub(crate) fn add_into(slot: &mut Option<Tensor>, grad: Tensor) -> candle_core::Result<()> {
+    let g = grad.to_dtype(DType::F32)?;
+    *slot = Some(match slot.take() {
+        None => g,
+        Some(acc) => (acc + g)?,
+    });
+    Ok(())
+}
+
+impl Gradients {
     /// Multiplies every gradient by `factor`.
     pub(crate) fn scale(&mut self, factor: f64) -> Result<()> {
         for g in self.slots.iter_mut().flatten() {

@@ -7,6 +7,7 @@ mod equivalence;
 mod gather;
 mod mixed_precision;
 mod optim;
+mod overlap;
 mod parallelism;
 mod ranks;
 mod resume;

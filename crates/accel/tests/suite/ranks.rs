@@ -63,7 +63,9 @@ impl TinyMlp {
 
 impl Module for TinyMlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.l2.forward(&self.l1.forward(x)?.tanh()?)
+        // A backward-segment cut between the layers: the identity unless the forward pass is recorded
+        // (accel::segments::record, for Accelerator::backward_segments).
+        self.l2.forward(&accel::segments::cut(&self.l1.forward(x)?.tanh()?)?)
     }
 }
 

@@ -33,6 +33,23 @@ pub fn compute_bucket_layout<D: Copy + Eq>(
 }
 
 pub(crate) fn assign<D: Copy + Eq>(params: &[(usize, D)], first_cap_bytes: usize, cap_bytes: usize) -> Vec<Bucket> {
+    let order: Vec<usize> = (0..params.len()).rev().collect();
+    assign_in_order(params, &order, &vec![0; params.len()], first_cap_bytes, cap_bytes)
+}
+
+/// Like [`assign`], visiting the parameters in `order` (a permutation of the registration indices) instead of
+/// reverse registration order, and closing every open bucket where `stage` (one value per visited position,
+/// non-decreasing) changes: no bucket holds parameters of two stages. The overlapped backward uses it with the
+/// order in which gradients become final and the backward segment after which each one does, so a bucket is
+/// complete as soon as its segment is (PyTorch rebuilds its buckets after the first iteration for the same
+/// reason).
+pub(crate) fn assign_in_order<D: Copy + Eq>(
+    params: &[(usize, D)],
+    order: &[usize],
+    stage: &[usize],
+    first_cap_bytes: usize,
+    cap_bytes: usize,
+) -> Vec<Bucket> {
     struct Open<D> {
         dtype: D,
         bucket: Bucket,
@@ -48,7 +65,14 @@ pub(crate) fn assign<D: Copy + Eq>(params: &[(usize, D)], first_cap_bytes: usize
         done.push((pos, b));
         o.closed_one = true;
     };
-    for (pos, index) in (0..params.len()).rev().enumerate() {
+    for (pos, &index) in order.iter().enumerate() {
+        if pos > 0 && stage[pos] != stage[pos - 1] {
+            for (slot, o) in open.iter_mut().enumerate() {
+                if !o.bucket.params.is_empty() {
+                    close(o, first_pos[slot], &mut done);
+                }
+            }
+        }
         let (bytes, dtype) = params[index];
         let slot = match open.iter().position(|o| o.dtype == dtype) {
             Some(s) => s,
@@ -119,6 +143,17 @@ mod tests {
         let p = vec![(10, 'f'), (10, 'h'), (10, 'f'), (10, 'h')];
         let got = compute_bucket_layout(&p, MIB, MIB);
         assert_eq!(got, vec![vec![3, 1], vec![2, 0]]);
+    }
+
+    #[test]
+    fn stages_close_buckets_and_the_order_is_followed() {
+        // Visiting 2, 3 (stage 0), then 0, 1 (stage 1): a stage change closes the open bucket although it has
+        // room; within a stage the caps apply as usual.
+        let p = vec![(10, 'f'); 4];
+        let got = assign_in_order(&p, &[2, 3, 0, 1], &[0, 0, 1, 1], MIB, MIB);
+        assert_eq!(got.iter().map(|b| b.params.clone()).collect::<Vec<_>>(), vec![vec![2, 3], vec![0, 1]]);
+        let got = assign_in_order(&p, &[2, 3, 0, 1], &[0, 0, 1, 1], 10, 10);
+        assert_eq!(got.iter().map(|b| b.params.clone()).collect::<Vec<_>>(), vec![vec![2], vec![3], vec![0], vec![1]]);
     }
 
     #[test]

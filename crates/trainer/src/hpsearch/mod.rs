@@ -50,6 +50,8 @@
 //! The TPE sampler is the [`tpe`] crate; random and grid sampling, the pruners, the study file and the
 //! scheduling are ours (the Rust crates with TPE have none of them). See [`sampler`] for what we add to `tpe`.
 
+#[cfg(feature = "plots")]
+#[cfg_attr(docsrs, doc(cfg(feature = "plots")))]
 pub mod plot;
 pub mod pruner;
 pub mod sampler;
@@ -338,7 +340,8 @@ impl HyperparameterSearch {
         self
     }
 
-    /// Whether `hp_search.{png,svg}` is written (default true).
+    /// Whether `hp_search.{png,svg}` is written (default true; nothing is plotted in a build without the feature
+    /// `plots`).
     pub fn plots(mut self, yes: bool) -> Self {
         self.plots = yes;
         self
@@ -567,10 +570,12 @@ impl HyperparameterSearch {
         }
 
         let view = journal.load()?;
+        #[cfg_attr(not(feature = "plots"), allow(unused_mut))]
         let mut summary = StudySummary::new(&view, &self.config, journal.path().to_path_buf(), started.elapsed());
         if self.keep_only_best_checkpoint {
             summary.prune_checkpoints();
         }
+        #[cfg(feature = "plots")]
         if self.plots {
             match plot::plot_study(&summary, &study_dir) {
                 Ok(files) => summary.plots = files,
