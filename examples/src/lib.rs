@@ -369,6 +369,8 @@ mod tests {
 pub mod docs {
     #[doc = include_str!("../../README.md")]
     pub struct Readme;
+    #[doc = include_str!("../../docs/guide/00-levels.md")]
+    pub struct Guide00Levels;
     #[doc = include_str!("../../docs/guide/01-ddp.md")]
     pub struct Guide01Ddp;
     #[doc = include_str!("../../docs/guide/02-accel.md")]
@@ -379,6 +381,14 @@ pub mod docs {
     pub struct Guide04NdParallel;
     #[doc = include_str!("../../docs/guide/cli.md")]
     pub struct GuideCli;
+    #[doc = include_str!("../../docs/guide/topics/mixed-precision.md")]
+    pub struct TopicMixedPrecision;
+    #[doc = include_str!("../../docs/guide/topics/gradient-accumulation.md")]
+    pub struct TopicGradientAccumulation;
+    #[doc = include_str!("../../docs/guide/topics/checkpointing.md")]
+    pub struct TopicCheckpointing;
+    #[doc = include_str!("../../docs/guide/topics/early-stopping.md")]
+    pub struct TopicEarlyStopping;
     #[doc = include_str!("../../docs/ARCHITECTURE.md")]
     pub struct Architecture;
     #[doc = include_str!("../../docs/benchmarks.md")]

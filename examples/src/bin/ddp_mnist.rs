@@ -7,8 +7,15 @@
 //! cargo run -p accel-examples --bin ddp_mnist -- --nproc 2
 //! ```
 //!
-//! Started with RANK in the environment (by this launcher, `accel launch`, torchrun-style scripts, Slurm or
-//! mpirun) it is one worker; without RANK and with `--nproc 1` it trains in a single process.
+//! Started by a launcher (RANK from this launcher, `accel launch` or torchrun-style scripts; SLURM_PROCID from
+//! `srun`; OMPI_COMM_WORLD_RANK / PMI_RANK from `mpirun`) it is one worker; without one and with `--nproc 1` it
+//! trains in a single process.
+//!
+//! Guide markers: `// guide:begin NAME` … `// guide:end NAME` mark the regions `args`, `job`, `data`, `model`,
+//! `loop` and `eval`, which docs/guide/00-levels.md compares with the same regions of `accel_mnist.rs` and `train_mnist.rs`.
+//! The test `guide_diffs` (examples/tests/suite) fails when the chapter's diffs no longer match them; after
+//! changing a marked region, `ACCEL_BLESS_GUIDE=1 cargo test -p accel-examples --test suite guide_diffs`
+//! rewrites the diffs (then check the chapter's text under each).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -27,35 +34,37 @@ use ddp_core::{DdpOptions, DistributedDataParallel, DistributedSampler, ProcessG
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+// guide:begin args
 /// Data-parallel MNIST training with raw ddp-core (level 1).
 #[derive(Parser, Debug)]
 #[command(about)]
 struct Cli {
-    /// Worker processes to launch when RANK is not set (ignored inside a worker). 1 trains in this process.
+    /// Processes to launch when not started by a launcher (ignored inside a worker); 1 trains in this process.
     #[arg(long, default_value_t = 2, value_parser = accel_examples::parse_nproc)]
     nproc: usize,
     /// Passes over the training set.
     #[arg(long, default_value_t = 10)]
     epochs: u64,
-    /// Micro-batch size per rank (the global batch is this × world size).
+    /// Micro-batch size per process (the global batch is this × the number of processes).
     #[arg(long, default_value_t = 64)]
     batch_size: usize,
     /// AdamW learning rate.
     #[arg(long, default_value_t = 2e-3)]
     lr: f64,
-    /// Seed of the parameter initialisation and of the sampler's shuffling.
+    /// Seed of the parameter initialisation and of the shuffle, the same on every process.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Hidden layer widths, comma-separated (784-…-10).
     #[arg(long, value_delimiter = ',', default_value = "256")]
     hidden: Vec<usize>,
-    /// Directory holding {train10k,t10k}-{images-idx3,labels-idx1}-ubyte.gz (default: the repository's data/mnist).
+    /// Directory with {train10k,t10k}-{images-idx3,labels-idx1}-ubyte[.gz] (default: the repository's data/mnist).
     #[arg(long)]
     data_dir: Option<PathBuf>,
     /// Exit with an error when the final test accuracy is below this (e.g. 0.95 in CI).
     #[arg(long)]
     min_accuracy: Option<f64>,
 }
+// guide:end args
 
 fn main() -> std::process::ExitCode {
     accel_examples::run_main(run)
@@ -68,33 +77,41 @@ fn run() -> anyhow::Result<()> {
     if ddp_core::launcher::launch_self(cli.nproc)? {
         return Ok(());
     }
-    let pg = if std::env::var_os("RANK").is_some() {
-        ProcessGroup::init_from_env().context("joining the process group (RANK is set)")?
+    train(&cli)
+}
+
+fn train(cli: &Cli) -> Result<()> {
+    // guide:begin job
+    // A worker of a launched job (RANK, SLURM_PROCID, OMPI_COMM_WORLD_RANK or PMI_RANK set) joins its process
+    // group; otherwise this process is the whole job.
+    let pg = if ddp_core::launcher::is_worker() {
+        ProcessGroup::init_from_env().context("joining the process group of the launched job")?
     } else {
         ProcessGroup::single_process()?
     };
-    train(&cli, &pg)
-}
-
-fn train(cli: &Cli, pg: &ProcessGroup) -> Result<()> {
-    let (rank, world) = (pg.rank(), pg.world_size());
     let device = Device::Cpu;
+    // guide:end job
+    // guide:begin data
     let data_dir = cli.data_dir.clone().unwrap_or_else(default_data_dir);
     let train_set = load_mnist(&data_dir, "train10k", &device)?;
     let test_set = load_mnist(&data_dir, "t10k", &device)?;
+    // Each rank reads its own shard of a per-epoch shuffle; every rank uses the same seed.
+    let mut sampler = DistributedSampler::for_group(train_set.len(), &pg)?.seed(cli.seed);
+    // guide:end data
 
+    // guide:begin model
     // The model: every rank builds it; DDP checks that they agree and copies rank 0's values to all.
     let varmap = VarMap::new();
     let model = Mlp::with_hidden(VarBuilder::from_varmap(&varmap, DType::F32, &device), &cli.hidden)?;
     seed_parameters(&varmap, cli.seed)?;
-    let ddp = DistributedDataParallel::new(pg, &varmap, DdpOptions::default())?;
+    let ddp = DistributedDataParallel::new(&pg, &varmap, DdpOptions::default())?;
     // ddp-core's AdamW (torch.optim.AdamW's defaults, saveable state), the one the Accelerator and the Trainer
     // use. Its per-parameter state follows the order of `vars`: DDP's registration order (sorted names), fixed.
     let vars: Vec<Var> = ddp.named_vars().iter().map(|(_, v)| v.clone()).collect();
     let mut opt = AdamW::new(AdamWConfig::new(cli.lr))?;
+    // guide:end model
 
-    // Each rank reads its own shard of a per-epoch shuffle; every rank uses the same seed.
-    let mut sampler = DistributedSampler::for_group(train_set.len(), pg)?.seed(cli.seed);
+    let (rank, world) = (pg.rank(), pg.world_size());
     if rank == 0 {
         let hidden: Vec<String> = cli.hidden.iter().map(ToString::to_string).collect();
         println!(
@@ -111,6 +128,7 @@ fn train(cli: &Cli, pg: &ProcessGroup) -> Result<()> {
     }
     let start = Instant::now();
     let mut accuracy = 0.0;
+    // guide:begin loop
     for epoch in 0..cli.epochs {
         let epoch_start = Instant::now();
         sampler.set_epoch(epoch);
@@ -126,7 +144,7 @@ fn train(cli: &Cli, pg: &ProcessGroup) -> Result<()> {
             loss_sum[1] += batch.len() as f64;
         }
         pg.all_reduce(&mut loss_sum, ReduceOp::Sum)?;
-        let (correct, total) = evaluate(&model, &test_set, pg)?;
+        let (correct, total) = evaluate(&model, &test_set, &pg)?;
         accuracy = correct as f64 / total as f64;
         if rank == 0 {
             println!(
@@ -139,6 +157,7 @@ fn train(cli: &Cli, pg: &ProcessGroup) -> Result<()> {
             );
         }
     }
+    // guide:end loop
     if rank == 0 {
         println!(
             "final test accuracy {accuracy:.4} after {} epochs on {world} rank(s) in {:.1} s",
@@ -154,22 +173,23 @@ fn train(cli: &Cli, pg: &ProcessGroup) -> Result<()> {
     Ok(())
 }
 
+// guide:begin eval
 /// Test accuracy over the whole test set: each rank scores its shard, counts are summed across ranks.
 /// Padding of the sampler (when the set does not split evenly) is skipped so every image counts once.
-fn evaluate(model: &Mlp, test: &Mnist, pg: &ProcessGroup) -> Result<(u64, u64)> {
-    let sampler = DistributedSampler::for_group(test.len(), pg)?.shuffle(false);
+fn evaluate(model: &Mlp, test_set: &Mnist, pg: &ProcessGroup) -> Result<(u64, u64)> {
+    let sampler = DistributedSampler::for_group(test_set.len(), pg)?.shuffle(false);
     let (rank, world) = (pg.rank(), pg.world_size());
     // Rank r's j-th index sits at position j·world + r of the padded order; positions ≥ len are padding.
     let shard: Vec<usize> = sampler
         .indices()
         .into_iter()
         .enumerate()
-        .filter(|(j, _)| j * world + rank < test.len())
+        .filter(|(j, _)| j * world + rank < test_set.len())
         .map(|(_, i)| i)
         .collect();
     let mut counts = [0u64; 2];
     for batch in shard.chunks(1000) {
-        let (x, y) = test.batch(batch)?;
+        let (x, y) = test_set.batch(batch)?;
         counts[0] += correct_count(&model.forward(&x)?, &y)? as u64;
         counts[1] += batch.len() as u64;
     }
@@ -177,3 +197,4 @@ fn evaluate(model: &Mlp, test: &Mnist, pg: &ProcessGroup) -> Result<(u64, u64)> 
     pg.all_reduce(&mut reduced, ReduceOp::Sum)?;
     Ok((reduced[0] as u64, reduced[1] as u64))
 }
+// guide:end eval

@@ -15,6 +15,12 @@
 //! Every training argument can be given as a flag (`--learning-rate 3e-4`, `--num-train-epochs 3`, ...) or in a
 //! YAML/JSON file (`--config train.yaml`); `--help` lists them.
 //!
+//! Guide markers: `// guide:begin NAME` … `// guide:end NAME` mark the regions `args`, `job`, `data`, `model`,
+//! `loop` and `eval`, which docs/guide/00-levels.md compares with the same regions of `ddp_mnist.rs` and `accel_mnist.rs`.
+//! The test `guide_diffs` (examples/tests/suite) fails when the chapter's diffs no longer match them; after
+//! changing a marked region, `ACCEL_BLESS_GUIDE=1 cargo test -p accel-examples --test suite guide_diffs`
+//! rewrites the diffs (then check the chapter's text under each).
+//!
 //! Hyperparameter search: `--hp-search examples/hp_mnist.yaml` runs a study instead of one training (the search
 //! space, sampler, pruner and process budget are in the file; `--n-trials` and `--hp-processes` override it).
 //! Trial 0 uses this program's settings (the flags' values), so the table compares the best trial with them:
@@ -39,19 +45,20 @@ use trainer::{losses, metrics, IntervalStrategy, SaveStrategy, Trainer, Training
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+// guide:begin args
 /// Train an MLP on MNIST with the Trainer, data-parallel over several processes.
 #[derive(Parser, Debug)]
 #[command(name = "train_mnist", version)]
 struct Cli {
-    /// Processes to launch when not started by a launcher (RANK unset).
+    /// Processes to launch when not started by a launcher (ignored inside a worker); 1 trains in this process.
     #[arg(long, default_value_t = 2, value_parser = accel_examples::parse_nproc)]
     nproc: usize,
-    /// Directory with the MNIST files (default: the repository's data/mnist).
-    #[arg(long)]
-    data_dir: Option<PathBuf>,
-    /// Hidden layer widths of the MLP (784 → ... → 10).
+    /// Hidden layer widths, comma-separated (784-…-10).
     #[arg(long, value_delimiter = ',', default_value = "512")]
     hidden: Vec<usize>,
+    /// Directory with {train10k,t10k}-{images-idx3,labels-idx1}-ubyte[.gz] (default: the repository's data/mnist).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
     /// Training samples taken from train10k (the rest is the validation set).
     #[arg(long, default_value_t = 9000)]
     train_size: usize,
@@ -90,6 +97,7 @@ fn defaults() -> TrainingArguments {
         ..TrainingArguments::default()
     }
 }
+// guide:end args
 
 fn main() -> std::process::ExitCode {
     accel_examples::run_main(run)
@@ -183,23 +191,37 @@ fn hp_search(cli: &Cli, file: &std::path::Path) -> anyhow::Result<()> {
 }
 
 fn worker(cli: Cli) -> anyhow::Result<()> {
+    // guide:begin job
     let args = cli.train.resolve(defaults())?;
+    // guide:end job
+    // guide:begin data
     let data_dir = cli.data_dir.clone().unwrap_or_else(default_data_dir);
-    let (train, validation) = train_validation(&cli)?;
-    let test = load_mnist(&data_dir, "t10k")?;
+    let (train_set, validation_set) = train_validation(&cli)?;
+    let test_set = load_mnist(&data_dir, "t10k")?;
+    // guide:end data
 
+    // guide:begin model
     let hidden = cli.hidden.clone();
-    let output_dir = args.output_dir.clone();
-    let best_metric_name = args.metric_for_best_model.clone().unwrap_or_else(|| "loss".into());
-    let tracker_dir = args.tracker_dir();
-    let mut trainer =
-        Trainer::new(args, move |vb| Mlp::with_hidden(vb, &hidden), train, Some(validation), losses::CrossEntropy)
-            .compute_metrics(metrics::classification);
+    let mut trainer = Trainer::new(
+        args,
+        move |vb| Mlp::with_hidden(vb, &hidden),
+        train_set,
+        Some(validation_set),
+        losses::CrossEntropy,
+    )
+    .compute_metrics(metrics::classification);
+    // guide:end model
 
+    // guide:begin loop
     let out = trainer.train()?;
-    let test_metrics = trainer.evaluate_dataset(test, "test")?;
-    let acc = trainer.accelerator().expect("the trainer is set up after train()").clone();
+    // guide:end loop
+    // guide:begin eval
+    let test_metrics = trainer.evaluate_dataset(test_set, "test")?;
     let accuracy = test_metrics.get("test_accuracy").copied().unwrap_or(f64::NAN);
+    // guide:end eval
+
+    let acc = trainer.accelerator().expect("the trainer is set up after train()").clone();
+    let args = trainer.args();
     acc.print(format!(
         "\nreached optimizer step {} ({:.2} epochs) on {} processes; this run: {:.1} s, mean training loss {:.4}",
         out.global_step,
@@ -209,7 +231,8 @@ fn worker(cli: Cli) -> anyhow::Result<()> {
         out.training_loss
     ));
     if let (Some(best), Some(metric)) = (&trainer.state().best_model_checkpoint, trainer.state().best_metric) {
-        acc.print(accel_examples::best_checkpoint_line(best, &best_metric_name, metric));
+        let best_metric_name = args.metric_for_best_model.as_deref().unwrap_or("loss");
+        acc.print(accel_examples::best_checkpoint_line(best, best_metric_name, metric));
     }
     acc.print(format!(
         "test accuracy (t10k, 10000 images): {accuracy:.4}   test loss {:.4}",
@@ -217,8 +240,8 @@ fn worker(cli: Cli) -> anyhow::Result<()> {
     ));
     acc.print(format!(
         "files: {0}/checkpoint-*/  {0}/trainer_state.json  {0}/training_curves.png|svg  {1}/",
-        output_dir.display(),
-        tracker_dir.display()
+        args.output_dir.display(),
+        args.tracker_dir().display()
     ));
     Ok(())
 }

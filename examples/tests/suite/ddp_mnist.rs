@@ -65,3 +65,36 @@ fn accel_mnist_runs_are_reproducible_for_a_seed() {
     assert_eq!(a, b, "the same seed gives the same run");
     assert_ne!(a, c, "another seed gives another run");
 }
+
+/// Under `srun` a task has Slurm's variables but no RANK: ddp_mnist is then one worker of the Slurm job, as
+/// docs/guide/cli.md ("Slurm") describes (it used to check RANK only and train alone in every task). Two tasks on
+/// one node, with the variables srun sets and the ones the guide's batch script exports.
+#[test]
+fn slurm_tasks_form_one_job() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let task = |rank: &str| {
+        Command::new(env!("CARGO_BIN_EXE_ddp_mnist"))
+            .args(["--epochs", "1", "--hidden", "32"])
+            .env_remove("RANK")
+            .env_remove("WORLD_SIZE")
+            .envs([("SLURM_PROCID", rank), ("SLURM_LOCALID", rank), ("SLURM_NODEID", "0")])
+            .envs([("SLURM_NTASKS", "2"), ("SLURM_NTASKS_PER_NODE", "2")])
+            .envs([("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port.as_str())])
+            .envs([("ACCEL_RUN_TOKEN", "00112233445566778899aabbccddeeff"), ("RAYON_NUM_THREADS", "1")])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("starting ddp_mnist")
+    };
+    let (rank1, rank0) = (task("1"), task("0"));
+    let mut outputs = Vec::new();
+    for (rank, child) in [(0, rank0), (1, rank1)] {
+        let out = child.wait_with_output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "task {rank} failed:\n{text}");
+        outputs.push(text);
+    }
+    assert!(outputs[0].contains("2 ranks × batch 64 (global 128)"), "one job of two ranks:\n{}", outputs[0]);
+    assert!(outputs[0].contains("/10000), "), "{}", outputs[0]);
+    assert!(!outputs[1].contains("epoch 1/1"), "only rank 0 prints:\n{}", outputs[1]);
+}

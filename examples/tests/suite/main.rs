@@ -3,4 +3,5 @@
 mod bad_inputs;
 mod ddp_mnist;
 mod gpt_tp;
+mod guide_diffs;
 mod nd_equivalence;
