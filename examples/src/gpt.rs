@@ -319,6 +319,9 @@ impl CharGpt {
         let tok = self.wte.forward(ids)?;
         let mut x = tok.broadcast_add(&self.wpe.narrow(0, 0, s)?)?;
         for block in &self.blocks {
+            // A backward-segment cut before each block (the identity unless the forward pass is recorded): the
+            // gradient all-reduce of the blocks after it starts while the backward pass computes this one.
+            x = ddp_core::segments::cut(&x)?;
             x = block.forward(&x)?;
         }
         self.lm_head.forward(&self.ln_f.forward(&x)?)

@@ -51,6 +51,8 @@ pub const DEFAULT_HIDDEN: &[usize] = &[256];
 /// call [`seed_parameters`] for a reproducible PyTorch-style init). The dtype and device are those of the
 /// `VarBuilder`. Each layer is a [`ddp_core::nn::linear::Linear`] with its ReLU fused (one candle custom op
 /// forward and backward on the CPU in f32, candle's own ops elsewhere; `ACCEL_FUSED_OPS=0` switches it off).
+/// The forward pass marks a backward-segment cut ([`ddp_core::segments::cut`]) between layers, for DDP's
+/// overlapped backward.
 #[derive(Debug, Clone)]
 pub struct Mlp {
     layers: Vec<Linear>,
@@ -83,7 +85,13 @@ impl Module for Mlp {
     /// `xs`: `[batch, 784]` (the VarBuilder's dtype) → logits `[batch, 10]`.
     fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
         let mut h = xs.affine(1.0 / MNIST_STD, -MNIST_MEAN / MNIST_STD)?;
-        for layer in &self.layers {
+        for (i, layer) in self.layers.iter().enumerate() {
+            if i > 0 {
+                // A backward-segment cut between layers (the identity unless the forward pass is recorded with
+                // ddp_core::segments::record): DDP all-reduces the later layers' gradients while the backward
+                // pass computes the earlier ones.
+                h = ddp_core::segments::cut(&h)?;
+            }
             // ReLU fused into every layer but the last.
             h = layer.forward(&h)?;
         }

@@ -36,11 +36,12 @@ use accel::{Accelerator, AcceleratorConfig, DataLoader, DataLoaderConfig};
 use accel_examples::gpt::{to_candle, CharGpt, GptConfig};
 use accel_examples::{correct_count, default_data_dir, load_mnist, seed_parameters, Mlp, Mnist};
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Module, Var};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use clap::{Parser, ValueEnum};
 use ddp_core::optim::{grads_for, AdamW, AdamWConfig, Optimizer};
-use ddp_core::{DdpOptions, DistributedDataParallel, DistributedSampler, ProcessGroup};
+use ddp_core::{segments, DdpOptions, DistributedDataParallel, DistributedSampler, ProcessGroup};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use trainer::{losses, CallbackContext, ReportTo, SaveStrategy, Trainer, TrainerCallback, TrainerControl};
@@ -112,6 +113,11 @@ struct Cli {
     /// Text file for the GPT (default: the repository's data/shakespeare/shakespeare8.txt).
     #[arg(long)]
     text: Option<PathBuf>,
+    /// ddp and accel levels: overlap the gradient all-reduce with the backward pass (the forward recorded with
+    /// `segments::record`, then `DistributedDataParallel::backward` / `Accelerator::backward_segments`); `false`
+    /// runs `backward` and then the all-reduce. (The Trainer always records its forward pass.)
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    overlap: bool,
 }
 
 impl Cli {
@@ -240,6 +246,7 @@ impl Outcome {
             "parameters": self.parameters,
             "samples_seen": c.samples.iter().sum::<usize>(),
             "fused_ops": ddp_core::nn::fused_ops_enabled(),
+            "overlap": cli.overlap,
         });
         j[rate_key] = rate.into();
         j[quality_key] = self.quality.into();
@@ -371,6 +378,25 @@ fn gpt_candle(cli: &Cli) -> Result<Outcome> {
 
 // ------------------------------------------------------------------------------------------ level 1: ddp-core
 
+/// One step's backward and gradient average at level 1: overlapped (`--overlap`: the forward recorded,
+/// `DistributedDataParallel::backward`) or after the backward pass (`loss.backward()` + `sync_gradients`).
+fn ddp_backward(
+    cli: &Cli,
+    ddp: &DistributedDataParallel,
+    forward: impl FnOnce() -> Result<Tensor>,
+) -> Result<(Tensor, GradStore)> {
+    if cli.overlap {
+        let (loss, cuts) = segments::record(forward)?;
+        let grads = ddp.backward(&loss, cuts)?;
+        Ok((loss, grads))
+    } else {
+        let loss = forward()?;
+        let mut grads = loss.backward()?;
+        ddp.sync_gradients(&mut grads)?;
+        Ok((loss, grads))
+    }
+}
+
 /// DDP over `pg` and the parameters in DDP's (fixed) registration order.
 fn ddp_setup(pg: &ProcessGroup, varmap: &VarMap) -> Result<(DistributedDataParallel, Vec<Var>)> {
     let ddp = DistributedDataParallel::new(pg, varmap, DdpOptions::default())?;
@@ -394,9 +420,8 @@ fn mlp_ddp(cli: &Cli) -> Result<Outcome> {
         sampler.set_epoch(epoch);
         for idx in sampler.batches(cli.batch())? {
             let (x, y) = train.batch(&idx)?;
-            let loss = candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?;
-            let mut grads = loss.backward()?;
-            ddp.sync_gradients(&mut grads)?;
+            let (loss, grads) =
+                ddp_backward(cli, &ddp, || Ok(candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?))?;
             opt.step(&vars, &grads_for(&vars, &grads))?;
             losses.push(f64::from(loss.to_scalar::<f32>()?));
             // Every rank's batch has the same size (the sampler pads the shards to equal length).
@@ -435,9 +460,7 @@ fn gpt_ddp(cli: &Cli) -> Result<Outcome> {
         sampler.set_epoch(epoch);
         for idx in sampler.batches(cli.batch())?.into_iter().filter(|b| b.len() == cli.batch()) {
             let batch = train.get_batch(&idx)?;
-            let loss = model.loss(&batch.inputs, &batch.targets)?;
-            let mut grads = loss.backward()?;
-            ddp.sync_gradients(&mut grads)?;
+            let (loss, grads) = ddp_backward(cli, &ddp, || Ok(model.loss(&batch.inputs, &batch.targets)?))?;
             opt.step(&vars, &grads_for(&vars, &grads))?;
             losses.push(f64::from(loss.to_scalar::<f32>()?));
             clock.step_done(idx.len() * world);
@@ -460,6 +483,20 @@ fn gpt_ddp(cli: &Cli) -> Result<Outcome> {
 
 // -------------------------------------------------------------------------------------- level 2: Accelerator
 
+/// One micro-batch's backward at level 2: `Accelerator::backward_segments` over the recorded forward pass
+/// (`--overlap`) or `Accelerator::backward`. Returns the loss.
+fn accel_backward(cli: &Cli, acc: &Accelerator, forward: impl FnOnce() -> Result<Tensor>) -> Result<Tensor> {
+    if cli.overlap {
+        let (loss, cuts) = segments::record(forward)?;
+        acc.backward_segments(&loss, cuts)?;
+        Ok(loss)
+    } else {
+        let loss = forward()?;
+        acc.backward(&loss)?;
+        Ok(loss)
+    }
+}
+
 fn accelerator(cli: &Cli) -> Result<Accelerator> {
     let mut cfg = AcceleratorConfig::from_env()?;
     cfg.seed = Some(cli.seed);
@@ -481,8 +518,9 @@ fn mlp_accel(cli: &Cli) -> Result<Outcome> {
     for epoch in 0..cli.epochs {
         for batch in &loader {
             let batch = batch?;
-            let loss = candle_nn::loss::cross_entropy(&model.forward(&batch.inputs)?, &batch.targets)?;
-            acc.backward(&loss)?;
+            let loss = accel_backward(cli, &acc, || {
+                Ok(candle_nn::loss::cross_entropy(&model.forward(&batch.inputs)?, &batch.targets)?)
+            })?;
             opt.step()?;
             losses.push(f64::from(loss.to_scalar::<f32>()?));
             // Accelerate's even batches: every rank's batch has the same size.
@@ -523,8 +561,7 @@ fn gpt_accel(cli: &Cli) -> Result<Outcome> {
     'training: loop {
         for batch in &loader {
             let batch = batch?;
-            let loss = model.loss(&batch.inputs, &batch.targets)?;
-            acc.backward(&loss)?;
+            let loss = accel_backward(cli, &acc, || Ok(model.loss(&batch.inputs, &batch.targets)?))?;
             opt.step()?;
             losses.push(f64::from(loss.to_scalar::<f32>()?));
             clock.step_done(batch.len() * world);

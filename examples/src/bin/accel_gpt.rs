@@ -214,8 +214,10 @@ fn train(args: &Args) -> anyhow::Result<()> {
         for batch in &loader {
             let batch = batch?;
             let loss = acc.accumulate(|| -> anyhow::Result<Tensor> {
-                let loss = model.loss(&batch.inputs, &batch.targets)?; // vocab-parallel cross entropy, f32
-                acc.backward(&loss)?; // accel: instead of loss.backward()
+                // Vocab-parallel cross entropy, f32; the forward pass recorded so the dp all-reduce can start
+                // during the backward pass at the cuts CharGpt marks before each block.
+                let (loss, cuts) = accel::segments::record(|| model.loss(&batch.inputs, &batch.targets))?;
+                acc.backward_segments(&loss, cuts)?; // accel: instead of loss.backward()
                 Ok(loss)
             })?;
             loss_sum += f64::from(loss.to_scalar::<f32>()?);

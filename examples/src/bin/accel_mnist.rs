@@ -20,7 +20,7 @@
 
 use accel::data::load_mnist;
 use accel::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, DataLoader, DataLoaderConfig, MixedPrecision};
-use accel::{Dataset, ReduceKind, TensorDataset};
+use accel::{segments, Dataset, ReduceKind, TensorDataset};
 use accel_examples::{default_data_dir, seed_parameters, Mlp};
 use anyhow::{bail, Context};
 use candle_core::{DType, Module, Tensor};
@@ -137,9 +137,11 @@ fn train(cli: &Cli) -> anyhow::Result<()> {
         for batch in &train_loader {
             let batch = batch?;
             let x = batch.inputs.to_dtype(acc.compute_dtype())?;
-            let logits = model.forward(&x)?.to_dtype(DType::F32)?;
-            let loss = candle_nn::loss::cross_entropy(&logits, &batch.targets)?;
-            acc.backward(&loss)?; // accel: instead of loss.backward() / opt.backward_step(&loss)
+            let (loss, cuts) = segments::record(|| -> candle_core::Result<_> {
+                let logits = model.forward(&x)?.to_dtype(DType::F32)?;
+                candle_nn::loss::cross_entropy(&logits, &batch.targets)
+            })?;
+            acc.backward_segments(&loss, cuts)?; // accel: instead of loss.backward(); the all-reduce overlaps it
             opt.step()?; // accel: a no-op between gradient-accumulation syncs
             loss_sum += f64::from(loss.to_scalar::<f32>()?);
             batches += 1;

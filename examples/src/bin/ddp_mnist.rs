@@ -26,7 +26,7 @@ use candle_core::{DType, Device, Module, Var};
 use candle_nn::{VarBuilder, VarMap};
 use clap::Parser;
 use ddp_core::optim::{grads_for, AdamW, AdamWConfig, Optimizer};
-use ddp_core::{DdpOptions, DistributedDataParallel, DistributedSampler, ProcessGroup, ReduceOp};
+use ddp_core::{segments, DdpOptions, DistributedDataParallel, DistributedSampler, ProcessGroup, ReduceOp};
 
 /// Global allocator: mimalloc keeps freed blocks for reuse, where glibc's malloc returns large ones to the kernel
 /// and faults them in again on the next step (candle allocates every temporary anew: thousands of page faults per
@@ -136,9 +136,9 @@ fn train(cli: &Cli) -> Result<()> {
         let mut loss_sum = [0f64; 2];
         for batch in sampler.batches(cli.batch_size)? {
             let (x, y) = train_set.batch(&batch)?;
-            let loss = candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?;
-            let mut grads = loss.backward()?;
-            ddp.sync_gradients(&mut grads)?; // bucketed, averaged all_reduce
+            // Recorded, so the all-reduce can start during the backward pass at the cuts Mlp::forward marks.
+            let (loss, cuts) = segments::record(|| candle_nn::loss::cross_entropy(&model.forward(&x)?, &y))?;
+            let grads = ddp.backward(&loss, cuts)?; // loss.backward() + bucketed, averaged all_reduce, overlapped
             opt.step(&vars, &grads_for(&vars, &grads))?;
             loss_sum[0] += f64::from(loss.to_scalar::<f32>()?) * batch.len() as f64;
             loss_sum[1] += batch.len() as f64;
