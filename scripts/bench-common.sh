@@ -8,10 +8,16 @@
 #                             waits (up to MAX_WAIT s) until the 1-minute load average is below MAX_LOAD; sets
 #                             $waited to a sentence saying how long it waited and the load at the start.
 #   load1                     the 1-minute load average now.
+#   run_and_keep PATTERN LABEL CMD...
+#                             runs CMD with its output in $out/LABEL.log, appends the load before it to $loads and
+#                             the last line matching the grep -o PATTERN (the run's JSON result) to $runs; a failed
+#                             run or one without a result is added to the array $failed.
+#   report_failed             exits 1 naming every failed run, if any.
 #   write_bench_meta PY OUT LOADS QUIET TASK
 #                             writes OUT (meta.json for scripts/torch_ref/report.py): the machine (CPU, cores, RAM,
 #                             kernel), the date, the loads recorded in the file LOADS, the quiet threshold, $waited,
-#                             the venv, TASK and the versions of rustc, torch, accelerate and transformers.
+#                             the venv, TASK and the versions of rustc, torch, accelerate and transformers (PY's
+#                             site-packages; "not installed" where one is missing).
 ensure_bench_venv() {
     local venv="$1"
     if [[ -x "$venv/bin/python" ]] && "$venv/bin/python" -c "import torch, accelerate, transformers, matplotlib" 2>/dev/null; then
@@ -51,13 +57,35 @@ write_bench_meta() {
     DATE="$(date -u '+%Y-%m-%d %H:%M UTC')" RUSTC="$(rustc --version)" LOADS="$loads" QUIET="$quiet" \
     WAITED="${waited:-not waited}" VENV="$(dirname "$(dirname "$py")")" TASK="$task" \
     "$py" - "$out" <<'PY'
-import json, os, sys
-import accelerate, torch, transformers
+import importlib, json, os, sys
+def version(name):
+    try:
+        return importlib.import_module(name).__version__
+    except ImportError:
+        return "not installed"
 loads = [float(l) for l in open(os.environ["LOADS"]) if l.strip()]
 meta = {k.lower(): os.environ[k] for k in ("CPU", "CORES", "RAM", "KERNEL", "DATE", "QUIET", "WAITED", "VENV", "TASK")}
 meta["loads"] = loads
-meta["versions"] = {"rustc": os.environ["RUSTC"], "torch": torch.__version__, "accelerate": accelerate.__version__,
-                    "transformers": transformers.__version__}
+meta["versions"] = {"rustc": os.environ["RUSTC"], **{m: version(m) for m in ("torch", "accelerate", "transformers")}}
 json.dump(meta, open(sys.argv[1], "w"), indent=1)
 PY
+}
+
+run_and_keep() {
+    local pattern="$1" label="$2"; shift 2
+    load1 >> "$loads"
+    echo ">> $label (load $(load1))" >&2
+    local log="$out/${label// /_}.log"
+    if "$@" > "$log" 2>&1; then
+        grep -o "$pattern" "$log" | tail -1 >> "$runs" || { echo "   no result line in $log" >&2; failed+=("$label"); }
+    else
+        echo "   FAILED (see $log)" >&2; failed+=("$label")
+    fi
+}
+
+report_failed() {
+    if (( ${#failed[@]} )); then
+        printf '>> FAILED runs: %s\n' "${failed[@]}" >&2
+        exit 1
+    fi
 }

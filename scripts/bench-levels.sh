@@ -58,18 +58,9 @@ runs="$out/runs.jsonl"; loads="$out/loads.txt"; : > "$runs"; : > "$loads"
 failed=()
 export OMP_NUM_THREADS="$threads"
 # One run: $1 = label, the rest = the command. Keeps the JSON line (the launcher prefixes "[rank 0] ").
-run_one() {
-    local label="$1"; shift
-    load1 >> "$loads"
-    echo ">> $label (load $(load1))" >&2
-    local log="$out/${label// /_}.log"
-    if LEVELS_T0_NS=$(date +%s%N) "$@" > "$log" 2>&1; then
-        grep -o '{.*"framework".*}' "$log" | tail -1 >> "$runs" \
-            || { echo "   no result line in $log" >&2; failed+=("$label"); }
-    else
-        echo "   FAILED (see $log)" >&2; failed+=("$label")
-    fi
-}
+# LEVELS_T0_NS: when the run was started, for the programs' wall time (start-up and imports included).
+# (Exported, not `env VAR=..`: the commands include the shell functions torch_py and torchrun.)
+run_one() { export LEVELS_T0_NS; LEVELS_T0_NS="$(date +%s%N)"; run_and_keep '{.*"framework".*}' "$@"; }
 torchrun() { "$py" -m torch.distributed.run --standalone --nproc_per_node "$1" "${@:2}"; }
 # `torch_py N LEVEL args...`: a PyTorch level at N processes — torchrun for N > 1, the bare interpreter for 1 (the
 # accel-rs side also trains in the process itself at 1). DDP always runs under torchrun (it needs a process group).
@@ -116,7 +107,4 @@ echo ">> results: $runs" >&2
 if (( report )); then
     "$py" scripts/torch_ref/report.py levels --results "$runs" --meta "$meta"
 fi
-if (( ${#failed[@]} )); then
-    printf '>> FAILED runs: %s\n' "${failed[@]}" >&2
-    exit 1
-fi
+report_failed

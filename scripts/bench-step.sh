@@ -47,17 +47,7 @@ wait_for_quiet "$max_load" "$max_wait"
 
 runs="$out/runs.jsonl"; loads="$out/loads.txt"; : > "$runs"; : > "$loads"
 failed=()
-run_one() {
-    local label="$1"; shift
-    load1 >> "$loads"
-    echo ">> $label (load $(load1))" >&2
-    local log="$out/${label// /_}.log"
-    if "$@" > "$log" 2>&1; then
-        grep '^{.*"impl"' "$log" >> "$runs" || { echo "   no result line in $log" >&2; failed+=("$label"); }
-    else
-        echo "   FAILED (see $log)" >&2; failed+=("$label")
-    fi
-}
+run_one() { run_and_keep '^{.*"impl".*}' "$@"; }
 
 for i in $(seq "$repeat"); do
     for m in "${models[@]}"; do
@@ -85,7 +75,4 @@ echo ">> results: $runs" >&2
 if (( report )); then
     "$py" scripts/torch_ref/report.py step --results "$runs" --meta "$meta"
 fi
-if (( ${#failed[@]} )); then
-    printf '>> FAILED runs: %s\n' "${failed[@]}" >&2
-    exit 1
-fi
+report_failed

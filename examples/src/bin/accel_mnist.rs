@@ -19,8 +19,8 @@
 //! rewrites the diffs (then check the chapter's text under each).
 
 use accel::data::load_mnist;
-use accel::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, DataLoader, DataLoaderConfig, MixedPrecision};
 use accel::{segments, Dataset, ReduceKind, TensorDataset};
+use accel::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, DataLoader, DataLoaderConfig, MixedPrecision};
 use accel_examples::{default_data_dir, seed_parameters, Mlp};
 use anyhow::{bail, Context};
 use candle_core::{DType, Module, Tensor};

@@ -247,3 +247,10 @@ pub mod procs {
         out
     }
 }
+
+/// A deterministic f32 CPU tensor: `scale · sin(seed + 0.37·i)` in `shape`.
+pub fn wave(seed: f32, shape: &[usize], scale: f32) -> candle_core::Tensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|i| scale * (seed + 0.37 * i as f32).sin()).collect();
+    candle_core::Tensor::from_vec(v, shape, &candle_core::Device::Cpu).unwrap()
+}

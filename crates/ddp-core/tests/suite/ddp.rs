@@ -7,6 +7,7 @@
 //! multi-rank and the single-process runs add the same numbers in a different order (two half-batch means
 //! averaged vs one full-batch mean), so they agree to a few f32 ulps per step, not bit for bit.
 
+use crate::common::wave;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{Optimizer, VarMap, SGD};
@@ -34,13 +35,6 @@ fn run_ranks<T: Send + 'static>(world: usize, f: impl Fn(ProcessGroup) -> T + Se
         })
         .collect();
     handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
-}
-
-/// A deterministic tensor: `scale · sin(seed + 0.37·i)` in `shape`.
-fn wave(seed: f32, shape: &[usize], scale: f32) -> Tensor {
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n).map(|i| scale * (seed + 0.37 * i as f32).sin()).collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
 }
 
 /// A 6-8-3 MLP's parameters in a VarMap, initialised from `seed` (ranks pass different seeds; DDP must

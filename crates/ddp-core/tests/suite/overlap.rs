@@ -8,21 +8,14 @@
 //! Ranks are threads of this process (one CPU-backend group over an in-memory store, loopback TCP and shared
 //! memory).
 
-use crate::common::run_ranks;
+use crate::common::{run_ranks, wave};
 use candle_core::backprop::GradStore;
-use candle_core::{Device, Tensor, Var};
+use candle_core::{Tensor, Var};
 use candle_nn::VarMap;
 use ddp_core::segments::{self, BackwardSegments};
 use ddp_core::{DdpError, DdpOptions, DistributedDataParallel, ProcessGroup};
 
 const WIDTHS: [usize; 5] = [6, 8, 8, 8, 3];
-
-/// A deterministic tensor: `scale · sin(seed + 0.37·i)` in `shape`.
-fn wave(seed: f32, shape: &[usize], scale: f32) -> Tensor {
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n).map(|i| scale * (seed + 0.37 * i as f32).sin()).collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
 
 /// A 6-8-8-8-3 MLP's parameters (`fc{i}.weight`, `fc{i}.bias`), from `seed`.
 fn mlp_varmap(seed: f32) -> VarMap {

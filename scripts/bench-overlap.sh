@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Communication overlapped with the backward pass: 2-process vs 1-process throughput of the levels benchmark's
+# tasks (benches/src/bin/levels.rs) with the gradient all-reduce after the backward pass (`--overlap false`) and
+# overlapped with it (`--overlap true`: the forward recorded, DistributedDataParallel::backward /
+# Accelerator::backward_segments), at the ddp and accel levels (and the Trainer, which always overlaps), for the
+# MLP and the char-GPT; runs interleaved, medians of --repeat. Writes the section between <!-- overlap:begin/end -->
+# of docs/benchmarks.md. Needs no PyTorch.
+#
+#   scripts/bench-overlap.sh [--repeat 3] [--epochs 2] [--gpt-steps 100] [--model mlp|gpt|all] [--max-load 0.5]
+#                            [--max-wait 900] [--no-report]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+repeat=3 epochs=2 gpt_steps=100 model=all max_load=0.5 max_wait=900 report=1
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --repeat) repeat="$2"; shift 2 ;;
+        --epochs) epochs="$2"; shift 2 ;;
+        --gpt-steps) gpt_steps="$2"; shift 2 ;;
+        --model) model="$2"; shift 2 ;;
+        --max-load) max_load="$2"; shift 2 ;;
+        --max-wait) max_wait="$2"; shift 2 ;;
+        --no-report) report=0; shift ;;
+        -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+        *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+case "$model" in mlp) models=(mlp) ;; gpt) models=(gpt) ;; all) models=(mlp gpt) ;;
+    *) echo "--model must be mlp, gpt or all, not $model" >&2; exit 2 ;; esac
+
+target="${CARGO_TARGET_DIR:-target}"
+out="$target/bench-overlap"
+mkdir -p "$out"
+source scripts/bench-common.sh
+
+echo ">> building levels (dev profile)" >&2
+cargo build --quiet -p accel-benches --bin levels
+levels_bin="$target/debug/levels"
+wait_for_quiet "$max_load" "$max_wait"
+
+runs="$out/runs.jsonl"; loads="$out/loads.txt"; : > "$runs"; : > "$loads"
+failed=()
+run_one() { run_and_keep '{.*"framework".*}' "$@"; }
+for i in $(seq "$repeat"); do
+    for m in "${models[@]}"; do
+        if [[ $m == mlp ]]; then work=(--epochs "$epochs"); else work=(--steps "$gpt_steps"); fi
+        for level in ddp accel trainer; do
+            run_one "$i $m $level 1p" "$levels_bin" --model "$m" --level "$level" --nproc 1 "${work[@]}"
+            if [[ $level == trainer ]]; then
+                run_one "$i $m $level 2p" "$levels_bin" --model "$m" --level "$level" --nproc 2 "${work[@]}"
+                continue
+            fi
+            # Alternate which variant goes first, so a drift in load hits both alike.
+            for ov in $( (( i % 2 )) && echo "true false" || echo "false true"); do
+                run_one "$i $m $level 2p overlap=$ov" "$levels_bin" --model "$m" --level "$level" --nproc 2 \
+                    --overlap "$ov" "${work[@]}"
+            done
+        done
+    done
+done
+
+meta="$out/meta.json"
+write_bench_meta python3 "$meta" "$loads" "$max_load" "levels benchmark tasks (MLP 784-512-512-10, batch 64 per \
+process, ${epochs} epochs; char-GPT, 16 sequences per process, ${gpt_steps} steps), 1 thread per process; medians of \
+${repeat} interleaved runs."
+if (( report )); then
+    python3 scripts/torch_ref/report.py overlap --results "$runs" --meta "$meta"
+fi
+report_failed
