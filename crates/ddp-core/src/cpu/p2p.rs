@@ -5,9 +5,15 @@
 //! error naming both. They travel on the same ordered connection as collectives: between two ranks, sends,
 //! receives and collectives must be issued in an order that matches (as with blocking MPI calls).
 
-use super::frame::CallId;
+use super::frame::{CallId, Op};
 use super::ring::split_even;
 use super::transport::{Buf, OnRecv, Plan, RecvUnit, SendUnit};
+
+/// The identity of the `seq`-th message between two ranks (in one direction), `n` bytes, issued after
+/// `collectives` collectives on the group: both sides build the same one for matching calls.
+pub(crate) fn call(seq: u64, n: usize, collectives: u64) -> CallId {
+    CallId { op: Op::Send, seq, size: n as u64, dtype: None, redop: None, param: collectives }
+}
 
 /// `n` bytes of the input to `dst`, in segments of at most `segment_bytes`.
 pub(crate) fn send_plan(dst: usize, n: usize, segment_bytes: usize, call: CallId) -> Plan {

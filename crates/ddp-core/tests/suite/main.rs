@@ -20,6 +20,7 @@ mod nn_layer_norm;
 mod nn_linear;
 mod nn_softmax;
 mod optim;
+mod p2p_shm;
 mod sampler;
 mod store;
 mod subgroups;
