@@ -711,6 +711,7 @@ impl CpuBackend {
             started,
             check_abort: &check_abort,
             order: &order,
+            spin: shm::SPIN,
         };
         match shm.exchange(round, call, unit, fill, &ctx) {
             Ok(()) => Ok(round),
@@ -741,6 +742,7 @@ impl CpuBackend {
             started,
             check_abort: &check_abort,
             order: &order,
+            spin: shm::SPIN,
         };
         match shm.all_reduce(buf, dtype, op, first_epoch, &ctx) {
             Ok(()) => Ok(()),
@@ -764,6 +766,7 @@ impl CpuBackend {
             started,
             check_abort: &check_abort,
             order: &|| Ok(()),
+            spin: shm::SPIN,
         };
         transfer(&ctx).map_err(|f| self.abort(st, call, f))
     }

@@ -111,6 +111,8 @@ pub(crate) struct WaitCtx<'a> {
     /// Checked after every sleep: `Err` when the ranks' calls can no longer match (a point-to-point message left
     /// behind by a collective, two ranks blocked on each other; see `shm_p2p`).
     pub order: &'a dyn Fn() -> std::result::Result<(), Failure>,
+    /// How long to spin before yielding: [`SPIN`] for collectives, less for point-to-point (`shm_p2p`).
+    pub spin: Duration,
 }
 
 impl ShmChannel {
@@ -538,8 +540,8 @@ impl ShmChannel {
 
     /// Waits until `ready(q)` holds for every other rank q, watching for failures.
     ///
-    /// Spins for up to [`SPIN`] (the peer normally runs on another core, microseconds behind), yields until
-    /// [`SPIN_AND_YIELD`], then sleeps on
+    /// Spins for up to `ctx.spin` ([`SPIN`] for collectives: the peer normally runs on another core, microseconds
+    /// behind), yields until [`SPIN_AND_YIELD`], then sleeps on
     /// the doorbell of a rank it waits for (a futex in the shared segment, rung by every publish) in slices of
     /// at most 1 ms. Sleeping matters on a loaded machine: when both ranks share a core, spinning would only
     /// burn the time the peer needs.
@@ -561,7 +563,7 @@ impl ShmChannel {
                 return Err(f);
             }
             let now = Instant::now();
-            if now - start < SPIN {
+            if now - start < ctx.spin {
                 continue;
             }
             if now - start < SPIN_AND_YIELD {
@@ -599,7 +601,7 @@ impl ShmChannel {
 }
 
 /// How long a waiter spins before yielding (a peer on another core answers within microseconds).
-const SPIN: Duration = Duration::from_micros(30);
+pub(crate) const SPIN: Duration = Duration::from_micros(30);
 /// How long a waiter spins and yields before it sleeps on the peer's doorbell (bounded: spinning ranks must not
 /// starve a peer that shares their core).
 const SPIN_AND_YIELD: Duration = Duration::from_micros(50);

@@ -56,9 +56,18 @@ use super::shm::{ShmChannel, WaitCtx, LINE};
 use super::transport::Failure;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 /// Bytes before each chunk's payload (an encoded frame header, padded to a cache line).
 const CHUNK_HEADER: usize = 64;
+/// How long a blocked send or recv spins before it yields (and from 50 µs on sleeps, as collectives do).
+/// Shorter than the collectives' 30 µs: in a ping-pong or a pipeline one rank always waits for the other, and
+/// when the scheduler puts both on one core (it readily does on a loaded machine, for ranks that keep waking
+/// each other) every microsecond spun is one the peer cannot run. A peer on another core still answers within
+/// the spin or the first yields (a fraction of a microsecond each while nothing else wants the core). Measured
+/// in docs/benchmarks.md: 1 KiB one way, both ranks forced onto one CPU, 38 µs with a 30 µs spin, 3.5 µs with
+/// 1 µs; on two CPUs 0.25 µs either way.
+const SPIN: Duration = Duration::from_micros(1);
 /// Largest group whose point-to-point goes through the segment: P·(P−1) rings and counters grow with P², and
 /// the blocked word has 14 bits for a peer.
 const MAX_WORLD: usize = 64;
@@ -320,8 +329,8 @@ impl PairRings<'_> {
         let peer = blocked.peer();
         let word = self.shm.p2p_blocked(self.shm.rank());
         word.store(blocked.encode(), Ordering::Release);
-        let order = || self.check_waiting(call, rounds_done, blocked);
-        let ctx = WaitCtx { order: &order, ..*ctx };
+        let order = || self.check_waiting(call, rounds_done, blocked, &ready);
+        let ctx = WaitCtx { order: &order, spin: SPIN, ..*ctx };
         let result = self.shm.wait(&ctx, |q| q != peer || ready());
         word.store(0, Ordering::Release);
         result
@@ -329,7 +338,18 @@ impl PairRings<'_> {
 
     /// `Err` when the peer this rank waits for can never satisfy it: it is in a collective this rank has not
     /// entered, or it is itself blocked on this rank (module docs).
-    fn check_waiting(&self, call: &CallId, rounds_done: u64, blocked: Blocked) -> Result<(), Failure> {
+    ///
+    /// Each finding is confirmed by `ready()` still being false *after* the peer's state was read: the peer may
+    /// have satisfied this wait just before it moved on (posted a later round, blocked on this rank), and it
+    /// publishes its counters before that state, so reading the state first (acquire) makes its earlier
+    /// counters visible.
+    fn check_waiting(
+        &self,
+        call: &CallId,
+        rounds_done: u64,
+        blocked: Blocked,
+        ready: &dyn Fn() -> bool,
+    ) -> Result<(), Failure> {
         let (me, peer) = (self.shm.rank(), blocked.peer());
         let doing = match blocked {
             Blocked::Sending { .. } => format!("send of message {} ({} bytes) to rank {peer}", call.seq, call.size),
@@ -337,7 +357,7 @@ impl PairRings<'_> {
                 format!("recv of message {} ({} bytes) from rank {peer}", call.seq, call.size)
             }
         };
-        if self.shm.posted(peer).load(Ordering::Acquire) > rounds_done {
+        if self.shm.posted(peer).load(Ordering::Acquire) > rounds_done && !ready() {
             return Err(Failure::Mismatch {
                 peer,
                 detail: format!(
@@ -361,7 +381,7 @@ impl PairRings<'_> {
             }
             _ => false,
         };
-        if let (true, Some(theirs)) = (stuck, theirs) {
+        if let (true, Some(theirs), false) = (stuck, theirs, ready()) {
             let what = |b: Blocked, rank: usize| match b {
                 Blocked::Sending { .. } => format!("rank {rank} is blocked in send to rank {}", b.peer()),
                 Blocked::Receiving { .. } => format!("rank {rank} is blocked in recv from rank {}", b.peer()),
