@@ -5,19 +5,23 @@
 //! - `transport`: the single-threaded non-blocking progress engine all algorithms run on.
 //! - `ring`: bandwidth-optimal segmented ring (all_reduce, reduce_scatter, all_gather).
 //! - `small`: latency-optimal direct exchange for small all_reduce.
-//! - `broadcast`, `barrier`, `p2p`: the other operations.
+//! - `broadcast`, `barrier`, `p2p`: the other operations (`p2p`: send/recv over TCP).
 //! - `shm`: when every rank is on this machine, a shared segment: the slot exchange (small all_reduce,
-//!   broadcast, all_gather, reduce_scatter, barrier) and the pipelined all_reduce of large buffers.
+//!   broadcast, all_gather, reduce_scatter, barrier), the pipelined all_reduce of large buffers and the
+//!   per-pair rings of `shm_p2p` (send/recv).
 //! - `fault`: abort propagation so a dead or mismatching rank fails the collective on every rank, fast.
 //!
-//! When all ranks share a machine (the shared segment could be set up by every rank), every collective but
-//! send/recv runs over it: all_reduce up to `small_all_reduce_bytes` (64 KiB, and at most `shm_slot_bytes`)
+//! When all ranks share a machine (the shared segment could be set up by every rank), everything runs over it:
+//! send/recv through a ring per ordered pair (a sender runs ahead of its receiver by up to 8 × 64 KiB, then
+//! streams in chunks; `shm_p2p`), all_reduce up to `small_all_reduce_bytes` (64 KiB, and at most `shm_slot_bytes`)
 //! through the slot exchange — every rank writes its input into its slot and reduces all slots itself in rank
 //! order, microseconds instead of a TCP round trip; broadcast, all_gather, reduce_scatter and barrier through
 //! the slot exchange in rounds of at most `shm_slot_bytes` per rank; larger all_reduce through the segmented
 //! TCP ring and above `shm_min_bytes` (512 KiB) the pipelined shared-memory all_reduce, both after one empty
 //! exchange round that checks every rank's call identity. Without shared memory everything uses TCP: all_reduce
-//! up to `small_all_reduce_bytes` as a direct exchange, then the ring. See `docs/benchmarks.md`.
+//! up to `small_all_reduce_bytes` as a direct exchange, then the ring, and send/recv as frames on the pair's
+//! connection. On both paths a message must be received between the same two collectives it was sent between
+//! (`p2p`). See `docs/benchmarks.md`.
 
 mod barrier;
 mod broadcast;

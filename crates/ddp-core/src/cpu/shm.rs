@@ -1,5 +1,6 @@
-//! Shared-memory collectives for groups whose ranks all run on one machine: the pipelined all_reduce of large
-//! buffers (below) and the slot exchange every other collective uses (see "Slot exchange").
+//! Shared memory for groups whose ranks all run on one machine: the pipelined all_reduce of large buffers
+//! (below), the slot exchange every other collective uses (see "Slot exchange") and the per-pair rings that carry
+//! send/recv (see "Point-to-point").
 //!
 //! Why: on loopback every byte crosses the kernel's TCP stack twice (copy in, copy out) and its packet
 //! processing runs in softirq context, which the kernel defers to `ksoftirqd` under CPU pressure — on a busy
@@ -46,6 +47,21 @@
 //! another path (TCP ring, pipelined all_reduce) still run one empty round first: every rank then has checked
 //! every other rank's call identity before anyone enters a path where a mismatch could leave ranks waiting on
 //! different channels.
+//!
+//! # Point-to-point
+//!
+//! The same segment holds, after the slots, one single-producer/single-consumer ring per ordered pair of ranks
+//! (src → dst; `shm_p2p_chunks` chunks of `shm_p2p_chunk_bytes`, default 8 × 64 KiB), with a `head` / `tail`
+//! counter pair per ring among the counters, and every rank has a `p2p_blocked` word saying what a blocked send
+//! or recv of it waits for. A send copies its message chunk by chunk into its ring to the receiver (each chunk
+//! behind a frame header with the message's identity), running ahead by up to the ring's capacity; the receiver
+//! checks every header and copies the chunks out. Since send/recv no longer share an ordered connection with the
+//! collectives, the order between them is checked explicitly: every message carries the sender's collective
+//! count, every exchange round checks (before posting and after its wait) that no peer left a message from before
+//! this collective in the rings, and a send/recv waiting for a peer that is already in a later collective, or
+//! that is blocked on this rank itself, fails instead of hanging. Waits are the ones below, with a shorter spin.
+//! Protocol, capacity and rules: `shm_p2p`. Setup is the segment's (same nonce check, same unlink); with
+//! `shm_p2p_chunks = 0`, or more than 64 ranks, there are no rings and send/recv use TCP.
 
 use super::frame::{CallId, Header, HEADER_LEN};
 use super::ring::split_even;
