@@ -25,7 +25,14 @@
 //! `N` chunks, i.e. messages of at most `N·C` bytes in total per direction (each message, even an empty one,
 //! taking at least one chunk). Beyond that, order the calls as for blocking MPI calls (one side sends while the
 //! other receives, e.g. even ranks send first). Two ranks blocked on each other like this — both in send, or both
-//! in recv — are detected and fail on both ranks with an error saying so, instead of hanging until the timeout.
+//! in recv — are detected and fail on both ranks with an error saying so, instead of hanging until the timeout
+//! (each rank publishes what it waits for in its `p2p_blocked` word; a peer blocked on this rank that only this
+//! rank can unblock, while this rank is blocked on it, is a deadlock). Longer cycles (three ranks each sending
+//! to the next) end at the collective timeout, as over TCP.
+//!
+//! **Memory**: P·(P−1) rings of `N·(64 + C)` bytes in the segment's file in `/dev/shm`; tmpfs allocates pages
+//! only when first written, so only pairs that exchange messages cost memory (2 × 512 KiB + headers for a pipeline
+//! stage boundary with the defaults).
 //!
 //! # Ordering against collectives
 //!
@@ -47,9 +54,11 @@
 //!
 //! # Faults
 //!
-//! Waiting uses the channel's `wait` (spin, yield, then futex sleep on the peer's doorbell), which watches the
-//! shared abort word, the peer's TCP connection (a dead process closes it), the store's abort record and the
-//! deadline: a dead or stuck peer fails a blocked sender or receiver as fast as any collective.
+//! Waiting uses the channel's `wait` (spin 1 µs — see [`SPIN`] — then yield until 50 µs, then futex sleep on the
+//! peer's doorbell in ≤ 1 ms slices), which watches the shared abort word, the peer's TCP connection (a dead
+//! process closes it), the store's abort record and the deadline: a dead or stuck peer fails a blocked sender or
+//! receiver as fast as any collective, with an error naming the call (`send/recv`), its per-pair sequence number
+//! and the peer.
 
 use super::frame::{CallId, Header, Op, HEADER_LEN};
 use super::shm::{ShmChannel, WaitCtx, LINE};
@@ -87,9 +96,11 @@ pub(super) struct Rings {
 }
 
 impl Rings {
-    /// `(chunks, chunk bytes)` of the rings for this tuning, or `None` when send/recv stay on TCP.
+    /// `(chunks, chunk bytes)` of the rings for this tuning, or `None` when send/recv stay on TCP. Chunks are a
+    /// multiple of 64 bytes (every slot cache-line aligned) and at most 1 GiB (a frame header's length is a u32).
     pub(super) fn geometry(world_size: usize, chunks: usize, chunk_bytes: usize) -> Option<(usize, usize)> {
-        (chunks > 0 && (2..=MAX_WORLD).contains(&world_size)).then(|| (chunks, chunk_bytes.max(64).div_ceil(64) * 64))
+        let chunk_bytes = chunk_bytes.clamp(64, 1 << 30).div_ceil(64) * 64;
+        (chunks > 0 && (2..=MAX_WORLD).contains(&world_size)).then_some((chunks, chunk_bytes))
     }
 
     /// Bytes of the counters of every ring.

@@ -65,7 +65,8 @@ fn pipeline_worker() {
 fn killing_a_pipeline_stage_fails_the_ranks_blocked_in_shared_memory_send_and_recv() {
     // Rank 1 is killed while rank 0 waits for room in its ring (blocked in send) and rank 2 waits for data
     // (blocked in recv); both must fail within seconds, naming the call, its sequence number and rank 1.
-    let lines = kill_and_collect(Kill { test: "fault::pipeline_worker", scenario: "pipeline", victim: 1, ..Kill::default() });
+    let lines =
+        kill_and_collect(Kill { test: "fault::pipeline_worker", scenario: "pipeline", victim: 1, ..Kill::default() });
     for (rank, line) in &lines {
         assert!(line.contains("send/recv") && line.contains("sequence number"), "rank {rank}: {line}");
         let want = if *rank == 0 { "in send:" } else { "in recv:" };

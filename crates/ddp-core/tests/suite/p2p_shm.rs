@@ -66,8 +66,7 @@ fn values_of_every_size_class_arrive_exactly_on_2_and_3_ranks() {
                 assert_eq!((after.0 - before.0, after.1 - before.1), (want, want), "{n} bytes took the rings");
             }
             // Every ordered pair in turn (on 3 ranks also the pairs the ring skipped).
-            for (tag, (s, d)) in (0..p).flat_map(|s| (0..p).map(move |d| (s, d))).filter(|(s, d)| s != d).enumerate()
-            {
+            for (tag, (s, d)) in (0..p).flat_map(|s| (0..p).map(move |d| (s, d))).filter(|(s, d)| s != d).enumerate() {
                 let n = 1 + tag * 997;
                 if r == s {
                     pg.send(&payload(s, d, 100 + tag, n), d).unwrap();
@@ -279,6 +278,25 @@ fn messages_crossing_a_collective_fail_on_both_ranks() {
 }
 
 #[test]
+fn the_ordering_rule_holds_over_tcp_too() {
+    // Shared memory off. A broadcast rooted at the receiver never reads the sender's connection, so before the
+    // collective count travelled with every message this crossed silently over TCP; now both paths refuse it.
+    let tcp_only = CpuTuning { shared_memory: false, ..CpuTuning::default() };
+    let errs = run_ranks(2, Some(tcp_only), |pg| {
+        let mut b = [pg.rank() as u8; 8];
+        let res = if pg.rank() == 0 {
+            pg.send(&[1u8; 16], 1).and_then(|_| pg.broadcast(&mut b, 1)).and_then(|_| pg.barrier())
+        } else {
+            pg.broadcast(&mut b, 1).and_then(|_| pg.recv(&mut [0u8; 16], 0)).and_then(|_| pg.barrier())
+        };
+        res.unwrap_err().to_string()
+    });
+    assert!(errs[1].contains("send/recv") && errs[1].contains("after 0 collectives"), "{}", errs[1]);
+    assert!(errs[1].contains("after 1 collectives"), "{}", errs[1]);
+    assert!(errs[0].contains("barrier"), "{}", errs[0]);
+}
+
+#[test]
 fn the_rings_carry_the_bytes_and_tuning_selects_tcp() {
     // Shared memory on: chunks move through the rings (counted in the segment itself) …
     let moved = run_ranks(2, None, |pg| {
@@ -317,16 +335,22 @@ fn the_rings_carry_the_bytes_and_tuning_selects_tcp() {
 }
 
 #[test]
-fn conformance_ring_check_runs_on_small_shared_memory_rings() {
-    // The conformance suite's p2p ring (and everything else) with rings small enough that its large message
-    // wraps them hundreds of times.
-    for world in [2usize, 3] {
-        let tuning = CpuTuning { shm_p2p_chunk_bytes: 4096, shm_p2p_chunks: 2, ..CpuTuning::default() };
-        let outcomes = run_ranks(world, Some(tuning), |pg| {
+fn conformance_suite_runs_on_small_shared_memory_rings_and_on_tcp() {
+    // The conformance suite (its p2p ring included) with rings small enough that its large message wraps them
+    // hundreds of times, and with shared memory off (send/recv over TCP).
+    let small = CpuTuning { shm_p2p_chunk_bytes: 4096, shm_p2p_chunks: 2, ..CpuTuning::default() };
+    let tcp_only = CpuTuning { shared_memory: false, ..CpuTuning::default() };
+    for (world, tuning, rings) in [(2usize, small, true), (3, small, true), (2, tcp_only, false), (3, tcp_only, false)]
+    {
+        let outcomes = run_ranks(world, Some(tuning), move |pg| {
             let opts = crate::conformance::SuiteOptions { large: 3 * (1 << 20) / 4 + 3, ..Default::default() };
             let out = crate::conformance::run(&pg, &opts);
             let peer = (pg.rank() + 1) % pg.world_size();
-            assert!(chunks(&pg, peer).0 > 700, "the large message went through the rings: {:?}", chunks(&pg, peer));
+            match cpu(&pg).shm_p2p_chunks(peer) {
+                // 786 435 f32 in 4 KiB chunks: 769 chunks for the large message alone.
+                Some((sent, _)) => assert!(rings && sent > 769, "the large message went through the rings: {sent}"),
+                None => assert!(!rings, "send/recv should use the rings"),
+            }
             out
         });
         for (rank, out) in outcomes.iter().enumerate() {
