@@ -13,11 +13,21 @@
 //! - `algbw` = size / time, GB/s (10^9 bytes per second);
 //! - `busbw` = algbw · 2(P−1)/P, the per-rank wire traffic of a bandwidth-optimal all-reduce (nccl-tests'
 //!   definition), comparable across world sizes and with `scripts/bench_allreduce_gloo.py`.
+//!
+//! With `--pingpong` it measures send/recv instead: a ping-pong between ranks 0 and 1, through the shared-memory
+//! rings and over TCP (a second group of the same processes with shared memory off) side by side, size by size
+//! (see `accel_benches::p2p_pingpong`):
+//!
+//! ```text
+//! cargo run -p accel-benches --bin allreduce_bw -- --nproc 2 --pingpong --min-bytes 1K --max-bytes 64M
+//! ```
 
 use accel_benches::allreduce_sweep::{self, human, SweepArgs};
+use accel_benches::p2p_pingpong;
 use anyhow::{Context, Result};
 use clap::Parser;
-use ddp_core::{launch, LaunchConfig, ProcessGroup};
+use ddp_core::cpu::CpuTuning;
+use ddp_core::{launch, GroupOptions, LaunchConfig, ProcessGroup};
 
 /// Global allocator: mimalloc keeps freed blocks for reuse, where glibc's malloc returns large ones to the kernel
 /// and faults them in again on the next step (candle allocates every temporary anew: thousands of page faults per
@@ -36,6 +46,9 @@ struct Args {
     /// Pin worker LOCAL_RANK to CPU LOCAL_RANK mod #CPUs (steadier numbers on a busy machine).
     #[arg(long)]
     pin: bool,
+    /// Measure a send/recv ping-pong between ranks 0 and 1 instead, shared memory vs TCP side by side.
+    #[arg(long)]
+    pingpong: bool,
 }
 
 fn main() -> Result<()> {
@@ -54,12 +67,45 @@ fn worker(args: &Args) -> Result<()> {
     if args.pin {
         pin_to_cpu(pg.local_rank())?;
     }
+    if args.pingpong {
+        return pingpong(&pg, args);
+    }
     let title = format!(
         "ddp-core CPU backend all_reduce, {} processes, f32 SUM in place, tuning {:?}",
         pg.world_size(),
         tuning()
     );
     allreduce_sweep::run(&pg, &args.sweep, &title)
+}
+
+/// The ping-pong on `pg` (tuning from the environment: shared-memory rings by default) and on a second group of
+/// the same processes with shared memory off (TCP).
+fn pingpong(pg: &ProcessGroup, args: &Args) -> Result<()> {
+    let env = CpuTuning::from_env()?;
+    let opts = GroupOptions {
+        timeout: pg.timeout(),
+        local_rank: Some(pg.local_rank()),
+        local_world_size: Some(pg.local_world_size()),
+        cpu_tuning: Some(CpuTuning { shared_memory: false, ..env }),
+        ..GroupOptions::default()
+    };
+    let tcp = ProcessGroup::from_store(pg.store(), pg.rank(), pg.world_size(), opts)
+        .context("joining the TCP-only comparison group")?;
+    let title = format!(
+        "ddp-core CPU backend send/recv ping-pong, ranks 0 <-> 1 of {}; shm = rings of {} x {} per pair{}, tcp = \
+         shared memory off; one-way time = round trip / 2",
+        pg.world_size(),
+        env.shm_p2p_chunks,
+        human(env.shm_p2p_chunk_bytes),
+        if rings_in_use(pg) { "" } else { " (NOT IN USE: shared memory unavailable or disabled)" }
+    );
+    p2p_pingpong::run(pg, &tcp, &args.sweep, &title)
+}
+
+/// Whether `pg`'s send/recv go through the shared-memory rings.
+fn rings_in_use(pg: &ProcessGroup) -> bool {
+    let cpu = pg.backend().as_any().and_then(|a| a.downcast_ref::<ddp_core::cpu::CpuBackend>());
+    cpu.and_then(|c| c.shm_p2p_chunks((pg.rank() + 1) % pg.world_size())).is_some()
 }
 
 fn tuning() -> String {

@@ -15,7 +15,7 @@
 //! 7      redop  ReduceOp::code() or 0xff
 //! 8..16  seq    sequence number of the collective in its group (p2p: per-pair message counter)
 //! 16..24 size   the collective's size parameter in bytes (abort: blamed rank, u64::MAX if none)
-//! 24..32 param  root rank for broadcast, 0 otherwise
+//! 24..32 param  root rank for broadcast; send/recv: the collectives the sender had issued before it; else 0
 //! 32..36 unit   index of this frame in the collective's stream between the two ranks
 //! 36..40 len    payload length in bytes
 //! ```
@@ -106,8 +106,10 @@ impl std::fmt::Display for CallId {
         if let Some(r) = self.redop {
             write!(f, ", {r:?}")?;
         }
-        if self.op == Op::Broadcast {
-            write!(f, ", root {}", self.param)?;
+        match self.op {
+            Op::Broadcast => write!(f, ", root {}", self.param)?,
+            Op::Send => write!(f, ", after {} collectives", self.param)?,
+            _ => {}
         }
         f.write_str(")")
     }

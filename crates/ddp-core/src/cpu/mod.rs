@@ -5,19 +5,23 @@
 //! - `transport`: the single-threaded non-blocking progress engine all algorithms run on.
 //! - `ring`: bandwidth-optimal segmented ring (all_reduce, reduce_scatter, all_gather).
 //! - `small`: latency-optimal direct exchange for small all_reduce.
-//! - `broadcast`, `barrier`, `p2p`: the other operations.
+//! - `broadcast`, `barrier`, `p2p`: the other operations (`p2p`: send/recv over TCP).
 //! - `shm`: when every rank is on this machine, a shared segment: the slot exchange (small all_reduce,
-//!   broadcast, all_gather, reduce_scatter, barrier) and the pipelined all_reduce of large buffers.
+//!   broadcast, all_gather, reduce_scatter, barrier), the pipelined all_reduce of large buffers and the
+//!   per-pair rings of `shm_p2p` (send/recv).
 //! - `fault`: abort propagation so a dead or mismatching rank fails the collective on every rank, fast.
 //!
-//! When all ranks share a machine (the shared segment could be set up by every rank), every collective but
-//! send/recv runs over it: all_reduce up to `small_all_reduce_bytes` (64 KiB, and at most `shm_slot_bytes`)
+//! When all ranks share a machine (the shared segment could be set up by every rank), everything runs over it:
+//! send/recv through a ring per ordered pair (a sender runs ahead of its receiver by up to 8 × 64 KiB, then
+//! streams in chunks; `shm_p2p`), all_reduce up to `small_all_reduce_bytes` (64 KiB, and at most `shm_slot_bytes`)
 //! through the slot exchange — every rank writes its input into its slot and reduces all slots itself in rank
 //! order, microseconds instead of a TCP round trip; broadcast, all_gather, reduce_scatter and barrier through
 //! the slot exchange in rounds of at most `shm_slot_bytes` per rank; larger all_reduce through the segmented
 //! TCP ring and above `shm_min_bytes` (512 KiB) the pipelined shared-memory all_reduce, both after one empty
 //! exchange round that checks every rank's call identity. Without shared memory everything uses TCP: all_reduce
-//! up to `small_all_reduce_bytes` as a direct exchange, then the ring. See `docs/benchmarks.md`.
+//! up to `small_all_reduce_bytes` as a direct exchange, then the ring, and send/recv as frames on the pair's
+//! connection. On both paths a message must be received between the same two collectives it was sent between
+//! (`p2p`). See `docs/benchmarks.md`.
 
 mod barrier;
 mod broadcast;
@@ -27,6 +31,7 @@ mod mesh;
 mod p2p;
 mod ring;
 mod shm;
+mod shm_p2p;
 mod small;
 mod transport;
 
@@ -72,6 +77,13 @@ pub struct CpuTuning {
     /// multiple of 64 and to at least 8 bytes per rank). Broadcast / all_gather / reduce_scatter move at most this
     /// much per rank per round; all_reduce takes the slot path only up to it. The segment holds 2·P slots.
     pub shm_slot_bytes: usize,
+    /// Point-to-point over shared memory: payload bytes of one chunk of an ordered pair's ring (default 64 KiB;
+    /// rounded up to a multiple of 64). A message takes ⌈size / chunk⌉ chunks (at least one).
+    pub shm_p2p_chunk_bytes: usize,
+    /// Chunks in each ordered pair's ring (default 8, i.e. 512 KiB per direction and pair): a sender runs ahead of
+    /// its receiver by at most this many chunks. 0 keeps send/recv on TCP even when collectives use shared
+    /// memory. The segment holds P·(P−1) rings.
+    pub shm_p2p_chunks: usize,
 }
 
 impl Default for CpuTuning {
@@ -86,6 +98,8 @@ impl Default for CpuTuning {
             shm_block_bytes: 1 << 20,
             shm_depth: 4,
             shm_slot_bytes: 256 << 10,
+            shm_p2p_chunk_bytes: 64 << 10,
+            shm_p2p_chunks: 8,
         }
     }
 }
@@ -93,8 +107,9 @@ impl Default for CpuTuning {
 impl CpuTuning {
     /// Defaults overridden by `ACCEL_CPU_SEGMENT_BYTES`, `ACCEL_CPU_SMALL_BYTES`, `ACCEL_CPU_CHAIN_BYTES` and
     /// `ACCEL_CPU_SOCKET_BUFFER_BYTES` (0 = kernel autotuning), `ACCEL_CPU_SHM` (0 = TCP only),
-    /// `ACCEL_CPU_SHM_MIN_BYTES`, `ACCEL_CPU_SHM_BLOCK_BYTES`, `ACCEL_CPU_SHM_DEPTH` and
-    /// `ACCEL_CPU_SHM_SLOT_BYTES`. Malformed values are errors naming the variable.
+    /// `ACCEL_CPU_SHM_MIN_BYTES`, `ACCEL_CPU_SHM_BLOCK_BYTES`, `ACCEL_CPU_SHM_DEPTH`, `ACCEL_CPU_SHM_SLOT_BYTES`,
+    /// `ACCEL_CPU_SHM_P2P_CHUNK_BYTES` and `ACCEL_CPU_SHM_P2P_CHUNKS` (0 = send/recv over TCP). Malformed values
+    /// are errors naming the variable.
     pub fn from_env() -> Result<Self> {
         let mut t = CpuTuning::default();
         let get = |name: &str| -> Result<Option<usize>> {
@@ -123,6 +138,12 @@ impl CpuTuning {
         }
         if let Some(v) = get("ACCEL_CPU_SHM_SLOT_BYTES")? {
             t.shm_slot_bytes = v;
+        }
+        if let Some(v) = get("ACCEL_CPU_SHM_P2P_CHUNK_BYTES")? {
+            t.shm_p2p_chunk_bytes = v;
+        }
+        if let Some(v) = get("ACCEL_CPU_SHM_P2P_CHUNKS")? {
+            t.shm_p2p_chunks = v;
         }
         if let Some(v) = get("ACCEL_CPU_SHM_DEPTH")? {
             t.shm_depth = v.max(2);
@@ -286,6 +307,14 @@ impl CpuBackend {
     /// Whether collectives go through shared memory (all ranks on this machine, see the module docs).
     pub fn uses_shared_memory(&self) -> bool {
         self.shm.is_some()
+    }
+
+    /// Chunks this rank has sent to `peer` and received from it through the shared-memory rings so far, or
+    /// `None` when send/recv with this group go over TCP (no shared segment, or `shm_p2p_chunks = 0`). For tests
+    /// and diagnostics: a message of n bytes moves `max(1, ⌈n / shm_p2p_chunk_bytes⌉)` chunks.
+    pub fn shm_p2p_chunks(&self, peer: usize) -> Option<(u64, u64)> {
+        let rings = self.shm.as_ref()?.pair_rings()?;
+        (peer < self.world_size && peer != self.rank).then(|| rings.chunks_moved(peer))
     }
 
     /// Starts a collective: next sequence number, fails at once on an aborted group.
@@ -611,11 +640,17 @@ impl Backend for CpuBackend {
         self.check_peer(dst, "send destination")?;
         let mut st = sync::lock(&self.state);
         st.sent[dst] += 1;
-        let call =
-            CallId { op: Op::Send, seq: st.sent[dst], size: buf.len() as u64, dtype: None, redop: None, param: 0 };
+        let call = p2p::call(st.sent[dst], buf.len(), st.seq);
         if let Some(rec) = &st.aborted {
             return Err(self.error(&call, rec, true));
         }
+        if let Some(shm) = &self.shm {
+            if let Some(rings) = shm.pair_rings() {
+                let rounds_done = st.shm_round;
+                return self.shm_p2p(&mut st, &call, |ctx| rings.send(dst, buf, call, rounds_done, ctx));
+            }
+        }
+        self.check_shm_abort(&mut st, &call)?;
         let plan = p2p::send_plan(dst, buf.len(), self.tuning.segment_bytes, call);
         self.exec(&mut st, &plan, &mut [], buf, 0)
     }
@@ -624,11 +659,17 @@ impl Backend for CpuBackend {
         self.check_peer(src, "recv source")?;
         let mut st = sync::lock(&self.state);
         st.received[src] += 1;
-        let call =
-            CallId { op: Op::Send, seq: st.received[src], size: buf.len() as u64, dtype: None, redop: None, param: 0 };
+        let call = p2p::call(st.received[src], buf.len(), st.seq);
         if let Some(rec) = &st.aborted {
             return Err(self.error(&call, rec, true));
         }
+        if let Some(shm) = &self.shm {
+            if let Some(rings) = shm.pair_rings() {
+                let rounds_done = st.shm_round;
+                return self.shm_p2p(&mut st, &call, |ctx| rings.recv(src, buf, call, rounds_done, ctx));
+            }
+        }
+        self.check_shm_abort(&mut st, &call)?;
         let plan = p2p::recv_plan(src, buf.len(), self.tuning.segment_bytes, call);
         self.exec(&mut st, &plan, buf, &[], 0)
     }
@@ -667,8 +708,15 @@ impl CpuBackend {
         st.shm_round += 1;
         let round = st.shm_round;
         let check_abort = || self.remote_abort();
-        let ctx =
-            shm::WaitCtx { peers: &self.peers, deadline: started + self.timeout, started, check_abort: &check_abort };
+        let order = || shm.check_no_pending_p2p(&call);
+        let ctx = shm::WaitCtx {
+            peers: &self.peers,
+            deadline: started + self.timeout,
+            started,
+            check_abort: &check_abort,
+            order: &order,
+            spin: shm::SPIN,
+        };
         match shm.exchange(round, call, unit, fill, &ctx) {
             Ok(()) => Ok(round),
             Err(f) => Err(self.abort(st, &call, f)),
@@ -691,11 +739,49 @@ impl CpuBackend {
         st.shm_epoch += shm.epochs(buf.len());
         let started = Instant::now();
         let check_abort = || self.remote_abort();
-        let ctx =
-            shm::WaitCtx { peers: &self.peers, deadline: started + self.timeout, started, check_abort: &check_abort };
+        let order = || shm.check_no_pending_p2p(&call);
+        let ctx = shm::WaitCtx {
+            peers: &self.peers,
+            deadline: started + self.timeout,
+            started,
+            check_abort: &check_abort,
+            order: &order,
+            spin: shm::SPIN,
+        };
         match shm.all_reduce(buf, dtype, op, first_epoch, &ctx) {
             Ok(()) => Ok(()),
             Err(f) => Err(self.abort(st, &call, f)),
+        }
+    }
+
+    /// A send or recv through the shared segment's rings (`shm_p2p`); on failure aborts the group.
+    fn shm_p2p(
+        &self,
+        st: &mut State,
+        call: &CallId,
+        transfer: impl FnOnce(&shm::WaitCtx<'_>) -> std::result::Result<(), Failure>,
+    ) -> Result<()> {
+        self.check_shm_abort(st, call)?;
+        let started = Instant::now();
+        let check_abort = || self.remote_abort();
+        let ctx = shm::WaitCtx {
+            peers: &self.peers,
+            deadline: started + self.timeout,
+            started,
+            check_abort: &check_abort,
+            order: &|| Ok(()),
+            spin: shm::SPIN,
+        };
+        transfer(&ctx).map_err(|f| self.abort(st, call, f))
+    }
+
+    /// Fails a point-to-point call at once when another rank has signalled an abort through the shared segment: a
+    /// send that completes without waiting would not notice it otherwise (e.g. after its receiver found a
+    /// mismatch in the previous message).
+    fn check_shm_abort(&self, st: &mut State, call: &CallId) -> Result<()> {
+        match self.shm.as_ref().and_then(|shm| shm.abort_signalled()) {
+            Some(f) => Err(self.abort(st, call, f)),
+            None => Ok(()),
         }
     }
 

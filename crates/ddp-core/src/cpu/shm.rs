@@ -1,5 +1,6 @@
-//! Shared-memory collectives for groups whose ranks all run on one machine: the pipelined all_reduce of large
-//! buffers (below) and the slot exchange every other collective uses (see "Slot exchange").
+//! Shared memory for groups whose ranks all run on one machine: the pipelined all_reduce of large buffers
+//! (below), the slot exchange every other collective uses (see "Slot exchange") and the per-pair rings that carry
+//! send/recv (see "Point-to-point").
 //!
 //! Why: on loopback every byte crosses the kernel's TCP stack twice (copy in, copy out) and its packet
 //! processing runs in softirq context, which the kernel defers to `ksoftirqd` under CPU pressure — on a busy
@@ -46,9 +47,25 @@
 //! another path (TCP ring, pipelined all_reduce) still run one empty round first: every rank then has checked
 //! every other rank's call identity before anyone enters a path where a mismatch could leave ranks waiting on
 //! different channels.
+//!
+//! # Point-to-point
+//!
+//! The same segment holds, after the slots, one single-producer/single-consumer ring per ordered pair of ranks
+//! (src → dst; `shm_p2p_chunks` chunks of `shm_p2p_chunk_bytes`, default 8 × 64 KiB), with a `head` / `tail`
+//! counter pair per ring among the counters, and every rank has a `p2p_blocked` word saying what a blocked send
+//! or recv of it waits for. A send copies its message chunk by chunk into its ring to the receiver (each chunk
+//! behind a frame header with the message's identity), running ahead by up to the ring's capacity; the receiver
+//! checks every header and copies the chunks out. Since send/recv no longer share an ordered connection with the
+//! collectives, the order between them is checked explicitly: every message carries the sender's collective
+//! count, every exchange round checks (before posting and after its wait) that no peer left a message from before
+//! this collective in the rings, and a send/recv waiting for a peer that is already in a later collective, or
+//! that is blocked on this rank itself, fails instead of hanging. Waits are the ones below, with a shorter spin.
+//! Protocol, capacity and rules: `shm_p2p`. Setup is the segment's (same nonce check, same unlink); with
+//! `shm_p2p_chunks = 0`, or more than 64 ranks, there are no rings and send/recv use TCP.
 
 use super::frame::{CallId, Header, HEADER_LEN};
 use super::ring::split_even;
+use super::shm_p2p::Rings;
 use super::transport::Failure;
 use crate::store::Store;
 use crate::token::RunToken;
@@ -59,13 +76,16 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-const LINE: usize = 128; // two cache lines: adjacent-line prefetch must not couple two counters
+/// Two cache lines: adjacent-line prefetch must not couple two counters.
+pub(super) const LINE: usize = 128;
+const PAGE: usize = 4096;
 const NONCE_LEN: usize = 16;
 const ABORT_OFFSET: usize = LINE;
 const COUNTERS_OFFSET: usize = 2 * LINE;
-/// Per rank: `arrived`, `reduced`, `consumed` (u64 each), the doorbell line (u32 futex word + u32 sleepers) and
-/// `posted` (the slot exchange's round counter).
-const LINES_PER_RANK: usize = 5;
+/// Per rank: `arrived`, `reduced`, `consumed` (u64 each), the doorbell line (u32 futex word + u32 sleepers),
+/// `posted` (the slot exchange's round counter) and `p2p_blocked` (what a point-to-point call waits for, see
+/// `shm_p2p`).
+const LINES_PER_RANK: usize = 6;
 /// Bytes before each exchange slot's payload (an encoded frame header, padded to a cache line).
 const SLOT_HEADER: usize = 64;
 
@@ -82,6 +102,16 @@ pub(crate) struct ShmChannel {
     slot_cap: usize,
     /// Offset of the exchange slots (2 per rank).
     slots_offset: usize,
+    /// Where the point-to-point rings are, when send/recv go through this segment (see `shm_p2p`).
+    pub(super) rings: Option<Rings>,
+}
+
+/// Where everything lives in the segment.
+struct Layout {
+    data_offset: usize,
+    slots_offset: usize,
+    rings: Option<Rings>,
+    total: usize,
 }
 
 // SAFETY: the mapping is only accessed through atomics (counters, abort word) and through byte copies of
@@ -94,16 +124,38 @@ pub(crate) struct WaitCtx<'a> {
     pub deadline: Instant,
     pub started: Instant,
     pub check_abort: &'a dyn Fn() -> Option<Failure>,
+    /// Checked after every sleep: `Err` when the ranks' calls can no longer match (a point-to-point message left
+    /// behind by a collective, two ranks blocked on each other; see `shm_p2p`).
+    pub order: &'a dyn Fn() -> std::result::Result<(), Failure>,
+    /// How long to spin before yielding: [`SPIN`] for collectives, less for point-to-point (`shm_p2p`).
+    pub spin: Duration,
 }
 
 impl ShmChannel {
-    /// (data offset, exchange slots offset, total bytes).
-    fn layout(world_size: usize, block_bytes: usize, depth: usize, slot_cap: usize) -> (usize, usize, usize) {
-        let header = COUNTERS_OFFSET + world_size * LINES_PER_RANK * LINE;
-        let data_offset = header.div_ceil(4096) * 4096;
+    /// The segment: nonce, abort word, per-rank counters, the rings' counters (all atomics, before
+    /// `data_offset`), then the all_reduce blocks, the exchange slots and the point-to-point rings (page aligned).
+    fn layout(
+        world_size: usize,
+        block_bytes: usize,
+        depth: usize,
+        slot_cap: usize,
+        p2p: Option<(usize, usize)>,
+    ) -> Layout {
+        let rank_counters_end = COUNTERS_OFFSET + world_size * LINES_PER_RANK * LINE;
+        let header = rank_counters_end + p2p.map_or(0, |_| Rings::counter_bytes(world_size));
+        let data_offset = header.div_ceil(PAGE) * PAGE;
         let slots_offset = data_offset + depth * (world_size + 1) * block_bytes;
-        let total = slots_offset + 2 * world_size * (SLOT_HEADER + slot_cap);
-        (data_offset, slots_offset, total)
+        let slots_end = slots_offset + 2 * world_size * (SLOT_HEADER + slot_cap);
+        let rings_offset = slots_end.div_ceil(PAGE) * PAGE;
+        let rings = p2p.map(|(chunks, chunk_bytes)| Rings {
+            world_size,
+            chunks,
+            chunk_bytes,
+            counters_offset: rank_counters_end,
+            rings_offset,
+        });
+        let total = rings.as_ref().map_or(slots_end, |r| rings_offset + r.ring_bytes());
+        Layout { data_offset, slots_offset, rings, total }
     }
 
     /// Payload bytes of an exchange slot for `slot_bytes` asked: a multiple of 64 (alignment of every slot) and at
@@ -124,7 +176,9 @@ impl ShmChannel {
         let (block_bytes, depth, slot_bytes, enabled) =
             (tuning.shm_block_bytes, tuning.shm_depth, tuning.shm_slot_bytes, tuning.shared_memory);
         let slot_cap = Self::slot_capacity(world_size, slot_bytes);
-        let (data_offset, slots_offset, total) = Self::layout(world_size, block_bytes, depth, slot_cap);
+        let p2p = Rings::geometry(world_size, tuning.shm_p2p_chunks, tuning.shm_p2p_chunk_bytes);
+        let Layout { data_offset, slots_offset, rings, total } =
+            Self::layout(world_size, block_bytes, depth, slot_cap, p2p);
         let key = format!("{prefix}shm/segment");
         let mut path = None;
         let attempt: std::result::Result<MmapMut, String> = if !enabled {
@@ -192,8 +246,24 @@ impl ShmChannel {
         }
         match attempt {
             Ok(map) if all_ok => {
-                tracing::debug!(rank, world_size, block_bytes, "cpu backend: shared-memory all_reduce enabled");
-                Ok(Some(ShmChannel { map, rank, world_size, block_bytes, depth, data_offset, slot_cap, slots_offset }))
+                tracing::debug!(
+                    rank,
+                    world_size,
+                    block_bytes,
+                    p2p = rings.is_some(),
+                    "cpu backend: shared-memory collectives enabled"
+                );
+                Ok(Some(ShmChannel {
+                    map,
+                    rank,
+                    world_size,
+                    block_bytes,
+                    depth,
+                    data_offset,
+                    slot_cap,
+                    slots_offset,
+                    rings,
+                }))
             }
             Ok(_) => Ok(None),
             Err(reason) => {
@@ -203,7 +273,14 @@ impl ShmChannel {
         }
     }
 
-    fn atomic(&self, offset: usize) -> &AtomicU64 {
+    pub(super) fn rank(&self) -> usize {
+        self.rank
+    }
+    pub(super) fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    pub(super) fn atomic(&self, offset: usize) -> &AtomicU64 {
         debug_assert!(offset.is_multiple_of(8) && offset + 8 <= self.data_offset);
         // SAFETY: in bounds, 8-byte aligned (mappings are page aligned), and only ever accessed atomically.
         unsafe { &*(self.map.as_ptr().add(offset) as *const AtomicU64) }
@@ -218,8 +295,12 @@ impl ShmChannel {
     fn consumed(&self, r: usize) -> &AtomicU64 {
         self.atomic(COUNTERS_OFFSET + r * LINES_PER_RANK * LINE + 2 * LINE)
     }
-    fn posted(&self, r: usize) -> &AtomicU64 {
+    pub(super) fn posted(&self, r: usize) -> &AtomicU64 {
         self.atomic(COUNTERS_OFFSET + r * LINES_PER_RANK * LINE + 4 * LINE)
+    }
+    /// Rank r's point-to-point wait word (`shm_p2p::Blocked`, 0 when not blocked).
+    pub(super) fn p2p_blocked(&self, r: usize) -> &AtomicU64 {
+        self.atomic(COUNTERS_OFFSET + r * LINES_PER_RANK * LINE + 5 * LINE)
     }
     /// Rank r's doorbell: a futex word bumped on every counter update, and how many ranks sleep on it.
     fn bell(&self, r: usize) -> (&AtomicU32, &AtomicU32) {
@@ -231,7 +312,7 @@ impl ShmChannel {
     }
 
     /// Publishes one of my counters and wakes ranks sleeping on my doorbell.
-    fn publish(&self, counter: &AtomicU64, e: u64) {
+    pub(super) fn publish(&self, counter: &AtomicU64, e: u64) {
         counter.store(e, Ordering::Release);
         let (bell, sleepers) = self.bell(self.rank);
         bell.fetch_add(1, Ordering::SeqCst);
@@ -252,7 +333,7 @@ impl ShmChannel {
         self.data_offset + (self.depth * self.world_size + b) * self.block_bytes
     }
 
-    fn shared_ptr(&self, offset: usize) -> *mut u8 {
+    pub(super) fn shared_ptr(&self, offset: usize) -> *mut u8 {
         // The mapping is writable; writes go through raw pointers to regions this rank owns at the time.
         self.map.as_ptr().wrapping_add(offset) as *mut u8
     }
@@ -260,6 +341,22 @@ impl ShmChannel {
     /// Tells the other ranks to stop waiting (they then read the abort record from the store or TCP).
     pub(crate) fn signal_abort(&self, blamed: Option<usize>) {
         self.abort_word().store(blamed.map_or(u64::MAX, |b| b as u64 + 1), Ordering::Release);
+    }
+
+    /// The failure another rank signalled through the abort word, if any.
+    pub(crate) fn abort_signalled(&self) -> Option<Failure> {
+        let abort = self.abort_word().load(Ordering::Acquire);
+        if abort == 0 {
+            return None;
+        }
+        let blamed = (abort != u64::MAX).then(|| (abort - 1) as usize);
+        // The aborting rank's full record may be unreachable (the store's host may be the dead rank), so the
+        // reason names the blamed rank itself: every survivor then names the culprit.
+        let reason = match blamed {
+            Some(b) => format!("rank {b} is gone or failed (another rank aborted the group)"),
+            None => "another rank aborted the group".into(),
+        };
+        Some(Failure::RemoteAbort { from: None, blamed, reason })
     }
 
     /// Payload bytes of one exchange slot (the most one rank contributes to one round).
@@ -291,8 +388,13 @@ impl ShmChannel {
             fill(std::slice::from_raw_parts_mut(self.shared_ptr(me + SLOT_HEADER), self.slot_cap));
             std::ptr::copy_nonoverlapping(header.as_ptr(), self.shared_ptr(me), HEADER_LEN);
         }
+        // A point-to-point message a peer sent before this collective must have been received before it
+        // (`shm_p2p`, "Ordering against collectives"): checked before posting, so the sender, waiting for our
+        // post, fails in this call too, and again once every peer's post (which follows its sends) is visible.
+        self.check_no_pending_p2p(&call)?;
         self.publish(self.posted(self.rank), round);
         self.wait(ctx, |q| self.posted(q).load(Ordering::Acquire) >= round)?;
+        self.check_no_pending_p2p(&call)?;
         for q in (0..self.world_size).filter(|&q| q != self.rank) {
             let mut raw = [0u8; HEADER_LEN];
             // SAFETY: q posted ≥ round (acquire in `wait`) and rewrites this slot only after we post round + 1.
@@ -454,12 +556,12 @@ impl ShmChannel {
 
     /// Waits until `ready(q)` holds for every other rank q, watching for failures.
     ///
-    /// Spins for up to [`SPIN`] (the peer normally runs on another core, microseconds behind), yields until
-    /// [`SPIN_AND_YIELD`], then sleeps on
+    /// Spins for up to `ctx.spin` ([`SPIN`] for collectives: the peer normally runs on another core, microseconds
+    /// behind), yields until [`SPIN_AND_YIELD`], then sleeps on
     /// the doorbell of a rank it waits for (a futex in the shared segment, rung by every publish) in slices of
     /// at most 1 ms. Sleeping matters on a loaded machine: when both ranks share a core, spinning would only
     /// burn the time the peer needs.
-    fn wait(&self, ctx: &WaitCtx<'_>, ready: impl Fn(usize) -> bool) -> std::result::Result<(), Failure> {
+    pub(super) fn wait(&self, ctx: &WaitCtx<'_>, ready: impl Fn(usize) -> bool) -> std::result::Result<(), Failure> {
         let others = || (0..self.world_size).filter(|&q| q != self.rank);
         if others().all(&ready) {
             return Ok(());
@@ -473,19 +575,11 @@ impl ShmChannel {
                 }
                 std::hint::spin_loop();
             }
-            let abort = self.abort_word().load(Ordering::Acquire);
-            if abort != 0 {
-                let blamed = (abort != u64::MAX).then(|| (abort - 1) as usize);
-                // The aborting rank's full record may be unreachable (the store's host may be the dead rank), so
-                // the reason names the blamed rank itself: every survivor then names the culprit.
-                let reason = match blamed {
-                    Some(b) => format!("rank {b} is gone or failed (another rank aborted the group)"),
-                    None => "another rank aborted the group".into(),
-                };
-                return Err(Failure::RemoteAbort { from: None, blamed, reason });
+            if let Some(f) = self.abort_signalled() {
+                return Err(f);
             }
             let now = Instant::now();
-            if now - start < SPIN {
+            if now - start < ctx.spin {
                 continue;
             }
             if now - start < SPIN_AND_YIELD {
@@ -504,8 +598,10 @@ impl ShmChannel {
             if ready(q) {
                 continue;
             }
-            // Still waiting after a sleep: is q alive, are we out of time, did someone abort?
+            // Still waiting after a sleep: is q alive, can the calls still match, are we out of time, did someone
+            // abort?
             peer_alive(ctx.peers, q)?;
+            (ctx.order)()?;
             let now = Instant::now();
             if now >= ctx.deadline {
                 return Err(Failure::Timeout { peer: Some(q), waited: now - ctx.started });
@@ -521,7 +617,7 @@ impl ShmChannel {
 }
 
 /// How long a waiter spins before yielding (a peer on another core answers within microseconds).
-const SPIN: Duration = Duration::from_micros(30);
+pub(crate) const SPIN: Duration = Duration::from_micros(30);
 /// How long a waiter spins and yields before it sleeps on the peer's doorbell (bounded: spinning ranks must not
 /// starve a peer that shares their core).
 const SPIN_AND_YIELD: Duration = Duration::from_micros(50);

@@ -35,6 +35,64 @@ fn worker() {
     }
 }
 
+/// Worker: a three-stage pipeline over point-to-point (rank 0 → 1 → 2, 2 MiB messages, four times the
+/// shared-memory ring). Rank 1 sleeps 20 ms per message, so rank 0 spends its time blocked in send and rank 2
+/// blocked in recv. Prints `iter N` per message and, on error, which call failed, then exits with code 3.
+#[test]
+fn pipeline_worker() {
+    let Some(scenario) = procs::scenario() else { return };
+    assert_eq!(scenario, "pipeline");
+    let pg = ProcessGroup::init_from_env().unwrap();
+    let mut buf = vec![0u8; 2 << 20];
+    for iter in 0u64.. {
+        let res = match pg.rank() {
+            0 => pg.send(&buf, 1).map_err(|e| ("send", e)),
+            1 => pg.recv(&mut buf, 0).map_err(|e| ("recv", e)).and_then(|_| {
+                std::thread::sleep(Duration::from_millis(20));
+                pg.send(&buf, 2).map_err(|e| ("send", e))
+            }),
+            _ => pg.recv(&mut buf, 1).map_err(|e| ("recv", e)),
+        };
+        if let Err((call, e)) = res {
+            eprintln!("worker error: in {call}: {e}");
+            std::process::exit(3);
+        }
+        println!("iter {iter}");
+    }
+}
+
+#[test]
+fn killing_a_pipeline_stage_fails_the_ranks_blocked_in_shared_memory_send_and_recv() {
+    // Rank 1 is killed while rank 0 waits for room in its ring (blocked in send) and rank 2 waits for data
+    // (blocked in recv); both must fail within seconds, naming the call, its sequence number and rank 1.
+    let lines =
+        kill_and_collect(Kill { test: "fault::pipeline_worker", scenario: "pipeline", victim: 1, ..Kill::default() });
+    for (rank, line) in &lines {
+        assert!(line.contains("send/recv") && line.contains("sequence number"), "rank {rank}: {line}");
+        let want = if *rank == 0 { "in send:" } else { "in recv:" };
+        assert!(line.contains(want), "rank {rank} was blocked in the other call: {line}");
+    }
+}
+
+#[test]
+fn stuck_peer_times_out_a_blocked_send_and_a_blocked_recv() {
+    // Shared-memory rings (default tuning): rank 0 waits in recv from rank 1, rank 2 in a send to rank 1 larger
+    // than the ring, and rank 1 does nothing for 4 s.
+    let errs = run_ranks_with_timeout(3, Duration::from_millis(1500), |pg| match pg.rank() {
+        0 => pg.recv(&mut [0u8; 8], 1).unwrap_err(),
+        1 => {
+            std::thread::sleep(Duration::from_secs(4));
+            pg.recv(&mut vec![0u8; 2 << 20], 2).unwrap_err()
+        }
+        _ => pg.send(&vec![1u8; 2 << 20], 1).unwrap_err(),
+    });
+    for (rank, e) in errs.iter().enumerate() {
+        let DdpError::Collective { op, peer, seq, .. } = e else { panic!("rank {rank}: {e}") };
+        assert_eq!((*op, *peer, *seq), ("send/recv", Some(1), 1), "rank {rank}: {e}");
+        assert!(e.to_string().contains("timed out") && e.to_string().contains("rank 1"), "rank {rank}: {e}");
+    }
+}
+
 #[test]
 fn killed_worker_fails_every_other_rank_within_seconds() {
     // Default tuning: the 1 MiB all_reduce goes through shared memory.
@@ -59,10 +117,36 @@ fn killing_the_rank_that_hosts_the_store_still_fails_the_others_quickly() {
 }
 
 fn kill_and_check_survivors(victim: usize, extra_env: &[(&str, String)], rank0_hosts_store: bool) {
+    let lines = kill_and_collect(Kill { victim, extra_env, rank0_hosts_store, ..Kill::default() });
+    for (rank, line) in lines {
+        assert!(line.contains("all_reduce") && line.contains("sequence number"), "rank {rank}: {line}");
+    }
+}
+
+/// A job of three workers running `test` / `scenario`; `victim` is SIGKILLed once every worker printed 20 `iter`
+/// lines.
+struct Kill<'a> {
+    test: &'a str,
+    scenario: &'a str,
+    victim: usize,
+    extra_env: &'a [(&'a str, String)],
+    rank0_hosts_store: bool,
+}
+
+impl Default for Kill<'_> {
+    fn default() -> Self {
+        Kill { test: "fault::worker", scenario: "loop", victim: 1, extra_env: &[], rank0_hosts_store: false }
+    }
+}
+
+/// Runs `kill`'s job and checks every survivor failed within seconds with exit code 3 and an error naming the
+/// victim; returns each survivor's `worker error:` line.
+fn kill_and_collect(kill: Kill<'_>) -> Vec<(usize, String)> {
+    let Kill { test, scenario, victim, extra_env, rank0_hosts_store } = kill;
     // The collective timeout is 10 minutes: only fault propagation can end the survivors' calls quickly.
     let mut env = vec![("ACCEL_TIMEOUT", "600".to_string())];
     env.extend_from_slice(extra_env);
-    let mut job = procs::spawn_with("fault::worker", "loop", 3, &env, rank0_hosts_store);
+    let mut job = procs::spawn_with(test, scenario, 3, &env, rank0_hosts_store);
     let progress: Vec<Arc<Mutex<u64>>> = (0..3).map(|_| Arc::new(Mutex::new(0))).collect();
     for (c, p) in job.children.iter_mut().zip(&progress) {
         let out = c.stdout.take().unwrap();
@@ -99,16 +183,18 @@ fn kill_and_check_survivors(victim: usize, extra_env: &[(&str, String)], rank0_h
         let out = c.wait_with_output().unwrap();
         survivors.push((rank, out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned(), elapsed));
     }
+    let mut lines = Vec::new();
     for (rank, code, stderr, elapsed) in survivors {
         assert_eq!(code, Some(3), "rank {rank}: {stderr}");
         let line = stderr.lines().find(|l| l.starts_with("worker error:")).unwrap_or_else(|| panic!("{stderr}"));
-        assert!(line.contains("all_reduce") && line.contains("sequence number"), "rank {rank}: {line}");
         let (tag, gone) = (format!("[peer rank {victim}]"), format!("rank {victim} is gone"));
         assert!(line.contains(&tag) && line.contains(&gone), "rank {rank}: {line}");
         eprintln!("rank {rank} after {elapsed:?}: {line}");
         // "Within a few seconds": generous for a loaded 2-core machine, far below the 600 s timeout.
         assert!(elapsed < Duration::from_secs(20), "rank {rank} took {elapsed:?}");
+        lines.push((rank, line.to_string()));
     }
+    lines
 }
 
 #[test]

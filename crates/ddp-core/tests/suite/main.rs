@@ -21,6 +21,7 @@ mod nn_linear;
 mod nn_softmax;
 mod optim;
 mod overlap;
+mod p2p_shm;
 mod sampler;
 mod store;
 mod subgroups;
