@@ -215,10 +215,10 @@ fn overlapped_ddp_equals_sync_gradients_on_2_and_3_ranks() {
                 let got = run_ranks(world, None, move |pg| overlapped_run(pg, wiring, 3, o.clone()));
                 let o = opts.clone();
                 let want = run_ranks(world, None, move |pg| synced_run(pg, wiring, 3, o.clone()));
-                for rank in 0..world {
-                    for step in 0..3 {
+                for (rank, steps) in got.iter().enumerate() {
+                    for (step, grads) in steps.iter().enumerate() {
                         assert_eq!(
-                            bits(&got[rank][step]),
+                            bits(grads),
                             bits(&want[0][step]),
                             "world {world}, {wiring:?}, {label}, rank {rank}, step {step}"
                         );
@@ -305,9 +305,9 @@ fn gradient_accumulation_through_backward_accumulated() {
         }
         results
     });
-    for rank in 0..2 {
-        assert_eq!(bits(&got[rank][0]), bits(&want[0][0]), "rank {rank}, step 0 (learning)");
-        assert_eq!(bits(&got[rank][1]), bits(&want[0][1]), "rank {rank}, step 1 (overlapped)");
+    for (rank, steps) in got.iter().enumerate() {
+        assert_eq!(bits(&steps[0]), bits(&want[0][0]), "rank {rank}, step 0 (learning)");
+        assert_eq!(bits(&steps[1]), bits(&want[0][1]), "rank {rank}, step 1 (overlapped)");
     }
 }
 
