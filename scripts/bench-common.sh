@@ -10,8 +10,9 @@
 #   load1                     the 1-minute load average now.
 #   run_and_keep PATTERN LABEL CMD...
 #                             runs CMD with its output in $out/LABEL.log, appends the load before it to $loads and
-#                             the last line matching the grep -o PATTERN (the run's JSON result) to $runs; a failed
-#                             run or one without a result is added to the array $failed.
+#                             the last line matching the grep -o PATTERN (the run's JSON result; every matching
+#                             line with keep=all) to $runs; a failed run or one without a result is added to the
+#                             array $failed.
 #   report_failed             exits 1 naming every failed run, if any.
 #   write_bench_meta PY OUT LOADS QUIET TASK
 #                             writes OUT (meta.json for scripts/torch_ref/report.py): the machine (CPU, cores, RAM,
@@ -77,7 +78,9 @@ run_and_keep() {
     echo ">> $label (load $(load1))" >&2
     local log="$out/${label// /_}.log"
     if "$@" > "$log" 2>&1; then
-        grep -o "$pattern" "$log" | tail -1 >> "$runs" || { echo "   no result line in $log" >&2; failed+=("$label"); }
+        local results
+        results=$(grep -o "$pattern" "$log") || { echo "   no result line in $log" >&2; failed+=("$label"); return; }
+        if [[ ${keep:-last} == all ]]; then printf '%s\n' "$results" >> "$runs"; else tail -1 <<< "$results" >> "$runs"; fi
     else
         echo "   FAILED (see $log)" >&2; failed+=("$label")
     fi

@@ -47,6 +47,7 @@ wait_for_quiet "$max_load" "$max_wait"
 
 runs="$out/runs.jsonl"; loads="$out/loads.txt"; : > "$runs"; : > "$loads"
 failed=()
+keep=all # step_time prints one line per variant (fused ops, candle's ops)
 run_one() { run_and_keep '^{.*"impl".*}' "$@"; }
 
 for i in $(seq "$repeat"); do
