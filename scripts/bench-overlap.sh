@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Communication overlapped with the backward pass: 2-process vs 1-process throughput of the levels benchmark's
-# tasks (benches/src/bin/levels.rs) with the gradient all-reduce after the backward pass (`--overlap false`) and
-# overlapped with it (`--overlap true`: the forward recorded, DistributedDataParallel::backward /
-# Accelerator::backward_segments), at the ddp and accel levels (and the Trainer, which always overlaps), for the
+# tasks (benches/src/bin/levels.rs) with the gradient all-reduce after the backward pass (`--overlap off`) and
+# overlapped with it (`--overlap on`: the forward recorded, DistributedDataParallel::backward /
+# Accelerator::backward_segments with DdpOptions::overlap On), at the ddp and accel levels (and the Trainer with its
+# default, Auto), for the
 # MLP and the char-GPT; runs interleaved, medians of --repeat. Writes the section between <!-- overlap:begin/end -->
 # of docs/benchmarks.md. Needs no PyTorch.
 #
@@ -51,7 +52,7 @@ for i in $(seq "$repeat"); do
                 continue
             fi
             # Alternate which variant goes first, so a drift in load hits both alike.
-            for ov in $( (( i % 2 )) && echo "true false" || echo "false true"); do
+            for ov in $( (( i % 2 )) && echo "on off" || echo "off on"); do
                 run_one "$i $m $level 2p overlap=$ov" "$levels_bin" --model "$m" --level "$level" --nproc 2 \
                     --overlap "$ov" "${work[@]}"
             done

@@ -41,7 +41,7 @@ use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use clap::{Parser, ValueEnum};
 use ddp_core::optim::{grads_for, AdamW, AdamWConfig, Optimizer};
-use ddp_core::{segments, DdpOptions, DistributedDataParallel, DistributedSampler, ProcessGroup};
+use ddp_core::{segments, DdpOptions, DistributedDataParallel, DistributedSampler, Overlap, ProcessGroup};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use trainer::{losses, CallbackContext, ReportTo, SaveStrategy, Trainer, TrainerCallback, TrainerControl};
@@ -113,11 +113,27 @@ struct Cli {
     /// Text file for the GPT (default: the repository's data/shakespeare/shakespeare8.txt).
     #[arg(long)]
     text: Option<PathBuf>,
-    /// ddp and accel levels: overlap the gradient all-reduce with the backward pass (the forward recorded with
-    /// `segments::record`, then `DistributedDataParallel::backward` / `Accelerator::backward_segments`); `false`
-    /// runs `backward` and then the all-reduce. (The Trainer always records its forward pass.)
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
-    overlap: bool,
+    /// ddp and accel levels: `auto` / `on` record the forward pass (`segments::record`) and call
+    /// `DistributedDataParallel::backward` / `Accelerator::backward_segments` with `DdpOptions::overlap` Auto / On
+    /// (the all-reduce overlapped with the backward pass: always with `on`; with `auto` where a spare core per
+    /// rank exists); `off` runs `backward()` and then the all-reduce. (The Trainer records its forward pass and
+    /// uses Auto.)
+    #[arg(long, value_enum, default_value = "auto")]
+    overlap: OverlapArg,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum OverlapArg {
+    Auto,
+    On,
+    Off,
+}
+
+impl OverlapArg {
+    fn ddp_options(self) -> DdpOptions {
+        let overlap = if self == OverlapArg::On { Overlap::On } else { Overlap::Auto };
+        DdpOptions { overlap, ..DdpOptions::default() }
+    }
 }
 
 impl Cli {
@@ -246,7 +262,7 @@ impl Outcome {
             "parameters": self.parameters,
             "samples_seen": c.samples.iter().sum::<usize>(),
             "fused_ops": ddp_core::nn::fused_ops_enabled(),
-            "overlap": cli.overlap,
+            "overlap": format!("{:?}", cli.overlap).to_lowercase(),
         });
         j[rate_key] = rate.into();
         j[quality_key] = self.quality.into();
@@ -385,7 +401,7 @@ fn ddp_backward(
     ddp: &DistributedDataParallel,
     forward: impl FnOnce() -> Result<Tensor>,
 ) -> Result<(Tensor, GradStore)> {
-    if cli.overlap {
+    if cli.overlap != OverlapArg::Off {
         let (loss, cuts) = segments::record(forward)?;
         let grads = ddp.backward(&loss, cuts)?;
         Ok((loss, grads))
@@ -398,8 +414,8 @@ fn ddp_backward(
 }
 
 /// DDP over `pg` and the parameters in DDP's (fixed) registration order.
-fn ddp_setup(pg: &ProcessGroup, varmap: &VarMap) -> Result<(DistributedDataParallel, Vec<Var>)> {
-    let ddp = DistributedDataParallel::new(pg, varmap, DdpOptions::default())?;
+fn ddp_setup(cli: &Cli, pg: &ProcessGroup, varmap: &VarMap) -> Result<(DistributedDataParallel, Vec<Var>)> {
+    let ddp = DistributedDataParallel::new(pg, varmap, cli.overlap.ddp_options())?;
     let vars = ddp.named_vars().iter().map(|(_, v)| v.clone()).collect();
     Ok((ddp, vars))
 }
@@ -411,7 +427,7 @@ fn mlp_ddp(cli: &Cli) -> Result<Outcome> {
     let varmap = VarMap::new();
     let model = Mlp::with_hidden(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu), &cli.hidden)?;
     seed_parameters(&varmap, cli.seed)?;
-    let (ddp, vars) = ddp_setup(&pg, &varmap)?;
+    let (ddp, vars) = ddp_setup(cli, &pg, &varmap)?;
     let mut opt = AdamW::new(AdamWConfig::new(cli.lr))?;
     let mut sampler = DistributedSampler::for_group(train.len(), &pg)?.seed(cli.seed);
     let (mut losses, mut first_epoch) = (Vec::new(), 0);
@@ -450,7 +466,7 @@ fn gpt_ddp(cli: &Cli) -> Result<Outcome> {
     // Data parallel only: the model's own tensor-parallel group is this process alone.
     let tp = TensorParallel::new(ProcessGroup::single_process()?);
     let model = CharGpt::new(cfg, &ParamBuilder::new(&varmap, &tp, cli.seed, DType::F32, &Device::Cpu))?;
-    let (ddp, vars) = ddp_setup(&pg, &varmap)?;
+    let (ddp, vars) = ddp_setup(cli, &pg, &varmap)?;
     let mut opt = AdamW::new(AdamWConfig::new(cli.lr))?;
     let mut sampler = DistributedSampler::for_group(train.len(), &pg)?.seed(cli.seed).drop_last(true);
     let mut losses = Vec::new();
@@ -486,7 +502,7 @@ fn gpt_ddp(cli: &Cli) -> Result<Outcome> {
 /// One micro-batch's backward at level 2: `Accelerator::backward_segments` over the recorded forward pass
 /// (`--overlap`) or `Accelerator::backward`. Returns the loss.
 fn accel_backward(cli: &Cli, acc: &Accelerator, forward: impl FnOnce() -> Result<Tensor>) -> Result<Tensor> {
-    if cli.overlap {
+    if cli.overlap != OverlapArg::Off {
         let (loss, cuts) = segments::record(forward)?;
         acc.backward_segments(&loss, cuts)?;
         Ok(loss)
@@ -500,6 +516,7 @@ fn accel_backward(cli: &Cli, acc: &Accelerator, forward: impl FnOnce() -> Result
 fn accelerator(cli: &Cli) -> Result<Accelerator> {
     let mut cfg = AcceleratorConfig::from_env()?;
     cfg.seed = Some(cli.seed);
+    cfg.ddp = cli.overlap.ddp_options();
     Ok(Accelerator::new(cfg)?)
 }
 

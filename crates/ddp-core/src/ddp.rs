@@ -15,7 +15,8 @@
 //! done, while the next segment computes — PyTorch's overlap (Li et al. §3.2.3), with cuts instead of hooks. The
 //! first such call learns after which segment each gradient is final (agreed across ranks: the latest on any
 //! rank) and rebuilds the buckets in that order, never spanning a cut, as PyTorch rebuilds its buckets after the
-//! first iteration; it reduces after its backward pass. Later calls overlap.
+//! first iteration; it reduces after its backward pass. Later calls overlap — where overlap pays: see
+//! [`Overlap`] (by default not on a CPU whose cores are all busy with the backward pass).
 //!
 //! Difference from PyTorch, on purpose: gradient accumulation is explicit: candle's `backward()` returns a
 //! fresh `GradStore`, so with sync off the user sums micro-batch gradients (see
@@ -57,6 +58,29 @@ pub struct DdpOptions {
     pub find_unused_parameters: bool,
     /// Broadcast rank 0's parameter values at construction (default true).
     pub broadcast_parameters: bool,
+    /// Whether [`DistributedDataParallel::backward`] all-reduces buckets while the backward pass goes on
+    /// (default [`Overlap::Auto`]).
+    pub overlap: Overlap,
+}
+
+/// When [`DistributedDataParallel::backward`] overlaps the gradient all-reduce with the backward pass.
+///
+/// Overlap pays when communication runs on resources the backward pass does not use: NCCL (the GPU's copy and
+/// communication engines) or spare CPU cores. The CPU backend's collectives are memory copies and reductions done
+/// by the ranks' own threads, and they proceed only while both ranks' communication threads run at once: when every
+/// core is busy with the backward pass, an overlapped all-reduce time-slices against it and makes the step slower
+/// (measured: docs/benchmarks.md, "Communication overlapped with the backward pass").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Overlap {
+    /// Overlap on NCCL, and on the CPU and MPI backends when this machine has a spare core for every local rank's
+    /// communication thread (`available_parallelism ≥ local_world_size × (compute threads + 1)`); otherwise
+    /// [`Overlap::Off`].
+    #[default]
+    Auto,
+    /// Always overlap.
+    On,
+    /// Run the backward pass segment by segment, then reduce (exactly `sync_gradients`' buckets and order).
+    Off,
 }
 
 impl Default for DdpOptions {
@@ -66,6 +90,7 @@ impl Default for DdpOptions {
             first_bucket_cap_mb: 1.0,
             find_unused_parameters: false,
             broadcast_parameters: true,
+            overlap: Overlap::Auto,
         }
     }
 }
@@ -220,6 +245,20 @@ impl DistributedDataParallel {
     /// The options this wrapper was built with.
     pub fn options(&self) -> &DdpOptions {
         &self.opts
+    }
+
+    /// Whether [`Self::backward`] overlaps the all-reduce with the backward pass here: [`DdpOptions::overlap`],
+    /// with [`Overlap::Auto`] decided from the backend and this machine's cores (see [`Overlap`]).
+    pub fn overlaps(&self) -> bool {
+        match self.opts.overlap {
+            Overlap::On => true,
+            Overlap::Off => false,
+            Overlap::Auto => {
+                let cores = std::thread::available_parallelism().map_or(1, usize::from);
+                let needed = self.pg.local_world_size().max(1) * (rayon::current_num_threads() + 1);
+                self.pg.backend_name() == "nccl" || cores >= needed
+            }
+        }
     }
 
     /// Whether [`Self::sync_gradients`] communicates (false inside [`Self::no_sync`]).

@@ -54,7 +54,7 @@ pub mod token;
 pub mod traffic;
 
 pub use backend::{Backend, BackendKind};
-pub use ddp::{DdpOptions, DistributedDataParallel};
+pub use ddp::{DdpOptions, DistributedDataParallel, Overlap};
 pub use dtype::{DType, Element, ReduceOp};
 pub use env::{DistEnv, EnvSource};
 pub use error::{DdpError, Result};

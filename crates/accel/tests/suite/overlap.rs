@@ -11,7 +11,9 @@ const ROWS: usize = 64;
 /// Trains 2 ranks over ROWS rows, 4 rows per rank per micro-batch, `ga` micro-batches per step; `overlap` picks
 /// `backward_segments` over `backward`. Returns rank 0's weights and every step's gradient norm (both ranks equal).
 fn train(ga: usize, mixed_precision: MixedPrecision, overlap: bool) -> (BTreeMap<String, Vec<f32>>, Vec<f64>) {
-    let cfg = AcceleratorConfig { gradient_accumulation_steps: ga, mixed_precision, ..Default::default() };
+    // Overlap forced on: Overlap::Auto would reduce after the backward pass on a machine without spare cores.
+    let ddp = ddp_core::DdpOptions { overlap: ddp_core::Overlap::On, ..Default::default() };
+    let cfg = AcceleratorConfig { gradient_accumulation_steps: ga, mixed_precision, ddp, ..Default::default() };
     let out = run_ranks(2, cfg, move |acc| {
         let (model, varmap) = tiny_model(&acc, 7)?;
         let prepared = acc.prepare_model(&varmap)?;

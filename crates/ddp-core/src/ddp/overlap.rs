@@ -48,6 +48,11 @@ impl DistributedDataParallel {
         if !sync || self.pg.world_size() == 1 {
             return segments.backward(loss, |_, store| add(store, slots).map(drop));
         }
+        if !self.overlaps() {
+            // The same gradients, reduced after the backward pass in the construction layout (sync_gradients').
+            segments.backward(loss, |_, store| add(store, slots).map(drop))?;
+            return self.reduce_gradients(slots);
+        }
         let layout = self.layout();
         match &layout.overlap {
             Some(plan) if plan.segments == num_segments && !self.opts.find_unused_parameters => {

@@ -13,7 +13,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use candle_nn::VarMap;
 use ddp_core::segments::{self, BackwardSegments};
-use ddp_core::{DdpError, DdpOptions, DistributedDataParallel, ProcessGroup};
+use ddp_core::{DdpError, DdpOptions, DistributedDataParallel, Overlap, ProcessGroup};
 
 const WIDTHS: [usize; 5] = [6, 8, 8, 8, 3];
 
@@ -197,20 +197,22 @@ fn synced_run(pg: ProcessGroup, wiring: Wiring, steps: usize, opts: DdpOptions) 
         .collect()
 }
 
+/// Overlap on whatever the machine (`Overlap::Auto` would turn it off on a machine with fewer spare cores than
+/// ranks, which is how these tests usually run).
+fn on() -> DdpOptions {
+    DdpOptions { overlap: Overlap::On, ..DdpOptions::default() }
+}
+
 /// Caps small enough that the 8 parameters spread over several buckets (fc4 = 3·8·4 + 12 bytes).
 fn tiny_buckets() -> DdpOptions {
-    DdpOptions {
-        first_bucket_cap_mb: 100.0 / (1 << 20) as f64,
-        bucket_cap_mb: 300.0 / (1 << 20) as f64,
-        ..DdpOptions::default()
-    }
+    DdpOptions { first_bucket_cap_mb: 100.0 / (1 << 20) as f64, bucket_cap_mb: 300.0 / (1 << 20) as f64, ..on() }
 }
 
 #[test]
 fn overlapped_ddp_equals_sync_gradients_on_2_and_3_ranks() {
     for world in [2, 3] {
         for wiring in [Wiring::Chain, Wiring::Skip, Wiring::Shared] {
-            for (label, opts) in [("default buckets", DdpOptions::default()), ("tiny buckets", tiny_buckets())] {
+            for (label, opts) in [("default buckets", on()), ("tiny buckets", tiny_buckets())] {
                 let o = opts.clone();
                 let got = run_ranks(world, None, move |pg| overlapped_run(pg, wiring, 3, o.clone()));
                 let o = opts.clone();
@@ -236,7 +238,7 @@ fn overlapped_ddp_equals_sync_gradients_on_2_and_3_ranks() {
 fn the_first_call_rebuilds_buckets_in_gradient_order_without_spanning_a_cut() {
     let got = run_ranks(2, None, |pg| {
         let varmap = mlp_varmap(0.0);
-        let ddp = DistributedDataParallel::new(&pg, &varmap, DdpOptions::default()).unwrap();
+        let ddp = DistributedDataParallel::new(&pg, &varmap, on()).unwrap();
         let before = ddp.bucket_layout();
         let (l, segs) = recorded(&varmap, Wiring::Chain, pg.rank() * 8, 8);
         ddp.backward(&l, segs).unwrap();
@@ -260,7 +262,7 @@ fn the_first_call_rebuilds_buckets_in_gradient_order_without_spanning_a_cut() {
     // A parameter used in two segments is final after the later one: fc2 travels with fc2's own segment.
     let shared = run_ranks(2, None, |pg| {
         let varmap = mlp_varmap(0.0);
-        let ddp = DistributedDataParallel::new(&pg, &varmap, DdpOptions::default()).unwrap();
+        let ddp = DistributedDataParallel::new(&pg, &varmap, on()).unwrap();
         let (l, segs) = recorded(&varmap, Wiring::Shared, pg.rank() * 8, 8);
         ddp.backward(&l, segs).unwrap();
         ddp.bucket_layout()
@@ -275,7 +277,7 @@ fn gradient_accumulation_through_backward_accumulated() {
     let got = run_ranks(2, None, |pg| {
         let rank = pg.rank();
         let varmap = mlp_varmap(0.0);
-        let ddp = DistributedDataParallel::new(&pg, &varmap, DdpOptions::default()).unwrap();
+        let ddp = DistributedDataParallel::new(&pg, &varmap, on()).unwrap();
         let mut results = Vec::new();
         for step in 0..2 {
             let base = step * 32 + rank * 16;
@@ -293,7 +295,7 @@ fn gradient_accumulation_through_backward_accumulated() {
     let want = run_ranks(2, None, |pg| {
         let rank = pg.rank();
         let varmap = mlp_varmap(0.0);
-        let ddp = DistributedDataParallel::new(&pg, &varmap, DdpOptions::default()).unwrap();
+        let ddp = DistributedDataParallel::new(&pg, &varmap, on()).unwrap();
         let mut results = Vec::new();
         for step in 0..2 {
             let base = step * 32 + rank * 16;
@@ -343,7 +345,7 @@ fn a_parameter_used_after_its_bucket_went_out_is_an_error_naming_it() {
 fn ranks_that_cut_differently_fail_together_naming_both_counts() {
     let got = run_ranks(2, None, |pg| {
         let varmap = mlp_varmap(0.0);
-        let ddp = DistributedDataParallel::new(&pg, &varmap, DdpOptions::default()).unwrap();
+        let ddp = DistributedDataParallel::new(&pg, &varmap, on()).unwrap();
         let wiring = if pg.rank() == 0 { Wiring::Chain } else { Wiring::FewerCuts };
         let (l, segs) = recorded(&varmap, wiring, 0, 8);
         ddp.backward(&l, segs).unwrap_err().to_string()
@@ -357,7 +359,7 @@ fn ranks_that_cut_differently_fail_together_naming_both_counts() {
 fn one_rank_and_no_sync_are_a_plain_backward() {
     let varmap = mlp_varmap(0.0);
     let pg = ProcessGroup::single_process().unwrap();
-    let ddp = DistributedDataParallel::new(&pg, &varmap, DdpOptions::default()).unwrap();
+    let ddp = DistributedDataParallel::new(&pg, &varmap, on()).unwrap();
     let (l, segs) = recorded(&varmap, Wiring::Skip, 0, 8);
     let got = gradient_values(&varmap, &ddp.backward(&l, segs).unwrap());
     assert_eq!(bits(&got), bits(&plain_gradients(&varmap, Wiring::Skip, 0, 8)));
@@ -368,7 +370,7 @@ fn one_rank_and_no_sync_are_a_plain_backward() {
 fn a_parameter_without_a_gradient_is_named_before_its_bucket_goes_out() {
     let got = run_ranks(2, None, |pg| {
         let varmap = mlp_varmap(0.0);
-        let ddp = DistributedDataParallel::new(&pg, &varmap, DdpOptions::default()).unwrap();
+        let ddp = DistributedDataParallel::new(&pg, &varmap, on()).unwrap();
         let (l, segs) = recorded(&varmap, Wiring::Chain, pg.rank() * 8, 8);
         ddp.backward(&l, segs).unwrap();
         // The same cuts, but fc4's bias left out of the loss.
@@ -385,4 +387,30 @@ fn a_parameter_without_a_gradient_is_named_before_its_bucket_goes_out() {
     for e in got {
         assert!(matches!(&e, DdpError::UnusedParameters { names } if names == &["fc4.bias".to_string()]), "{e}");
     }
+}
+
+#[test]
+fn overlap_off_reduces_after_the_backward_pass_with_the_same_results() {
+    let off = DdpOptions { overlap: Overlap::Off, ..DdpOptions::default() };
+    let o = off.clone();
+    let got = run_ranks(2, None, move |pg| {
+        let varmap = mlp_varmap(0.0);
+        let ddp = DistributedDataParallel::new(&pg, &varmap, o.clone()).unwrap();
+        assert!(!ddp.overlaps());
+        let before = ddp.bucket_layout();
+        let steps = overlapped_run(pg, Wiring::Skip, 2, o.clone());
+        (steps, before == ddp.bucket_layout())
+    });
+    let want = run_ranks(2, None, move |pg| synced_run(pg, Wiring::Skip, 2, off.clone()));
+    for (rank, (steps, unchanged)) in got.iter().enumerate() {
+        assert!(unchanged, "rank {rank}: Overlap::Off keeps the construction layout");
+        for (step, grads) in steps.iter().enumerate() {
+            assert_eq!(bits(grads), bits(&want[0][step]), "rank {rank}, step {step}");
+        }
+    }
+    // Auto follows the machine: on iff every local rank has a spare core for its communication thread.
+    let pg = ProcessGroup::single_process().unwrap();
+    let ddp = DistributedDataParallel::new(&pg, &mlp_varmap(0.0), DdpOptions::default()).unwrap();
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    assert_eq!(ddp.overlaps(), cores >= pg.local_world_size().max(1) * (rayon::current_num_threads() + 1));
 }
