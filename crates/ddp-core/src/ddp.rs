@@ -5,8 +5,9 @@
 //! At construction parameter names, shapes and dtypes are checked across ranks and rank 0's values are broadcast.
 //! After `loss.backward()`, [`DistributedDataParallel::sync_gradients`] packs gradients into buckets (the first of
 //! 1 MiB, then `bucket_cap_mb`, built in reverse parameter order, one dtype per bucket), all-reduces them in bucket
-//! order with [`ReduceOp::Avg`] and writes the averages back into the `GradStore`. A communication thread reduces
-//! bucket k while the calling thread packs bucket k+1 and unpacks the buckets already reduced.
+//! order with [`ReduceOp::Avg`] and writes the averages back into the `GradStore`. Where a spare core exists
+//! ([`Overlap`]), a communication thread reduces bucket k while the calling thread packs bucket k+1 and unpacks the
+//! buckets already reduced.
 //!
 //! Overlap with the backward pass: candle has no autograd hooks, so `sync_gradients` starts after the whole
 //! backward pass. [`DistributedDataParallel::backward`] instead runs the backward pass of a forward recorded with
@@ -79,7 +80,8 @@ pub enum Overlap {
     Auto,
     /// Always overlap.
     On,
-    /// Run the backward pass segment by segment, then reduce (exactly `sync_gradients`' buckets and order).
+    /// Run the backward pass segment by segment, then reduce bucket by bucket on the calling thread (the same
+    /// buckets and order as `sync_gradients`).
     Off,
 }
 
@@ -247,8 +249,10 @@ impl DistributedDataParallel {
         &self.opts
     }
 
-    /// Whether [`Self::backward`] overlaps the all-reduce with the backward pass here: [`DdpOptions::overlap`],
-    /// with [`Overlap::Auto`] decided from the backend and this machine's cores (see [`Overlap`]).
+    /// Whether communication runs on its own thread here — overlapping the all-reduce with the backward pass in
+    /// [`Self::backward`], and bucket k's all-reduce with packing bucket k+1 in [`Self::sync_gradients`]:
+    /// [`DdpOptions::overlap`], with [`Overlap::Auto`] decided from the backend and this machine's cores (see
+    /// [`Overlap`]).
     pub fn overlaps(&self) -> bool {
         match self.opts.overlap {
             Overlap::On => true,
@@ -424,11 +428,16 @@ impl DistributedDataParallel {
 
         let layout = self.layout();
         self.with_buffers(&layout, |buffers| {
-            if let ([plan], [only]) = (&layout.buckets[..], &mut buffers[..]) {
-                // One bucket: nothing to overlap, no thread.
-                self.pack_gradients(plan, grads, only)?;
-                self.pg.all_reduce_bytes(only.bytes_mut(), plan.dtype, ReduceOp::Avg)?;
-                return self.unpack_gradients(plan, only, &globally_used, grads);
+            if layout.buckets.len() == 1 || !self.overlaps() {
+                // One bucket, or no spare core for a communication thread (see `Overlap`): bucket by bucket on
+                // this thread — a thread that can only time-slice against this one would add its start and its
+                // scheduling to every step and hide nothing.
+                for (plan, buf) in layout.buckets.iter().zip(buffers.iter_mut()) {
+                    self.pack_gradients(plan, grads, buf)?;
+                    self.pg.all_reduce_bytes(buf.bytes_mut(), plan.dtype, ReduceOp::Avg)?;
+                    self.unpack_gradients(plan, buf, &globally_used, grads)?;
+                }
+                return Ok(());
             }
             self.pipelined(&layout, buffers, |pipe| {
                 for k in 0..layout.buckets.len() {

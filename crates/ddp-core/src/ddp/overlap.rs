@@ -50,7 +50,16 @@ impl DistributedDataParallel {
         }
         if !self.overlaps() {
             // The same gradients, reduced after the backward pass in the construction layout (sync_gradients').
-            segments.backward(loss, |_, store| add(store, slots).map(drop))?;
+            let mut received = vec![false; self.vars.len()];
+            segments.backward(loss, |_, store| {
+                for i in add(store, slots)? {
+                    received[i] = true;
+                }
+                Ok::<(), DdpError>(())
+            })?;
+            if !self.opts.find_unused_parameters {
+                self.check_all_received(&received)?;
+            }
             return self.reduce_gradients(slots);
         }
         let layout = self.layout();
