@@ -53,7 +53,7 @@ wait_for_quiet() {
 
 write_bench_meta() {
     local py="$1" out="$2" loads="$3" quiet="$4" task="$5"
-    CPU="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')" CORES="$(nproc)" \
+    CPU="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')" CORES="$(nproc --all)" \
     RAM="$(awk '/MemTotal/ { printf "%.1f GiB", $2 / 1048576 }' /proc/meminfo)" KERNEL="$(uname -r)" \
     DATE="$(date -u '+%Y-%m-%d %H:%M UTC')" RUSTC="$(rustc --version)" LOADS="$loads" QUIET="$quiet" \
     WAITED="${waited:-not waited}" VENV="$(dirname "$(dirname "$py")")" TASK="$task" \
