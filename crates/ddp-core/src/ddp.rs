@@ -69,8 +69,8 @@ pub struct DdpOptions {
 /// Overlap pays when communication runs on resources the backward pass does not use: NCCL (the GPU's copy and
 /// communication engines) or spare CPU cores. The CPU backend's collectives are memory copies and reductions done
 /// by the ranks' own threads, and they proceed only while both ranks' communication threads run at once: when every
-/// core is busy with the backward pass, an overlapped all-reduce time-slices against it and makes the step slower
-/// (measured: docs/benchmarks.md, "Communication overlapped with the backward pass").
+/// core is busy with the backward pass, an overlapped all-reduce only time-slices against it (measured on 2 ranks ×
+/// 2 cores: no gain beyond the noise; docs/benchmarks.md, "Communication overlapped with the backward pass").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Overlap {
     /// Overlap on NCCL, and on the CPU and MPI backends when this machine has a spare core for every local rank's
