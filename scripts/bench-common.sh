@@ -14,6 +14,7 @@
 #                             line with keep=all) to $runs; a failed run or one without a result is added to the
 #                             array $failed.
 #   report_failed             exits 1 naming every failed run, if any.
+#   models_from WHICH         sets the array $models from --model's value (mlp, gpt or all), or exits naming them.
 #   write_bench_meta PY OUT LOADS QUIET TASK
 #                             writes OUT (meta.json for scripts/torch_ref/report.py): the machine (CPU, cores, RAM,
 #                             kernel), the date, the loads recorded in the file LOADS, the quiet threshold, $waited,
@@ -91,4 +92,9 @@ report_failed() {
         printf '>> FAILED runs: %s\n' "${failed[@]}" >&2
         exit 1
     fi
+}
+
+models_from() {
+    case "$1" in mlp) models=(mlp) ;; gpt) models=(gpt) ;; all) models=(mlp gpt) ;;
+        *) echo "--model must be mlp, gpt or all, not $1" >&2; exit 2 ;; esac
 }

@@ -32,8 +32,6 @@ while [[ $# -gt 0 ]]; do
         *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
-case "$model" in mlp) models=(mlp) ;; gpt) models=(gpt) ;; all) models=(mlp gpt) ;;
-    *) echo "--model must be mlp, gpt or all, not $model" >&2; exit 2 ;; esac
 
 target="${CARGO_TARGET_DIR:-target}"
 venv="${BENCH_VENV:-$target/bench-venv}"
@@ -43,6 +41,7 @@ py="$venv/bin/python"
 
 # --- the venv (only here, never in CI) ------------------------------------------------------------------------
 source scripts/bench-common.sh
+models_from "$model"
 ensure_bench_venv "$venv"
 
 # --- the Rust side: the dev profile, as the README builds -----------------------------------------------------

@@ -26,13 +26,12 @@ while [[ $# -gt 0 ]]; do
         *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
-case "$model" in mlp) models=(mlp) ;; gpt) models=(gpt) ;; all) models=(mlp gpt) ;;
-    *) echo "--model must be mlp, gpt or all, not $model" >&2; exit 2 ;; esac
 
 target="${CARGO_TARGET_DIR:-target}"
 out="$target/bench-overlap"
 mkdir -p "$out"
 source scripts/bench-common.sh
+models_from "$model"
 
 echo ">> building levels (dev profile)" >&2
 cargo build --quiet -p accel-benches --bin levels
