@@ -97,7 +97,7 @@ pub enum DdpError {
     ParameterMismatch(String),
 
     /// DDP: parameters that received no gradient (and `find_unused_parameters` is off).
-    #[error("parameters without a gradient after backward: {names:?}; every parameter must take part in the loss, or set DdpOptions::find_unused_parameters = true")]
+    #[error("parameters without a gradient after backward: {names:?}; every parameter must take part in the loss (a forward pass recorded with segments::record needs DistributedDataParallel::backward(&loss, cuts) or Accelerator::backward_segments: a plain backward() stops at the first cut), or set DdpOptions::find_unused_parameters = true if some really take no part")]
     UnusedParameters {
         /// Names of the parameters with no gradient.
         names: Vec<String>,

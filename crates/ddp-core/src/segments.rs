@@ -55,8 +55,26 @@ struct Cut {
 /// `n` cuts make `n + 1` segments; segment 0 runs from the inputs to the first cut, segment `n` from the last cut
 /// to the loss. [`BackwardSegments::backward`] visits them from `n` down to 0.
 #[derive(Default)]
+#[must_use = "a recorded forward pass needs its segments' backward: DistributedDataParallel::backward(&loss, cuts) or \
+              Accelerator::backward_segments; a plain backward() stops at the first cut"]
 pub struct BackwardSegments {
     cuts: Vec<Cut>,
+}
+
+impl Drop for BackwardSegments {
+    /// Cuts dropped without their backward pass mean the gradient of every layer before them was never computed
+    /// if the caller ran a plain `loss.backward()` instead: say so (nothing to say for an evaluation pass, which
+    /// records no cut on tensors that carry no gradient).
+    fn drop(&mut self) {
+        if !self.cuts.is_empty() && !std::thread::panicking() {
+            tracing::warn!(
+                cuts = self.cuts.len(),
+                "backward segments dropped without their backward pass: a plain loss.backward() stops at the first \
+                 cut, so the layers before it get no gradient; pass them to DistributedDataParallel::backward or \
+                 Accelerator::backward_segments"
+            );
+        }
+    }
 }
 
 impl std::fmt::Debug for BackwardSegments {
@@ -128,11 +146,11 @@ impl BackwardSegments {
     /// Errors: candle's; a cut whose leaf the loss does not depend on ([`DdpError::InvalidArgument`]: a cut on a
     /// tensor the rest of the forward pass did not use); `on_segment`'s.
     pub fn backward<E: From<DdpError>>(
-        self,
+        mut self,
         loss: &Tensor,
         mut on_segment: impl FnMut(usize, GradStore) -> std::result::Result<(), E>,
     ) -> std::result::Result<(), E> {
-        let mut cuts = self.cuts;
+        let mut cuts = std::mem::take(&mut self.cuts);
         let total = cuts.len();
         // Gradients of the leaves, summed over the segments that used them.
         let mut pending: Vec<Option<Tensor>> = vec![None; total];

@@ -152,12 +152,12 @@ impl DistributedDataParallel {
                         )));
                     }
                     while pipe.launched() < buckets && plan.bucket_ready[pipe.launched()] <= k {
-                        self.launch_checked(pipe, slots, &received)?;
+                        self.launch_checked(pipe, slots, &received, Some(k))?;
                     }
                     Ok::<(), DdpError>(())
                 })?;
                 while pipe.launched() < buckets {
-                    self.launch_checked(pipe, slots, &received)?;
+                    self.launch_checked(pipe, slots, &received, None)?;
                 }
                 Ok(())
             })?;
@@ -165,20 +165,30 @@ impl DistributedDataParallel {
         })
     }
 
-    /// Launches the next bucket; this call's backward pass must have given each of its parameters a gradient.
+    /// Launches the next bucket after backward segment `segment` (`None`: after the whole backward pass); this
+    /// call's backward pass must have given each of its parameters a gradient by then.
     fn launch_checked(
         &self,
         pipe: &mut super::Pipeline<'_, '_>,
         slots: &[Option<Tensor>],
         received: &[bool],
+        segment: Option<usize>,
     ) -> Result<()> {
         let k = pipe.launched();
-        let mut in_bucket = vec![true; received.len()];
-        for &p in &pipe.layout.buckets[k].params {
-            in_bucket[p] = received[p];
+        let missing: Vec<String> =
+            pipe.layout.buckets[k].params.iter().filter(|&&p| !received[p]).map(|&p| self.vars[p].0.clone()).collect();
+        match (missing.is_empty(), segment) {
+            (true, _) => pipe.launch(k, slots),
+            (false, None) => Err(DdpError::UnusedParameters { names: missing }),
+            // Planned final by now: either the model stopped using them, or uses them in a later segment (before
+            // a cut it did not have when the plan was made).
+            (false, Some(s)) => Err(DdpError::InvalidArgument(format!(
+                "DDP backward: parameters {missing:?} have no gradient after backward segment {s}, where the plan \
+                 made on the first step has them final; the model now uses them later in the backward pass (before \
+                 a cut it did not have then) or not at all — every step must cut the same way and use every \
+                 parameter (or set DdpOptions::find_unused_parameters = true)"
+            ))),
         }
-        self.check_all_received(&in_bucket)?;
-        pipe.launch(k, slots)
     }
 
     /// [`DdpError::UnusedParameters`] naming every parameter whose `received` is false.
