@@ -364,9 +364,7 @@ impl AccelerateConfig {
                 path.display()
             ));
         }
-        for w in &warnings {
-            tracing::warn!("{w}");
-        }
+        // The warnings go back to the caller, which prints them once (`load_and_warn`).
         Ok(LoadedConfig { path: path.to_path_buf(), config, text: text.to_string(), warnings })
     }
 

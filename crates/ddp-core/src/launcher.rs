@@ -288,7 +288,14 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
         };
         let port = server.as_ref().map_or(cfg.master_port, |s| s.port());
         if cfg.nnodes > 1 {
-            rendezvous::rendezvous(cfg, &host_port(&cfg.master_addr, port), token, server.as_ref(), launch_id)?;
+            rendezvous::rendezvous(
+                cfg,
+                &host_port(&cfg.master_addr, port),
+                token,
+                server.as_ref(),
+                launch_id,
+                &signals,
+            )?;
         }
         tracing::info!(
             "launcher: starting {} worker(s) (ranks {}..{} of {}), store at {}{}",

@@ -295,3 +295,33 @@ fn backend_mpi_is_launched_once_from_the_first_machine() {
         .failure()
         .stderr(predicate::str::contains("--backend mpi: run `accel launch` once, on the first machine"));
 }
+
+/// A machine waiting for a machine 0 that never comes says what it waits for, and Ctrl-C (SIGINT) ends the wait
+/// at once, before any worker starts.
+#[test]
+fn a_launcher_waiting_for_machine_0_reports_progress_and_stops_on_sigint() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_accel"))
+        .env("HF_HOME", dir.path().join("hf"))
+        .env("ACCEL_RUN_TOKEN", "0123456789abcdef0123456789abcdef")
+        .env("ACCEL_PROGRESS_INTERVAL", "0.5")
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .args(["launch", "-n", "4", "--num-machines", "2", "--machine-rank", "1"])
+        .args(["--main-process-ip", "127.0.0.1", "--main-process-port", &port, "sh", "-c", "true"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(2500));
+    // SAFETY: kill only sends a signal to the child we spawned.
+    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) }, 0);
+    let sent = std::time::Instant::now();
+    let out = child.wait_with_output().unwrap();
+    assert!(sent.elapsed() < Duration::from_secs(5), "the launcher took {:?} to stop after SIGINT", sent.elapsed());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains(&format!("machine 1: waiting for machine 0's store at 127.0.0.1:{port}")), "{stderr}");
+    assert!(stderr.contains("interrupted by SIGINT while waiting for machine 0's store"), "{stderr}");
+}

@@ -199,8 +199,8 @@ fn accept_higher(
                 listener.local_addr().map_or_else(|_| "?".into(), |a| a.to_string()),
                 spec.group_tag
             );
+            // On the console once (tracing may be off; a subscriber would print it a second time).
             eprintln!("{line}");
-            tracing::warn!("{line}");
         }
         match listener.accept() {
             Ok((stream, from)) => match serve_handshake(spec, stream, from) {
@@ -214,6 +214,19 @@ fn accept_higher(
                 Err(reason) => tracing::warn!(%from, "cpu backend: refused a connection: {reason}"),
             },
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if let Some(refused) = refused_peer(spec.store) {
+                    return Err(DdpError::Collective {
+                        op: "init",
+                        seq: 0,
+                        rank: spec.rank,
+                        world_size: spec.world_size,
+                        peer: waiting.first().copied(),
+                        reason: format!(
+                            "ranks {waiting:?} did not connect, and the store refused a peer ({refused}), which \
+                             cannot join this job; every process must use the same ACCEL_RUN_TOKEN and accel-rs build"
+                        ),
+                    });
+                }
                 if Instant::now() >= deadline {
                     return Err(DdpError::Collective {
                         op: "init",
@@ -232,6 +245,13 @@ fn accept_higher(
             Err(e) => return Err(DdpError::io("accepting a peer connection", e)),
         }
     }
+}
+
+/// What the store recorded about a peer it turned away ([`crate::store::REFUSED_PEER_KEY`]), if any.
+fn refused_peer(store: &dyn Store) -> Option<String> {
+    let key = crate::store::REFUSED_PEER_KEY;
+    store.check(&[key]).ok().filter(|&set| set)?;
+    store.get(key).ok().map(|v| String::from_utf8_lossy(&v).into_owned())
 }
 
 /// Reads and checks a client's hello; answers it. Returns the client's rank.

@@ -13,6 +13,7 @@
 //!
 //! While machines are missing, every `progress_interval` the launcher prints which ones and how many have joined.
 
+use super::signals::SignalGuard;
 use super::LaunchConfig;
 use crate::store::{Store, TcpStore, TcpStoreServer};
 use crate::token::RunToken;
@@ -108,10 +109,11 @@ pub(crate) fn rendezvous(
     token: RunToken,
     server: Option<&TcpStoreServer>,
     launch_id: u64,
+    signals: &SignalGuard,
 ) -> Result<()> {
     let start = Instant::now();
-    let store = TcpStore::connect(addr, token, cfg.rdzv_timeout)?;
     let me = cfg.node_rank;
+    let store = connect(cfg, addr, token, signals, start)?;
 
     // Claim the machine rank. The same launch (after a restart of its worker group) may claim it again; the
     // launch id tells apart two launches in one process (tests), which share host and pid.
@@ -193,14 +195,64 @@ pub(crate) fn rendezvous(
                 start.elapsed().as_secs_f64()
             )));
         }
+        if let Some(e) = interrupted(signals, &waiting) {
+            return Err(e);
+        }
         if last_progress.elapsed() >= cfg.progress_interval {
             last_progress = Instant::now();
-            // The user's console is where this goes (tracing may be off), as the launcher's other messages.
-            eprintln!("[launcher] machine {me}: {waiting}");
-            tracing::warn!("launcher: machine {me}: {waiting}");
+            progress(me, &waiting);
         }
         std::thread::sleep(POLL);
     }
+}
+
+/// How long one connection attempt to machine 0's store may take before the launcher looks at signals again.
+const CONNECT_SLICE: Duration = Duration::from_secs(1);
+
+/// Connects to machine 0's store, waiting for it up to `cfg.rdzv_timeout` from `start`: in slices, so that a
+/// signal (Ctrl-C) ends the wait at once and the user sees every `progress_interval` what is being waited for.
+fn connect(cfg: &LaunchConfig, addr: &str, token: RunToken, signals: &SignalGuard, start: Instant) -> Result<TcpStore> {
+    // The first failed attempt is reported at once (machine 0 usually is just not up yet: say what we wait for).
+    let mut last_progress: Option<Instant> = None;
+    loop {
+        let left = cfg.rdzv_timeout.saturating_sub(start.elapsed());
+        match TcpStore::connect(addr, token, left.clamp(Duration::from_millis(1), CONNECT_SLICE)) {
+            Ok(store) => return Ok(store.with_timeout(cfg.rdzv_timeout)),
+            Err(DdpError::Connect { reason, .. }) => {
+                let waiting = format!("waiting for machine 0's store at {addr} ({reason})");
+                if start.elapsed() >= cfg.rdzv_timeout {
+                    return Err(DdpError::Rendezvous(format!(
+                        "timed out after {:.1} s {waiting}; start `accel launch` with --machine-rank 0 on the \
+                         machine at --main-process-ip, with the same --main-process-port and ACCEL_RUN_TOKEN",
+                        start.elapsed().as_secs_f64()
+                    )));
+                }
+                if let Some(e) = interrupted(signals, &waiting) {
+                    return Err(e);
+                }
+                if last_progress.is_none_or(|t| t.elapsed() >= cfg.progress_interval) {
+                    last_progress = Some(Instant::now());
+                    progress(cfg.node_rank, &waiting);
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The error of a rendezvous a signal ended, if one arrived.
+fn interrupted(signals: &SignalGuard, waiting: &str) -> Option<DdpError> {
+    signals.received().map(|sig| {
+        DdpError::Rendezvous(format!(
+            "interrupted by {} while {waiting}; no worker was started",
+            super::status::signal_name(sig).unwrap_or("a signal")
+        ))
+    })
+}
+
+/// A progress line on the user's console (where the launcher's other messages go; tracing may be off).
+fn progress(me: usize, waiting: &str) {
+    eprintln!("[launcher] machine {me}: {waiting}");
 }
 
 /// Machine 0 hosts the store, which goes away with its launcher: before that, wait (at most [`ABORT_LINGER`])

@@ -24,7 +24,7 @@ mod server;
 pub use client::TcpStore;
 pub use memory::MemoryStore;
 pub use prefix::PrefixStore;
-pub use server::{RefusedPeer, TcpStoreServer};
+pub use server::{RefusedPeer, TcpStoreServer, REFUSED_PEER_KEY};
 
 use crate::Result;
 use std::time::Duration;

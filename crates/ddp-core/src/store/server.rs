@@ -57,6 +57,10 @@ struct Shared {
     refused: Mutex<Vec<RefusedPeer>>,
 }
 
+/// Key the server sets to `"{peer}: {reason}"` when it refuses the first peer for proving another run token or
+/// speaking another protocol version (see [`TcpStoreServer::refused_peers`]).
+pub const REFUSED_PEER_KEY: &str = "accel/store/refused_peer";
+
 /// How many refused peers [`TcpStoreServer::refused_peers`] remembers.
 const MAX_REFUSED: usize = 64;
 
@@ -261,6 +265,13 @@ fn handshake(stream: &mut TcpStream, shared: &Shared, peer: &str) -> bool {
 }
 
 fn record_refused(shared: &Shared, peer: &str, reason: String) {
+    // Also under a key, so every rank waiting on this store (not only the process hosting it) can tell that a
+    // peer was turned away for good and fail at once instead of waiting for it until the timeout.
+    {
+        let mut data = sync::lock(&shared.data);
+        data.map.entry(REFUSED_PEER_KEY.to_string()).or_insert_with(|| format!("{peer}: {reason}").into_bytes());
+        shared.changed.notify_all();
+    }
     let mut refused = sync::lock(&shared.refused);
     if refused.len() < MAX_REFUSED {
         refused.push(RefusedPeer { peer: peer.to_string(), reason });

@@ -147,6 +147,26 @@ fn a_wrong_or_missing_run_token_is_refused() {
     assert_eq!(refused.len(), 1, "{refused:?}");
     assert_eq!(refused[0].reason, "run token mismatch");
     assert!(refused[0].peer.starts_with("127.0.0.1:"), "{refused:?}");
+    // ... and under a key, for every rank waiting on this store.
+    let s = client(&server, _token, LONG);
+    let recorded = String::from_utf8(s.get(ddp_core::store::REFUSED_PEER_KEY).unwrap()).unwrap();
+    assert_eq!(recorded, format!("{}: run token mismatch", refused[0].peer));
+}
+
+/// torchrun-style by hand: rank 0 hosts the store, rank 1 starts with another run token. Rank 1 is refused at
+/// once; rank 0, forming the group, must fail at once too (naming the refusal), not wait for the timeout.
+#[test]
+fn a_rank_refused_by_the_store_fails_rank_0_at_once() {
+    let (server, token) = server();
+    let addr = server.local_addr().to_string();
+    let wrong = RunToken::generate().unwrap();
+    assert!(matches!(TcpStore::connect(&addr, wrong, LONG), Err(DdpError::TokenRejected { .. })));
+    let store: std::sync::Arc<dyn ddp_core::Store> = std::sync::Arc::new(client(&server, token, LONG));
+    let started = std::time::Instant::now();
+    let opts = ddp_core::GroupOptions { timeout: Duration::from_secs(120), ..ddp_core::GroupOptions::default() };
+    let err = ddp_core::ProcessGroup::from_store(store, 0, 2, opts).unwrap_err().to_string();
+    assert!(started.elapsed() < Duration::from_secs(20), "waited {:?}", started.elapsed());
+    assert!(err.contains("the store refused a peer") && err.contains("run token mismatch"), "{err}");
 }
 
 #[test]
