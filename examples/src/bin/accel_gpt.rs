@@ -39,7 +39,7 @@ use std::time::Instant;
 
 /// Train a character-level GPT on Shakespeare with the Accelerator, data- and/or tensor-parallel.
 #[derive(Parser, Debug)]
-#[command(about)]
+#[command(about = "Char-level GPT on Shakespeare at level 2: the Accelerator, data × tensor parallel (--tp-size)")]
 struct Args {
     /// Processes to launch on this machine when not started by a launcher (RANK unset): dp × tp.
     #[arg(long, default_value_t = 1, value_parser = accel_examples::parse_nproc)]

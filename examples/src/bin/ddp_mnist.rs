@@ -37,7 +37,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 // guide:begin args
 /// Data-parallel MNIST training with raw ddp-core (level 1).
 #[derive(Parser, Debug)]
-#[command(about)]
+#[command(about = "MNIST MLP at level 1: ddp-core's process group, DistributedSampler and DistributedDataParallel in your own loop")]
 struct Cli {
     /// Processes to launch when not started by a launcher (ignored inside a worker); 1 trains in this process.
     #[arg(long, default_value_t = 2, value_parser = accel_examples::parse_nproc)]
