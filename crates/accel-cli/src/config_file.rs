@@ -17,6 +17,7 @@
 
 use crate::error::{CliError, CliResult};
 use accel::config::MixedPrecision;
+use accel::config_errors::{clean_parser_message, key_position, unclosed_bracket_hint, unknown_key};
 use serde::de::{self, Deserializer, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
 use std::fmt;
@@ -408,82 +409,13 @@ fn syntax_error(path: &Path, text: &str, e: &serde_saphyr::Error) -> CliError {
     // The bare message: no snippet (it would name the source `<input>`) and no position (given once, below).
     let mut message = clean_parser_message(&serde_saphyr::DefaultMessageFormatter.format_message(e.without_snippet()));
     let error_line = e.location().map_or(usize::MAX, |l| l.line() as usize);
-    // A scanner meets an unclosed `[` / `{` only lines later, and names what it found there; say where it opened.
-    if let Some((line, bracket)) = unclosed_flow_bracket(text, error_line) {
-        let close = if bracket == '[' { ']' } else { '}' };
-        message.push_str(&format!(
-            " (line {line} opens a `{bracket}` that is never closed: end the list with `{close}`, or write the \
-             value without brackets)"
-        ));
-    }
+    message.push_str(&unclosed_bracket_hint(text, error_line).unwrap_or_default());
     match e.location().filter(|l| l.line() > 0) {
         Some(loc) => {
             CliError::ConfigSyntax { path: path.to_path_buf(), line: loc.line(), column: loc.column(), message }
         }
         None => CliError::ConfigValue { path: path.to_path_buf(), message },
     }
-}
-
-/// The first line (1-based, at most `up_to`) whose `[` or `{` is not closed by the end of that line and whose
-/// next non-blank line starts a new `key:` — a flow collection left open — with the bracket. Quoted text and
-/// comments are skipped.
-fn unclosed_flow_bracket(text: &str, up_to: usize) -> Option<(usize, char)> {
-    let lines: Vec<&str> = text.lines().collect();
-    for (i, line) in lines.iter().enumerate().take(up_to.min(lines.len())) {
-        let mut open: Vec<char> = Vec::new();
-        let mut quote: Option<char> = None;
-        for c in line.chars() {
-            match (quote, c) {
-                (Some(q), c) if c == q => quote = None,
-                (Some(_), _) => {}
-                (None, '"' | '\'') => quote = Some(c),
-                (None, '#') => break,
-                (None, '[' | '{') => open.push(c),
-                (None, ']' | '}') => {
-                    open.pop();
-                }
-                _ => {}
-            }
-        }
-        let next_starts_key = lines[i + 1..]
-            .iter()
-            .find(|l| !l.trim().is_empty())
-            .is_some_and(|l| !l.starts_with([' ', '\t']) && l.contains(':'));
-        if let (Some(&bracket), true) = (open.first(), next_starts_key) {
-            return Some((i + 1, bracket));
-        }
-    }
-    None
-}
-
-/// Drops the positions and `error:` prefixes a YAML scanner writes into its own messages
-/// (`error: line 2 column 1: did not find ...` → `did not find ...`; a trailing `at line 2, column 1` too).
-fn clean_parser_message(message: &str) -> String {
-    let mut m = message.trim().to_string();
-    loop {
-        let before = m.clone();
-        if let Some(rest) = m.strip_prefix("error:") {
-            m = rest.trim_start().to_string();
-        }
-        if let Some(rest) = strip_position(&m) {
-            m = rest.trim_start_matches(':').trim_start().to_string();
-        }
-        if let Some(i) = m.rfind(" at line ") {
-            if strip_position(&m[i + 4..]).is_some_and(|rest| rest.trim().is_empty()) {
-                m.truncate(i);
-            }
-        }
-        if m == before {
-            return m;
-        }
-    }
-}
-
-/// `line N column M<rest>` or `line N, column M<rest>` → `<rest>`.
-fn strip_position(m: &str) -> Option<String> {
-    let rest = m.strip_prefix("line ")?.trim_start_matches(|c: char| c.is_ascii_digit());
-    let rest = rest.trim_start_matches(',').trim_start().strip_prefix("column ")?;
-    Some(rest.trim_start_matches(|c: char| c.is_ascii_digit()).to_string())
 }
 
 /// The error for `key`'s value, at the line of `key` when it can be found in `text`.
@@ -497,24 +429,6 @@ fn value_error(path: &Path, text: &str, key: &str, message: &str) -> CliError {
         },
         None => CliError::ConfigValue { path: path.to_path_buf(), message: message.to_string() },
     }
-}
-
-/// 1-based line and column where `key` is written as a key (`key:`, `"key":`), if anywhere.
-fn key_position(text: &str, key: &str) -> Option<(usize, usize)> {
-    text.lines().enumerate().find_map(|(i, line)| {
-        let start = line.len() - line.trim_start_matches([' ', '\t', '{', ',']).len();
-        let rest = &line[start..];
-        let (quote, rest) = match rest.chars().next() {
-            Some(q @ ('"' | '\'')) => (Some(q), &rest[1..]),
-            _ => (None, rest),
-        };
-        let rest = rest.strip_prefix(key)?;
-        let rest = match quote {
-            Some(q) => rest.strip_prefix(q)?,
-            None => rest,
-        };
-        rest.trim_start().starts_with(':').then_some((i + 1, start + 1))
-    })
 }
 
 /// A value as the user wrote it, for messages: a string verbatim, anything else as compact JSON.
@@ -533,11 +447,7 @@ fn describe(value: &serde_json::Value) -> String {
 fn check_keys(raw: &serde_json::Map<String, serde_json::Value>, text: &str, path: &Path) -> CliResult<()> {
     let known: Vec<&str> = TYPED_KEYS.iter().chain(ACCELERATE_ONLY_KEYS).copied().collect();
     let mut problems = Vec::new();
-    let mut unknown = |key: &str, candidates: &[&str]| {
-        let at = key_position(text, key).map_or(String::new(), |(l, _)| format!("line {l}: "));
-        let hint = did_you_mean(key, candidates).map_or(String::new(), |k| format!(" (did you mean `{k}`?)"));
-        problems.push(format!("{at}unknown key `{key}`{hint}"));
-    };
+    let mut unknown = |key: &str, candidates: &[&str]| problems.push(unknown_key(text, key, candidates));
     for key in raw.keys() {
         if !known.contains(&key.as_str()) {
             unknown(key, &known);
@@ -561,18 +471,6 @@ fn check_keys(raw: &serde_json::Map<String, serde_json::Value>, text: &str, path
             problems.join("; ")
         ),
     })
-}
-
-/// The known key closest to `key` by edit distance, when close enough to be a plausible misspelling (at most a
-/// third of the key's length, and at least 1 edit tolerated; `-` for `_` counts as no edit).
-pub fn did_you_mean<'a>(key: &str, candidates: &[&'a str]) -> Option<&'a str> {
-    let normalised = key.trim().to_ascii_lowercase().replace('-', "_");
-    candidates
-        .iter()
-        .map(|c| (strsim::levenshtein(&normalised, c), *c))
-        .filter(|(d, _)| *d <= (normalised.chars().count() / 3).max(1))
-        .min_by_key(|(d, _)| *d)
-        .map(|(_, c)| c)
 }
 
 /// What `key` accepts and what it got, in words (`a whole number ≥ 1, got `two``), when `value` does not fit it;
@@ -763,14 +661,13 @@ fn num_processes<'de, D: Deserializer<'de>>(d: D) -> Result<Option<usize>, D::Er
 mod tests {
 
     use super::*;
+    use accel::config_errors::did_you_mean;
 
     #[test]
     fn an_unclosed_bracket_names_the_line_that_opens_it() {
         let text = "compute_environment: LOCAL_MACHINE\nnum_processes: [2\nmixed_precision: 'no'\n";
         let e = AccelerateConfig::parse(text, Path::new("bad.yaml")).unwrap_err().to_string();
         assert!(e.contains("bad.yaml") && e.contains("line 2 opens a `[` that is never closed"), "{e}");
-        assert_eq!(unclosed_flow_bracket("a: [1, 2]\nb: {x: 1}\nc: '[' # [\n", usize::MAX), None);
-        assert_eq!(unclosed_flow_bracket("a: 1\nb: {x: 1,\nc: 2\n", usize::MAX), Some((2, '{')));
     }
 
     #[test]
@@ -924,15 +821,5 @@ mod tests {
         assert!(e.ends_with("main_process_port: expected a port number (0 to 65535), got `70000`"), "{e}");
         let e = AccelerateConfig::parse("mixed_precision: true\n", Path::new("t.yaml")).unwrap_err().to_string();
         assert!(e.contains("mixed_precision: expected one of \"no\", \"fp16\", \"bf16\", got `true`"), "{e}");
-    }
-
-    #[test]
-    fn parser_messages_lose_their_repeated_position() {
-        // (The whole message is checked in tests/cli/config_file.rs.)
-        assert_eq!(
-            clean_parser_message("error: line 2 column 1: did not find expected ']'"),
-            "did not find expected ']'"
-        );
-        assert_eq!(clean_parser_message("unexpected end at line 4, column 1"), "unexpected end");
     }
 }

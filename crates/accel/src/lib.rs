@@ -26,13 +26,14 @@
 //! ```
 //!
 //! Modules: [`Accelerator`] (prepare, backward, accumulation, clipping, collectives, process control),
-//! [`config`], [`parallelism`] (the dp / tp / pp sizes and the device mesh they give), [`optim`] (SGD, AdamW with saveable state), [`mixed_precision`] (fp16 loss scaling), `data`
+//! [`config`], [`config_errors`] (the messages of config-file readers), [`parallelism`] (the dp / tp / pp sizes and the device mesh they give), [`optim`] (SGD, AdamW with saveable state), [`mixed_precision`] (fp16 loss scaling), `data`
 //! (datasets, sharded loaders), `state` (checkpoints), `tracking` (JSONL / TensorBoard), `scheduler` (LR schedules).
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod accelerator;
 pub mod config;
+pub mod config_errors;
 pub mod error;
 pub mod mixed_precision;
 pub mod optim;

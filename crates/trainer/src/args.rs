@@ -24,6 +24,7 @@ use accel::config::MixedPrecision;
 use accel::scheduler::SchedulerKind;
 use serde::{Deserialize, Deserializer, Serialize};
 
+use crate::config_file;
 use crate::error::{Result, TrainerError};
 
 /// When something happens during training (HF's `IntervalStrategy`): never, every `*_steps` optimizer steps, or at
@@ -253,7 +254,30 @@ macro_rules! training_arguments {
                 _ => Err(TrainerError::invalid(field, "no such training argument")),
             }
         }
+
+        /// What `field` accepts, in words, when its type is a number or a boolean (whose parser messages, such as
+        /// "invalid floating point", do not say it); `None` otherwise.
+        fn field_expects(field: &str) -> Option<&'static str> {
+            match field {
+                $( stringify!($field) => scalar_expects(stringify!($ty)), )*
+                _ => None,
+            }
+        }
     };
+}
+
+/// A scalar type's accepted values in words (`f64` → "a number …"), for file errors.
+fn scalar_expects(ty: &str) -> Option<&'static str> {
+    Some(match ty.replace(' ', "").as_str() {
+        "f64" => "a number (such as 3, 0.5 or 2e-4)",
+        "Option<f64>" => "a number (such as 3, 0.5 or 2e-4) or null",
+        "i64" => "a whole number",
+        "u64" | "usize" => "a whole number ≥ 0",
+        "Option<u64>" | "Option<usize>" => "a whole number ≥ 0 or null",
+        "bool" => "`true` or `false`",
+        "Option<bool>" => "`true`, `false` or null",
+        _ => return None,
+    })
 }
 
 /// Interpretations of a raw CLI string, most specific first.
@@ -380,10 +404,9 @@ impl TrainingArguments {
         Self::default().overlay_file(path)
     }
 
-    /// Parses YAML text (all keys optional).
+    /// Parses YAML text (all keys optional); errors as [`Self::from_file`]'s, with the source named `<yaml>`.
     pub fn from_yaml_str(text: &str) -> Result<Self> {
-        serde_saphyr::from_str(text)
-            .map_err(|e| TrainerError::ConfigFile { path: PathBuf::from("<yaml>"), reason: e.to_string() })
+        config_file::parse(Path::new("<yaml>"), text, &field_expects)
     }
 
     /// The HF-style entry point: `file` (if any) over the defaults, then the process's command-line flags
@@ -405,25 +428,20 @@ impl TrainingArguments {
         cli.args.resolve(base)
     }
 
-    /// `self` with the keys present in the YAML/JSON file `path` replaced.
+    /// `self` with the keys present in the YAML/JSON file `path` replaced. Errors name the file and the position:
+    /// an unknown key with the closest known one, a value of the wrong kind with what the key expects.
     pub fn overlay_file(self, path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| TrainerError::ConfigFile { path: path.to_path_buf(), reason: e.to_string() })?;
-        let bad = |reason: String| TrainerError::ConfigFile { path: path.to_path_buf(), reason };
-        let is_json = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"));
-        // Parse the file into the typed struct first: this gives unknown-key and type errors with line/column.
-        let from_file: TrainingArguments = if is_json {
-            serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?
-        } else {
-            serde_saphyr::from_str(&text).map_err(|e| bad(e.to_string()))?
-        };
+        // Parse the file into the typed struct first: this checks every key and value.
+        let from_file: TrainingArguments = config_file::parse(path, &text, &field_expects)?;
         // Then take only the keys the file actually set.
-        let keys: Vec<String> = if is_json {
-            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
-            v.as_object().map(|m| m.keys().cloned().collect()).unwrap_or_default()
+        let keys: Vec<String> = if config_file::is_json(path) {
+            let v: serde_json::Map<String, serde_json::Value> = config_file::parse(path, &text, &|_| None)?;
+            v.into_iter().map(|(k, _)| k).collect()
         } else {
             let v: std::collections::BTreeMap<String, serde::de::IgnoredAny> =
-                serde_saphyr::from_str(&text).map_err(|e| bad(e.to_string()))?;
+                config_file::parse(path, &text, &|_| None)?;
             v.into_keys().collect()
         };
         let file_json = serde_json::to_value(&from_file).map_err(|e| TrainerError::json("encoding arguments", e))?;
@@ -433,7 +451,8 @@ impl TrainingArguments {
                 merged[k.as_str()] = v.clone();
             }
         }
-        serde_json::from_value(merged).map_err(|e| bad(e.to_string()))
+        serde_json::from_value(merged)
+            .map_err(|e| TrainerError::ConfigFile { path: path.to_path_buf(), reason: e.to_string() })
     }
 
     /// Writes the arguments as YAML (what a run used; the trainer saves it as `output_dir/training_args.yaml`).
@@ -837,7 +856,29 @@ mod tests {
         let bad = dir.path().join("b.yaml");
         std::fs::write(&bad, "learning_rate: 1e-3\nlerning_rate: 2\n").unwrap();
         let e = TrainingArguments::from_file(&bad).unwrap_err().to_string();
-        assert!(e.contains("lerning_rate") && e.contains("b.yaml"), "{e}");
+        assert!(e.contains("b.yaml: line 2: unknown key `lerning_rate` (did you mean `learning_rate`?)"), "{e}");
+    }
+
+    #[test]
+    fn a_file_value_of_the_wrong_kind_says_what_the_key_expects() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("t.yaml");
+        std::fs::write(&file, "learning_rate: 1e-3\nnum_train_epochs: two\n").unwrap();
+        let e = TrainingArguments::from_file(&file).unwrap_err().to_string();
+        assert!(
+            e.ends_with(
+                "t.yaml: line 2, column 19: num_train_epochs: expected a number (such as 3, 0.5 or 2e-4), got `two`"
+            ),
+            "{e}"
+        );
+        let json = dir.path().join("t.json");
+        std::fs::write(&json, r#"{"logging_first_step": "often"}"#).unwrap();
+        let e = TrainingArguments::from_file(&json).unwrap_err().to_string();
+        assert!(e.contains("logging_first_step: expected `true` or `false`, got `\"often\"`"), "{e}");
+        // Enums keep the parser's message, which lists the choices.
+        std::fs::write(&file, "eval_strategy: sometimes\n").unwrap();
+        let e = TrainingArguments::from_file(&file).unwrap_err().to_string();
+        assert!(e.ends_with("line 1, column 16: unknown variant `sometimes`, expected one of no, steps, epoch"), "{e}");
     }
 
     #[test]

@@ -34,6 +34,7 @@
 pub mod args;
 pub mod callbacks;
 pub mod checkpoint;
+mod config_file;
 pub mod error;
 pub mod evaluation;
 pub mod hpsearch;

@@ -37,9 +37,8 @@ use rand::SeedableRng;
 use std::path::PathBuf;
 use std::time::Instant;
 
-/// Train a character-level GPT on Shakespeare with the Accelerator, data- and/or tensor-parallel.
+/// Char-level GPT on Shakespeare at level 2: the Accelerator, data × tensor parallel (--tp-size).
 #[derive(Parser, Debug)]
-#[command(about = "Char-level GPT on Shakespeare at level 2: the Accelerator, data × tensor parallel (--tp-size)")]
 struct Args {
     /// Processes to launch on this machine when not started by a launcher (RANK unset): dp × tp.
     #[arg(long, default_value_t = 1, value_parser = accel_examples::parse_nproc)]

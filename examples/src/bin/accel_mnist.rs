@@ -36,9 +36,8 @@ use std::time::Instant;
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 // guide:begin args
-/// Train the MNIST MLP (784-256-10) with the Accelerator on the shipped 10k/10k MNIST subsets.
+/// MNIST MLP at level 2: a candle loop with the Accelerator (mixed precision, gradient accumulation).
 #[derive(Parser, Debug)]
-#[command(about = "MNIST MLP at level 2: a candle loop with the Accelerator (prepare, backward, step; mixed precision, accumulation)")]
 struct Cli {
     /// Processes to launch when not started by a launcher (ignored inside a worker); 1 trains in this process.
     #[arg(long, default_value_t = 2, value_parser = accel_examples::parse_nproc)]

@@ -35,9 +35,8 @@ use ddp_core::{segments, DdpOptions, DistributedDataParallel, DistributedSampler
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 // guide:begin args
-/// Data-parallel MNIST training with raw ddp-core (level 1).
+/// MNIST MLP at level 1: your own loop with ddp-core's process group, DistributedSampler and DDP.
 #[derive(Parser, Debug)]
-#[command(about = "MNIST MLP at level 1: ddp-core's process group, DistributedSampler and DistributedDataParallel in your own loop")]
 struct Cli {
     /// Processes to launch when not started by a launcher (ignored inside a worker); 1 trains in this process.
     #[arg(long, default_value_t = 2, value_parser = accel_examples::parse_nproc)]
