@@ -1,11 +1,15 @@
-//! The all-reduce size sweep behind `allreduce_bw` (CPU backend) and `allreduce_bw_mpi` (MPI backend), in the style
-//! of nccl-tests' `all_reduce_perf`, so both print the same table and can be joined side by side.
+//! The collective size sweep behind `allreduce_bw` (CPU backend) and `allreduce_bw_mpi` (MPI backend), in the style
+//! of nccl-tests' `all_reduce_perf` / `broadcast_perf` / `all_gather_perf` / `reduce_scatter_perf`, so both print
+//! the same table and can be joined side by side.
 //!
 //! For every size from `min_bytes` to `max_bytes` (doubling): `max(iters/10, 2)` warm-up calls, a barrier, then
-//! `iters = clamp(volume / size, min_iters, max_iters)` back-to-back all_reduce calls (f32, SUM, in place); the
-//! slowest rank's mean is reported. Columns: `time` in µs; `algbw` = size / time in GB/s (10^9 B/s); `busbw` =
-//! algbw · 2(P−1)/P, the per-rank wire traffic of a bandwidth-optimal all-reduce (nccl-tests' definition),
-//! comparable across world sizes and with `scripts/bench_allreduce_gloo.py`.
+//! `iters = clamp(volume / size, min_iters, max_iters)` back-to-back calls of `--op` (f32; SUM for the reductions;
+//! broadcast from rank 0); the slowest rank's mean is reported. `size` is nccl-tests' message size: the buffer of
+//! all_reduce and broadcast, the gathered output of all_gather, the input of reduce_scatter (each rank contributes
+//! or keeps size / P). Columns: `time` in µs; `algbw` = size / time in GB/s (10^9 B/s); `busbw` = algbw times
+//! nccl-tests' factor for the op — 2(P−1)/P for all_reduce, 1 for broadcast, (P−1)/P for all_gather and
+//! reduce_scatter — the per-rank wire traffic of a bandwidth-optimal algorithm, comparable across world sizes and
+//! with `scripts/bench_allreduce_gloo.py`.
 
 use anyhow::Result;
 use ddp_core::{ProcessGroup, ReduceOp};
@@ -29,6 +33,45 @@ pub struct SweepArgs {
     /// Most timed iterations per size.
     #[arg(long, default_value_t = 2000)]
     pub max_iters: usize,
+    /// The collective to time.
+    #[arg(long, value_enum, default_value_t = Op::AllReduce)]
+    pub op: Op,
+}
+
+/// A collective of the sweep.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+#[value(rename_all = "snake_case")]
+pub enum Op {
+    /// `all_reduce` (SUM, in place).
+    AllReduce,
+    /// `broadcast` from rank 0 (in place).
+    Broadcast,
+    /// `all_gather` of size / P elements per rank.
+    AllGather,
+    /// `reduce_scatter` (SUM) of size elements into size / P per rank.
+    ReduceScatter,
+}
+
+impl Op {
+    /// nccl-tests' bus-bandwidth factor for `p` ranks.
+    pub fn busbw_factor(self, p: usize) -> f64 {
+        let p = p as f64;
+        match self {
+            Op::AllReduce => 2.0 * (p - 1.0) / p,
+            Op::Broadcast => 1.0,
+            Op::AllGather | Op::ReduceScatter => (p - 1.0) / p,
+        }
+    }
+
+    /// The name ddp-core gives the collective.
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::AllReduce => "all_reduce",
+            Op::Broadcast => "broadcast",
+            Op::AllGather => "all_gather",
+            Op::ReduceScatter => "reduce_scatter",
+        }
+    }
 }
 
 /// Parses `4096`, `64K`, `1M`, `2G` (powers of 1024).
@@ -64,24 +107,35 @@ pub fn run(pg: &ProcessGroup, args: &SweepArgs, title: &str) -> Result<()> {
             "size", "count", "type", "iters", "time(us)", "algbw(GB/s)", "busbw(GB/s)"
         );
     }
-    let mut size = args.min_bytes.max(4);
+    // Sizes are whole f32 counts divisible by P, so every rank's share of all_gather / reduce_scatter is equal.
+    let mut size = args.min_bytes.max(4 * p);
     while size <= args.max_bytes {
-        let count = size / 4;
+        let count = size / 4 / p * p;
         let mut buf = vec![1e-3f32; count];
+        let mut share = vec![0f32; count / p];
+        let mut call = || -> Result<()> {
+            match args.op {
+                Op::AllReduce => pg.all_reduce(&mut buf, ReduceOp::Sum)?,
+                Op::Broadcast => pg.broadcast(&mut buf, 0)?,
+                Op::AllGather => pg.all_gather(&share, &mut buf)?,
+                Op::ReduceScatter => pg.reduce_scatter(&buf, &mut share, ReduceOp::Sum)?,
+            }
+            Ok(())
+        };
         let iters = (args.volume / size).clamp(args.min_iters, args.max_iters);
         for _ in 0..(iters / 10).max(2) {
-            pg.all_reduce(&mut buf, ReduceOp::Sum)?;
+            call()?;
         }
         pg.barrier()?;
         let start = Instant::now();
         for _ in 0..iters {
-            pg.all_reduce(&mut buf, ReduceOp::Sum)?;
+            call()?;
         }
         let mut mean = [start.elapsed().as_secs_f64() / iters as f64];
         pg.all_reduce(&mut mean, ReduceOp::Max)?;
         if pg.rank() == 0 {
             let algbw = size as f64 / mean[0] / 1e9;
-            let busbw = algbw * 2.0 * (p as f64 - 1.0) / p as f64;
+            let busbw = algbw * args.op.busbw_factor(p);
             println!(
                 "  {:>10} {:>12} {:>6} {:>6} {:>12.1} {:>10.3} {:>10.3}",
                 human(size),
@@ -111,5 +165,14 @@ mod tests {
         assert!(parse_size("x").is_err());
         assert_eq!(human(64 << 20), "64 MiB");
         assert_eq!(human(1000), "1000 B");
+    }
+
+    #[test]
+    fn bus_bandwidth_factors_are_nccl_tests() {
+        assert_eq!(Op::AllReduce.busbw_factor(2), 1.0);
+        assert_eq!(Op::AllReduce.busbw_factor(4), 1.5);
+        assert_eq!(Op::Broadcast.busbw_factor(4), 1.0);
+        assert_eq!(Op::AllGather.busbw_factor(4), 0.75);
+        assert_eq!(Op::ReduceScatter.busbw_factor(2), 0.5);
     }
 }

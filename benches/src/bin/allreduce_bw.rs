@@ -14,6 +14,9 @@
 //! - `busbw` = algbw · 2(P−1)/P, the per-rank wire traffic of a bandwidth-optimal all-reduce (nccl-tests'
 //!   definition), comparable across world sizes and with `scripts/bench_allreduce_gloo.py`.
 //!
+//! `--op broadcast|all_gather|reduce_scatter` times that collective instead (nccl-tests' size and bus-bandwidth
+//! conventions, see `accel_benches::allreduce_sweep`).
+//!
 //! With `--pingpong` it measures send/recv instead: a ping-pong between ranks 0 and 1, through the shared-memory
 //! rings and over TCP (a second group of the same processes with shared memory off) side by side, size by size
 //! (see `accel_benches::p2p_pingpong`):
@@ -71,7 +74,8 @@ fn worker(args: &Args) -> Result<()> {
         return pingpong(&pg, args);
     }
     let title = format!(
-        "ddp-core CPU backend all_reduce, {} processes, f32 SUM in place, tuning {:?}",
+        "ddp-core CPU backend {}, {} processes, f32, tuning {:?}",
+        args.sweep.op.name(),
         pg.world_size(),
         tuning()
     );

@@ -35,7 +35,8 @@ fn main() -> Result<()> {
     let pg = ProcessGroup::init_mpi(Duration::from_secs(600)).context("MPI process group (run under mpirun)")?;
     let lib = pg.backend().as_any().and_then(|a| a.downcast_ref::<ddp_core::mpi::MpiBackend>());
     let title = format!(
-        "ddp-core MPI backend all_reduce, {} processes, f32 SUM in place, {}",
+        "ddp-core MPI backend {}, {} processes, f32, {}",
+        args.sweep.op.name(),
         pg.world_size(),
         lib.map_or("?", |b| b.library())
     );

@@ -16,9 +16,10 @@
 //! streams in chunks; `shm_p2p`), all_reduce up to `small_all_reduce_bytes` (64 KiB, and at most `shm_slot_bytes`)
 //! through the slot exchange — every rank writes its input into its slot and reduces all slots itself in rank
 //! order, microseconds instead of a TCP round trip; broadcast, all_gather, reduce_scatter and barrier through
-//! the slot exchange in rounds of at most `shm_slot_bytes` per rank; larger all_reduce through the segmented
-//! TCP ring and above `shm_min_bytes` (512 KiB) the pipelined shared-memory all_reduce, both after one empty
-//! exchange round that checks every rank's call identity. Without shared memory everything uses TCP: all_reduce
+//! the slot exchange in rounds of at most `shm_slot_bytes` per rank; larger all_reduce (above `shm_min_bytes`,
+//! 64 KiB) through the pipelined shared-memory all_reduce, after one empty exchange round that checks every
+//! rank's call identity (the segmented TCP ring only between `small_all_reduce_bytes` and `shm_min_bytes` when
+//! those are tuned apart). Without shared memory everything uses TCP: all_reduce
 //! up to `small_all_reduce_bytes` as a direct exchange, then the ring, and send/recv as frames on the pair's
 //! connection. On both paths a message must be received between the same two collectives it was sent between
 //! (`p2p`). See `docs/benchmarks.md`.
@@ -65,8 +66,10 @@ pub struct CpuTuning {
     /// Use a shared-memory segment for all_reduce of more than `shm_min_bytes` when every rank of the group is
     /// on this machine (default true; falls back to TCP silently when unavailable).
     pub shared_memory: bool,
-    /// all_reduce of more than this many bytes uses shared memory when available (default 512 KiB: below it
-    /// the TCP ring's fewer synchronisations win).
+    /// all_reduce of more than this many bytes uses the pipelined shared-memory all_reduce when available
+    /// (default 64 KiB, where the slot exchange ends: at 128–512 KiB it is 3–5× faster than the TCP ring on an
+    /// idle 2-core machine and no slower on a loaded one; docs/benchmarks.md, "Collectives through shared
+    /// memory").
     pub shm_min_bytes: usize,
     /// Pipeline block of the shared-memory all_reduce, bytes (default 1 MiB).
     pub shm_block_bytes: usize,
@@ -94,7 +97,7 @@ impl Default for CpuTuning {
             chain_broadcast_bytes: 256 << 10,
             socket_buffer_bytes: Some(4 << 20),
             shared_memory: true,
-            shm_min_bytes: 512 << 10,
+            shm_min_bytes: 64 << 10,
             shm_block_bytes: 1 << 20,
             shm_depth: 4,
             shm_slot_bytes: 256 << 10,
