@@ -4,7 +4,9 @@
 //!
 //! For every size from `min_bytes` to `max_bytes` (doubling): `max(iters/10, 2)` warm-up calls, a barrier, then
 //! `iters = clamp(volume / size, min_iters, max_iters)` back-to-back calls of `--op` (f32; SUM for the reductions;
-//! broadcast from rank 0); the slowest rank's mean is reported. `size` is nccl-tests' message size: the buffer of
+//! broadcast from rank 0); the slowest rank's mean is reported. With `evict_mb` > 0 every timed call starts after
+//! writing that much other memory (untimed), as in training, where a step's compute evicts the gradient buffers
+//! and the shared segment from the caches between two all-reduces. `size` is nccl-tests' message size: the buffer of
 //! all_reduce and broadcast, the gathered output of all_gather, the input of reduce_scatter (each rank contributes
 //! or keeps size / P). Columns: `time` in µs; `algbw` = size / time in GB/s (10^9 B/s); `busbw` = algbw times
 //! nccl-tests' factor for the op — 2(P−1)/P for all_reduce, 1 for broadcast, (P−1)/P for all_gather and
@@ -36,6 +38,11 @@ pub struct SweepArgs {
     /// The collective to time.
     #[arg(long, value_enum, default_value_t = Op::AllReduce)]
     pub op: Op,
+    /// Before each timed call, write this many MiB of other memory (outside the timed region), so that the call
+    /// starts with cold caches as it does in training, where the step's compute runs between two all-reduces;
+    /// 0 (default) times back-to-back calls, with the buffer and the shared segment warm.
+    #[arg(long, default_value_t = 0)]
+    pub evict_mb: usize,
 }
 
 /// A collective of the sweep.
@@ -107,6 +114,7 @@ pub fn run(pg: &ProcessGroup, args: &SweepArgs, title: &str) -> Result<()> {
             "size", "count", "type", "iters", "time(us)", "algbw(GB/s)", "busbw(GB/s)"
         );
     }
+    let mut scratch = vec![0u8; args.evict_mb << 20];
     // Sizes are whole f32 counts divisible by P, so every rank's share of all_gather / reduce_scatter is equal.
     let mut size = args.min_bytes.max(4 * p);
     while size <= args.max_bytes {
@@ -127,11 +135,23 @@ pub fn run(pg: &ProcessGroup, args: &SweepArgs, title: &str) -> Result<()> {
             call()?;
         }
         pg.barrier()?;
-        let start = Instant::now();
-        for _ in 0..iters {
-            call()?;
+        let mut spent = std::time::Duration::ZERO;
+        if args.evict_mb == 0 {
+            let start = Instant::now();
+            for _ in 0..iters {
+                call()?;
+            }
+            spent = start.elapsed();
+        } else {
+            for i in 0..iters {
+                scratch.iter_mut().for_each(|b| *b = b.wrapping_add(i as u8 | 1));
+                std::hint::black_box(&scratch);
+                let start = Instant::now();
+                call()?;
+                spent += start.elapsed();
+            }
         }
-        let mut mean = [start.elapsed().as_secs_f64() / iters as f64];
+        let mut mean = [spent.as_secs_f64() / iters as f64];
         pg.all_reduce(&mut mean, ReduceOp::Max)?;
         if pg.rank() == 0 {
             let algbw = size as f64 / mean[0] / 1e9;

@@ -120,6 +120,11 @@ struct Cli {
     /// uses Auto.)
     #[arg(long, value_enum, default_value = "auto")]
     overlap: OverlapArg,
+    /// ddp level with `--overlap off`: time each step's parts on every rank — forward + backward, waiting for the
+    /// slowest rank (a barrier added after the backward pass, so the step gets one more collective) and
+    /// `sync_gradients` — and print their medians per rank at the end.
+    #[arg(long)]
+    breakdown: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -160,6 +165,9 @@ fn run() -> Result<()> {
     let cli = Cli::parse();
     if cli.level == Level::Candle && cli.nproc != 1 {
         bail!("--level candle is a plain single-process loop: give --nproc 1 (or pick --level ddp|accel|trainer)");
+    }
+    if cli.breakdown && (cli.level != Level::Ddp || cli.overlap != OverlapArg::Off) {
+        bail!("--breakdown times the parts of a level-1 step that syncs after the backward pass: give --level ddp --overlap off");
     }
     if cli.threads == 0 || cli.batch() == 0 {
         bail!("--threads and --batch must be at least 1");
@@ -399,6 +407,7 @@ fn gpt_candle(cli: &Cli) -> Result<Outcome> {
 fn ddp_backward(
     cli: &Cli,
     ddp: &DistributedDataParallel,
+    breakdown: &mut Breakdown,
     forward: impl FnOnce() -> Result<Tensor>,
 ) -> Result<(Tensor, GradStore)> {
     if cli.overlap != OverlapArg::Off {
@@ -406,10 +415,50 @@ fn ddp_backward(
         let grads = ddp.backward(&loss, cuts)?;
         Ok((loss, grads))
     } else {
+        let start = Instant::now();
         let loss = forward()?;
         let mut grads = loss.backward()?;
+        let computed = Instant::now();
+        if cli.breakdown {
+            ddp.process_group().barrier()?;
+        }
+        let aligned = Instant::now();
         ddp.sync_gradients(&mut grads)?;
+        breakdown.record([computed - start, aligned - computed, aligned.elapsed()]);
         Ok((loss, grads))
+    }
+}
+
+/// `--breakdown`: the parts of every step on this rank (forward + backward, waiting for the slowest rank, gradient
+/// sync), printed as medians when the run ends.
+#[derive(Debug, Default)]
+struct Breakdown {
+    steps: Vec<[Duration; 3]>,
+}
+
+impl Breakdown {
+    fn record(&mut self, parts: [Duration; 3]) {
+        self.steps.push(parts);
+    }
+
+    /// Medians over every step but the first, in ms, as one line (stderr; the launcher prefixes the rank).
+    fn report(&self, cli: &Cli) {
+        if !cli.breakdown || self.steps.len() < 2 {
+            return;
+        }
+        let median = |i: usize| {
+            let mut v: Vec<f64> = self.steps[1..].iter().map(|p| p[i].as_secs_f64() * 1e3).collect();
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        eprintln!(
+            "breakdown (median ms over {} steps): forward + backward {:.3}, waiting for the slowest rank {:.3}, \
+             sync_gradients {:.3}",
+            self.steps.len() - 1,
+            median(0),
+            median(1),
+            median(2)
+        );
     }
 }
 
@@ -430,14 +479,15 @@ fn mlp_ddp(cli: &Cli) -> Result<Outcome> {
     let (ddp, vars) = ddp_setup(cli, &pg, &varmap)?;
     let mut opt = AdamW::new(AdamWConfig::new(cli.lr))?;
     let mut sampler = DistributedSampler::for_group(train.len(), &pg)?.seed(cli.seed);
-    let (mut losses, mut first_epoch) = (Vec::new(), 0);
+    let (mut losses, mut first_epoch, mut breakdown) = (Vec::new(), 0, Breakdown::default());
     let mut clock = Clock::start();
     for epoch in 0..cli.epochs {
         sampler.set_epoch(epoch);
         for idx in sampler.batches(cli.batch())? {
             let (x, y) = train.batch(&idx)?;
-            let (loss, grads) =
-                ddp_backward(cli, &ddp, || Ok(candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?))?;
+            let (loss, grads) = ddp_backward(cli, &ddp, &mut breakdown, || {
+                Ok(candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?)
+            })?;
             opt.step(&vars, &grads_for(&vars, &grads))?;
             losses.push(f64::from(loss.to_scalar::<f32>()?));
             // Every rank's batch has the same size (the sampler pads the shards to equal length).
@@ -447,6 +497,7 @@ fn mlp_ddp(cli: &Cli) -> Result<Outcome> {
             }
         }
     }
+    breakdown.report(cli);
     Ok(Outcome {
         rank: pg.rank(),
         world,
@@ -469,14 +520,15 @@ fn gpt_ddp(cli: &Cli) -> Result<Outcome> {
     let (ddp, vars) = ddp_setup(cli, &pg, &varmap)?;
     let mut opt = AdamW::new(AdamWConfig::new(cli.lr))?;
     let mut sampler = DistributedSampler::for_group(train.len(), &pg)?.seed(cli.seed).drop_last(true);
-    let mut losses = Vec::new();
+    let (mut losses, mut breakdown) = (Vec::new(), Breakdown::default());
     let mut clock = Clock::start();
     let mut epoch = 0;
     'training: loop {
         sampler.set_epoch(epoch);
         for idx in sampler.batches(cli.batch())?.into_iter().filter(|b| b.len() == cli.batch()) {
             let batch = train.get_batch(&idx)?;
-            let (loss, grads) = ddp_backward(cli, &ddp, || Ok(model.loss(&batch.inputs, &batch.targets)?))?;
+            let (loss, grads) =
+                ddp_backward(cli, &ddp, &mut breakdown, || Ok(model.loss(&batch.inputs, &batch.targets)?))?;
             opt.step(&vars, &grads_for(&vars, &grads))?;
             losses.push(f64::from(loss.to_scalar::<f32>()?));
             clock.step_done(idx.len() * world);
@@ -486,6 +538,7 @@ fn gpt_ddp(cli: &Cli) -> Result<Outcome> {
         }
         epoch += 1;
     }
+    breakdown.report(cli);
     Ok(Outcome {
         rank: pg.rank(),
         world,
