@@ -6,11 +6,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 target=${CARGO_TARGET_DIR:-target}
-cargo build --release -q -p accel-benches --features mpi --bin allreduce_bw --bin allreduce_bw_mpi
+# The dev profile, like the README (ddp-core is compiled at opt-level 3 there).
+cargo build -q -p accel-benches --features mpi --bin allreduce_bw --bin allreduce_bw_mpi
 out=$(mktemp -d)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_base_warn_component_unused=0
-"$target/release/allreduce_bw" --nproc 2 "$@" | grep -v '^\[rank [1-9]' | sed 's/^\[rank 0\] //' | tee "$out/cpu.txt"
-mpirun -np 2 "$target/release/allreduce_bw_mpi" "$@" | tee "$out/mpi.txt"
+"$target/debug/allreduce_bw" --nproc 2 "$@" | grep -v '^\[rank [1-9]' | sed 's/^\[rank 0\] //' | tee "$out/cpu.txt"
+mpirun -np 2 "$target/debug/allreduce_bw_mpi" "$@" | tee "$out/mpi.txt"
 echo
 echo "# busbw (GB/s), 2 processes: ddp-core CPU backend vs MPI backend ($(mpirun --version | head -1))"
 printf '# %10s %12s %12s %8s\n' size cpu mpi cpu/mpi

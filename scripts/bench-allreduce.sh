@@ -3,43 +3,34 @@
 #
 #   scripts/bench-allreduce.sh [--nproc 2] [--pin] [extra allreduce_bw / gloo flags...]
 #
-# Installs torch (CPU build) into a venv under target/bench-venv the first time it runs — only when run,
-# never in CI. TORCH_SPEC overrides the pip requirement (default "torch"); TORCH_INDEX_URL an index
-# (e.g. https://download.pytorch.org/whl/cpu to skip the CUDA wheels). Prints both tables and, per size,
-# ours/gloo busbw ratio. Results also land in target/bench-allreduce/{ddp,gloo}.txt.
+# Python (torch and the rest, from PyPI) goes into ${BENCH_VENV:-${CARGO_TARGET_DIR:-target}/bench-venv} the first
+# time it runs — only when run, never in CI (scripts/bench-common.sh, ensure_bench_venv; TORCH_INDEX_URL picks
+# another index, e.g. https://download.pytorch.org/whl/cpu). Waits up to 5 minutes for a 1-minute load average
+# below 0.5 (MAX_LOAD, MAX_WAIT) and prints the load before each run. Builds with the dev profile, like the README
+# (ddp-core is compiled at opt-level 3 there). Prints both tables and, per size, ours/gloo busbw ratio. Results
+# also land in target/bench-allreduce/{ddp,gloo}.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-
 target="${CARGO_TARGET_DIR:-target}"
-venv="$target/bench-venv"
+venv="${BENCH_VENV:-$target/bench-venv}"
 out="$target/bench-allreduce"
 mkdir -p "$out"
+source scripts/bench-common.sh
+ensure_bench_venv "$venv"
 
-if [[ ! -x "$venv/bin/python" ]] || ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
-    echo ">> installing torch into $venv (first run only)" >&2
-    python3 -m venv "$venv"
-    "$venv/bin/pip" install --quiet --upgrade pip || true
-    if [[ -n "${TORCH_INDEX_URL:-}" ]]; then
-        "$venv/bin/pip" install --quiet --index-url "$TORCH_INDEX_URL" "${TORCH_SPEC:-torch}"
-    elif ! "$venv/bin/pip" install --quiet "${TORCH_SPEC:-torch}"; then
-        # The PyPI wheel pulls large nvidia-* packages; gloo needs none of them.
-        echo ">> full install failed; trying torch --no-deps plus its pure-Python dependencies" >&2
-        "$venv/bin/pip" install --quiet --no-deps "${TORCH_SPEC:-torch}"
-        "$venv/bin/pip" install --quiet filelock typing-extensions sympy networkx jinja2 fsspec numpy
-    fi
-fi
-
-echo ">> building allreduce_bw (release)" >&2
-cargo build --quiet --release -p accel-benches --bin allreduce_bw
+echo ">> building allreduce_bw (dev profile)" >&2
+cargo build --quiet -p accel-benches --bin allreduce_bw
+wait_for_quiet "${MAX_LOAD:-0.5}" "${MAX_WAIT:-300}"
+echo ">> $waited" >&2
 
 # Interleave the two benchmarks REPEAT times (default 3) and keep each size's best run: on a shared machine
 # other load hits both sides alike, and best-of-N filters out runs that lost their CPU to something else.
 repeat="${REPEAT:-3}"
 rm -f "$out"/ddp.*.txt "$out"/gloo.*.txt
 for i in $(seq "$repeat"); do
-    echo ">> run $i/$repeat: ddp-core CPU backend" >&2
-    "$target/release/allreduce_bw" "$@" | sed -u 's/^\[rank 0\] //' > "$out/ddp.$i.txt"
-    echo ">> run $i/$repeat: PyTorch gloo" >&2
+    echo ">> run $i/$repeat: ddp-core CPU backend (load $(load1))" >&2
+    "$target/debug/allreduce_bw" "$@" | sed -u 's/^\[rank 0\] //' > "$out/ddp.$i.txt"
+    echo ">> run $i/$repeat: PyTorch gloo (load $(load1))" >&2
     "$venv/bin/python" scripts/bench_allreduce_gloo.py "$@" 2>/dev/null > "$out/gloo.$i.txt"
 done
 
