@@ -214,31 +214,25 @@ fn accept_higher(
                 Err(reason) => tracing::warn!(%from, "cpu backend: refused a connection: {reason}"),
             },
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                let not_connected = |reason: String| DdpError::Collective {
+                    op: "init",
+                    seq: 0,
+                    rank: spec.rank,
+                    world_size: spec.world_size,
+                    peer: waiting.first().copied(),
+                    reason,
+                };
                 if let Some(refused) = refused_peer(spec.store) {
-                    return Err(DdpError::Collective {
-                        op: "init",
-                        seq: 0,
-                        rank: spec.rank,
-                        world_size: spec.world_size,
-                        peer: waiting.first().copied(),
-                        reason: format!(
-                            "ranks {waiting:?} did not connect, and the store refused a peer ({refused}), which \
-                             cannot join this job; every process must use the same ACCEL_RUN_TOKEN and accel-rs build"
-                        ),
-                    });
+                    return Err(not_connected(format!(
+                        "ranks {waiting:?} did not connect, and the store refused a peer ({refused}), which cannot \
+                         join this job; every process must use the same ACCEL_RUN_TOKEN and accel-rs build"
+                    )));
                 }
                 if Instant::now() >= deadline {
-                    return Err(DdpError::Collective {
-                        op: "init",
-                        seq: 0,
-                        rank: spec.rank,
-                        world_size: spec.world_size,
-                        peer: waiting.first().copied(),
-                        reason: format!(
-                            "ranks {waiting:?} did not connect within {:.0} s (did they start? same run token?)",
-                            start.elapsed().as_secs_f64()
-                        ),
-                    });
+                    return Err(not_connected(format!(
+                        "ranks {waiting:?} did not connect within {:.0} s (did they start? same run token?)",
+                        start.elapsed().as_secs_f64()
+                    )));
                 }
                 wait_readable(listener.as_raw_fd(), Duration::from_millis(100));
             }

@@ -710,8 +710,23 @@ impl CpuBackend {
     ) -> Result<u64> {
         st.shm_round += 1;
         let round = st.shm_round;
+        self.on_shm(st, &call, started, Some(shm), |ctx| shm.exchange(round, call, unit, fill, ctx))?;
+        Ok(round)
+    }
+
+    /// Runs `wait_on` (a transfer through the shared segment) with this group's wait context — its peers, the
+    /// deadline `timeout` after `started`, remote aborts, and for a collective (`collective_on`: the segment) the
+    /// rule that no point-to-point message may be left pending — and aborts the group on failure.
+    fn on_shm<R>(
+        &self,
+        st: &mut State,
+        call: &CallId,
+        started: Instant,
+        collective_on: Option<&shm::ShmChannel>,
+        wait_on: impl FnOnce(&shm::WaitCtx<'_>) -> std::result::Result<R, Failure>,
+    ) -> Result<R> {
         let check_abort = || self.remote_abort();
-        let order = || shm.check_no_pending_p2p(&call);
+        let order = || collective_on.map_or(Ok(()), |shm| shm.check_no_pending_p2p(call));
         let ctx = shm::WaitCtx {
             peers: &self.peers,
             deadline: started + self.timeout,
@@ -720,10 +735,7 @@ impl CpuBackend {
             order: &order,
             spin: shm::SPIN,
         };
-        match shm.exchange(round, call, unit, fill, &ctx) {
-            Ok(()) => Ok(round),
-            Err(f) => Err(self.abort(st, &call, f)),
-        }
+        wait_on(&ctx).map_err(|f| self.abort(st, call, f))
     }
 
     /// The pipelined all_reduce through shared memory. The caller has run an exchange round first, so every
@@ -740,21 +752,7 @@ impl CpuBackend {
     ) -> Result<()> {
         let first_epoch = st.shm_epoch + 1;
         st.shm_epoch += shm.epochs(buf.len());
-        let started = Instant::now();
-        let check_abort = || self.remote_abort();
-        let order = || shm.check_no_pending_p2p(&call);
-        let ctx = shm::WaitCtx {
-            peers: &self.peers,
-            deadline: started + self.timeout,
-            started,
-            check_abort: &check_abort,
-            order: &order,
-            spin: shm::SPIN,
-        };
-        match shm.all_reduce(buf, dtype, op, first_epoch, &ctx) {
-            Ok(()) => Ok(()),
-            Err(f) => Err(self.abort(st, &call, f)),
-        }
+        self.on_shm(st, &call, Instant::now(), Some(shm), |ctx| shm.all_reduce(buf, dtype, op, first_epoch, ctx))
     }
 
     /// A send or recv through the shared segment's rings (`shm_p2p`); on failure aborts the group.
@@ -765,17 +763,7 @@ impl CpuBackend {
         transfer: impl FnOnce(&shm::WaitCtx<'_>) -> std::result::Result<(), Failure>,
     ) -> Result<()> {
         self.check_shm_abort(st, call)?;
-        let started = Instant::now();
-        let check_abort = || self.remote_abort();
-        let ctx = shm::WaitCtx {
-            peers: &self.peers,
-            deadline: started + self.timeout,
-            started,
-            check_abort: &check_abort,
-            order: &|| Ok(()),
-            spin: shm::SPIN,
-        };
-        transfer(&ctx).map_err(|f| self.abort(st, call, f))
+        self.on_shm(st, call, Instant::now(), None, transfer)
     }
 
     /// Fails a point-to-point call at once when another rank has signalled an abort through the shared segment: a
