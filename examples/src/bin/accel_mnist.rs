@@ -95,8 +95,9 @@ fn train(cli: &Cli) -> anyhow::Result<()> {
     }
     cfg.seed = Some(cli.seed); // accel: set_seed for every process
     let acc = Accelerator::new(cfg)?; // accel: process group, device, precision, accumulation
-                                      // guide:end job
-                                      // guide:begin data
+
+    // guide:end job
+    // guide:begin data
     let data_dir = cli.data_dir.clone().unwrap_or_else(default_data_dir);
     let train_set = load_mnist(&data_dir, "train10k")?;
     let test_set = load_mnist(&data_dir, "t10k")?;
@@ -110,12 +111,14 @@ fn train(cli: &Cli) -> anyhow::Result<()> {
     // guide:begin model
     let varmap = VarMap::new();
     let model = Mlp::with_hidden(acc.var_builder(&varmap), &cli.hidden)?; // accel: device and dtype from acc
-                                                                          // candle's CPU RNG cannot be seeded: draw the initial weights from a seeded stream, as ddp_mnist does.
+
+    // candle's CPU RNG cannot be seeded: draw the initial weights from a seeded stream, as ddp_mnist does.
     seed_parameters(&varmap, cli.seed)?;
     let opt = AdamW::new(AdamWConfig { weight_decay: 0.0, ..AdamWConfig::new(cli.lr) })?;
     let (_prepared, mut opt, train_loader) = acc.prepare(&varmap, opt, train_loader)?; // accel: DDP, shards, masters
     let test_loader = acc.prepare_eval_data_loader(test_loader)?; // accel
-                                                                  // guide:end model
+
+    // guide:end model
 
     acc.print(format!(
         "accel_mnist: {} process(es), mixed precision {}, gradient accumulation {}, batch {} per process ({} per optimizer step), {} \

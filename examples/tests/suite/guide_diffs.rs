@@ -59,7 +59,9 @@ fn regions(file: &str, text: &str) -> Result<BTreeMap<String, String>, String> {
             let name = name.trim();
             match open.take() {
                 Some((begun, _, body)) if begun == name => {
-                    found.insert(begun, body);
+                    // Blank lines that end a region (kept apart from a trailing comment for rustfmt) are not code.
+                    let body = body.trim_end();
+                    found.insert(begun, if body.is_empty() { String::new() } else { format!("{body}\n") });
                 }
                 Some((begun, at, _)) => {
                     return Err(format!("{file}:{n}: `// guide:end {name}` closes region `{begun}` (line {at})"))

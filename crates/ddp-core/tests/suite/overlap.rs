@@ -319,9 +319,10 @@ fn a_parameter_used_after_its_bucket_went_out_is_an_error_naming_it() {
         let varmap = mlp_varmap(0.0);
         let ddp = DistributedDataParallel::new(&pg, &varmap, tiny_buckets()).unwrap();
         let (l, segs) = recorded(&varmap, Wiring::Chain, pg.rank() * 8, 8);
-        ddp.backward(&l, segs).unwrap(); // plan: fc4 final after backward segment 0, fc1 after segment 3
-                                         // fc4's weight now also used before two cuts: a gradient for it arrives in backward segment 2, after its
-                                         // bucket went out.
+        // The plan: fc4 final after backward segment 0, fc1 after segment 3.
+        ddp.backward(&l, segs).unwrap();
+        // fc4's weight now also used before two cuts: a gradient for it arrives in backward segment 2, after its
+        // bucket went out.
         let (l, segs) = segments::record(|| {
             let x = wave(0.1, &[8, WIDTHS[0]], 1.0);
             let h1 = segments::cut(&linear(&varmap, 1, &x).tanh()?)?;
