@@ -38,9 +38,10 @@ pub struct SweepArgs {
     /// The collective to time.
     #[arg(long, value_enum, default_value_t = Op::AllReduce)]
     pub op: Op,
-    /// Before each timed call, write this many MiB of other memory (outside the timed region), so that the call
-    /// starts with cold caches as it does in training, where the step's compute runs between two all-reduces;
-    /// 0 (default) times back-to-back calls, with the buffer and the shared segment warm.
+    /// Before each timed call, write this many MiB of other memory and wait for every rank (a barrier; both
+    /// outside the timed region), so that the call starts with cold caches as it does in training, where the
+    /// step's compute runs between two all-reduces; 0 (default) times back-to-back calls, with the buffer and the
+    /// shared segment warm. (Cold calls start right after a barrier, so small ones include its wake-up.)
     #[arg(long, default_value_t = 0)]
     pub evict_mb: usize,
 }
@@ -146,6 +147,9 @@ pub fn run(pg: &ProcessGroup, args: &SweepArgs, title: &str) -> Result<()> {
             for i in 0..iters {
                 scratch.iter_mut().for_each(|b| *b = b.wrapping_add(i as u8 | 1));
                 std::hint::black_box(&scratch);
+                // Every rank has evicted before the clock starts: the call's time is its own, not the time this
+                // rank waits for a peer still writing its scratch.
+                pg.barrier()?;
                 let start = Instant::now();
                 call()?;
                 spent += start.elapsed();
@@ -154,11 +158,11 @@ pub fn run(pg: &ProcessGroup, args: &SweepArgs, title: &str) -> Result<()> {
         let mut mean = [spent.as_secs_f64() / iters as f64];
         pg.all_reduce(&mut mean, ReduceOp::Max)?;
         if pg.rank() == 0 {
-            let algbw = size as f64 / mean[0] / 1e9;
+            let algbw = (count * 4) as f64 / mean[0] / 1e9;
             let busbw = algbw * args.op.busbw_factor(p);
             println!(
                 "  {:>10} {:>12} {:>6} {:>6} {:>12.1} {:>10.3} {:>10.3}",
-                human(size),
+                human(count * 4),
                 count,
                 "f32",
                 iters,

@@ -39,7 +39,10 @@ use ddp_core::{launch, GroupOptions, LaunchConfig, ProcessGroup};
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[derive(Parser, Debug)]
-#[command(about = "All-reduce bandwidth of ddp-core's CPU backend (nccl-tests style table)")]
+#[command(
+    about = "Collectives of ddp-core's CPU backend (all_reduce, broadcast, all_gather, reduce_scatter; nccl-tests style \
+             table), or a send/recv ping-pong over shared memory and TCP (--pingpong)"
+)]
 struct Args {
     /// Worker processes to launch on this machine (ignored when already launched: RANK set).
     #[arg(long, default_value_t = 2)]

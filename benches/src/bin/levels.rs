@@ -74,8 +74,10 @@ enum Level {
 }
 
 /// One training run of the levels benchmark; rank 0 prints one JSON line.
+/// The levels benchmark, accel-rs side: one training run of the MNIST MLP or the char-GPT at one level (plain
+/// candle, ddp-core, the Accelerator, the Trainer), printing one JSON line; scripts/bench-levels.sh runs it next to
+/// PyTorch.
 #[derive(Parser, Debug, Clone)]
-#[command(about)]
 struct Cli {
     /// The task.
     #[arg(long, value_enum, default_value = "mlp")]
@@ -167,7 +169,12 @@ fn run() -> Result<()> {
         bail!("--level candle is a plain single-process loop: give --nproc 1 (or pick --level ddp|accel|trainer)");
     }
     if cli.breakdown && (cli.level != Level::Ddp || cli.overlap != OverlapArg::Off) {
-        bail!("--breakdown times the parts of a level-1 step that syncs after the backward pass: give --level ddp --overlap off");
+        bail!(
+            "--breakdown times the parts of a level-1 step that syncs after the backward pass: give --level ddp \
+             --overlap off (got --level {} --overlap {})",
+            format!("{:?}", cli.level).to_lowercase(),
+            format!("{:?}", cli.overlap).to_lowercase()
+        );
     }
     if cli.threads == 0 || cli.batch() == 0 {
         bail!("--threads and --batch must be at least 1");

@@ -50,6 +50,25 @@ pub const ACCELERATE_ONLY_KEYS: &[&str] = &[
     "tpu_zone",
 ];
 
+/// Every `distributed_type` Accelerate writes (its `DistributedType` enum, plus the older `TPU`); accel's own three
+/// first. Any other value is a typo, refused with this list.
+const ACCELERATE_DISTRIBUTED_TYPES: &[&str] = &[
+    "NO",
+    "MULTI_CPU",
+    "MULTI_GPU",
+    "MULTI_NPU",
+    "MULTI_MLU",
+    "MULTI_SDAA",
+    "MULTI_MUSA",
+    "MULTI_XPU",
+    "MULTI_HPU",
+    "DEEPSPEED",
+    "FSDP",
+    "XLA",
+    "TPU",
+    "MEGATRON_LM",
+];
+
 /// Accelerate's `distributed_type`. accel runs plain data parallelism; the value records what the file asked for.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum DistributedType {
@@ -484,7 +503,10 @@ fn check_value(key: &str, value: &serde_json::Value) -> Result<(), String> {
         }
         "compute_environment" | "main_training_function" => value.is_string(),
         "main_process_ip" | "rdzv_backend" => matches!(value, Value::String(_) | Value::Null),
-        "distributed_type" => matches!(value, Value::String(_) | Value::Bool(false)),
+        "distributed_type" => match value {
+            Value::String(t) => ACCELERATE_DISTRIBUTED_TYPES.contains(&t.trim().to_ascii_uppercase().as_str()),
+            other => matches!(other, Value::Bool(false)),
+        },
         "downcast_bf16" => matches!(value, Value::String(_) | Value::Bool(_) | Value::Null),
         "gpu_ids" => match value {
             Value::String(_) | Value::Null => true,
@@ -531,7 +553,11 @@ fn check_value(key: &str, value: &serde_json::Value) -> Result<(), String> {
         "debug" | "enable_cpu_affinity" | "same_network" | "tpu_use_cluster" | "tpu_use_sudo" | "use_cpu" => {
             "`true` or `false`".to_string()
         }
-        "distributed_type" => "one of NO, MULTI_CPU, MULTI_GPU (or another of Accelerate's names)".to_string(),
+        "distributed_type" => format!(
+            "one of NO, MULTI_CPU, MULTI_GPU (accel's), or another of Accelerate's names ({}), which accel launches as \
+             plain data parallelism",
+            ACCELERATE_DISTRIBUTED_TYPES[3..].join(", ")
+        ),
         "downcast_bf16" => "`yes` or `no`".to_string(),
         "gpu_ids" => "`all`, a comma-separated list of GPU indices such as `0,1`, or a list of indices".to_string(),
         "gradient_accumulation_steps" | "num_machines" => "a whole number ≥ 1".to_string(),
@@ -762,7 +788,7 @@ mod tests {
         // A key and its alias together are one setting given twice.
         let text = "parallelism_config:\n  tensor_parallel_size: 4\n  parallelism_config_tp_size: 2\n";
         let e = AccelerateConfig::parse(text, Path::new("x.yaml")).unwrap_err().to_string();
-        assert!(e.contains("duplicate field `parallelism_config_tp_size`"), "{e}");
+        assert!(e.contains("`parallelism_config_tp_size` is set twice (by its name or an alias)"), "{e}");
         let e = AccelerateConfig::parse("parallelism_config:\n  tensor_parallel_size: 0\n", Path::new("x.yaml"))
             .unwrap_err()
             .to_string();
@@ -821,5 +847,12 @@ mod tests {
         assert!(e.ends_with("main_process_port: expected a port number (0 to 65535), got `70000`"), "{e}");
         let e = AccelerateConfig::parse("mixed_precision: true\n", Path::new("t.yaml")).unwrap_err().to_string();
         assert!(e.contains("mixed_precision: expected one of \"no\", \"fp16\", \"bf16\", got `true`"), "{e}");
+        // A misspelled distributed_type is refused; Accelerate's other names are launched as DDP (with a warning).
+        let e = AccelerateConfig::parse("distributed_type: MULTI_GUP\n", Path::new("t.yaml")).unwrap_err().to_string();
+        assert!(e.contains("distributed_type: expected one of NO, MULTI_CPU, MULTI_GPU") && e.contains("FSDP"), "{e}");
+        assert!(e.ends_with("got `MULTI_GUP`"), "{e}");
+        for known in ["fsdp", "DEEPSPEED", "multi_npu"] {
+            AccelerateConfig::parse(&format!("distributed_type: {known}\n"), Path::new("t.yaml")).unwrap();
+        }
     }
 }

@@ -7,8 +7,21 @@
 
 /// Drops the positions and `error:` prefixes a YAML or JSON parser writes into its own messages, so that the
 /// caller gives the position once: `error: line 2 column 1: did not find expected ']'` → `did not find expected
-/// ']'`; a trailing `at line 2, column 1` (or serde_json's `at line 2 column 1`) goes too.
+/// ']'`; a trailing `at line 2, column 1` (or serde_json's `at line 2 column 1`) goes too. A key written twice is
+/// said in the user's terms (the YAML parser's message names an option of its own API).
 pub fn clean_parser_message(message: &str) -> String {
+    let m = strip_positions(message);
+    let twice = m
+        .strip_prefix("duplicate mapping key: ")
+        .map(|rest| rest.split(", set DuplicateKeyPolicy").next().unwrap_or(rest).trim())
+        .or_else(|| m.strip_prefix("duplicate field `").and_then(|rest| rest.split('`').next()));
+    match twice {
+        Some(key) => format!("`{key}` is set twice (by its name or an alias); keep one of the two"),
+        None => m,
+    }
+}
+
+fn strip_positions(message: &str) -> String {
     let mut m = message.trim().to_string();
     loop {
         let before = m.clone();
@@ -146,6 +159,14 @@ mod tests {
         );
         assert_eq!(clean_parser_message("unexpected end at line 4, column 1"), "unexpected end");
         assert_eq!(clean_parser_message("unknown field `x` at line 1 column 5"), "unknown field `x`");
+        assert_eq!(
+            clean_parser_message("duplicate mapping key: seed, set DuplicateKeyPolicy in Options if acceptable"),
+            "`seed` is set twice (by its name or an alias); keep one of the two"
+        );
+        assert_eq!(
+            clean_parser_message("duplicate field `seed` at line 1 column 20"),
+            "`seed` is set twice (by its name or an alias); keep one of the two"
+        );
     }
 
     #[test]

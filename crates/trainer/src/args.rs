@@ -875,10 +875,15 @@ mod tests {
         std::fs::write(&json, r#"{"logging_first_step": "often"}"#).unwrap();
         let e = TrainingArguments::from_file(&json).unwrap_err().to_string();
         assert!(e.contains("logging_first_step: expected `true` or `false`, got `\"often\"`"), "{e}");
-        // Enums keep the parser's message, which lists the choices.
+        // Enums: the key and the parser's message, which lists the choices.
         std::fs::write(&file, "eval_strategy: sometimes\n").unwrap();
         let e = TrainingArguments::from_file(&file).unwrap_err().to_string();
-        assert!(e.ends_with("line 1, column 16: unknown variant `sometimes`, expected one of no, steps, epoch"), "{e}");
+        assert!(
+            e.ends_with(
+                "line 1, column 16: eval_strategy: unknown variant `sometimes`, expected one of no, steps, epoch"
+            ),
+            "{e}"
+        );
     }
 
     #[test]

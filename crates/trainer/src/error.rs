@@ -19,8 +19,8 @@ pub enum TrainerError {
         reason: String,
     },
 
-    /// A configuration file could not be read or parsed.
-    #[error("cannot read training arguments from {}: {reason}", path.display())]
+    /// A configuration file (training arguments, a hyperparameter search) could not be read or parsed.
+    #[error("config file {}: {reason}", path.display())]
     ConfigFile {
         /// The YAML/JSON file.
         path: PathBuf,
