@@ -72,7 +72,8 @@ pub fn render(config_file: Option<&Path>) -> String {
                 }
             }
             Err(e) => {
-                let _ = writeln!(s, "- config file: {} (cannot be used: {e})", path.display());
+                // `e` starts with "config file <path>: ..." already.
+                let _ = writeln!(s, "- {e} (accel launch refuses this file until it is fixed)");
             }
         },
         Ok(None) => {
