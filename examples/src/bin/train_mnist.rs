@@ -22,7 +22,8 @@
 //! rewrites the diffs (then check the chapter's text under each).
 //!
 //! Hyperparameter search: `--hp-search examples/hp_mnist.yaml` runs a study instead of one training (the search
-//! space, sampler, pruner and process budget are in the file; `--n-trials` and `--hp-processes` override it).
+//! space, sampler, pruner and process budget are in the file; `--n-trials`, `--hp-processes` and `--output-dir`
+//! (the study directory) override it).
 //! Trial 0 uses this program's settings (the flags' values), so the table compares the best trial with them:
 //!
 //! ```text
@@ -148,6 +149,10 @@ fn hp_search(cli: &Cli, file: &std::path::Path) -> anyhow::Result<()> {
     }
     if let Some(p) = cli.hp_processes {
         search = search.processes(p);
+    }
+    // An explicit --output-dir holds the study (HF puts its trials under output_dir too), over the file's study_dir.
+    if let Some(dir) = &cli.train.output_dir {
+        search = search.study_dir(dir);
     }
     // Trial 0 runs this program's own settings: the baseline the search has to beat.
     let base_json = serde_json::to_value(&base)?;

@@ -4,4 +4,5 @@ mod bad_inputs;
 mod ddp_mnist;
 mod gpt_tp;
 mod guide_diffs;
+mod hp_search;
 mod nd_equivalence;
