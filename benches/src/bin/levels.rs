@@ -422,13 +422,17 @@ fn ddp_backward(
         let grads = ddp.backward(&loss, cuts)?;
         Ok((loss, grads))
     } else {
+        if !cli.breakdown {
+            let loss = forward()?;
+            let mut grads = loss.backward()?;
+            ddp.sync_gradients(&mut grads)?;
+            return Ok((loss, grads));
+        }
         let start = Instant::now();
         let loss = forward()?;
         let mut grads = loss.backward()?;
         let computed = Instant::now();
-        if cli.breakdown {
-            ddp.process_group().barrier()?;
-        }
+        ddp.process_group().barrier()?;
         let aligned = Instant::now();
         ddp.sync_gradients(&mut grads)?;
         breakdown.record([computed - start, aligned - computed, aligned.elapsed()]);
@@ -449,8 +453,8 @@ impl Breakdown {
     }
 
     /// Medians over every step but the first, in ms, as one line (stderr; the launcher prefixes the rank).
-    fn report(&self, cli: &Cli) {
-        if !cli.breakdown || self.steps.len() < 2 {
+    fn report(&self) {
+        if self.steps.len() < 2 {
             return;
         }
         let median = |i: usize| {
@@ -504,7 +508,7 @@ fn mlp_ddp(cli: &Cli) -> Result<Outcome> {
             }
         }
     }
-    breakdown.report(cli);
+    breakdown.report();
     Ok(Outcome {
         rank: pg.rank(),
         world,
@@ -545,7 +549,7 @@ fn gpt_ddp(cli: &Cli) -> Result<Outcome> {
         }
         epoch += 1;
     }
-    breakdown.report(cli);
+    breakdown.report();
     Ok(Outcome {
         rank: pg.rank(),
         world,

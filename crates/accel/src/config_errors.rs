@@ -111,20 +111,18 @@ pub fn key_position(text: &str, key: &str) -> Option<(usize, usize)> {
     })
 }
 
-/// The key written on `line` (`  key: value` → `key`), for a parser error that gives a position but not the key.
-pub fn key_on_line(text: &str, line: usize) -> Option<&str> {
+/// The `key` and the value written at (or just before) `column` of `line` (`  "key": two # why` → `key`, `two`),
+/// for a parser error that gives a position but not the key: the last `key:` at or before the column, or the
+/// line's first when the column points at the key itself. JSON's `"key": value,` is read the same way.
+pub fn key_and_value_at(text: &str, line: usize, column: usize) -> Option<(&str, &str)> {
     let l = text.lines().nth(line.checked_sub(1)?)?;
-    let (key, _) = l.split_once(':')?;
-    let key = key.trim().trim_matches(['"', '\'', '{', ',', '-', ' ']);
-    (!key.is_empty() && !key.contains(char::is_whitespace)).then_some(key)
-}
-
-/// The value written after `key:` on `line`, verbatim (trailing comment dropped), for messages.
-pub fn value_on_line(text: &str, line: usize) -> Option<&str> {
-    let l = text.lines().nth(line.checked_sub(1)?)?;
-    let (_, value) = l.split_once(':')?;
-    let value = value.split(" #").next().unwrap_or(value).trim();
-    (!value.is_empty()).then_some(value)
+    let upto = l.char_indices().nth(column).map_or(l.len(), |(i, _)| i);
+    let colon = l[..upto].rfind(':').or_else(|| l.find(':'))?;
+    let before = l[..colon].trim_end().trim_end_matches(['"', '\'']);
+    let key = before.rsplit(['{', ',', ' ', '"', '\'', '\t']).next()?;
+    let after = l[colon + 1..].split(" #").next()?.trim();
+    let value = after.split([',', '}']).next()?.trim();
+    (!key.is_empty() && !value.is_empty()).then_some((key, value))
 }
 
 /// The known key closest to `key` by edit distance, when close enough to be a plausible misspelling (at most a
@@ -183,10 +181,10 @@ mod tests {
         let text = "a: 1\n  \"nested_key\": two # why\n";
         assert_eq!(key_position(text, "nested_key"), Some((2, 3)));
         assert_eq!(key_position(text, "nested"), None);
-        assert_eq!(key_on_line(text, 2), Some("nested_key"));
-        assert_eq!(value_on_line(text, 2), Some("two"));
-        assert_eq!(key_on_line(text, 9), None);
-        assert_eq!(key_on_line("just text\n", 1), None);
+        assert_eq!(key_and_value_at(text, 2, 17), Some(("nested_key", "two")));
+        assert_eq!(key_and_value_at(r#"{"seed": 1, "lr": "x"}"#, 1, 22), Some(("lr", "\"x\"")));
+        assert_eq!(key_and_value_at(text, 9, 1), None);
+        assert_eq!(key_and_value_at("just text\n", 1, 1), None);
     }
 
     #[test]

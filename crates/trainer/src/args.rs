@@ -406,7 +406,7 @@ impl TrainingArguments {
 
     /// Parses YAML text (all keys optional); errors as [`Self::from_file`]'s, with the source named `<yaml>`.
     pub fn from_yaml_str(text: &str) -> Result<Self> {
-        config_file::parse(Path::new("<yaml>"), text, &field_expects)
+        config_file::parse(Path::new("<yaml>"), text, &field_expects).map(|(args, _)| args)
     }
 
     /// The HF-style entry point: `file` (if any) over the defaults, then the process's command-line flags
@@ -433,17 +433,8 @@ impl TrainingArguments {
     pub fn overlay_file(self, path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| TrainerError::ConfigFile { path: path.to_path_buf(), reason: e.to_string() })?;
-        // Parse the file into the typed struct first: this checks every key and value.
-        let from_file: TrainingArguments = config_file::parse(path, &text, &field_expects)?;
-        // Then take only the keys the file actually set.
-        let keys: Vec<String> = if config_file::is_json(path) {
-            let v: serde_json::Map<String, serde_json::Value> = config_file::parse(path, &text, &|_| None)?;
-            v.into_iter().map(|(k, _)| k).collect()
-        } else {
-            let v: std::collections::BTreeMap<String, serde::de::IgnoredAny> =
-                config_file::parse(path, &text, &|_| None)?;
-            v.into_keys().collect()
-        };
+        // The typed struct checks every key and value; only the keys the file actually set are taken from it.
+        let (from_file, keys): (TrainingArguments, _) = config_file::parse(path, &text, &field_expects)?;
         let file_json = serde_json::to_value(&from_file).map_err(|e| TrainerError::json("encoding arguments", e))?;
         let mut merged = serde_json::to_value(&self).map_err(|e| TrainerError::json("encoding arguments", e))?;
         for k in keys {

@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use accel::config_errors::{clean_parser_message, unclosed_bracket_hint, unknown_key};
+use accel::config_errors::{clean_parser_message, key_and_value_at, unclosed_bracket_hint, unknown_key};
 use serde::de::DeserializeOwned;
 
 use crate::error::TrainerError;
@@ -17,8 +17,13 @@ pub(crate) type Expects<'a> = &'a dyn Fn(&str) -> Option<&'static str>;
 /// Parses `text` (the contents of `path`; JSON when the file name ends in `.json`, YAML otherwise) as `T`, a
 /// struct read from a mapping of keys. In three passes, so that each error is said in its own terms: the syntax
 /// (a malformed file), the shape (an empty file, or a list or a scalar instead of a mapping), then the keys and
-/// values against `T`.
-pub(crate) fn parse<T: DeserializeOwned>(path: &Path, text: &str, expects: Expects<'_>) -> Result<T, TrainerError> {
+/// values against `T`. Returns `T` and the keys the file sets (from the syntax pass, so the file is not read a
+/// third time for them).
+pub(crate) fn parse<T: DeserializeOwned>(
+    path: &Path,
+    text: &str,
+    expects: Expects<'_>,
+) -> Result<(T, Vec<String>), TrainerError> {
     let error = |reason: String| TrainerError::ConfigFile { path: path.to_path_buf(), reason };
     let empty = || {
         error(
@@ -33,9 +38,9 @@ pub(crate) fn parse<T: DeserializeOwned>(path: &Path, text: &str, expects: Expec
     let json = is_json(path);
     let syntax: Result<serde_json::Value, (Option<(usize, usize)>, String)> =
         if json { serde_json::from_str(text).map_err(|e| json_failure(&e)) } else { yaml(text) };
-    match syntax {
+    let keys = match syntax {
         Err((at, message)) => return Err(error(syntax_reason(text, at, &message))),
-        Ok(serde_json::Value::Object(_)) => {}
+        Ok(serde_json::Value::Object(map)) => map.into_iter().map(|(k, _)| k).collect(),
         Ok(serde_json::Value::Null) if !json => return Err(empty()),
         Ok(other) => {
             let got = match other {
@@ -48,10 +53,11 @@ pub(crate) fn parse<T: DeserializeOwned>(path: &Path, text: &str, expects: Expec
                  `{{\"key\": value}}`), got {got}"
             )));
         }
-    }
+    };
     let typed: Result<T, (Option<(usize, usize)>, String)> =
         if json { serde_json::from_str(text).map_err(|e| json_failure(&e)) } else { yaml(text) };
-    typed.map_err(|(at, message)| error(reason(text, at, &message, expects)))
+    let value = typed.map_err(|(at, message)| error(reason(text, at, &message, expects)))?;
+    Ok((value, keys))
 }
 
 /// A YAML parse of `text`, or the error's position and bare message (no snippet: it names the source `<input>`;
@@ -83,7 +89,7 @@ fn syntax_reason(text: &str, at: Option<(usize, usize)>, message: &str) -> Strin
 }
 
 /// Whether `path` is read as JSON (`.json`, any case) rather than YAML.
-pub(crate) fn is_json(path: &Path) -> bool {
+fn is_json(path: &Path) -> bool {
     path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"))
 }
 
@@ -125,19 +131,6 @@ fn expected_names(list: &str) -> Vec<String> {
         .map(|n| n.trim().trim_matches('`').to_string())
         .filter(|n| !n.is_empty())
         .collect()
-}
-
-/// The `key` and value written at (or just before) `column` of `line`: the last `key:` at or before the column, or
-/// the line's first when the column points at the key itself.
-fn key_and_value_at(text: &str, line: usize, column: usize) -> Option<(&str, &str)> {
-    let l = text.lines().nth(line.checked_sub(1)?)?;
-    let upto = l.char_indices().nth(column).map_or(l.len(), |(i, _)| i);
-    let colon = l[..upto].rfind(':').or_else(|| l.find(':'))?;
-    let before = l[..colon].trim_end().trim_end_matches(['"', '\'']);
-    let key = before.rsplit(['{', ',', ' ', '"', '\'', '\t']).next()?;
-    let after = l[colon + 1..].split(" #").next()?.trim();
-    let value = after.split([',', '}']).next()?.trim();
-    (!key.is_empty() && !value.is_empty()).then_some((key, value))
 }
 
 #[cfg(test)]

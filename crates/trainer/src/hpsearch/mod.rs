@@ -250,7 +250,7 @@ impl HyperparameterSearch {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path)
             .map_err(|e| TrainerError::ConfigFile { path: path.to_path_buf(), reason: e.to_string() })?;
-        let f: SearchFile = crate::config_file::parse(path, &text, &|_| None)?;
+        let (f, _): (SearchFile, _) = crate::config_file::parse(path, &text, &|_| None)?;
         Ok(Self::from_search_file(f))
     }
 
