@@ -3,12 +3,15 @@
 //!
 //! A column-parallel layer followed by a row-parallel one (an MLP, attention's projections) communicates twice
 //! per step: *f* all-reduces the input gradient in the backward, *g* the output in the forward. At tp = 1 the
-//! layers compute exactly what `candle_nn::Linear` / `candle_nn::Embedding` compute with the full weights.
+//! layers compute what `candle_nn::Linear` / `candle_nn::Embedding` compute with the full weights (the linear
+//! products through `ddp_core::nn::linear`, one matrix product over all leading dimensions, equal to candle-nn's
+//! within f32 rounding).
 
 use super::{ParamBuilder, ParamInit, TensorParallel};
 use crate::{AccelError, Result};
 use candle_core::{DType, Module, Tensor, D};
 use ddp_core::functional::{copy_to_group, gather_from_group, reduce_from_group};
+use ddp_core::nn::linear::{linear, Activation};
 
 /// Options of the parallel linear layers.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -86,7 +89,7 @@ impl ColumnParallelLinear {
     /// Forward from an input that already went through `copy_to_group` (several column-parallel layers reading
     /// one input — attention's q, k and v — share one *f*, so the backward all-reduces once).
     pub fn forward_copied(&self, x: &Tensor) -> Result<Tensor> {
-        let y = candle_nn::Linear::new(self.weight.clone(), self.bias.clone()).forward(x)?;
+        let y = linear(x, &self.weight, self.bias.as_ref(), Activation::None)?;
         if !self.gather_output {
             return Ok(y);
         }
@@ -130,7 +133,12 @@ impl RowParallelLinear {
 
     /// Forward (see the type's documentation).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let partial = candle_nn::Linear::new(self.weight.clone(), None).forward(x)?;
+        if self.tp.size() == 1 {
+            // g is the identity on one rank: the bias goes into the product's own pass (one op forward and
+            // backward instead of a broadcast add and the reduction of its gradient over all rows).
+            return Ok(linear(x, &self.weight, self.bias.as_ref(), Activation::None)?);
+        }
+        let partial = linear(x, &self.weight, None, Activation::None)?;
         let y = reduce_from_group(&partial, self.tp.group())?;
         // The bias after the sum, so it is added once, not tp times.
         match &self.bias {
