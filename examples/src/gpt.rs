@@ -21,7 +21,7 @@
 //! linear weights, Normal(0, (0.02/√(2·n_layer))²) for the two residual projections, zero biases, layer norms at
 //! weight 1, bias 0.
 //!
-//! Layer norm, the causal softmax and GELU are `ddp_core::nn`'s fused ops (one kernel forward and one backward
+//! The linear layers, layer norm, causal self-attention and GELU are `ddp_core::nn`'s fused ops (one kernel forward and one backward
 //! on the CPU in f32, candle's composed ops on other devices and dtypes; `ACCEL_FUSED_OPS=0` turns the fused
 //! kernels off), so the same code runs fast on the CPU and unchanged on CUDA or in bf16.
 //!
@@ -191,18 +191,13 @@ impl Attention {
 
     /// `x` `[b, s, d]` replicated → `[b, s, d]` replicated.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (b, s, _) = x.dims3()?;
         // One f for the three projections: their input gradients are summed locally, then all-reduced once.
         let x = ddp_core::functional::copy_to_group(x, self.tp.group())?;
-        let heads = |t: Tensor| -> Result<Tensor> {
-            Ok(t.reshape((b, s, self.local_heads, self.head_dim))?.transpose(1, 2)?.contiguous()?)
-        };
-        let q = heads(self.q.forward_copied(&x)?)?;
-        let k = heads(self.k.forward_copied(&x)?)?;
-        let v = heads(self.v.forward_copied(&x)?)?;
-        // softmax(q kᵀ / √hd) with keys after the query masked, scaling and masking fused into the softmax.
-        let att = ddp_core::nn::softmax::causal_softmax(&q.matmul(&k.t()?)?, 1.0 / (self.head_dim as f64).sqrt())?;
-        let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, s, self.local_heads * self.head_dim))?;
+        let (q, k, v) = (self.q.forward_copied(&x)?, self.k.forward_copied(&x)?, self.v.forward_copied(&x)?);
+        // softmax(q kᵀ / √hd) v per head, keys after the query masked; the heads stay side by side in the last
+        // dimension, where the projections put them and c_proj reads them.
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let y = ddp_core::nn::attention::causal_self_attention(&q, &k, &v, self.local_heads, scale)?;
         self.c_proj.forward(&y)
     }
 }

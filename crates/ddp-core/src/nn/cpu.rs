@@ -107,34 +107,77 @@ impl<'a> MatRef<'a> {
     }
 }
 
+/// The destination of [`gemm_into`]: element `(i, j)` at `data[offset + i·rs + j]` (rows of unit column stride,
+/// `rs` apart — a column block of a wider row-major matrix, such as one attention head's columns).
+#[derive(Debug)]
+pub(crate) struct MatMut<'a> {
+    pub data: &'a mut [f32],
+    pub offset: usize,
+    pub rs: usize,
+}
+
+/// How many threads a product may use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Threads {
+    /// candle's thread count (`RAYON_NUM_THREADS`), as candle's own matmul.
+    Candle,
+    /// The calling thread only: for products inside a task that is already one of several in parallel.
+    One,
+}
+
 /// `dst[m×n] = a[m×k] · b[k×n]` (`accumulate = false`) or `dst += a · b` (`accumulate = true`); `dst` is packed
 /// row-major. Runs on candle's thread count (`RAYON_NUM_THREADS`), as candle's own matmul does.
 ///
 /// Panics (a bug in the caller, not bad user input) if an operand's strides reach past its slice.
 pub(crate) fn gemm(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, m: usize, n: usize, k: usize, accumulate: bool) {
-    assert!(dst.len() >= m * n, "gemm: destination too small");
+    gemm_into(MatMut { data: dst, offset: 0, rs: n }, a, b, m, n, k, accumulate, Threads::Candle)
+}
+
+/// [`gemm`] into a strided destination, on the given threads. Without `accumulate` the destination is only
+/// written, never read (it may hold anything before).
+///
+/// Panics (a bug in the caller) if an operand's or the destination's strides reach past its slice.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_into(
+    dst: MatMut<'_>,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+    threads: Threads,
+) {
+    let dst_end = if m == 0 || n == 0 { dst.offset } else { dst.offset + (m - 1) * dst.rs + n };
+    assert!(dst_end <= dst.data.len() && (m <= 1 || dst.rs >= n), "gemm: destination strides out of bounds");
     assert!(a.end(m, k) <= a.data.len() && b.end(k, n) <= b.data.len(), "gemm: operand strides out of bounds");
     if m == 0 || n == 0 {
         return;
     }
     if k == 0 {
         if !accumulate {
-            dst[..m * n].fill(0.0);
+            for i in 0..m {
+                dst.data[dst.offset + i * dst.rs..][..n].fill(0.0);
+            }
         }
         return;
     }
-    let threads = candle_core::utils::get_num_threads();
+    let threads = match threads {
+        Threads::Candle => candle_core::utils::get_num_threads(),
+        Threads::One => 1,
+    };
     let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
-    // SAFETY: the bounds of every element the product reads (a: m×k, b: k×n) and writes (dst: m×n packed) were
-    // checked above; the slices outlive the call and dst does not alias a or b (it is a &mut).
+    // SAFETY: the bounds of every element the product reads (a: m×k, b: k×n) and writes (dst: m rows of n, rs
+    // apart, rs ≥ n so rows do not overlap) were checked above; the slices outlive the call and dst does not alias
+    // a or b (it is a &mut).
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
+            dst.data.as_mut_ptr().add(dst.offset),
             1,
-            n as isize,
+            dst.rs as isize,
             accumulate,
             a.data.as_ptr().add(a.offset),
             a.cs as isize,

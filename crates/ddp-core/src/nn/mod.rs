@@ -7,6 +7,7 @@
 //! - [`layer_norm`]: LayerNorm over the last dimension with its analytic backward.
 //! - [`softmax`]: softmax over the last dimension (optionally scaled and causally masked) with its backward.
 //! - [`activation`]: GELU (tanh approximation, as candle's `gelu`) with a one-pass backward.
+//! - [`attention`]: causal self-attention over heads laid side by side, `softmax(q kᵀ · scale + mask) v`, in one op.
 //!
 //! Every op has a *fast path* (CPU, f32, contiguous where it matters) implemented as candle custom ops, and falls
 //! back to candle's own composed ops elsewhere (CUDA, bf16/f16, f64), so the results are the same op for op within
@@ -19,6 +20,7 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 
 pub mod activation;
+pub mod attention;
 mod cpu;
 mod cpu_f32;
 pub mod cross_entropy;

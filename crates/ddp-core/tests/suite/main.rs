@@ -14,6 +14,7 @@ mod mesh;
 mod multiprocess;
 mod nccl_unavailable;
 mod nn_activation;
+mod nn_attention;
 mod nn_check;
 mod nn_cross_entropy;
 mod nn_layer_norm;
