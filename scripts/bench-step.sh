@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One training step in one process, accel-rs against PyTorch: benches/src/bin/step_time.rs (--ops both: the fused ops
 # of ddp_core::nn and candle's own ops, interleaved step by step) and scripts/torch_ref/step.py, for the MLP at batch
-# 128 and the char-GPT at 16 sequences, at 1 and 2 threads, the two programs alternating; medians of --repeat runs.
+# 128 and the char-GPT at 16 sequences, at 1 and 2 threads, the two programs alternating (at 2 threads the fused ops
+# once more with CANDLE_NUM_THREADS=1, candle's own elementwise pool off); medians of --repeat runs.
 # Writes the section between <!-- step:begin/end --> of docs/benchmarks.md.
 #
 #   scripts/bench-step.sh [--repeat 3] [--steps 200] [--warmup 20] [--threads "1 2"] [--model mlp|gpt|all]
@@ -23,7 +24,7 @@ while [[ $# -gt 0 ]]; do
         --max-load) max_load="$2"; shift 2 ;;
         --max-wait) max_wait="$2"; shift 2 ;;
         --no-report) report=0; shift ;;
-        -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
         *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -53,8 +54,11 @@ for i in $(seq "$repeat"); do
     for m in "${models[@]}"; do
         batch=$([[ $m == mlp ]] && echo 128 || echo 16)
         for t in $threads_list; do
-            ours=(env RAYON_NUM_THREADS="$t" "$step_bin" --model "$m" --batch "$batch" --ops both --steps "$steps"
-                  --warmup "$warmup" --json)
+            ours=(env -u CANDLE_NUM_THREADS RAYON_NUM_THREADS="$t" "$step_bin" --model "$m" --batch "$batch" --ops both
+                  --steps "$steps" --warmup "$warmup" --json)
+            # At more than one thread, also with candle's own elementwise pool off (what the launcher sets).
+            ours_c1=(env CANDLE_NUM_THREADS=1 RAYON_NUM_THREADS="$t" "$step_bin" --model "$m" --batch "$batch" --ops fused
+                     --steps "$steps" --warmup "$warmup" --json)
             theirs=(env OMP_NUM_THREADS="$t" "$py" scripts/torch_ref/step.py --model "$m" --batch "$batch" --threads "$t"
                     --steps "$steps" --warmup "$warmup" --json)
             # Alternate which framework goes first, so a drift in load hits both alike.
@@ -63,6 +67,7 @@ for i in $(seq "$repeat"); do
             else
                 run_one "$i pytorch $m ${t}t" "${theirs[@]}"; run_one "$i accel-rs $m ${t}t" "${ours[@]}"
             fi
+            if (( t > 1 )); then run_one "$i accel-rs CANDLE_NUM_THREADS=1 $m ${t}t" "${ours_c1[@]}"; fi
         done
     done
 done

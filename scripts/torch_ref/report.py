@@ -264,8 +264,8 @@ def step(args):
         "step vs PyTorch | page faults per step | runs |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    order = {"pytorch": 0, "accel-rs fused": 1, "accel-rs candle-ops": 2}
-    for key in sorted(med, key=lambda k: (k[1], k[3], k[2], order.get(k[0], 9))):
+    order = {"pytorch": 0, "accel-rs fused": 1, "accel-rs fused (CANDLE_NUM_THREADS=1)": 2, "accel-rs candle-ops": 3}
+    for key in sorted(med, key=lambda k: (k[1], k[3], k[2], order.get(k[0], 9), k[0])):
         impl, model, batch, threads = key
         m = med[key]
         ref = med.get(("pytorch", model, batch, threads))

@@ -183,11 +183,13 @@ impl Variant {
         Ok(loss.to_scalar::<f32>()?)
     }
 
-    fn name(&self) -> &'static str {
-        if self.fused {
-            "accel-rs fused"
-        } else {
-            "accel-rs candle-ops"
+    /// The variant's name in the report; a CANDLE_NUM_THREADS set by the caller is part of it (candle's own
+    /// elementwise pool, next to rayon's: docs/benchmarks.md, "One training step vs PyTorch").
+    fn name(&self) -> String {
+        let base = if self.fused { "accel-rs fused" } else { "accel-rs candle-ops" };
+        match std::env::var("CANDLE_NUM_THREADS") {
+            Ok(n) => format!("{base} (CANDLE_NUM_THREADS={n})"),
+            Err(_) => base.to_string(),
         }
     }
 }

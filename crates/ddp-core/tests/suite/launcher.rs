@@ -46,7 +46,7 @@ fn three_workers_succeed_and_see_torchrun_variables() {
     let mut cfg = with_out(
         sh(
             3,
-            r#"echo "$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK $ROLE_RANK $MASTER_ADDR $ACCEL_USE_AGENT_STORE ${#ACCEL_RUN_TOKEN} $ACCEL_RESTART_COUNT $EXTRA $1" > "$OUT/rank$RANK"; echo "$MASTER_PORT" > "$OUT/port$RANK"; echo "${OMP_NUM_THREADS-unset}" > "$OUT/omp$RANK"; echo "${RAYON_NUM_THREADS-unset}" > "$OUT/rayon$RANK""#,
+            r#"echo "$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK $ROLE_RANK $MASTER_ADDR $ACCEL_USE_AGENT_STORE ${#ACCEL_RUN_TOKEN} $ACCEL_RESTART_COUNT $EXTRA $1" > "$OUT/rank$RANK"; echo "$MASTER_PORT" > "$OUT/port$RANK"; echo "${OMP_NUM_THREADS-unset}" > "$OUT/omp$RANK"; echo "${RAYON_NUM_THREADS-unset}" > "$OUT/rayon$RANK"; echo "${CANDLE_NUM_THREADS-unset}" > "$OUT/candle$RANK""#,
         ),
         dir.path(),
     );
@@ -72,6 +72,11 @@ fn three_workers_succeed_and_see_torchrun_variables() {
         match std::env::var_os("RAYON_NUM_THREADS") {
             None => assert_eq!(rayon.trim(), (cores / 3).max(1).to_string(), "each worker gets cores / workers"),
             Some(v) => assert_eq!(rayon.trim(), v.to_str().unwrap(), "a user's RAYON_NUM_THREADS is kept"),
+        }
+        let candle = read(dir.path().join(format!("candle{r}")));
+        match std::env::var_os("CANDLE_NUM_THREADS") {
+            None => assert_eq!(candle.trim(), "1", "candle's own elementwise pool off unless the user sets it"),
+            Some(v) => assert_eq!(candle.trim(), v.to_str().unwrap(), "a user's CANDLE_NUM_THREADS is kept"),
         }
     }
     assert!(ports[0] != 0 && ports.iter().all(|p| *p == ports[0]), "{ports:?}");
