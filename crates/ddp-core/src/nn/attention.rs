@@ -96,20 +96,21 @@ impl<'a> Sequence<'a> {
         MatRef { data: x, offset: h * self.hd, rs: self.d, cs: 1 }
     }
 
+    /// `out`'s columns of head `h` (`[s, hd]`, rows `d` apart) `= a[s×k] · b[k×hd]`, on this thread.
+    fn product_into_head(&self, out: &mut [f32], h: usize, a: MatRef<'_>, b: MatRef<'_>, k: usize) {
+        let dst = MatMut { data: out, offset: h * self.hd, rs: self.d };
+        gemm_into(dst, a, b, self.s, self.hd, k, false, Threads::One);
+    }
+
+    /// `out[s×s] = a[s×hd] · b[hd×s]` (one head's scores or their gradient), on this thread.
+    fn square(&self, out: &mut [f32], a: MatRef<'_>, b: MatRef<'_>) {
+        gemm_into(MatMut { data: out, offset: 0, rs: self.s }, a, b, self.s, self.s, self.hd, false, Threads::One);
+    }
+
     /// `p[s×s] = softmax(scale · Q Kᵀ)` of head `h`, causal: row `i` holds keys `0..=i`, exact zeros after.
     fn probs(&self, h: usize, scale: f32, p: &mut [f32]) {
-        let s = self.s;
-        gemm_into(
-            MatMut { data: p, offset: 0, rs: s },
-            self.head(self.q, h),
-            self.head(self.k, h).t(),
-            s,
-            s,
-            self.hd,
-            false,
-            Threads::One,
-        );
-        for (i, row) in p.chunks_exact_mut(s).enumerate() {
+        self.square(p, self.head(self.q, h), self.head(self.k, h).t());
+        for (i, row) in p.chunks_exact_mut(self.s).enumerate() {
             let (seen, masked) = row.split_at_mut(i + 1);
             let m = seen.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
             let mut total = 0f32;
@@ -158,17 +159,7 @@ impl CustomOp3 for AttentionOp {
             for h in 0..self.n_head {
                 seq.probs(h, self.scale, &mut p);
                 // Y = P V into this head's columns of the output.
-                let p_mat = MatRef { data: &p, offset: 0, rs: s, cs: 1 };
-                gemm_into(
-                    MatMut { data: y, offset: h * hd, rs: d },
-                    p_mat,
-                    seq.head(seq.v, h),
-                    s,
-                    hd,
-                    s,
-                    false,
-                    Threads::One,
-                );
+                seq.product_into_head(y, h, MatRef { data: &p, offset: 0, rs: s, cs: 1 }, seq.head(seq.v, h), s);
             }
         });
         Ok((CpuStorage::F32(y), l1.shape().clone()))
@@ -208,18 +199,9 @@ impl CustomOp3 for AttentionOp {
                 let p_mat = MatRef { data: &p, offset: 0, rs: s, cs: 1 };
                 let dy = seq.head(g, h);
                 // dV = Pᵀ dY
-                gemm_into(MatMut { data: dv, offset: h * hd, rs: d }, p_mat.t(), dy, s, hd, s, false, Threads::One);
+                seq.product_into_head(dv, h, p_mat.t(), dy, s);
                 // dP = dY Vᵀ (into ds), then dS = scale · P ⊙ (dP − rowsum(dP ⊙ P)) in place; masked keys stay 0.
-                gemm_into(
-                    MatMut { data: &mut ds, offset: 0, rs: s },
-                    dy,
-                    seq.head(seq.v, h).t(),
-                    s,
-                    s,
-                    hd,
-                    false,
-                    Threads::One,
-                );
+                seq.square(&mut ds, dy, seq.head(seq.v, h).t());
                 for (r, (dsr, pr)) in ds.chunks_exact_mut(s).zip(p.chunks_exact(s)).enumerate() {
                     let (seen, masked) = dsr.split_at_mut(r + 1);
                     let pr = &pr[..=r];
@@ -231,26 +213,8 @@ impl CustomOp3 for AttentionOp {
                 }
                 let ds_mat = MatRef { data: &ds, offset: 0, rs: s, cs: 1 };
                 // dQ = dS K, dK = dSᵀ Q
-                gemm_into(
-                    MatMut { data: dq, offset: h * hd, rs: d },
-                    ds_mat,
-                    seq.head(seq.k, h),
-                    s,
-                    hd,
-                    s,
-                    false,
-                    Threads::One,
-                );
-                gemm_into(
-                    MatMut { data: dk, offset: h * hd, rs: d },
-                    ds_mat.t(),
-                    seq.head(seq.q, h),
-                    s,
-                    hd,
-                    s,
-                    false,
-                    Threads::One,
-                );
+                seq.product_into_head(dq, h, ds_mat, seq.head(seq.k, h), s);
+                seq.product_into_head(dk, h, ds_mat.t(), seq.head(seq.q, h), s);
             }
         });
         let dev = Device::Cpu;
