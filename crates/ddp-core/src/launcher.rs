@@ -164,8 +164,12 @@ impl LaunchConfig {
     /// ACCEL_RUN_TOKEN, ACCEL_USE_AGENT_STORE=1 (node 0's launcher hosts the store, so no worker starts one),
     /// ACCEL_RESTART_COUNT, ACCEL_MAX_RESTARTS, and, when more than one worker shares the machine and neither the
     /// launcher's environment nor `env` sets them, OMP_NUM_THREADS=1 (as torchrun) and RAYON_NUM_THREADS =
-    /// cores / workers (candle's CPU thread pool), so that N workers do not each start one thread per core; and,
-    /// unless the launcher's environment or `env` sets it, CANDLE_NUM_THREADS=1 (see below).
+    /// cores / workers (the rayon pool candle's matrix products and ddp-core's fused ops run on), so that N
+    /// workers do not each start one thread per core; and, whatever the number of workers, unless the launcher's
+    /// environment or `env` sets it, CANDLE_NUM_THREADS=1: candle's second pool, for its elementwise ops, spins
+    /// after every op and took the cores from rayon's (char-GPT step 73 → 53 ms with rayon at 2 threads on 2
+    /// cores). With one worker per machine this leaves candle's elementwise ops on one thread while rayon has
+    /// every core: measured only on 2 cores, so a many-core machine may want CANDLE_NUM_THREADS set by hand.
     pub fn worker_env(
         &self,
         local_rank: usize,
@@ -203,11 +207,9 @@ impl LaunchConfig {
                 set("RAYON_NUM_THREADS", (cores / self.nproc_per_node).max(1).to_string());
             }
         }
-        // candle 0.11 runs its elementwise ops on a second pool of its own (CANDLE_NUM_THREADS − 1 workers, which
-        // spin after every op), beside the rayon pool that runs matrix products and the fused ops: with rayon at
-        // 2 threads on 2 cores the two pools fight for the cores, and the char-GPT step took 73 ms against 53 with
-        // candle's pool off (the MLP 4.6 against 3.4; docs/benchmarks.md, "One training step vs PyTorch"). At one
-        // rayon thread the setting changes nothing.
+        // candle 0.11's own elementwise pool (CANDLE_NUM_THREADS − 1 spinning workers) beside rayon's: see the doc
+        // comment; measured in docs/benchmarks.md, "One training step vs PyTorch". At one rayon thread it has no
+        // workers anyway.
         if !user_set("CANDLE_NUM_THREADS") {
             set("CANDLE_NUM_THREADS", "1".into());
         }

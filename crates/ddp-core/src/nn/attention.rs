@@ -9,8 +9,8 @@
 //!
 //! - forward: `S = Q Kᵀ` (one product), `P = softmax(scale · S)` row by row over the keys up to the query
 //!   (masked keys exactly 0, never read), `Y = P V` (one product) into the output's columns of that head;
-//! - backward: `P` recomputed as forward (nothing is saved between the passes but the inputs, as in
-//!   FlashAttention — Dao et al. 2022 — though without its tiling: the `[s, s]` matrix of one head is small),
+//! - backward: `P` recomputed as forward, as FlashAttention does (Dao et al. 2022; it also keeps the output and
+//!   each row's log-sum-exp, and tiles; here only the inputs are kept, and one head's `[s, s]` matrix is small),
 //!   then `dV = Pᵀ dY`, `dP = dY Vᵀ`, `dS = scale · P ⊙ (dP − rowsum(dP ⊙ P))` (softmax's backward), `dQ = dS K`,
 //!   `dK = dSᵀ Q` — the transposes are strides handed to the product, never copies.
 //!
@@ -33,7 +33,8 @@ use rayon::prelude::*;
 /// within f32 rounding.
 ///
 /// Errors ([`DdpError::InvalidArgument`]): `q`, `k` or `v` not 3-D or not all of one shape; `n_head` zero or not
-/// dividing the last dimension; `scale` not finite.
+/// dividing the last dimension; `scale` not finite in f32 (the fast path's precision). Mixed dtypes or devices
+/// come back from candle's ops as [`DdpError::Candle`].
 pub fn causal_self_attention(q: &Tensor, k: &Tensor, v: &Tensor, n_head: usize, scale: f64) -> Result<Tensor> {
     let dims = q.dims();
     if dims.len() != 3 || k.dims() != dims || v.dims() != dims {
@@ -51,9 +52,9 @@ pub fn causal_self_attention(q: &Tensor, k: &Tensor, v: &Tensor, n_head: usize, 
              it must be the number of heads whose columns lie side by side there"
         )));
     }
-    if !scale.is_finite() {
+    if !(scale as f32).is_finite() {
         return Err(DdpError::InvalidArgument(format!(
-            "causal_self_attention: scale = {scale}; it must be finite (attention uses 1/√head_dim)"
+            "causal_self_attention: scale = {scale}; it must be finite in f32 (attention uses 1/√head_dim)"
         )));
     }
     if fast_path(&[q, k, v]) && q.elem_count() > 0 {

@@ -94,7 +94,7 @@ pub(crate) fn check_buffer(who: &str, name: &str, i: usize, buf: &Tensor, p: &Va
 }
 
 /// Rewrites every per-parameter tensor of an optimizer state (the `{param index}.{buffer}` keys
-/// [`OptimizerState::to_state_dict`] writes) with `f(param index, tensor)`; other entries are kept. Checkpoints
+/// `OptimizerState::to_state_dict` writes) with `f(param index, tensor)`; other entries are kept. Checkpoints
 /// of tensor-parallel runs gather the buffers of sharded parameters this way, and slice them on load.
 ///
 /// Errors: the first error `f` returns (its own error type, so callers keep theirs).

@@ -132,4 +132,7 @@ fn bad_arguments_are_named() {
     assert!(e.contains("n_head = 0"), "{e}");
     let e = err(causal_self_attention(&x, &x, &x, 2, f64::NAN));
     assert!(e.contains("scale = NaN") && e.contains("must be finite"), "{e}");
+    // Finite in f64 but not in the f32 the kernel computes in: refused rather than an output of NaN.
+    let e = err(causal_self_attention(&x, &x, &x, 2, 1e300));
+    assert!(e.contains("finite in f32"), "{e}");
 }
