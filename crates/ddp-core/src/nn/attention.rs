@@ -17,7 +17,8 @@
 //! The sequences of a batch run in parallel on rayon's pool (one task each), each product on its task's thread.
 
 use super::cpu::{gemm_into, MatMut, MatRef, Threads};
-use super::cpu_f32::{dot, fast_path, storage_f32, tensor_f32};
+use super::cpu_f32::{fast_path, storage_f32, tensor_f32};
+use super::softmax::{softmax_backward_in_place, softmax_in_place};
 use crate::{DdpError, Result};
 use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor};
 use rayon::prelude::*;
@@ -113,16 +114,7 @@ impl<'a> Sequence<'a> {
         self.square(p, self.head(self.q, h), self.head(self.k, h).t());
         for (i, row) in p.chunks_exact_mut(self.s).enumerate() {
             let (seen, masked) = row.split_at_mut(i + 1);
-            let m = seen.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
-            let mut total = 0f32;
-            for x in seen.iter_mut() {
-                *x = (*x * scale - m).exp();
-                total += *x;
-            }
-            let inv = 1.0 / total;
-            for x in seen.iter_mut() {
-                *x *= inv;
-            }
+            softmax_in_place(seen, scale);
             masked.fill(0.0);
         }
     }
@@ -205,11 +197,7 @@ impl CustomOp3 for AttentionOp {
                 seq.square(&mut ds, dy, seq.head(seq.v, h).t());
                 for (r, (dsr, pr)) in ds.chunks_exact_mut(s).zip(p.chunks_exact(s)).enumerate() {
                     let (seen, masked) = dsr.split_at_mut(r + 1);
-                    let pr = &pr[..=r];
-                    let dp_p = dot(seen, pr);
-                    for (x, &pv) in seen.iter_mut().zip(pr) {
-                        *x = scale * pv * (*x - dp_p);
-                    }
+                    softmax_backward_in_place(seen, &pr[..=r], scale);
                     masked.fill(0.0);
                 }
                 let ds_mat = MatRef { data: &ds, offset: 0, rs: s, cs: 1 };

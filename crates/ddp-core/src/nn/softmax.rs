@@ -89,6 +89,30 @@ fn causal_mask(s: usize, dtype: DType, device: &Device) -> Result<Tensor> {
     Ok(mask)
 }
 
+/// `row ← softmax(scale · row)`, max-subtracted: the forward of one row (of the visible keys only, for the causal
+/// variant). Shared with the fused attention.
+pub(super) fn softmax_in_place(row: &mut [f32], scale: f32) {
+    let m = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
+    let mut total = 0f32;
+    for v in row.iter_mut() {
+        *v = (*v * scale - m).exp();
+        total += *v;
+    }
+    let inv = 1.0 / total;
+    for v in row.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// `g ← scale · y ⊙ (g − Σ g·y)`: the backward of one row of [`softmax_in_place`], from its output `y` and the
+/// incoming gradient `g` (overwritten with the input's gradient). Shared with the fused attention.
+pub(super) fn softmax_backward_in_place(g: &mut [f32], y: &[f32], scale: f32) {
+    let gy = dot(g, y);
+    for (v, &yv) in g.iter_mut().zip(y) {
+        *v = scale * yv * (*v - gy);
+    }
+}
+
 /// The fused op on contiguous f32 rows of `row_len`: `softmax(scale · x)` per row, keys after the query masked
 /// when `causal` (row `r` is query `r mod row_len` of its `[s, s]` matrix).
 struct SoftmaxOp {
@@ -127,17 +151,8 @@ impl CustomOp1 for SoftmaxOp {
             for (r, yr) in block.chunks_mut(n).enumerate() {
                 let row = row0 + r;
                 let k = self.visible(row);
-                let xr = &x[row * n..][..k];
-                let m = xr.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
-                let mut total = 0f32;
-                for (o, &v) in yr[..k].iter_mut().zip(xr) {
-                    *o = (v * scale - m).exp();
-                    total += *o;
-                }
-                let inv = 1.0 / total;
-                for o in &mut yr[..k] {
-                    *o *= inv;
-                }
+                yr[..k].copy_from_slice(&x[row * n..][..k]);
+                softmax_in_place(&mut yr[..k], scale);
                 // yr[k..] stays 0: the masked keys.
             }
         });
@@ -157,11 +172,8 @@ impl CustomOp1 for SoftmaxOp {
             for (r, dxr) in block.chunks_mut(n).enumerate() {
                 let row = row0 + r;
                 let k = self.visible(row);
-                let (yr, gr) = (&y[row * n..][..k], &g[row * n..][..k]);
-                let gy = dot(gr, yr);
-                for ((o, &yv), &gv) in dxr[..k].iter_mut().zip(yr).zip(gr) {
-                    *o = scale * yv * (gv - gy);
-                }
+                dxr[..k].copy_from_slice(&g[row * n..][..k]);
+                softmax_backward_in_place(&mut dxr[..k], &y[row * n..][..k], scale);
             }
         });
         Ok(Some(Tensor::from_vec(dx, res.shape(), &Device::Cpu)?))
