@@ -269,11 +269,31 @@ pub fn correct_count(logits: &Tensor, labels: &Tensor) -> candle_core::Result<us
     Ok(hits.to_scalar::<u32>()? as usize)
 }
 
+/// mimalloc's `mi_option_purge_delay` (mimalloc 3.x's `mi_option_e`, `include/mimalloc.h`; libmimalloc-sys binds
+/// the enum but not this member). Checked by this crate's tests: its default reads back as 1000 (ms).
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// Tells mimalloc (the global allocator of the examples and benches) to keep the memory a training step frees
+/// for the next step instead of ever handing it back to the kernel. With mimalloc's default (`purge_delay`
+/// 1000 ms) a char-GPT step still took 170–210 page faults, each zero-filling a page the step had used before;
+/// with this, none after the first steps (docs/benchmarks.md, "Allocator"). The price: resident memory stays at
+/// its peak until the process exits (as PyTorch's caching allocator keeps GPU memory).
+///
+/// `MIMALLOC_PURGE_DELAY` in the environment still wins (this only changes the default), and the launcher sets
+/// `MIMALLOC_PURGE_DELAY=-1` for its workers unless the user does ([`ddp_core::launcher::LaunchConfig::worker_env`]).
+/// Has no effect in a binary whose global allocator is not mimalloc. [`run_main`] calls it.
+pub fn keep_freed_memory() {
+    // SAFETY: sets one integer option of mimalloc's; safe from any thread at any time (mimalloc reads it each
+    // time it considers a purge).
+    unsafe { libmimalloc_sys::mi_option_set_default(MI_OPTION_PURGE_DELAY, -1) }
+}
+
 /// Runs an example's body: installs a `tracing` subscriber on stderr first, so library warnings reach the user
 /// (level `warn` by default, `RUST_LOG` overrides, e.g. `RUST_LOG=accel=debug`), and reports an error as its chain
 /// of causes with exit status 1 — no backtrace, even under `RUST_BACKTRACE=1`: those are for panics, not for a
 /// wrong flag or a missing file.
 pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> std::process::ExitCode {
+    keep_freed_memory();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     // A second call (tests that run several mains in one process) keeps the first subscriber.
@@ -300,6 +320,24 @@ pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> std::process::Exit
 mod tests {
     use super::*;
     use candle_nn::VarMap;
+
+    #[test]
+    fn keep_freed_memory_sets_mimallocs_purge_delay() {
+        // Nothing else in this test binary touches the option, so it still holds mimalloc's default here: 1000 ms
+        // is purge_delay's default in mimalloc 3 (`src/options.c`; no other option has it), which pins the index.
+        let read = || unsafe { libmimalloc_sys::mi_option_get(MI_OPTION_PURGE_DELAY) };
+        match std::env::var("MIMALLOC_PURGE_DELAY") {
+            Err(_) => {
+                assert_eq!(read(), 1000, "mimalloc's purge_delay default (ms) at index {MI_OPTION_PURGE_DELAY}");
+                keep_freed_memory();
+                assert_eq!(read(), -1, "never purge");
+            }
+            Ok(v) => {
+                keep_freed_memory();
+                assert_eq!(read().to_string(), v, "the environment's value wins over the default");
+            }
+        }
+    }
 
     #[test]
     fn mlp_names_and_shapes() {

@@ -69,6 +69,7 @@ impl Module for Mlp {
 }
 
 fn main() -> anyhow::Result<()> {
+    accel_examples::keep_freed_memory();
     let cli = Cli::parse();
     if ddp_core::launcher::launch_self(cli.nproc).context("running the benchmark workers")? {
         return Ok(());

@@ -234,6 +234,7 @@ impl Data {
 }
 
 fn main() -> anyhow::Result<()> {
+    accel_examples::keep_freed_memory();
     let cli = Cli::parse();
     let batch = cli.batch.unwrap_or(match cli.model {
         ModelKind::Mlp => 128,

@@ -87,6 +87,7 @@ impl Module for Mlp {
 }
 
 fn main() -> anyhow::Result<()> {
+    accel_examples::keep_freed_memory();
     let cli = Cli::parse();
     // The launcher gives each worker its share of the cores (RAYON_NUM_THREADS).
     if ddp_core::launcher::launch_self(cli.nproc).context("benchmark workers failed")? {

@@ -169,7 +169,10 @@ impl LaunchConfig {
     /// environment or `env` sets it, CANDLE_NUM_THREADS=1: candle's second pool, for its elementwise ops, spins
     /// after every op and took the cores from rayon's (char-GPT step 73 → 53 ms with rayon at 2 threads on 2
     /// cores). With one worker per machine this leaves candle's elementwise ops on one thread while rayon has
-    /// every core: measured only on 2 cores, so a many-core machine may want CANDLE_NUM_THREADS set by hand.
+    /// every core: measured only on 2 cores, so a many-core machine may want CANDLE_NUM_THREADS set by hand. And,
+    /// again unless set, MIMALLOC_PURGE_DELAY=-1: a worker whose global allocator is mimalloc keeps the memory a
+    /// step frees for the next step instead of returning it to the kernel and faulting it in again (char-GPT:
+    /// 170–210 page faults per step → 0); resident memory then stays at its peak. Ignored by any other allocator.
     pub fn worker_env(
         &self,
         local_rank: usize,
@@ -212,6 +215,10 @@ impl LaunchConfig {
         // workers anyway.
         if !user_set("CANDLE_NUM_THREADS") {
             set("CANDLE_NUM_THREADS", "1".into());
+        }
+        // mimalloc's purge of idle pages: see the doc comment; measured in docs/benchmarks.md, "Allocator".
+        if !user_set("MIMALLOC_PURGE_DELAY") {
+            set("MIMALLOC_PURGE_DELAY", "-1".into());
         }
         env
     }

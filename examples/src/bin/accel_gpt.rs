@@ -37,6 +37,12 @@ use rand::SeedableRng;
 use std::path::PathBuf;
 use std::time::Instant;
 
+/// Global allocator: mimalloc keeps freed blocks for reuse, where glibc's malloc returns large ones to the kernel
+/// and faults them in again on the next step (candle allocates every temporary anew: thousands of page faults per
+/// training step). Measured in docs/benchmarks.md ("Allocator").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Char-level GPT on Shakespeare at level 2: the Accelerator, data × tensor parallel (--tp-size).
 #[derive(Parser, Debug)]
 struct Args {

@@ -25,6 +25,12 @@ use clap::Parser;
 use rand::SeedableRng;
 use trainer::{losses, IntervalStrategy, SaveStrategy, Trainer, TrainingArguments, TrainingArgumentsCli};
 
+/// Global allocator: mimalloc keeps freed blocks for reuse, where glibc's malloc returns large ones to the kernel
+/// and faults them in again on the next step (candle allocates every temporary anew: thousands of page faults per
+/// training step). Measured in docs/benchmarks.md ("Allocator").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Train a character-level GPT on Shakespeare with the Trainer, data- and/or tensor-parallel.
 #[derive(Parser, Debug)]
 #[command(name = "train_gpt", version)]

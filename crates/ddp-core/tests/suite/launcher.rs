@@ -46,7 +46,7 @@ fn three_workers_succeed_and_see_torchrun_variables() {
     let mut cfg = with_out(
         sh(
             3,
-            r#"echo "$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK $ROLE_RANK $MASTER_ADDR $ACCEL_USE_AGENT_STORE ${#ACCEL_RUN_TOKEN} $ACCEL_RESTART_COUNT $EXTRA $1" > "$OUT/rank$RANK"; echo "$MASTER_PORT" > "$OUT/port$RANK"; echo "${OMP_NUM_THREADS-unset}" > "$OUT/omp$RANK"; echo "${RAYON_NUM_THREADS-unset}" > "$OUT/rayon$RANK"; echo "${CANDLE_NUM_THREADS-unset}" > "$OUT/candle$RANK""#,
+            r#"echo "$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK $ROLE_RANK $MASTER_ADDR $ACCEL_USE_AGENT_STORE ${#ACCEL_RUN_TOKEN} $ACCEL_RESTART_COUNT $EXTRA $1" > "$OUT/rank$RANK"; echo "$MASTER_PORT" > "$OUT/port$RANK"; echo "${OMP_NUM_THREADS-unset}" > "$OUT/omp$RANK"; echo "${RAYON_NUM_THREADS-unset}" > "$OUT/rayon$RANK"; echo "${CANDLE_NUM_THREADS-unset}" > "$OUT/candle$RANK"; echo "${MIMALLOC_PURGE_DELAY-unset}" > "$OUT/mimalloc$RANK""#,
         ),
         dir.path(),
     );
@@ -77,6 +77,11 @@ fn three_workers_succeed_and_see_torchrun_variables() {
         match std::env::var_os("CANDLE_NUM_THREADS") {
             None => assert_eq!(candle.trim(), "1", "candle's own elementwise pool off unless the user sets it"),
             Some(v) => assert_eq!(candle.trim(), v.to_str().unwrap(), "a user's CANDLE_NUM_THREADS is kept"),
+        }
+        let purge = read(dir.path().join(format!("mimalloc{r}")));
+        match std::env::var_os("MIMALLOC_PURGE_DELAY") {
+            None => assert_eq!(purge.trim(), "-1", "mimalloc keeps freed memory unless the user sets it"),
+            Some(v) => assert_eq!(purge.trim(), v.to_str().unwrap(), "a user's MIMALLOC_PURGE_DELAY is kept"),
         }
     }
     assert!(ports[0] != 0 && ports.iter().all(|p| *p == ports[0]), "{ports:?}");
