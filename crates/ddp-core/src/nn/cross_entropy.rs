@@ -8,6 +8,7 @@
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
 
 use super::cpu::{f32_slice, has_rows_view, with_f32, RowsView};
+use super::cpu_f32::exp;
 
 /// Mean cross entropy over all rows: `logits` `[.., c]` (float), `targets` `[..]` class indices (u8, u32 or i64;
 /// the logits' leading dimensions) → scalar `−(1/n) Σ_i log softmax(logits_i)[targets_i]`, `n` the number of
@@ -169,7 +170,7 @@ fn row_lse(data: &[f32], v: &RowsView, i: usize) -> f32 {
     }
     let mut sum = 0f32;
     for j in 0..v.cols {
-        sum += (v.at(data, i, j) - max).exp();
+        sum += exp(v.at(data, i, j) - max);
     }
     max + sum.ln()
 }
@@ -218,7 +219,7 @@ impl CustomOp2 for CrossEntropyOp {
                 let Some(t) = self.target(t, i, v.cols)? else { continue };
                 let lse = row_lse(data, &v, i);
                 for (j, dv) in drow.iter_mut().enumerate() {
-                    *dv = (v.at(data, i, j) - lse).exp() * g;
+                    *dv = exp(v.at(data, i, j) - lse) * g;
                 }
                 drow[t] -= g;
             }

@@ -10,7 +10,7 @@
 //! Elsewhere: candle-nn's differentiable `ops::softmax`, and for the causal variant `scale · scores` plus a
 //! cached `[s, s]` mask of 0 / −∞ (so the masked probabilities are `exp(−∞) = 0` there too).
 
-use super::cpu_f32::{dot, fast_path, for_row_blocks, storage_f32, tensor_f32};
+use super::cpu_f32::{dot, exp, fast_path, for_row_blocks, simd_fn, storage_f32, sum, tensor_f32};
 use crate::{DdpError, Result};
 use candle_core::{CpuStorage, CustomOp1, DType, Device, DeviceLocation, Layout, Shape, Tensor, D};
 use std::sync::Mutex;
@@ -89,18 +89,19 @@ fn causal_mask(s: usize, dtype: DType, device: &Device) -> Result<Tensor> {
     Ok(mask)
 }
 
-/// `row ← softmax(scale · row)`, max-subtracted: the forward of one row (of the visible keys only, for the causal
-/// variant). Shared with the fused attention.
-pub(super) fn softmax_in_place(row: &mut [f32], scale: f32) {
-    let m = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
-    let mut total = 0f32;
-    for v in row.iter_mut() {
-        *v = (*v * scale - m).exp();
-        total += *v;
-    }
-    let inv = 1.0 / total;
-    for v in row.iter_mut() {
-        *v *= inv;
+simd_fn! {
+    /// `row ← softmax(scale · row)`, max-subtracted: the forward of one row (of the visible keys only, for the
+    /// causal variant). Shared with the fused attention. The exponentials and their sum are separate passes, so
+    /// that both vectorise.
+    pub(super) fn softmax_in_place(row: &mut [f32], scale: f32) {
+        let m = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
+        for v in row.iter_mut() {
+            *v = exp(*v * scale - m);
+        }
+        let inv = 1.0 / sum(row);
+        for v in row.iter_mut() {
+            *v *= inv;
+        }
     }
 }
 
