@@ -54,7 +54,19 @@ pub fn render(config_file: Option<&Path>) -> String {
     for g in &gpus.gpus {
         let _ = writeln!(s, "    {}: {} ({})", g.index, g.name, g.memory);
     }
-    for var in ["CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "HF_HOME", "ACCEL_BACKEND", "ACCEL_TIMEOUT"] {
+    // The variables that change what a worker does or how fast (the thread pools and the allocator's purge are
+    // the launcher's defaults when unset: see ddp_core::launcher::LaunchConfig::worker_env).
+    for var in [
+        "CUDA_VISIBLE_DEVICES",
+        "OMP_NUM_THREADS",
+        "RAYON_NUM_THREADS",
+        "CANDLE_NUM_THREADS",
+        "MIMALLOC_PURGE_DELAY",
+        "ACCEL_FUSED_OPS",
+        "HF_HOME",
+        "ACCEL_BACKEND",
+        "ACCEL_TIMEOUT",
+    ] {
         if let Ok(v) = std::env::var(var) {
             let _ = writeln!(s, "- {var}: {v}");
         }
