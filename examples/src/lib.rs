@@ -288,12 +288,21 @@ pub fn keep_freed_memory() {
     unsafe { libmimalloc_sys::mi_option_set_default(MI_OPTION_PURGE_DELAY, -1) }
 }
 
-/// Runs an example's body: installs a `tracing` subscriber on stderr first, so library warnings reach the user
-/// (level `warn` by default, `RUST_LOG` overrides, e.g. `RUST_LOG=accel=debug`), and reports an error as its chain
-/// of causes with exit status 1 — no backtrace, even under `RUST_BACKTRACE=1`: those are for panics, not for a
-/// wrong flag or a missing file.
+/// Runs an example's body: first gives this process what the launcher gives its workers — mimalloc keeping freed
+/// memory ([`keep_freed_memory`]) and, unless set, `CANDLE_NUM_THREADS=1` (candle's own elementwise pool, whose
+/// workers spin after every op and take the cores from rayon's: see
+/// [`ddp_core::launcher::LaunchConfig::worker_env`]) — so that a run that trains in this process (`--nproc 1`)
+/// runs as a launched worker would; then installs a `tracing` subscriber on stderr, so library warnings reach the
+/// user (level `warn` by default, `RUST_LOG` overrides, e.g. `RUST_LOG=accel=debug`), and reports an error as its
+/// chain of causes with exit status 1 — no backtrace, even under `RUST_BACKTRACE=1`: those are for panics, not for
+/// a wrong flag or a missing file.
 pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> std::process::ExitCode {
     keep_freed_memory();
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        // First thing in `main`, before any thread starts (candle reads it when its pool starts, at the first
+        // elementwise op): setting the environment is sound here.
+        std::env::set_var("CANDLE_NUM_THREADS", "1");
+    }
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     // A second call (tests that run several mains in one process) keeps the first subscriber.
