@@ -172,7 +172,7 @@ impl LaunchConfig {
     /// every core: measured only on 2 cores, so a many-core machine may want CANDLE_NUM_THREADS set by hand. And,
     /// again unless set, MIMALLOC_PURGE_DELAY=-1: a worker whose global allocator is mimalloc keeps the memory a
     /// step frees for the next step instead of returning it to the kernel and faulting it in again (char-GPT:
-    /// 170–210 page faults per step → 0); resident memory then stays at its peak. Ignored by any other allocator.
+    /// 105–216 page faults per step → 0); resident memory then stays at its peak. Ignored by any other allocator.
     pub fn worker_env(
         &self,
         local_rank: usize,
