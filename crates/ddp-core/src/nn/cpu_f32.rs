@@ -131,8 +131,8 @@ macro_rules! simd_fn {
                 unsafe fn avx2($($arg: $ty),*) {
                     body($($arg),*)
                 }
-                if std::arch::is_x86_feature_detected!("avx2") {
-                    // SAFETY: the CPU has AVX2 (checked just above).
+                if $crate::nn::cpu_f32::use_avx2() {
+                    // SAFETY: the CPU has AVX2 (use_avx2 checked it).
                     return unsafe { avx2($($arg),*) };
                 }
             }
@@ -141,6 +141,22 @@ macro_rules! simd_fn {
     };
 }
 pub(crate) use simd_fn;
+
+/// Tests only: run every [`simd_fn!`] kernel in its baseline build, to compare it with the AVX2 one (they must
+/// agree bit for bit, so flipping this never changes a result, even for tests running at the same time).
+#[cfg(test)]
+pub(crate) static BASELINE_ONLY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether [`simd_fn!`] kernels take their AVX2 build: the CPU has AVX2 (std caches the check).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn use_avx2() -> bool {
+    #[cfg(test)]
+    if BASELINE_ONLY.load(std::sync::atomic::Ordering::Relaxed) {
+        return false;
+    }
+    std::arch::is_x86_feature_detected!("avx2")
+}
 
 /// `e^x` in f32 without a call: Cody–Waite range reduction `x = n·ln 2 + r` (`|r| ≤ ln 2 / 2`, `ln 2` split in two
 /// parts so that `n·ln 2` is exact), Cephes' degree-6 polynomial for `e^r` (`expf.c`, S. L. Moshier), then `2^n`
@@ -219,6 +235,35 @@ mod tests {
             }
         }
         assert!(worst.0 <= 1, "worst error {} ulps at x = {}", worst.0, worst.1);
+    }
+
+    /// GELU (forward and backward) and softmax give the same bits from the AVX2 and the baseline builds of their
+    /// kernels (on a CPU without AVX2 both runs take the baseline, and the test still passes).
+    #[test]
+    fn avx2_and_baseline_kernels_agree_bit_for_bit() {
+        use candle_core::{Device, Tensor, Var};
+        use std::sync::atomic::Ordering;
+        // Values across GELU's and exp's whole range, including the saturated ends, in rows of odd length (so the
+        // vector loops have remainders).
+        let xs: Vec<f32> = (0..37 * 301).map(|i| ((i as f32 * 0.7317).sin() * 12.0) + (i % 7) as f32 - 3.0).collect();
+        let run = || {
+            let x = Var::from_tensor(&Tensor::from_vec(xs.clone(), (37, 301), &Device::Cpu).unwrap()).unwrap();
+            let y = crate::nn::activation::gelu(x.as_tensor()).unwrap();
+            let s = crate::nn::softmax::softmax_last_dim(x.as_tensor()).unwrap();
+            let loss = (y.sum_all().unwrap() + (s.sqr().unwrap().sum_all().unwrap())).unwrap();
+            let grads = loss.backward().unwrap();
+            let bits = |t: &Tensor| -> Vec<u32> {
+                t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+            };
+            (bits(&y), bits(&s), bits(grads.get(x.as_tensor()).unwrap()))
+        };
+        let native = run();
+        super::BASELINE_ONLY.store(true, Ordering::Relaxed);
+        let baseline = run();
+        super::BASELINE_ONLY.store(false, Ordering::Relaxed);
+        assert!(native.0 == baseline.0, "GELU forward differs between the AVX2 and the baseline kernels");
+        assert!(native.1 == baseline.1, "softmax differs between the AVX2 and the baseline kernels");
+        assert!(native.2 == baseline.2, "GELU + softmax backward differs between the AVX2 and the baseline kernels");
     }
 
     #[test]
