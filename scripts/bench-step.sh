@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# One training step in one process, accel-rs against PyTorch: benches/src/bin/step_time.rs (--ops both: the fused ops
-# of ddp_core::nn and candle's own ops, interleaved step by step) and scripts/torch_ref/step.py, for the MLP at batch
-# 128 and the char-GPT at 16 sequences, at 1 and 2 threads, the two programs alternating (at 2 threads the fused ops
-# once more with CANDLE_NUM_THREADS=1, candle's own elementwise pool off); medians of --repeat runs.
+# One training step in one process, accel-rs against PyTorch: benches/src/bin/step_time.rs (--ops fused: the fused ops
+# of ddp_core::nn; then --ops candle: candle's own ops, in a process of its own, so that its 3x slower steps do not
+# disturb the caches and the allocator of the fused run, as they did interleaved step by step) and
+# scripts/torch_ref/step.py, for the MLP at batch 128 and the char-GPT at 16 sequences, at 1 and 2 threads, the
+# programs alternating (at 2 threads the fused ops once more with CANDLE_NUM_THREADS=1, candle's own elementwise
+# pool off); medians of --repeat runs.
 # Writes the section between <!-- step:begin/end --> of docs/benchmarks.md.
 #
 #   scripts/bench-step.sh [--repeat 3] [--steps 200] [--warmup 20] [--threads "1 2"] [--model mlp|gpt|all]
@@ -47,15 +49,17 @@ wait_for_quiet "$max_load" "$max_wait"
 
 runs="$out/runs.jsonl"; loads="$out/loads.txt"; : > "$runs"; : > "$loads"
 failed=()
-keep=all # step_time prints one line per variant (fused ops, candle's ops)
+keep=all # step_time prints one line per variant it runs
 run_one() { run_and_keep '^{.*"impl".*}' "$@"; }
 
 for i in $(seq "$repeat"); do
     for m in "${models[@]}"; do
         batch=$([[ $m == mlp ]] && echo 128 || echo 16)
         for t in $threads_list; do
-            ours=(env -u CANDLE_NUM_THREADS RAYON_NUM_THREADS="$t" "$step_bin" --model "$m" --batch "$batch" --ops both
+            ours=(env -u CANDLE_NUM_THREADS RAYON_NUM_THREADS="$t" "$step_bin" --model "$m" --batch "$batch" --ops fused
                   --steps "$steps" --warmup "$warmup" --json)
+            ours_candle=(env -u CANDLE_NUM_THREADS RAYON_NUM_THREADS="$t" "$step_bin" --model "$m" --batch "$batch"
+                         --ops candle --steps "$steps" --warmup "$warmup" --json)
             # At more than one thread, also with candle's own elementwise pool off (what the launcher sets).
             ours_c1=(env CANDLE_NUM_THREADS=1 RAYON_NUM_THREADS="$t" "$step_bin" --model "$m" --batch "$batch" --ops fused
                      --steps "$steps" --warmup "$warmup" --json)
@@ -68,6 +72,7 @@ for i in $(seq "$repeat"); do
                 run_one "$i pytorch $m ${t}t" "${theirs[@]}"; run_one "$i accel-rs $m ${t}t" "${ours[@]}"
             fi
             if (( t > 1 )); then run_one "$i accel-rs CANDLE_NUM_THREADS=1 $m ${t}t" "${ours_c1[@]}"; fi
+            run_one "$i accel-rs candle-ops $m ${t}t" "${ours_candle[@]}"
         done
     done
 done
