@@ -17,8 +17,8 @@
 //! [`StepController::optimizer_step`] and never reaches into a model.
 //!
 //! One gradient representation from backward to optimizer: [`Gradients`], a slot per parameter. A sync step
-//! packs each reduction group's slots into the process group's bucket buffers once and unpacks them once
-//! (see [`GradientReduction`]); the optimizer reads the slots by reference.
+//! all-reduces each reduction group's slots bucket by bucket, the averages replacing them (see
+//! [`GradientReduction`]); the optimizer reads the slots by reference.
 
 mod gradients;
 mod reduction;

@@ -5,6 +5,7 @@
 //! the next sequence number, which errors carry.
 
 use crate::{DType, ReduceOp, Result};
+use std::ops::Range;
 
 /// Which backend a process group runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -48,6 +49,25 @@ pub trait Backend: Send + Sync {
     fn world_size(&self) -> usize;
     /// In place: every rank ends with `op` over all ranks' `buf`.
     fn all_reduce(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()>;
+    /// [`Backend::all_reduce`] of a buffer the caller holds in pieces (DDP's bucket: one gradient tensor per
+    /// parameter): the input is read from `buf` and the result written back to it, so a backend that moves data
+    /// through memory of its own (the CPU backend's shared segment) copies the pieces straight into it and
+    /// straight out of it, never through one contiguous buffer. Same call identity, algorithm and result bits
+    /// as `all_reduce` of the concatenated pieces; ranks may mix the two calls.
+    ///
+    /// `scratch` holds at least `buf.len()` bytes, aligned for `dtype`. The default implementation packs the
+    /// input into it, calls `all_reduce` and unpacks; the CPU backend's shared-memory path uses none of it.
+    ///
+    /// Errors: those of `all_reduce`; [`crate::DdpError::InvalidArgument`] for a `scratch` shorter than `buf`.
+    fn all_reduce_piecewise(
+        &self,
+        buf: &mut dyn PiecewiseBuffer,
+        scratch: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        all_reduce_via_scratch(self, buf, scratch, dtype, op)
+    }
     /// In place: every rank ends with `root`'s `buf`.
     fn broadcast(&self, buf: &mut [u8], root: usize) -> Result<()>;
     /// `output` (len = world_size · input.len()) receives rank r's `input` at block r.
@@ -65,4 +85,64 @@ pub trait Backend: Send + Sync {
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         None
     }
+}
+
+/// The input and the output of [`Backend::all_reduce_piecewise`]: `len()` bytes of `dtype` elements that need not
+/// be contiguous in memory, read before the reduction and written after it.
+///
+/// Contract (what backends guarantee and implementations may rely on): every byte of `0..len()` is read exactly
+/// once and written exactly once, and the writes come in increasing offset order with no gaps, each range
+/// element-aligned. Reads may come in any order (a backend stages later blocks while it waits).
+pub trait PiecewiseBuffer {
+    /// Total bytes (a whole number of elements).
+    fn len(&self) -> usize;
+    /// Whether the buffer holds no bytes.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Calls `f(offset, bytes)` for consecutive pieces that together are exactly bytes `range` of this rank's
+    /// input, in order (`offset`: where `bytes` starts in `0..len()`).
+    fn read(&self, range: Range<usize>, f: &mut dyn FnMut(usize, &[u8]));
+    /// Takes `src` as the result's bytes `offset..offset + src.len()`.
+    fn write(&mut self, offset: usize, src: &[u8]);
+}
+
+/// A contiguous buffer, reduced in place (`&mut &mut [u8]` coerces to `&mut dyn PiecewiseBuffer`).
+impl PiecewiseBuffer for &mut [u8] {
+    fn len(&self) -> usize {
+        <[u8]>::len(self)
+    }
+    fn read(&self, range: Range<usize>, f: &mut dyn FnMut(usize, &[u8])) {
+        let start = range.start;
+        f(start, &self[range]);
+    }
+    fn write(&mut self, offset: usize, src: &[u8]) {
+        self[offset..offset + src.len()].copy_from_slice(src);
+    }
+}
+
+/// [`Backend::all_reduce_piecewise`]'s default: packs `buf` into `scratch`, all-reduces it, unpacks.
+pub(crate) fn all_reduce_via_scratch<B: Backend + ?Sized>(
+    backend: &B,
+    buf: &mut dyn PiecewiseBuffer,
+    scratch: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    let len = buf.len();
+    let scratch = scratch_for(scratch, len)?;
+    buf.read(0..len, &mut |offset, piece| scratch[offset..offset + piece.len()].copy_from_slice(piece));
+    backend.all_reduce(scratch, dtype, op)?;
+    buf.write(0, scratch);
+    Ok(())
+}
+
+/// The first `len` bytes of `scratch`, or an error naming both sizes.
+fn scratch_for(scratch: &mut [u8], len: usize) -> Result<&mut [u8]> {
+    let have = scratch.len();
+    scratch.get_mut(..len).ok_or_else(|| {
+        crate::DdpError::InvalidArgument(format!(
+            "all_reduce_piecewise: scratch holds {have} bytes for a buffer of {len}; pass at least the buffer's size"
+        ))
+    })
 }

@@ -3,11 +3,13 @@
 //! Accelerating Data Parallel Training", VLDB 2020).
 //!
 //! At construction parameter names, shapes and dtypes are checked across ranks and rank 0's values are broadcast.
-//! After `loss.backward()`, [`DistributedDataParallel::sync_gradients`] packs gradients into buckets (the first of
-//! 1 MiB, then `bucket_cap_mb`, built in reverse parameter order, one dtype per bucket), all-reduces them in bucket
-//! order with [`ReduceOp::Avg`] and writes the averages back into the `GradStore`. Where a spare core exists
-//! ([`Overlap`]), a communication thread reduces bucket k while the calling thread packs bucket k+1 and unpacks the
-//! buckets already reduced.
+//! After `loss.backward()`, [`DistributedDataParallel::sync_gradients`] groups gradients into buckets (the first
+//! of 1 MiB, then `bucket_cap_mb`, built in reverse parameter order, one dtype per bucket), all-reduces them in
+//! bucket order with [`ReduceOp::Avg`] and writes the averages back into the `GradStore`. A bucket goes to the
+//! process group as pieces ([`ProcessGroup::all_reduce_piecewise`]): on one machine the shared-memory all_reduce
+//! reads the gradient tensors where they lie and writes the averages into new tensors, with no packed copy of the
+//! bucket; other paths pack it into a reused buffer. Where a spare core exists ([`Overlap`]), a communication
+//! thread reduces bucket k while the calling thread launches bucket k+1.
 //!
 //! Overlap with the backward pass: candle has no autograd hooks, so `sync_gradients` starts after the whole
 //! backward pass. [`DistributedDataParallel::backward`] instead runs the backward pass of a forward recorded with
@@ -27,6 +29,7 @@ mod bucket;
 mod fingerprint;
 mod flat;
 mod overlap;
+mod pieces;
 
 pub use bucket::compute_bucket_layout;
 
@@ -38,6 +41,7 @@ use candle_nn::VarMap;
 use fingerprint::ParamSig;
 use flat::FlatBuffer;
 use overlap::OverlapPlan;
+use pieces::BucketPieces;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 
@@ -250,7 +254,7 @@ impl DistributedDataParallel {
     }
 
     /// Whether communication runs on its own thread here — overlapping the all-reduce with the backward pass in
-    /// [`Self::backward`], and bucket k's all-reduce with packing bucket k+1 in [`Self::sync_gradients`]:
+    /// [`Self::backward`], and bucket k's all-reduce with launching bucket k+1 in [`Self::sync_gradients`]:
     /// [`DdpOptions::overlap`], with [`Overlap::Auto`] decided from the backend and this machine's cores (see
     /// [`Overlap`]).
     pub fn overlaps(&self) -> bool {
@@ -386,7 +390,8 @@ impl DistributedDataParallel {
     /// bitmap costs one extra small all-reduce, only with `find_unused_parameters`; without it every slot must be
     /// `Some` (the caller checked, see [`DdpError::UnusedParameters`]).
     ///
-    /// Cost: one pack into the bucket buffers and one unpack into new tensors per parameter, nothing else.
+    /// Cost: one new tensor per parameter. Between processes of one machine the all_reduce reads the gradients
+    /// in place and writes the new tensors itself; elsewhere each bucket is also packed into a reused buffer once.
     ///
     /// Errors: [`DdpError::InvalidArgument`] for a slot count or a gradient shape that does not match the wrapped
     /// parameters, or a `None` slot without `find_unused_parameters` (before any communication); collective
@@ -432,21 +437,43 @@ impl DistributedDataParallel {
                 // One bucket, or no spare core for a communication thread (see `Overlap`): bucket by bucket on
                 // this thread — a thread that can only time-slice against this one would add its start and its
                 // scheduling to every step and hide nothing.
-                for (plan, buf) in layout.buckets.iter().zip(buffers.iter_mut()) {
-                    self.pack_gradients(plan, grads, buf)?;
-                    self.pg.all_reduce_bytes(buf.bytes_mut(), plan.dtype, ReduceOp::Avg)?;
-                    self.unpack_gradients(plan, buf, &globally_used, grads)?;
+                for (k, (plan, buf)) in layout.buckets.iter().zip(buffers.iter_mut()).enumerate() {
+                    let mut pieces = self.bucket_pieces(plan, grads, &globally_used)?;
+                    buf.resize(plan.bytes);
+                    self.pg.all_reduce_piecewise(&mut pieces, buf.bytes_mut(), plan.dtype, ReduceOp::Avg)?;
+                    self.take_averages(&layout.buckets[k], pieces, grads)?;
                 }
                 return Ok(());
             }
-            self.pipelined(&layout, buffers, |pipe| {
+            self.pipelined(&layout, buffers, &globally_used, |pipe| {
                 for k in 0..layout.buckets.len() {
                     pipe.launch(k, grads)?;
                 }
                 Ok(())
             })?
-            .unpack_into(grads, &globally_used)
+            .unpack_into(grads)
         })
+    }
+
+    /// Bucket `plan`'s gradients as the all_reduce's input and output (`pieces`): the all_reduce reads them from
+    /// the tensors in `local` where they lie (zeros where a slot is `None`) and writes the averages into new
+    /// tensors, which [`Self::take_averages`] puts back — no packing into the flat buffer on the way in or out
+    /// where the backend reads and writes pieces itself (the CPU backend's shared memory).
+    fn bucket_pieces(&self, plan: &BucketPlan, local: &[Option<Tensor>], used: &[bool]) -> Result<BucketPieces> {
+        let params = plan.params.iter().zip(&plan.offsets);
+        BucketPieces::new(
+            plan.dtype,
+            params.map(|(&p, &off)| (off..off + self.sizes[p], local[p].as_ref(), used[p])).collect(),
+        )
+    }
+
+    /// Writes the averages of a reduced bucket into their slots (`None` for parameters no rank used).
+    fn take_averages(&self, plan: &BucketPlan, mut pieces: BucketPieces, grads: &mut [Option<Tensor>]) -> Result<()> {
+        for (k, &p) in plan.params.iter().enumerate() {
+            let var = self.vars[p].1.as_tensor();
+            grads[p] = pieces.take(k, var.shape(), var.device())?;
+        }
+        Ok(())
     }
 
     /// The current bucket layout.
@@ -463,39 +490,42 @@ impl DistributedDataParallel {
         r
     }
 
-    /// The pipeline: `produce` launches buckets (packing them on this thread) while a communication thread
-    /// all-reduces the ones launched before, strictly in launch order — which must be bucket order, the same
-    /// on every rank. Returns the reduced buckets once `produce` is done and every launched bucket came back.
+    /// The pipeline: `produce` launches buckets (their gradients handed over as [`BucketPieces`], no copy) while a
+    /// communication thread all-reduces the ones launched before, strictly in launch order — which must be bucket
+    /// order, the same on every rank. `used`: per parameter, whether some rank has a gradient for it. Returns the
+    /// reduced buckets once `produce` is done and every launched bucket came back.
     fn pipelined<'b>(
         &self,
         layout: &'b BucketLayout,
         buffers: &'b mut [FlatBuffer],
+        used: &'b [bool],
         produce: impl FnOnce(&mut Pipeline<'_, 'b>) -> Result<()>,
     ) -> Result<Reduced<'_, 'b>> {
         std::thread::scope(|scope| {
-            let (to_comm, comm_inbox) = mpsc::channel::<(usize, FlatBuffer)>();
-            let (to_main, main_inbox) = mpsc::channel::<Result<(usize, FlatBuffer)>>();
+            let (to_comm, comm_inbox) = mpsc::channel::<(usize, BucketPieces, FlatBuffer)>();
+            let (to_main, main_inbox) = mpsc::channel::<Result<(usize, BucketPieces, FlatBuffer)>>();
             let (pg, buckets) = (&self.pg, &layout.buckets);
             scope.spawn(move || {
-                for (k, mut buf) in comm_inbox {
-                    let r = pg.all_reduce_bytes(buf.bytes_mut(), buckets[k].dtype, ReduceOp::Avg);
+                for (k, mut pieces, mut buf) in comm_inbox {
+                    buf.resize(buckets[k].bytes);
+                    let r = pg.all_reduce_piecewise(&mut pieces, buf.bytes_mut(), buckets[k].dtype, ReduceOp::Avg);
                     let failed = r.is_err();
-                    if to_main.send(r.map(|()| (k, buf))).is_err() || failed {
+                    if to_main.send(r.map(|()| (k, pieces, buf))).is_err() || failed {
                         break;
                     }
                 }
             });
-            let mut pipe = Pipeline { ddp: self, layout, buffers, to_comm: Some(to_comm), launched: 0 };
+            let mut pipe = Pipeline { ddp: self, layout, buffers, used, to_comm: Some(to_comm), launched: 0 };
             let produced = produce(&mut pipe);
             let (launched, buffers) = (pipe.launched, pipe.buffers);
             drop(pipe.to_comm.take()); // the comm thread ends once it has reduced what it was sent
             let mut first_err = produced.err();
-            let mut done = 0;
+            let mut reduced: Vec<Option<BucketPieces>> = (0..layout.buckets.len()).map(|_| None).collect();
             for msg in main_inbox {
                 match msg {
-                    Ok((k, buf)) => {
+                    Ok((k, pieces, buf)) => {
                         buffers[k] = buf;
-                        done += 1;
+                        reduced[k] = Some(pieces);
                     }
                     Err(e) => {
                         first_err.get_or_insert(e);
@@ -505,52 +535,9 @@ impl DistributedDataParallel {
             if let Some(e) = first_err {
                 return Err(e);
             }
-            debug_assert_eq!(done, launched);
-            Ok(Reduced { ddp: self, layout, buffers, count: launched })
+            debug_assert_eq!(reduced.iter().filter(|r| r.is_some()).count(), launched);
+            Ok(Reduced { ddp: self, layout, reduced })
         })
-    }
-
-    /// Copies the gradients of `plan`'s parameters into `buf` (zeros for parameters without one).
-    fn pack_gradients(&self, plan: &BucketPlan, local: &[Option<Tensor>], buf: &mut FlatBuffer) -> Result<()> {
-        buf.resize(plan.bytes);
-        let bytes = buf.bytes_mut();
-        for (&p, &off) in plan.params.iter().zip(&plan.offsets) {
-            let dst = &mut bytes[off..off + self.sizes[p]];
-            match &local[p] {
-                Some(g) => {
-                    let param_dtype = self.vars[p].1.as_tensor().dtype();
-                    if g.dtype() == param_dtype {
-                        flat::copy_in(g, plan.dtype, dst)?;
-                    } else {
-                        flat::copy_in(&g.to_dtype(param_dtype)?, plan.dtype, dst)?;
-                    }
-                }
-                None => dst.fill(0),
-            }
-        }
-        Ok(())
-    }
-
-    /// Writes the reduced gradients of `plan`'s parameters back into their slots (`None` for parameters no rank
-    /// used).
-    fn unpack_gradients(
-        &self,
-        plan: &BucketPlan,
-        buf: &FlatBuffer,
-        used: &[bool],
-        grads: &mut [Option<Tensor>],
-    ) -> Result<()> {
-        let bytes = buf.bytes();
-        for (&p, &off) in plan.params.iter().zip(&plan.offsets) {
-            if !used[p] {
-                grads[p] = None;
-                continue;
-            }
-            let var = self.vars[p].1.as_tensor();
-            grads[p] =
-                Some(flat::tensor_from(&bytes[off..off + self.sizes[p]], plan.dtype, var.shape(), var.device())?);
-        }
-        Ok(())
     }
 
     /// Copies rank 0's parameter values into every rank's `Var`s, one broadcast per bucket.
@@ -640,25 +627,28 @@ fn plan_buckets(assigned: Vec<bucket::Bucket>, sizes: &[usize], dtypes: &[DType]
         .collect()
 }
 
-/// The packing side of [`DistributedDataParallel::pipelined`]: hands buckets to the communication thread.
+/// The launching side of [`DistributedDataParallel::pipelined`]: hands buckets to the communication thread.
 struct Pipeline<'d, 'b> {
     ddp: &'d DistributedDataParallel,
     layout: &'b BucketLayout,
     buffers: &'b mut [FlatBuffer],
-    to_comm: Option<mpsc::Sender<(usize, FlatBuffer)>>,
+    used: &'b [bool],
+    to_comm: Option<mpsc::Sender<(usize, BucketPieces, FlatBuffer)>>,
     /// Buckets sent so far (always the first `launched`, in order).
     launched: usize,
 }
 
 impl Pipeline<'_, '_> {
-    /// Packs bucket `k` from `grads` and sends it to be all-reduced. Buckets must be launched in order.
+    /// Sends bucket `k` of `grads` to be all-reduced. Buckets must be launched in order.
     fn launch(&mut self, k: usize, grads: &[Option<Tensor>]) -> Result<()> {
         debug_assert_eq!(k, self.launched, "buckets go out in bucket order");
-        let mut buf = std::mem::take(&mut self.buffers[k]);
-        self.ddp.pack_gradients(&self.layout.buckets[k], grads, &mut buf)?;
+        let pieces = self.ddp.bucket_pieces(&self.layout.buckets[k], grads, self.used)?;
+        let buf = std::mem::take(&mut self.buffers[k]);
         self.launched += 1;
         // A closed channel means the comm thread stopped on an error, which `pipelined` reports.
-        let _ = self.to_comm.as_ref().map(|tx| tx.send((k, buf)));
+        if let Some(tx) = &self.to_comm {
+            let _ = tx.send((k, pieces, buf));
+        }
         Ok(())
     }
 
@@ -668,19 +658,21 @@ impl Pipeline<'_, '_> {
     }
 }
 
-/// Reduced buckets, ready to be unpacked.
+/// Reduced buckets, ready to be put back.
 struct Reduced<'d, 'b> {
     ddp: &'d DistributedDataParallel,
     layout: &'b BucketLayout,
-    buffers: &'b [FlatBuffer],
-    count: usize,
+    /// Per bucket, its averages (`None` for a bucket that was not launched).
+    reduced: Vec<Option<BucketPieces>>,
 }
 
 impl Reduced<'_, '_> {
-    /// Writes the averages into `grads` (`None` where `used` says no rank had a gradient).
-    fn unpack_into(self, grads: &mut [Option<Tensor>], used: &[bool]) -> Result<()> {
-        for (plan, buf) in self.layout.buckets.iter().zip(self.buffers).take(self.count) {
-            self.ddp.unpack_gradients(plan, buf, used, grads)?;
+    /// Writes the averages into `grads` (`None` for parameters no rank had a gradient for).
+    fn unpack_into(self, grads: &mut [Option<Tensor>]) -> Result<()> {
+        for (plan, pieces) in self.layout.buckets.iter().zip(self.reduced) {
+            if let Some(pieces) = pieces {
+                self.ddp.take_averages(plan, pieces, grads)?;
+            }
         }
         Ok(())
     }

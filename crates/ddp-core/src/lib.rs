@@ -53,7 +53,7 @@ mod tensor_ops;
 pub mod token;
 pub mod traffic;
 
-pub use backend::{Backend, BackendKind};
+pub use backend::{Backend, BackendKind, PiecewiseBuffer};
 pub use ddp::{DdpOptions, DistributedDataParallel, Overlap};
 pub use dtype::{DType, Element, ReduceOp};
 pub use env::{DistEnv, EnvSource};

@@ -1,7 +1,7 @@
 //! [`ProcessGroup`]: a set of ranks, its store and its backend — the handle every collective goes through
 //! (like `torch.distributed.ProcessGroup`).
 
-use crate::backend::{Backend, BackendKind};
+use crate::backend::{Backend, BackendKind, PiecewiseBuffer};
 use crate::cpu::{CpuBackend, CpuOptions, CpuTuning};
 use crate::store::{MemoryStore, PrefixStore, Store, TcpStore, TcpStoreServer};
 use crate::token::RunToken;
@@ -412,6 +412,21 @@ impl ProcessGroup {
     pub fn all_reduce_bytes(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         self.inner.traffic.add(Op::AllReduce, buf.len());
         self.inner.backend.all_reduce(buf, dtype, op)
+    }
+
+    /// [`Self::all_reduce_bytes`] of a buffer held in pieces (read before, written after; see
+    /// [`Backend::all_reduce_piecewise`]): what DDP uses for its buckets, so that on one machine the gradient
+    /// tensors go straight into shared memory and the results straight into new tensors. `scratch`: at least
+    /// `buf.len()` bytes, aligned for `dtype` (backends that need one contiguous buffer pack into it).
+    pub fn all_reduce_piecewise(
+        &self,
+        buf: &mut dyn PiecewiseBuffer,
+        scratch: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.inner.traffic.add(Op::AllReduce, buf.len());
+        self.inner.backend.all_reduce_piecewise(buf, scratch, dtype, op)
     }
 
     /// Creates a sub-group of the given *group* ranks (like `torch.distributed.new_group`). Every rank of this

@@ -16,8 +16,8 @@ use ddp_core::DistributedDataParallel;
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum GradientReduction {
-    /// Replicated parameters: averaged over all ranks of the process group by DDP (reverse-order buckets, one
-    /// pack and one unpack per sync; Li et al., VLDB 2020).
+    /// Replicated parameters: averaged over all ranks of the process group by DDP (reverse-order buckets, each
+    /// read from the slots and written into new ones by the all_reduce; Li et al., VLDB 2020).
     AllReduce(DistributedDataParallel),
 }
 

@@ -38,7 +38,7 @@ mod transport;
 
 pub use mesh::ADVERTISE_HOST_ENV;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, PiecewiseBuffer};
 use crate::store::Store;
 use crate::sync;
 use crate::token::RunToken;
@@ -470,8 +470,8 @@ impl Backend for CpuBackend {
             small::combine(r, p, buf, &mut grow(&mut st.scratch, scratch)[..], dtype, op);
             return Ok(());
         }
-        if let Some(shm) = self.shm.as_ref().filter(|_| n > self.tuning.shm_min_bytes) {
-            return self.shm_all_reduce(&mut st, shm, call, buf, dtype, op);
+        if let Some(shm) = self.pipelined_shm(n) {
+            return self.shm_all_reduce(&mut st, shm, call, &mut &mut *buf, dtype, op);
         }
         let chunks = ring::split_even(0, n, dtype.size_in_bytes(), p);
         let ring = ring::Ring {
@@ -488,6 +488,27 @@ impl Backend for CpuBackend {
         };
         let plan = ring.plan(call);
         self.exec(&mut st, &plan, buf, &[], ring.max_segment_bytes())
+    }
+
+    fn all_reduce_piecewise(
+        &self,
+        buf: &mut dyn PiecewiseBuffer,
+        scratch: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let n = buf.len();
+        // Only the pipelined shared-memory all_reduce reads and writes pieces; every other path (and one rank)
+        // runs `all_reduce` on the packed buffer, with the same call identity.
+        let Some(shm) = self.pipelined_shm(n).filter(|_| self.world_size > 1) else {
+            return crate::backend::all_reduce_via_scratch(self, buf, scratch, dtype, op);
+        };
+        check_len("all_reduce", n, dtype)?;
+        let mut st = sync::lock(&self.state);
+        let call = self.begin(&mut st, Op::AllReduce, n, Some(dtype), Some(op), 0)?;
+        // As in `all_reduce`: check every rank's call before entering the pipelined path.
+        self.shm_exchange(&mut st, shm, call, 0, Instant::now(), |_| {})?;
+        self.shm_all_reduce(&mut st, shm, call, buf, dtype, op)
     }
 
     fn broadcast(&self, buf: &mut [u8], root: usize) -> Result<()> {
@@ -738,6 +759,13 @@ impl CpuBackend {
         wait_on(&ctx).map_err(|f| self.abort(st, call, f))
     }
 
+    /// The shared segment when an all_reduce of `n` bytes takes the pipelined shared-memory path: above both the
+    /// small-message paths (`small_all_reduce_bytes`) and `shm_min_bytes`. The one place that decides it, for
+    /// `all_reduce` and `all_reduce_piecewise` alike.
+    fn pipelined_shm(&self, n: usize) -> Option<&shm::ShmChannel> {
+        self.shm.as_ref().filter(|_| n > self.tuning.small_all_reduce_bytes && n > self.tuning.shm_min_bytes)
+    }
+
     /// The pipelined all_reduce through shared memory. The caller has run an exchange round first, so every
     /// rank is in this same call (a rank in a different collective or size was reported as a mismatch there and
     /// is never left waiting on the shared segment).
@@ -746,7 +774,7 @@ impl CpuBackend {
         st: &mut State,
         shm: &shm::ShmChannel,
         call: CallId,
-        buf: &mut [u8],
+        buf: &mut dyn PiecewiseBuffer,
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {

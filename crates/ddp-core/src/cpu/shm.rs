@@ -16,13 +16,16 @@
 //!
 //! Algorithm (per block of at most `block_bytes`, double-buffered so consecutive blocks overlap): the block is
 //! split into P element-aligned parts; rank r owns part r.
-//! 1. copy-in: rank r copies the parts *other* ranks own into its slot;
-//! 2. reduce: rank r reduces its own part — its local values first, then the other ranks' slots in rank
-//!    order — in place in its buffer (Avg: then divides), and publishes the result;
-//! 3. copy-out: rank r copies the other parts' results into its buffer.
+//! 1. copy-in: rank r copies the parts *other* ranks own from its input into its slot;
+//! 2. reduce: rank r reduces its own part — its input first, then the other ranks' slots in rank order —
+//!    straight into the shared result buffer (Avg: divided in the last combine), and publishes it;
+//! 3. copy-out: rank r copies the whole block of the result buffer into its output.
 //!
-//! Each part is reduced by exactly one rank, so all ranks get the same bits. Memory traffic per rank for P = 2
-//! is about 4× the buffer (vs ≥ 5.5× through TCP). Progress is signalled with per-rank epoch counters
+//! Each part is reduced by exactly one rank, so all ranks get the same bits. The input and output are a
+//! [`PiecewiseBuffer`]: for DDP's buckets the gradient tensors themselves, so a bucket is never packed into or
+//! unpacked from a contiguous buffer. Memory traffic per rank for P = 2, counting reads and writes, is 4.5×
+//! the buffer (copy-in 1, reduce 1.5, copy-out 2; vs ≥ 5.5× through TCP, plus 4× for packing and unpacking a
+//! bucket around either). Progress is signalled with per-rank epoch counters
 //! (acquire/release atomics, one cache line each); waiters spin briefly, then yield, then sleep in short steps,
 //! and while waiting watch the shared abort word, the peers' TCP connections (a dead process closes them), the
 //! store's abort record and the deadline — so a failure is still reported on every rank, quickly.
@@ -67,6 +70,7 @@ use super::frame::{CallId, Header, HEADER_LEN};
 use super::ring::split_even;
 use super::shm_p2p::Rings;
 use super::transport::Failure;
+use crate::backend::PiecewiseBuffer;
 use crate::store::Store;
 use crate::token::RunToken;
 use crate::{DType, DdpError, ReduceOp, Result};
@@ -434,14 +438,16 @@ impl ShmChannel {
         n.div_ceil(self.block_bytes).max(1) as u64
     }
 
-    /// In-place all_reduce of `buf` through shared memory. `first_epoch` is this call's first epoch (epochs
-    /// count blocks across calls and are the same on every rank).
+    /// All_reduce of `buf` through shared memory: its input is read piece by piece into this rank's slot (the
+    /// parts other ranks own) and straight into the reduction (its own part), and the result is written back
+    /// from the shared result buffer, block by block in order (the [`PiecewiseBuffer`] contract). `first_epoch`
+    /// is this call's first epoch (epochs count blocks across calls and are the same on every rank).
     ///
     /// While waiting for the other ranks, a rank stages (copies in) up to `depth` blocks ahead, so a rank
     /// that runs while its peers are descheduled gets work done for later.
     pub(crate) fn all_reduce(
         &self,
-        buf: &mut [u8],
+        buf: &mut dyn PiecewiseBuffer,
         dtype: DType,
         op: ReduceOp,
         first_epoch: u64,
@@ -460,74 +466,70 @@ impl ShmChannel {
         let epoch = |i: usize| first_epoch + i as u64;
         let others_all = |f: &dyn Fn(usize) -> bool| (0..p).filter(|&q| q != r).all(f);
         let slot_free = |k: usize| others_all(&|q| self.reduced(q).load(Ordering::Acquire) + depth as u64 >= epoch(k));
+        let others: Vec<usize> = (0..p).filter(|&q| q != r).collect();
 
         let mut staged = 0usize;
         for i in 0..n_blocks {
             let e = epoch(i);
             let b = (e % depth as u64) as usize;
-            let part = parts(i);
-            let base = bounds(i).0;
+            let mine = parts(i)[r].clone();
+            let (base, end) = bounds(i);
             while staged <= i {
-                self.copy_in(buf, &parts(staged), bounds(staged).0, epoch(staged), ctx)?;
+                self.copy_in(&*buf, &parts(staged), bounds(staged).0, epoch(staged), ctx)?;
                 staged += 1;
             }
-            // 2. reduce my part: my values, then the others' in rank order.
+            // 2. reduce my part into the result buffer: my values, then the others' in rank order (Avg: divided
+            // in the last combine).
             let arrived = |q: usize| self.arrived(q).load(Ordering::Acquire) >= e;
             while staged < n_blocks && staged < i + depth && !others_all(&arrived) && slot_free(staged) {
-                self.copy_in(buf, &parts(staged), bounds(staged).0, epoch(staged), ctx)?;
+                self.copy_in(&*buf, &parts(staged), bounds(staged).0, epoch(staged), ctx)?;
                 staged += 1;
             }
             self.wait(ctx, arrived)?;
-            let mine = part[r].clone();
-            for q in (0..p).filter(|&q| q != r) {
-                // SAFETY: slot (q, b) holds block e's data: q published `arrived ≥ e` (acquire above) and will
-                // not write it again before we publish `reduced ≥ e`.
-                let theirs = unsafe {
-                    std::slice::from_raw_parts(self.shared_ptr(self.slot(q, b) + mine.start - base), mine.len())
-                };
-                crate::dtype::reduce_into(dtype, op, &mut buf[mine.clone()], theirs);
-            }
-            if op == ReduceOp::Avg {
-                crate::dtype::divide_in_place(dtype, &mut buf[mine.clone()], p);
-            }
-            // Publish it once every rank has finished reading the result buffer's previous use.
+            // The result buffer's previous use must have been read by every rank before it is overwritten.
             self.wait(ctx, |q| self.consumed(q).load(Ordering::Acquire) + depth as u64 >= e)?;
-            // SAFETY: result buffer b, part r is ours to write until we publish `reduced ≥ e`.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    buf[mine.clone()].as_ptr(),
-                    self.shared_ptr(self.result(b) + mine.start - base),
-                    mine.len(),
-                );
+            // SAFETY: result buffer b, part r is ours to write until we publish `reduced ≥ e` (every rank
+            // consumed its previous use, awaited above), and slot (q, b) holds block e's data: q published
+            // `arrived ≥ e` (acquire above) and will not write it again before we publish `reduced ≥ e`. The
+            // regions are disjoint, and none overlaps `buf`, which is this process's own memory.
+            let out = unsafe {
+                std::slice::from_raw_parts_mut(self.shared_ptr(self.result(b) + mine.start - base), mine.len())
+            };
+            let theirs = |q: usize, at: usize, n: usize| unsafe {
+                std::slice::from_raw_parts(self.shared_ptr(self.slot(q, b) + at - base), n)
+            };
+            let divide_first = (op == ReduceOp::Avg && p == 2).then_some(p);
+            buf.read(mine.clone(), &mut |at, piece| {
+                let o = &mut out[at - mine.start..at - mine.start + piece.len()];
+                crate::dtype::combine_into(dtype, op, o, piece, theirs(others[0], at, piece.len()), divide_first);
+            });
+            for &q in &others[1..] {
+                crate::dtype::reduce_into(dtype, op, out, theirs(q, mine.start, mine.len()));
+            }
+            if op == ReduceOp::Avg && p > 2 {
+                crate::dtype::divide_in_place(dtype, out, p);
             }
             self.publish(self.reduced(r), e);
-            // 3. copy the other parts' results out (staging later blocks while the others finish reducing).
+            // 3. write the whole block's result back (staging later blocks while the others finish reducing).
             let reduced = |q: usize| self.reduced(q).load(Ordering::Acquire) >= e;
             while staged < n_blocks && staged < i + depth && !others_all(&reduced) && slot_free(staged) {
-                self.copy_in(buf, &parts(staged), bounds(staged).0, epoch(staged), ctx)?;
+                self.copy_in(&*buf, &parts(staged), bounds(staged).0, epoch(staged), ctx)?;
                 staged += 1;
             }
             self.wait(ctx, reduced)?;
-            for range in part.iter().enumerate().filter(|(q, _)| *q != r).map(|(_, range)| range) {
-                // SAFETY: result part q of buffer b was published by q (`reduced ≥ e`, acquire above) and is
-                // not rewritten before every rank publishes `consumed ≥ e`.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        self.shared_ptr(self.result(b) + range.start - base),
-                        buf[range.clone()].as_mut_ptr(),
-                        range.len(),
-                    );
-                }
-            }
+            // SAFETY: every part of result buffer b was published by its owner (`reduced ≥ e`, acquire above;
+            // ours by us) and is not rewritten before every rank publishes `consumed ≥ e`.
+            let result = unsafe { std::slice::from_raw_parts(self.shared_ptr(self.result(b)), end - base) };
+            buf.write(base, result);
             self.publish(self.consumed(r), e);
         }
         Ok(())
     }
 
-    /// 1. copy-in of block epoch `e`: the parts other ranks own go to my slot.
+    /// 1. copy-in of block epoch `e`: the parts other ranks own go from `buf` to my slot.
     fn copy_in(
         &self,
-        buf: &[u8],
+        buf: &dyn PiecewiseBuffer,
         part: &[std::ops::Range<usize>],
         base: usize,
         e: u64,
@@ -537,18 +539,16 @@ impl ShmChannel {
         let b = (e % depth) as usize;
         // My slot b was last read during epoch e − depth: wait until every rank has reduced that epoch.
         self.wait(ctx, |q| self.reduced(q).load(Ordering::Acquire) + depth >= e)?;
+        let slot = self.shared_ptr(self.slot(self.rank, b));
         for (q, range) in part.iter().enumerate() {
             if q == self.rank {
                 continue;
             }
-            // SAFETY: my slot b is mine to write until I publish `arrived ≥ e`.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    buf[range.clone()].as_ptr(),
-                    self.shared_ptr(self.slot(self.rank, b) + range.start - base),
-                    range.len(),
-                );
-            }
+            buf.read(range.clone(), &mut |at, piece| {
+                // SAFETY: my slot b is mine to write until I publish `arrived ≥ e`; `at - base + piece.len()` is
+                // within the block, so within the slot.
+                unsafe { std::ptr::copy_nonoverlapping(piece.as_ptr(), slot.add(at - base), piece.len()) }
+            });
         }
         self.publish(self.arrived(self.rank), e);
         Ok(())

@@ -136,8 +136,9 @@ impl DistributedDataParallel {
         let buckets = layout.buckets.len();
         // Which parameters this call's backward pass gave a gradient (slots may hold earlier micro-batches').
         let mut received = vec![false; self.vars.len()];
+        let all_used = vec![true; slots.len()];
         self.with_buffers(layout, |buffers| {
-            let reduced = self.pipelined(layout, buffers, |pipe| {
+            let reduced = self.pipelined(layout, buffers, &all_used, |pipe| {
                 segments.backward(loss, |k, store| {
                     let got = add(store, slots)?;
                     for &i in &got {
@@ -161,7 +162,7 @@ impl DistributedDataParallel {
                 }
                 Ok(())
             })?;
-            reduced.unpack_into(slots, &vec![true; slots.len()])
+            reduced.unpack_into(slots)
         })
     }
 

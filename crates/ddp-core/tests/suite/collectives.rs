@@ -455,3 +455,114 @@ fn mixed_collectives_on_shared_memory_reuse_slots_in_order() {
         });
     }
 }
+
+/// A buffer held in pieces of irregular lengths (1, 2, 3, … elements, cycling), as DDP's buckets are: records
+/// every write so the test can check the backend's contract (each byte written once, in order).
+struct Pieces {
+    pieces: Vec<Vec<u8>>,
+    writes: Vec<(usize, usize)>,
+}
+
+impl Pieces {
+    fn new(bytes: &[u8], elem: usize) -> Self {
+        let (mut pieces, mut at, mut k) = (Vec::new(), 0, 0);
+        while at < bytes.len() {
+            let n = ((k % 7 + 1) * elem).min(bytes.len() - at);
+            pieces.push(bytes[at..at + n].to_vec());
+            (at, k) = (at + n, k + 1);
+        }
+        Self { pieces, writes: Vec::new() }
+    }
+    fn starts(&self) -> Vec<usize> {
+        self.pieces.iter().scan(0, |at, p| Some(std::mem::replace(at, *at + p.len()))).collect()
+    }
+    fn concat(&self) -> Vec<u8> {
+        self.pieces.concat()
+    }
+}
+
+impl ddp_core::PiecewiseBuffer for Pieces {
+    fn len(&self) -> usize {
+        self.pieces.iter().map(Vec::len).sum()
+    }
+    fn read(&self, range: std::ops::Range<usize>, f: &mut dyn FnMut(usize, &[u8])) {
+        for (start, p) in self.starts().into_iter().zip(&self.pieces) {
+            let (a, b) = (start.max(range.start), (start + p.len()).min(range.end));
+            if a < b {
+                f(a, &p[a - start..b - start]);
+            }
+        }
+    }
+    fn write(&mut self, offset: usize, src: &[u8]) {
+        self.writes.push((offset, src.len()));
+        for (start, p) in self.starts().into_iter().zip(self.pieces.iter_mut()) {
+            let (a, b) = (start.max(offset), (start + p.len()).min(offset + src.len()));
+            if a < b {
+                p[a - start..b - start].copy_from_slice(&src[a - offset..b - offset]);
+            }
+        }
+    }
+}
+
+/// all_reduce_piecewise gives the bits of all_reduce on the concatenated pieces, on every path (pipelined
+/// shared memory in one block and in many, the slot exchange, TCP), world sizes 2–4, floats that round, and
+/// writes each byte exactly once, in order. One rank of each group uses the contiguous call, the others the
+/// piecewise one: they are the same collective.
+#[test]
+fn all_reduce_piecewise_has_the_bits_of_all_reduce_on_every_path() {
+    use ddp_core::PiecewiseBuffer;
+    use rand::{Rng, SeedableRng};
+    let tunings = [None, Some(tiny_shm_blocks()), Some(tiny_shm_slots()), Some(tiny_segments())];
+    for (world, tuning) in [2usize, 3, 4].into_iter().flat_map(|w| tunings.map(|t| (w, t))) {
+        let out = run_ranks(world, tuning, |pg| {
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(pg.rank() as u64 + 10);
+            let mut results = Vec::new();
+            // 300 001 f32 elements: the default tuning's pipelined path (above 64 KiB); 1001: below it.
+            for (n, op) in
+                [(1001usize, ReduceOp::Avg), (300_001, ReduceOp::Avg), (5000, ReduceOp::Sum), (777, ReduceOp::Max)]
+            {
+                let v: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
+                let mut contiguous = v.clone();
+                pg.all_reduce(&mut contiguous, op).unwrap();
+                let mut pieces = Pieces::new(bytemuck::cast_slice(&v), 4);
+                if pg.rank() == 0 {
+                    let mut packed = pieces.concat();
+                    pg.all_reduce_bytes(&mut packed, DType::F32, op).unwrap();
+                    pieces.write(0, &packed);
+                } else {
+                    let mut scratch = vec![0u32; n];
+                    pg.all_reduce_piecewise(&mut pieces, bytemuck::cast_slice_mut(&mut scratch), DType::F32, op)
+                        .unwrap();
+                }
+                results.push((bits(&contiguous), pieces.concat(), pieces.writes.clone()));
+            }
+            results
+        });
+        for (rank, results) in out.iter().enumerate() {
+            for (k, (contiguous, piecewise, writes)) in results.iter().enumerate() {
+                assert!(contiguous == piecewise, "world {world} {tuning:?} rank {rank} case {k}: bits differ");
+                assert!(contiguous == &out[0][k].0, "world {world} rank {rank} case {k}: ranks disagree");
+                // In order, no gaps, no overlaps, every byte.
+                let mut next = 0;
+                for &(offset, len) in writes {
+                    assert_eq!(offset, next, "world {world} {tuning:?} rank {rank} case {k}: writes {writes:?}");
+                    next += len;
+                }
+                assert_eq!(next, piecewise.len(), "world {world} rank {rank} case {k}: every byte written");
+            }
+        }
+    }
+}
+
+#[test]
+fn all_reduce_piecewise_with_a_short_scratch_is_an_invalid_argument() {
+    let errs = run_ranks(2, Some(tiny_segments()), |pg| {
+        let mut pieces = Pieces::new(&[0u8; 64], 4);
+        let mut scratch = [0u8; 32];
+        pg.all_reduce_piecewise(&mut pieces, &mut scratch, DType::F32, ReduceOp::Sum).unwrap_err()
+    });
+    for e in errs {
+        assert!(matches!(e, DdpError::InvalidArgument(_)), "{e}");
+        assert!(e.to_string().contains("scratch holds 32 bytes for a buffer of 64"), "{e}");
+    }
+}

@@ -381,3 +381,114 @@ fn grad_values(varmap: &VarMap, grads: &GradStore) -> Vec<(String, Vec<f32>)> {
     v.sort_by(|a, b| a.0.cmp(&b.0));
     v
 }
+
+/// The bucket all_reduce reads the gradient tensors in place and writes new ones (`all_reduce_piecewise`): the
+/// result has the bits of all-reducing the packed bucket, whatever the gradients look like — strided (a
+/// transpose), a view into a larger storage, another dtype than the parameter's, missing on some ranks or on all
+/// — on every path (pipelined shared memory in one block and in many, TCP), in one bucket and in many, bucket by
+/// bucket and through the communication thread.
+#[test]
+fn bucket_reduction_has_the_bits_of_the_packed_all_reduce() {
+    use crate::common::{tiny_segments, tiny_shm_blocks};
+    let tiny = DdpOptions { bucket_cap_mb: 0.004, first_bucket_cap_mb: 0.004, ..DdpOptions::default() };
+    for world in [2usize, 3] {
+        for tuning in [None, Some(tiny_shm_blocks()), Some(tiny_segments())] {
+            // Overlap::On with several buckets: the communication thread's pipeline.
+            let pipelined = DdpOptions { overlap: ddp_core::Overlap::On, ..tiny.clone() };
+            for opts in [DdpOptions::default(), tiny.clone(), pipelined] {
+                let opts = DdpOptions { find_unused_parameters: true, ..opts };
+                let several = opts.bucket_cap_mb < 1.0;
+                let out = crate::common::run_ranks(world, tuning, move |pg| {
+                    let r = pg.rank() as f32;
+                    let shapes: [(&str, &[usize]); 6] = [
+                        ("w", &[40, 50]),
+                        ("b", &[50]),
+                        ("big", &[70_000]),
+                        ("sometimes", &[33]),
+                        ("never", &[5]),
+                        ("view", &[60]),
+                    ];
+                    let vars: Vec<(String, Var)> = shapes
+                        .iter()
+                        .map(|(n, s)| (n.to_string(), Var::zeros(*s, DType::F32, &Device::Cpu).unwrap()))
+                        .collect();
+                    let ddp = DistributedDataParallel::from_named_vars(&pg, vars.clone(), opts.clone()).unwrap();
+                    let local: Vec<Option<Tensor>> = vec![
+                        Some(wave(r, &[50, 40], 1.0).t().unwrap()),
+                        Some(wave(r + 0.5, &[50], 1.0).to_dtype(DType::F64).unwrap()),
+                        Some(wave(r + 0.25, &[70_000], 1.0)),
+                        (pg.rank() == 0).then(|| wave(7.0, &[33], 1.0)),
+                        None,
+                        Some(wave(r + 0.75, &[100], 1.0).narrow(0, 10, 60).unwrap()),
+                    ];
+                    let mut grads = GradStore::default();
+                    for ((_, v), g) in vars.iter().zip(&local) {
+                        if let Some(g) = g {
+                            grads.insert(v.as_tensor(), g.clone());
+                        }
+                    }
+                    ddp.sync_gradients(&mut grads).unwrap();
+                    let got: Vec<Option<Vec<f32>>> = vars
+                        .iter()
+                        .map(|(_, v)| {
+                            grads.get(v.as_tensor()).map(|g| {
+                                assert_eq!(g.dims(), v.as_tensor().dims());
+                                assert_eq!(g.dtype(), DType::F32);
+                                g.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+                            })
+                        })
+                        .collect();
+                    // Reference: each bucket packed by hand, all-reduced in one contiguous buffer.
+                    let mut want: Vec<Option<Vec<f32>>> = vec![None; vars.len()];
+                    for bucket in ddp.bucket_layout() {
+                        let mut packed = Vec::new();
+                        for &p in &bucket {
+                            let n = vars[p].1.as_tensor().elem_count();
+                            packed.extend(match &local[p] {
+                                Some(g) => g.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap(),
+                                None => vec![0.0f32; n],
+                            });
+                        }
+                        pg.all_reduce(&mut packed, ddp_core::ReduceOp::Avg).unwrap();
+                        let mut at = 0;
+                        for &p in &bucket {
+                            let n = vars[p].1.as_tensor().elem_count();
+                            want[p] = (vars[p].0 != "never").then(|| packed[at..at + n].to_vec());
+                            at += n;
+                        }
+                    }
+                    let local: Vec<Option<Vec<f32>>> = local
+                        .iter()
+                        .map(|g| {
+                            g.as_ref()
+                                .map(|g| g.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap())
+                        })
+                        .collect();
+                    (got, want, ddp.bucket_layout().len(), local)
+                });
+                // And, independently of any collective, close to the mean over the ranks (a missing gradient
+                // counts as zeros).
+                for p in [0usize, 1, 2, 3, 5] {
+                    let n = out[0].3[p].as_ref().or(out[1].3[p].as_ref()).map_or(0, Vec::len);
+                    for i in 0..n {
+                        let sum: f64 = out.iter().filter_map(|o| o.3[p].as_ref()).map(|v| v[i] as f64).sum();
+                        let mean = sum / world as f64;
+                        let got = out[0].0[p].as_ref().unwrap()[i] as f64;
+                        assert!((got - mean).abs() <= 1e-6, "world {world}: parameter {p}[{i}] = {got}, mean {mean}");
+                    }
+                }
+                for (rank, (got, want, buckets, _)) in out.iter().enumerate() {
+                    let what = format!("world {world}, {tuning:?}, {buckets} buckets, rank {rank}");
+                    for (p, (g, w)) in got.iter().zip(want).enumerate() {
+                        let bits = |v: &Option<Vec<f32>>| {
+                            v.as_ref().map(|v| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+                        };
+                        assert!(bits(g) == bits(w), "{what}: parameter {p} differs from the packed all_reduce");
+                    }
+                    assert!(got[4].is_none(), "{what}: a parameter no rank used gets no gradient");
+                }
+                assert_eq!(out[0].2 > 1, several, "the tiny caps make several buckets, the default one");
+            }
+        }
+    }
+}

@@ -1,0 +1,182 @@
+//! One bucket's gradients as a [`PiecewiseBuffer`]: the all_reduce reads each gradient tensor's storage where it
+//! lies and writes the averages straight into the new gradient tensors, so the bucket is never packed into a
+//! flat buffer nor unpacked from one. On the CPU backend's shared-memory path that halves the bucket's memory
+//! traffic (docs/benchmarks.md, "Where the MLP's 2-process step goes"); other paths pack into the bucket's flat
+//! buffer as before ([`crate::Backend::all_reduce_piecewise`]'s default).
+
+use crate::backend::PiecewiseBuffer;
+use crate::dtype::with_element_type;
+use crate::{DType, DdpError, Element, Result};
+use candle_core::{Device, Shape, Storage, Tensor, WithDType};
+use std::mem::MaybeUninit;
+use std::ops::Range;
+
+/// The bucket's gradients, read in place, and the averages' new storage.
+pub(crate) struct BucketPieces {
+    dtype: DType,
+    len: usize,
+    /// Per parameter, in bucket order: its bytes in the bucket, and its gradient (a contiguous CPU tensor of the
+    /// bucket's dtype) or `None` where this rank has none (read as zeros).
+    inputs: Vec<(Range<usize>, Option<Tensor>)>,
+    /// Per parameter: where its average goes, `None` for a parameter no rank used (its bytes are dropped).
+    outputs: Vec<Option<Box<dyn Output + Send>>>,
+    /// Zeros for the parameters without a gradient on this rank (as long as the largest of them).
+    zeros: Vec<u8>,
+}
+
+impl BucketPieces {
+    /// `params[i] = (bytes in the bucket, gradient on this rank, whether some rank used it)`, in bucket order.
+    /// Gradients of another dtype than `dtype`, strided ones and device ones are converted to contiguous CPU
+    /// tensors of `dtype` first (one copy, as packing them did).
+    pub fn new(dtype: DType, params: Vec<(Range<usize>, Option<&Tensor>, bool)>) -> Result<Self> {
+        let len = params.last().map_or(0, |(r, _, _)| r.end);
+        let (mut inputs, mut outputs, mut zeros_len) = (Vec::new(), Vec::new(), 0);
+        for (range, grad, used) in params {
+            let input = match grad {
+                Some(g) => Some(readable(g, dtype)?),
+                None => {
+                    zeros_len = zeros_len.max(range.len());
+                    None
+                }
+            };
+            let elems = range.len() / dtype.size_in_bytes();
+            outputs.push(
+                used.then(
+                    || with_element_type!(dtype, T => Box::new(Typed::<T>::new(elems)) as Box<dyn Output + Send>),
+                ),
+            );
+            inputs.push((range, input));
+        }
+        Ok(Self { dtype, len, inputs, outputs, zeros: vec![0; zeros_len] })
+    }
+
+    /// The averaged gradient of the bucket's `i`-th parameter (`None` for one no rank used), once the all_reduce
+    /// wrote every byte; an error if it did not (a backend that broke [`PiecewiseBuffer`]'s contract).
+    pub fn take(&mut self, i: usize, shape: &Shape, device: &Device) -> Result<Option<Tensor>> {
+        let Some(out) = self.outputs[i].take() else { return Ok(None) };
+        let t = out.into_tensor(shape)?;
+        Ok(Some(if device.is_cpu() { t } else { t.to_device(device)? }))
+    }
+
+    /// The parameters whose bytes overlap `range`, with the overlap.
+    fn overlapping(&self, range: Range<usize>) -> impl Iterator<Item = (usize, Range<usize>)> + '_ {
+        let first = self.inputs.partition_point(|(r, _)| r.end <= range.start);
+        self.inputs[first..]
+            .iter()
+            .enumerate()
+            .map(move |(k, (r, _))| (first + k, r.start.max(range.start)..r.end.min(range.end)))
+            .take_while(|(_, overlap)| overlap.start < overlap.end)
+    }
+}
+
+impl PiecewiseBuffer for BucketPieces {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn read(&self, range: Range<usize>, f: &mut dyn FnMut(usize, &[u8])) {
+        for (i, overlap) in self.overlapping(range) {
+            let (param, grad) = &self.inputs[i];
+            let local = overlap.start - param.start..overlap.end - param.start;
+            match grad {
+                Some(g) => with_bytes(g, self.dtype, |bytes| f(overlap.start, &bytes[local])),
+                None => f(overlap.start, &self.zeros[..local.len()]),
+            }
+        }
+    }
+
+    fn write(&mut self, offset: usize, src: &[u8]) {
+        let ranges: Vec<(usize, Range<usize>)> = self.overlapping(offset..offset + src.len()).collect();
+        for (i, overlap) in ranges {
+            if let Some(out) = &mut self.outputs[i] {
+                let at = overlap.start - self.inputs[i].0.start;
+                out.write(at, &src[overlap.start - offset..overlap.end - offset]);
+            }
+        }
+    }
+}
+
+/// `g` as a contiguous CPU tensor of `dtype` (itself when it is one already: no copy).
+fn readable(g: &Tensor, dtype: DType) -> Result<Tensor> {
+    let g = match dtype.to_candle() {
+        _ if DType::from_candle(g.dtype()) == Some(dtype) => g.clone(),
+        Some(want) => g.to_dtype(want)?,
+        None => {
+            return Err(DdpError::InvalidArgument(format!(
+                "DDP: a gradient of dtype {:?} in a bucket of {dtype:?}, which candle has no dtype for",
+                g.dtype()
+            )))
+        }
+    };
+    let ready = {
+        let (storage, layout) = g.storage_and_layout();
+        matches!(&*storage, Storage::Cpu(_)) && layout.contiguous_offsets().is_some()
+    };
+    if ready {
+        return Ok(g);
+    }
+    Ok(g.flatten_all()?.to_device(&Device::Cpu)?.contiguous()?)
+}
+
+/// Calls `f` with the bytes of `g`, a tensor [`readable`] returned.
+fn with_bytes(g: &Tensor, dtype: DType, f: impl FnOnce(&[u8])) {
+    let (storage, layout) = g.storage_and_layout();
+    let (Storage::Cpu(cpu), Some((start, end))) = (&*storage, layout.contiguous_offsets()) else {
+        unreachable!("BucketPieces holds contiguous CPU gradients only (`readable`)");
+    };
+    with_element_type!(dtype, T => {
+        let elems = cpu.as_slice::<T>().expect("`readable` converted the gradient to the bucket's dtype");
+        f(bytemuck::cast_slice(&elems[start..end]))
+    })
+}
+
+/// Where one parameter's average is written, in order, before it becomes a tensor.
+trait Output {
+    /// Bytes `at..at + src.len()` of the parameter; `at` must be where the previous write ended.
+    fn write(&mut self, at: usize, src: &[u8]);
+    /// The tensor, once every byte is written.
+    fn into_tensor(self: Box<Self>, shape: &Shape) -> Result<Tensor>;
+}
+
+/// A `Vec<T>` filled front to back without being zeroed first (the all_reduce writes every byte, in order).
+struct Typed<T> {
+    /// Empty, with room for `n` elements.
+    elems: Vec<T>,
+    n: usize,
+    /// Bytes written so far, from the start.
+    filled: usize,
+}
+
+impl<T: Element + WithDType> Typed<T> {
+    fn new(n: usize) -> Self {
+        Self { elems: Vec::with_capacity(n), n, filled: 0 }
+    }
+}
+
+impl<T: Element + WithDType> Output for Typed<T> {
+    fn write(&mut self, at: usize, src: &[u8]) {
+        assert_eq!(at, self.filled, "all_reduce_piecewise wrote a parameter's bytes out of order");
+        let spare: &mut [MaybeUninit<T>] = &mut self.elems.spare_capacity_mut()[..self.n];
+        let total = std::mem::size_of_val(spare);
+        assert!(at + src.len() <= total, "all_reduce_piecewise wrote past a parameter's end");
+        // SAFETY: `spare` is the first `n` elements of the vector's allocation (its length is 0 until
+        // `into_tensor`), `total` bytes; the copy stays within it (asserted) and the source is another allocation.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), (spare.as_mut_ptr() as *mut u8).add(at), src.len()) };
+        self.filled += src.len();
+    }
+
+    fn into_tensor(mut self: Box<Self>, shape: &Shape) -> Result<Tensor> {
+        let n = self.n;
+        if self.filled != n * std::mem::size_of::<T>() {
+            return Err(DdpError::InvalidArgument(format!(
+                "all_reduce_piecewise: the backend wrote {} of a gradient's {} bytes (a backend bug)",
+                self.filled,
+                n * std::mem::size_of::<T>()
+            )));
+        }
+        // SAFETY: all `n` elements were written (bytes `0..filled` in order, `filled` = n · size_of::<T>()), and
+        // every bit pattern is a valid `T` (a `Pod` element type).
+        unsafe { self.elems.set_len(n) };
+        Ok(Tensor::from_vec(std::mem::take(&mut self.elems), shape, &Device::Cpu)?)
+    }
+}
