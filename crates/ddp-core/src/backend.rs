@@ -55,14 +55,14 @@ pub trait Backend: Send + Sync {
     /// straight out of it, never through one contiguous buffer. Same call identity, algorithm and result bits
     /// as `all_reduce` of the concatenated pieces; ranks may mix the two calls.
     ///
-    /// `scratch` holds at least `buf.len()` bytes, aligned for `dtype`. The default implementation packs the
-    /// input into it, calls `all_reduce` and unpacks; the CPU backend's shared-memory path uses none of it.
+    /// `scratch` is reused from call to call: the default implementation grows it to `buf.len()` bytes, packs the
+    /// input into it, calls `all_reduce` and unpacks; the CPU backend's shared-memory path leaves it alone.
     ///
-    /// Errors: those of `all_reduce`; [`crate::DdpError::InvalidArgument`] for a `scratch` shorter than `buf`.
+    /// Errors: those of `all_reduce`.
     fn all_reduce_piecewise(
         &self,
         buf: &mut dyn PiecewiseBuffer,
-        scratch: &mut [u8],
+        scratch: &mut Vec<u64>,
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
@@ -121,28 +121,22 @@ impl PiecewiseBuffer for &mut [u8] {
     }
 }
 
-/// [`Backend::all_reduce_piecewise`]'s default: packs `buf` into `scratch`, all-reduces it, unpacks.
+/// [`Backend::all_reduce_piecewise`]'s default: packs `buf` into `scratch` (grown to `buf.len()` bytes; 8-byte
+/// words, so aligned for every dtype), all-reduces it, unpacks.
 pub(crate) fn all_reduce_via_scratch<B: Backend + ?Sized>(
     backend: &B,
     buf: &mut dyn PiecewiseBuffer,
-    scratch: &mut [u8],
+    scratch: &mut Vec<u64>,
     dtype: DType,
     op: ReduceOp,
 ) -> Result<()> {
     let len = buf.len();
-    let scratch = scratch_for(scratch, len)?;
-    buf.read(0..len, &mut |offset, piece| scratch[offset..offset + piece.len()].copy_from_slice(piece));
-    backend.all_reduce(scratch, dtype, op)?;
-    buf.write(0, scratch);
+    if scratch.len() < len.div_ceil(8) {
+        scratch.resize(len.div_ceil(8), 0);
+    }
+    let packed = &mut bytemuck::cast_slice_mut::<u64, u8>(scratch)[..len];
+    buf.read(0..len, &mut |offset, piece| packed[offset..offset + piece.len()].copy_from_slice(piece));
+    backend.all_reduce(packed, dtype, op)?;
+    buf.write(0, packed);
     Ok(())
-}
-
-/// The first `len` bytes of `scratch`, or an error naming both sizes.
-fn scratch_for(scratch: &mut [u8], len: usize) -> Result<&mut [u8]> {
-    let have = scratch.len();
-    scratch.get_mut(..len).ok_or_else(|| {
-        crate::DdpError::InvalidArgument(format!(
-            "all_reduce_piecewise: scratch holds {have} bytes for a buffer of {len}; pass at least the buffer's size"
-        ))
-    })
 }

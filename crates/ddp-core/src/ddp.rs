@@ -139,9 +139,6 @@ pub struct DistributedDataParallel {
     /// The bucket layout: reverse registration order at construction, rebuilt once by the first overlapped
     /// backward (then with the plan that says when each bucket is ready).
     layout: Mutex<Arc<BucketLayout>>,
-    /// One flat buffer per bucket, kept between steps so big buckets are not re-allocated (and page-faulted)
-    /// every step.
-    buffers: Mutex<Vec<FlatBuffer>>,
 }
 
 /// The buckets in communication order, and the overlap plan they were built for (if any).
@@ -220,7 +217,6 @@ impl DistributedDataParallel {
             &sizes,
             &dtypes,
         );
-        let buffers = Mutex::new((0..buckets.len()).map(|_| FlatBuffer::default()).collect());
         let ddp = DistributedDataParallel {
             pg: pg.clone(),
             vars,
@@ -230,7 +226,6 @@ impl DistributedDataParallel {
             opts,
             require_sync: AtomicBool::new(true),
             layout: Mutex::new(Arc::new(BucketLayout { buckets, overlap: None })),
-            buffers,
         };
         if ddp.opts.broadcast_parameters && pg.world_size() > 1 {
             ddp.broadcast_parameters()?;
@@ -432,33 +427,30 @@ impl DistributedDataParallel {
         };
 
         let layout = self.layout();
-        self.with_buffers(&layout, |buffers| {
-            if layout.buckets.len() == 1 || !self.overlaps() {
-                // One bucket, or no spare core for a communication thread (see `Overlap`): bucket by bucket on
-                // this thread — a thread that can only time-slice against this one would add its start and its
-                // scheduling to every step and hide nothing.
-                for (k, (plan, buf)) in layout.buckets.iter().zip(buffers.iter_mut()).enumerate() {
-                    let mut pieces = self.bucket_pieces(plan, grads, &globally_used)?;
-                    buf.resize(plan.bytes);
-                    self.pg.all_reduce_piecewise(&mut pieces, buf.bytes_mut(), plan.dtype, ReduceOp::Avg)?;
-                    self.take_averages(&layout.buckets[k], pieces, grads)?;
-                }
-                return Ok(());
+        if layout.buckets.len() == 1 || !self.overlaps() {
+            // One bucket, or no spare core for a communication thread (see `Overlap`): bucket by bucket on this
+            // thread — a thread that can only time-slice against this one would add its start and its scheduling
+            // to every step and hide nothing.
+            for plan in &layout.buckets {
+                let mut pieces = self.bucket_pieces(plan, grads, &globally_used)?;
+                self.pg.all_reduce_piecewise(&mut pieces, plan.dtype, ReduceOp::Avg)?;
+                self.take_averages(plan, pieces, grads)?;
             }
-            self.pipelined(&layout, buffers, &globally_used, |pipe| {
-                for k in 0..layout.buckets.len() {
-                    pipe.launch(k, grads)?;
-                }
-                Ok(())
-            })?
-            .unpack_into(grads)
-        })
+            return Ok(());
+        }
+        self.pipelined(&layout, &globally_used, |pipe| {
+            for k in 0..layout.buckets.len() {
+                pipe.launch(k, grads)?;
+            }
+            Ok(())
+        })?
+        .unpack_into(grads)
     }
 
     /// Bucket `plan`'s gradients as the all_reduce's input and output (`pieces`): the all_reduce reads them from
     /// the tensors in `local` where they lie (zeros where a slot is `None`) and writes the averages into new
-    /// tensors, which [`Self::take_averages`] puts back — no packing into the flat buffer on the way in or out
-    /// where the backend reads and writes pieces itself (the CPU backend's shared memory).
+    /// tensors, which [`Self::take_averages`] puts back — no packed copy of the bucket where the backend reads and
+    /// writes pieces itself (the CPU backend's shared memory; other paths pack into the process group's scratch).
     fn bucket_pieces(&self, plan: &BucketPlan, local: &[Option<Tensor>], used: &[bool]) -> Result<BucketPieces> {
         let params = plan.params.iter().zip(&plan.offsets);
         BucketPieces::new(
@@ -481,15 +473,6 @@ impl DistributedDataParallel {
         crate::sync::lock(&self.layout).clone()
     }
 
-    /// Runs `f` with one flat buffer per bucket of `layout` (the ones kept from the last step).
-    fn with_buffers<R>(&self, layout: &BucketLayout, f: impl FnOnce(&mut [FlatBuffer]) -> R) -> R {
-        let mut buffers = std::mem::take(&mut *crate::sync::lock(&self.buffers));
-        buffers.resize_with(layout.buckets.len(), FlatBuffer::default);
-        let r = f(&mut buffers);
-        *crate::sync::lock(&self.buffers) = buffers;
-        r
-    }
-
     /// The pipeline: `produce` launches buckets (their gradients handed over as [`BucketPieces`], no copy) while a
     /// communication thread all-reduces the ones launched before, strictly in launch order — which must be bucket
     /// order, the same on every rank. `used`: per parameter, whether some rank has a gradient for it. Returns the
@@ -497,34 +480,31 @@ impl DistributedDataParallel {
     fn pipelined<'b>(
         &self,
         layout: &'b BucketLayout,
-        buffers: &'b mut [FlatBuffer],
         used: &'b [bool],
         produce: impl FnOnce(&mut Pipeline<'_, 'b>) -> Result<()>,
     ) -> Result<Reduced<'_, 'b>> {
         std::thread::scope(|scope| {
-            let (to_comm, comm_inbox) = mpsc::channel::<(usize, BucketPieces, FlatBuffer)>();
-            let (to_main, main_inbox) = mpsc::channel::<Result<(usize, BucketPieces, FlatBuffer)>>();
+            let (to_comm, comm_inbox) = mpsc::channel::<(usize, BucketPieces)>();
+            let (to_main, main_inbox) = mpsc::channel::<Result<(usize, BucketPieces)>>();
             let (pg, buckets) = (&self.pg, &layout.buckets);
             scope.spawn(move || {
-                for (k, mut pieces, mut buf) in comm_inbox {
-                    buf.resize(buckets[k].bytes);
-                    let r = pg.all_reduce_piecewise(&mut pieces, buf.bytes_mut(), buckets[k].dtype, ReduceOp::Avg);
+                for (k, mut pieces) in comm_inbox {
+                    let r = pg.all_reduce_piecewise(&mut pieces, buckets[k].dtype, ReduceOp::Avg);
                     let failed = r.is_err();
-                    if to_main.send(r.map(|()| (k, pieces, buf))).is_err() || failed {
+                    if to_main.send(r.map(|()| (k, pieces))).is_err() || failed {
                         break;
                     }
                 }
             });
-            let mut pipe = Pipeline { ddp: self, layout, buffers, used, to_comm: Some(to_comm), launched: 0 };
+            let mut pipe = Pipeline { ddp: self, layout, used, to_comm: Some(to_comm), launched: 0 };
             let produced = produce(&mut pipe);
-            let (launched, buffers) = (pipe.launched, pipe.buffers);
+            let launched = pipe.launched;
             drop(pipe.to_comm.take()); // the comm thread ends once it has reduced what it was sent
             let mut first_err = produced.err();
             let mut reduced: Vec<Option<BucketPieces>> = (0..layout.buckets.len()).map(|_| None).collect();
             for msg in main_inbox {
                 match msg {
-                    Ok((k, pieces, buf)) => {
-                        buffers[k] = buf;
+                    Ok((k, pieces)) => {
                         reduced[k] = Some(pieces);
                     }
                     Err(e) => {
@@ -631,9 +611,8 @@ fn plan_buckets(assigned: Vec<bucket::Bucket>, sizes: &[usize], dtypes: &[DType]
 struct Pipeline<'d, 'b> {
     ddp: &'d DistributedDataParallel,
     layout: &'b BucketLayout,
-    buffers: &'b mut [FlatBuffer],
     used: &'b [bool],
-    to_comm: Option<mpsc::Sender<(usize, BucketPieces, FlatBuffer)>>,
+    to_comm: Option<mpsc::Sender<(usize, BucketPieces)>>,
     /// Buckets sent so far (always the first `launched`, in order).
     launched: usize,
 }
@@ -643,11 +622,10 @@ impl Pipeline<'_, '_> {
     fn launch(&mut self, k: usize, grads: &[Option<Tensor>]) -> Result<()> {
         debug_assert_eq!(k, self.launched, "buckets go out in bucket order");
         let pieces = self.ddp.bucket_pieces(&self.layout.buckets[k], grads, self.used)?;
-        let buf = std::mem::take(&mut self.buffers[k]);
         self.launched += 1;
         // A closed channel means the comm thread stopped on an error, which `pipelined` reports.
         if let Some(tx) = &self.to_comm {
-            let _ = tx.send((k, pieces, buf));
+            let _ = tx.send((k, pieces));
         }
         Ok(())
     }

@@ -8,7 +8,7 @@ use crate::token::RunToken;
 use crate::traffic::{Op, TrafficCounters, TrafficStats};
 use crate::{DType, DdpError, Element, ReduceOp, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Default timeout of a collective: 30 min, as PyTorch's non-NCCL backends.
@@ -75,6 +75,9 @@ pub struct ProcessGroup {
 
 pub(crate) struct GroupInner {
     pub(crate) backend: Box<dyn Backend>,
+    /// Reused by [`ProcessGroup::all_reduce_piecewise`] on backends that pack the pieces into one buffer; never
+    /// grown on the shared-memory path, which reads and writes the pieces itself.
+    pub(crate) piecewise_scratch: Mutex<Vec<u64>>,
     pub(crate) store: Arc<dyn Store>,
     /// Global ranks of the members, indexed by group rank.
     pub(crate) members: Vec<usize>,
@@ -286,6 +289,7 @@ impl ProcessGroup {
                 namespace,
                 subgroups: AtomicU64::new(0),
                 traffic: TrafficCounters::default(),
+                piecewise_scratch: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -416,17 +420,13 @@ impl ProcessGroup {
 
     /// [`Self::all_reduce_bytes`] of a buffer held in pieces (read before, written after; see
     /// [`Backend::all_reduce_piecewise`]): what DDP uses for its buckets, so that on one machine the gradient
-    /// tensors go straight into shared memory and the results straight into new tensors. `scratch`: at least
-    /// `buf.len()` bytes, aligned for `dtype` (backends that need one contiguous buffer pack into it).
-    pub fn all_reduce_piecewise(
-        &self,
-        buf: &mut dyn PiecewiseBuffer,
-        scratch: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-    ) -> Result<()> {
+    /// tensors go straight into shared memory and the results straight into new tensors. Backends that need one
+    /// contiguous buffer pack into a scratch buffer this group keeps (as large as the largest such call).
+    /// Collective, like `all_reduce_bytes`, and the same call as far as the other ranks are concerned.
+    pub fn all_reduce_piecewise(&self, buf: &mut dyn PiecewiseBuffer, dtype: DType, op: ReduceOp) -> Result<()> {
         self.inner.traffic.add(Op::AllReduce, buf.len());
-        self.inner.backend.all_reduce_piecewise(buf, scratch, dtype, op)
+        let mut scratch = crate::sync::lock(&self.inner.piecewise_scratch);
+        self.inner.backend.all_reduce_piecewise(buf, &mut scratch, dtype, op)
     }
 
     /// Creates a sub-group of the given *group* ranks (like `torch.distributed.new_group`). Every rank of this
@@ -524,6 +524,7 @@ impl ProcessGroup {
                 namespace: String::new(),
                 subgroups: AtomicU64::new(0),
                 traffic: TrafficCounters::default(),
+                piecewise_scratch: Mutex::new(Vec::new()),
             }),
         }))
     }

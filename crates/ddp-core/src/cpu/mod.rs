@@ -493,7 +493,7 @@ impl Backend for CpuBackend {
     fn all_reduce_piecewise(
         &self,
         buf: &mut dyn PiecewiseBuffer,
-        scratch: &mut [u8],
+        scratch: &mut Vec<u64>,
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {

@@ -137,33 +137,31 @@ impl DistributedDataParallel {
         // Which parameters this call's backward pass gave a gradient (slots may hold earlier micro-batches').
         let mut received = vec![false; self.vars.len()];
         let all_used = vec![true; slots.len()];
-        self.with_buffers(layout, |buffers| {
-            let reduced = self.pipelined(layout, buffers, &all_used, |pipe| {
-                segments.backward(loss, |k, store| {
-                    let got = add(store, slots)?;
-                    for &i in &got {
-                        received[i] = true;
-                    }
-                    if let Some(&late) = got.iter().find(|&&i| plan.final_after[i] < k) {
-                        return Err(DdpError::InvalidArgument(format!(
-                            "DDP backward: parameter `{}` got a gradient in backward segment {k}, after its bucket \
-                             was sent (its gradients were final after segment {} when the buckets were planned); \
-                             the model must use each parameter between the same cuts at every step",
-                            self.vars[late].0, plan.final_after[late]
-                        )));
-                    }
-                    while pipe.launched() < buckets && plan.bucket_ready[pipe.launched()] <= k {
-                        self.launch_checked(pipe, slots, &received, Some(k))?;
-                    }
-                    Ok::<(), DdpError>(())
-                })?;
-                while pipe.launched() < buckets {
-                    self.launch_checked(pipe, slots, &received, None)?;
+        let reduced = self.pipelined(layout, &all_used, |pipe| {
+            segments.backward(loss, |k, store| {
+                let got = add(store, slots)?;
+                for &i in &got {
+                    received[i] = true;
                 }
-                Ok(())
+                if let Some(&late) = got.iter().find(|&&i| plan.final_after[i] < k) {
+                    return Err(DdpError::InvalidArgument(format!(
+                        "DDP backward: parameter `{}` got a gradient in backward segment {k}, after its bucket \
+                         was sent (its gradients were final after segment {} when the buckets were planned); \
+                         the model must use each parameter between the same cuts at every step",
+                        self.vars[late].0, plan.final_after[late]
+                    )));
+                }
+                while pipe.launched() < buckets && plan.bucket_ready[pipe.launched()] <= k {
+                    self.launch_checked(pipe, slots, &received, Some(k))?;
+                }
+                Ok::<(), DdpError>(())
             })?;
-            reduced.unpack_into(slots)
-        })
+            while pipe.launched() < buckets {
+                self.launch_checked(pipe, slots, &received, None)?;
+            }
+            Ok(())
+        })?;
+        reduced.unpack_into(slots)
     }
 
     /// Launches the next bucket after backward segment `segment` (`None`: after the whole backward pass); this

@@ -1,8 +1,8 @@
 //! One bucket's gradients as a [`PiecewiseBuffer`]: the all_reduce reads each gradient tensor's storage where it
 //! lies and writes the averages straight into the new gradient tensors, so the bucket is never packed into a
 //! flat buffer nor unpacked from one. On the CPU backend's shared-memory path that halves the bucket's memory
-//! traffic (docs/benchmarks.md, "Where the MLP's 2-process step goes"); other paths pack into the bucket's flat
-//! buffer as before ([`crate::Backend::all_reduce_piecewise`]'s default).
+//! traffic (docs/benchmarks.md, "Where the MLP's 2-process step goes"); other paths pack into the process
+//! group's scratch buffer ([`crate::Backend::all_reduce_piecewise`]'s default).
 
 use crate::backend::PiecewiseBuffer;
 use crate::dtype::with_element_type;
@@ -58,14 +58,15 @@ impl BucketPieces {
         Ok(Some(if device.is_cpu() { t } else { t.to_device(device)? }))
     }
 
-    /// The parameters whose bytes overlap `range`, with the overlap.
+    /// The parameters whose bytes overlap `range`, with the overlap (parameters of no bytes overlap nothing).
     fn overlapping(&self, range: Range<usize>) -> impl Iterator<Item = (usize, Range<usize>)> + '_ {
         let first = self.inputs.partition_point(|(r, _)| r.end <= range.start);
         self.inputs[first..]
             .iter()
             .enumerate()
+            .take_while(move |(_, (r, _))| r.start < range.end)
             .map(move |(k, (r, _))| (first + k, r.start.max(range.start)..r.end.min(range.end)))
-            .take_while(|(_, overlap)| overlap.start < overlap.end)
+            .filter(|(_, overlap)| !overlap.is_empty())
     }
 }
 
