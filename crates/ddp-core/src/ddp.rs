@@ -105,9 +105,9 @@ impl Default for DdpOptions {
 #[derive(Debug)]
 struct BucketPlan {
     dtype: DType,
-    /// Parameter indices in packing order.
+    /// Parameter indices in bucket order (where each one's bytes sit in the bucket).
     params: Vec<usize>,
-    /// Byte offset of each parameter of `params` in the flat buffer.
+    /// Byte offset of each parameter of `params` in the bucket.
     offsets: Vec<usize>,
     /// Total bytes.
     bytes: usize,
@@ -444,7 +444,7 @@ impl DistributedDataParallel {
             }
             Ok(())
         })?
-        .unpack_into(grads)
+        .put_back_into(grads)
     }
 
     /// Bucket `plan`'s gradients as the all_reduce's input and output (`pieces`): the all_reduce reads them from
@@ -646,7 +646,7 @@ struct Reduced<'d, 'b> {
 
 impl Reduced<'_, '_> {
     /// Writes the averages into `grads` (`None` for parameters no rank had a gradient for).
-    fn unpack_into(self, grads: &mut [Option<Tensor>]) -> Result<()> {
+    fn put_back_into(self, grads: &mut [Option<Tensor>]) -> Result<()> {
         for (plan, pieces) in self.layout.buckets.iter().zip(self.reduced) {
             if let Some(pieces) = pieces {
                 self.ddp.take_averages(plan, pieces, grads)?;

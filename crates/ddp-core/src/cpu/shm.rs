@@ -24,8 +24,8 @@
 //! Each part is reduced by exactly one rank, so all ranks get the same bits. The input and output are a
 //! [`PiecewiseBuffer`]: for DDP's buckets the gradient tensors themselves, so a bucket is never packed into or
 //! unpacked from a contiguous buffer. Memory traffic per rank for P = 2, counting reads and writes, is 4.5×
-//! the buffer (copy-in 1, reduce 1.5, copy-out 2; vs ≥ 5.5× through TCP, plus 4× for packing and unpacking a
-//! bucket around either). Progress is signalled with per-rank epoch counters
+//! the buffer (copy-in 1, reduce 1.5, copy-out 2; vs ≥ 5.5× through TCP, plus 4× there for packing and unpacking
+//! a bucket around it). Progress is signalled with per-rank epoch counters
 //! (acquire/release atomics, one cache line each); waiters spin briefly, then yield, then sleep in short steps,
 //! and while waiting watch the shared abort word, the peers' TCP connections (a dead process closes them), the
 //! store's abort record and the deadline — so a failure is still reported on every rank, quickly.

@@ -13,7 +13,7 @@
 /// One bucket: parameters (registration indices) of a single dtype, reduced by one all_reduce.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Bucket {
-    /// Parameter indices in packing order (reverse registration order).
+    /// Parameter indices in bucket order (reverse registration order).
     pub params: Vec<usize>,
     /// Total size of the parameters, bytes.
     pub bytes: usize,

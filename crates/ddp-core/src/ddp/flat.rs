@@ -1,5 +1,6 @@
 //! Flat buffers: several tensors of one dtype copied into one contiguous, 8-byte aligned byte buffer (a bucket)
-//! and back — what the parameter broadcast at construction sends (gradients go as pieces: `pieces`). The buffer is `Vec<u64>` underneath so it can be viewed as any element type collectives carry.
+//! and back: what the parameter broadcast at construction sends (gradients go as pieces: `pieces`). The buffer is
+//! `Vec<u64>` underneath so it can be viewed as any element type collectives carry.
 
 use crate::dtype::with_element_type;
 use crate::{DType, DdpError, Element, Result};

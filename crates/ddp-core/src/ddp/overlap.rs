@@ -161,7 +161,7 @@ impl DistributedDataParallel {
             }
             Ok(())
         })?;
-        reduced.unpack_into(slots)
+        reduced.put_back_into(slots)
     }
 
     /// Launches the next bucket after backward segment `segment` (`None`: after the whole backward pass); this

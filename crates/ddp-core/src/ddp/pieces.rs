@@ -57,17 +57,21 @@ impl BucketPieces {
         let t = out.into_tensor(shape)?;
         Ok(Some(if device.is_cpu() { t } else { t.to_device(device)? }))
     }
+}
 
-    /// The parameters whose bytes overlap `range`, with the overlap (parameters of no bytes overlap nothing).
-    fn overlapping(&self, range: Range<usize>) -> impl Iterator<Item = (usize, Range<usize>)> + '_ {
-        let first = self.inputs.partition_point(|(r, _)| r.end <= range.start);
-        self.inputs[first..]
-            .iter()
-            .enumerate()
-            .take_while(move |(_, (r, _))| r.start < range.end)
-            .map(move |(k, (r, _))| (first + k, r.start.max(range.start)..r.end.min(range.end)))
-            .filter(|(_, overlap)| !overlap.is_empty())
-    }
+/// The parameters (indices into `inputs`, whose byte ranges follow each other) that overlap `range`, with the
+/// overlap; parameters of no bytes overlap nothing.
+fn overlapping(
+    inputs: &[(Range<usize>, Option<Tensor>)],
+    range: Range<usize>,
+) -> impl Iterator<Item = (usize, Range<usize>)> + '_ {
+    let first = inputs.partition_point(|(r, _)| r.end <= range.start);
+    inputs[first..]
+        .iter()
+        .enumerate()
+        .take_while(move |(_, (r, _))| r.start < range.end)
+        .map(move |(k, (r, _))| (first + k, r.start.max(range.start)..r.end.min(range.end)))
+        .filter(|(_, overlap)| !overlap.is_empty())
 }
 
 impl PiecewiseBuffer for BucketPieces {
@@ -76,7 +80,7 @@ impl PiecewiseBuffer for BucketPieces {
     }
 
     fn read(&self, range: Range<usize>, f: &mut dyn FnMut(usize, &[u8])) {
-        for (i, overlap) in self.overlapping(range) {
+        for (i, overlap) in overlapping(&self.inputs, range) {
             let (param, grad) = &self.inputs[i];
             let local = overlap.start - param.start..overlap.end - param.start;
             match grad {
@@ -87,10 +91,10 @@ impl PiecewiseBuffer for BucketPieces {
     }
 
     fn write(&mut self, offset: usize, src: &[u8]) {
-        let ranges: Vec<(usize, Range<usize>)> = self.overlapping(offset..offset + src.len()).collect();
-        for (i, overlap) in ranges {
-            if let Some(out) = &mut self.outputs[i] {
-                let at = overlap.start - self.inputs[i].0.start;
+        let Self { inputs, outputs, .. } = self;
+        for (i, overlap) in overlapping(inputs, offset..offset + src.len()) {
+            if let Some(out) = &mut outputs[i] {
+                let at = overlap.start - inputs[i].0.start;
                 out.write(at, &src[overlap.start - offset..overlap.end - offset]);
             }
         }

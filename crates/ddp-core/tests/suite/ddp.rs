@@ -384,9 +384,9 @@ fn grad_values(varmap: &VarMap, grads: &GradStore) -> Vec<(String, Vec<f32>)> {
 
 /// The bucket all_reduce reads the gradient tensors in place and writes new ones (`all_reduce_piecewise`): the
 /// result has the bits of all-reducing the packed bucket, whatever the gradients look like — strided (a
-/// transpose), a view into a larger storage, another dtype than the parameter's, of no elements (in the middle of
-/// a bucket), missing on some ranks or on all — on every path (pipelined shared memory in one block and in many, TCP), in one bucket and in many, bucket by
-/// bucket and through the communication thread.
+/// transpose), a view into a larger storage, another dtype than the parameter's, of no elements (in the middle and
+/// at the end of a bucket), missing on some ranks or on all — on every path (pipelined shared memory in one block
+/// and in many, TCP), in one bucket and in many, bucket by bucket and through the communication thread.
 #[test]
 fn bucket_reduction_has_the_bits_of_the_packed_all_reduce() {
     use crate::common::{tiny_segments, tiny_shm_blocks};
@@ -400,7 +400,8 @@ fn bucket_reduction_has_the_bits_of_the_packed_all_reduce() {
                 let several = opts.bucket_cap_mb < 1.0;
                 let out = crate::common::run_ranks(world, tuning, move |pg| {
                     let r = pg.rank() as f32;
-                    let shapes: [(&str, &[usize]); 7] = [
+                    let shapes: [(&str, &[usize]); 8] = [
+                        ("last", &[0]),
                         ("w", &[40, 50]),
                         ("b", &[50]),
                         ("empty", &[0]),
@@ -415,6 +416,7 @@ fn bucket_reduction_has_the_bits_of_the_packed_all_reduce() {
                         .collect();
                     let ddp = DistributedDataParallel::from_named_vars(&pg, vars.clone(), opts.clone()).unwrap();
                     let local: Vec<Option<Tensor>> = vec![
+                        Some(wave(r, &[0], 1.0)),
                         Some(wave(r, &[50, 40], 1.0).t().unwrap()),
                         Some(wave(r + 0.5, &[50], 1.0).to_dtype(DType::F64).unwrap()),
                         Some(wave(r, &[0], 1.0)),
@@ -470,7 +472,7 @@ fn bucket_reduction_has_the_bits_of_the_packed_all_reduce() {
                 });
                 // And, independently of any collective, close to the mean over the ranks (a missing gradient
                 // counts as zeros).
-                for p in [0usize, 1, 2, 3, 4, 6] {
+                for p in [0usize, 1, 2, 3, 4, 5, 7] {
                     let n = out[0].3[p].as_ref().or(out[1].3[p].as_ref()).map_or(0, Vec::len);
                     for i in 0..n {
                         let sum: f64 = out.iter().filter_map(|o| o.3[p].as_ref()).map(|v| v[i] as f64).sum();
@@ -487,12 +489,14 @@ fn bucket_reduction_has_the_bits_of_the_packed_all_reduce() {
                         };
                         assert!(bits(g) == bits(w), "{what}: parameter {p} differs from the packed all_reduce");
                     }
-                    assert!(got[5].is_none(), "{what}: a parameter no rank used gets no gradient");
-                    assert_eq!(
-                        got[2].as_deref(),
-                        Some(&[][..]),
-                        "{what}: a parameter of no elements keeps its gradient"
-                    );
+                    assert!(got[6].is_none(), "{what}: a parameter no rank used gets no gradient");
+                    for p in [0, 3] {
+                        assert_eq!(
+                            got[p].as_deref(),
+                            Some(&[][..]),
+                            "{what}: parameter {p} of no elements keeps its gradient"
+                        );
+                    }
                 }
                 assert_eq!(out[0].2 > 1, several, "the tiny caps make several buckets, the default one");
             }
