@@ -490,8 +490,8 @@ impl ShmChannel {
             self.wait(ctx, |q| self.consumed(q).load(Ordering::Acquire) + depth as u64 >= e)?;
             // SAFETY: result buffer b, part r is ours to write until we publish `reduced ≥ e` (every rank
             // consumed its previous use, awaited above), and slot (q, b) holds block e's data: q published
-            // `arrived ≥ e` (acquire above) and will not write it again before we publish `reduced ≥ e`. The
-            // regions are disjoint, and none overlaps `buf`, which is this process's own memory.
+            // `arrived ≥ e` (acquire above) and will not write it again before we publish `reduced ≥ e` (what
+            // `theirs` reads). The regions are disjoint, and none overlaps `buf`, which is this process's own memory.
             let out = unsafe {
                 std::slice::from_raw_parts_mut(self.shared_ptr(self.result(b) + mine.start - base), mine.len())
             };

@@ -3,8 +3,8 @@
 //! `Vec<u64>` underneath so it can be viewed as any element type collectives carry.
 
 use crate::dtype::with_element_type;
-use crate::{DType, DdpError, Element, Result};
-use candle_core::{Device, Shape, Storage, Tensor, WithDType};
+use crate::{DType, DdpError, Result};
+use candle_core::{Device, Shape, Storage, Tensor};
 
 /// An 8-byte aligned byte buffer of `len` bytes, reused across steps.
 #[derive(Debug, Default)]
@@ -35,21 +35,44 @@ impl FlatBuffer {
 /// Copies `t` (any layout, any device; `elem_count` elements of `dtype`) into `dst`, which holds exactly
 /// `t.elem_count()` elements' bytes. Contiguous CPU tensors are copied straight from their storage.
 pub(crate) fn copy_in(t: &Tensor, dtype: DType, dst: &mut [u8]) -> Result<()> {
-    with_element_type!(dtype, T => copy_in_typed::<T>(t, bytemuck::cast_slice_mut(dst)))
+    with_bytes(&readable(t, dtype)?, dtype, |bytes| dst.copy_from_slice(bytes));
+    Ok(())
 }
 
-fn copy_in_typed<T: Element + WithDType>(t: &Tensor, dst: &mut [T]) -> Result<()> {
-    {
-        let (storage, layout) = t.storage_and_layout();
-        if let (Storage::Cpu(cpu), Some((start, end))) = (&*storage, layout.contiguous_offsets()) {
-            dst.copy_from_slice(&cpu.as_slice::<T>()?[start..end]);
-            return Ok(());
-        }
+/// `g` as a contiguous CPU tensor of `dtype`: itself when it is one already (no copy), else converted (another
+/// dtype, strided, or on a device: one copy each).
+pub(crate) fn readable(g: &Tensor, dtype: DType) -> Result<Tensor> {
+    let g = if DType::from_candle(g.dtype()) == Some(dtype) {
+        g.clone()
+    } else {
+        let want = dtype.to_candle().ok_or_else(|| {
+            DdpError::InvalidArgument(format!(
+                "DDP: a tensor of dtype {:?} in a bucket of {dtype:?}, which candle has no dtype for",
+                g.dtype()
+            ))
+        })?;
+        g.to_dtype(want)?
+    };
+    let ready = {
+        let (storage, layout) = g.storage_and_layout();
+        matches!(&*storage, Storage::Cpu(_)) && layout.contiguous_offsets().is_some()
+    };
+    if ready {
+        return Ok(g);
     }
-    // Strided or device tensors: one copy through candle.
-    let v = t.flatten_all()?.to_vec1::<T>()?;
-    dst.copy_from_slice(&v);
-    Ok(())
+    Ok(g.flatten_all()?.to_device(&Device::Cpu)?.contiguous()?)
+}
+
+/// Calls `f` with the bytes of `g` in its storage; `g` is a tensor [`readable`] returned for `dtype`.
+pub(crate) fn with_bytes(g: &Tensor, dtype: DType, f: impl FnOnce(&[u8])) {
+    let (storage, layout) = g.storage_and_layout();
+    let (Storage::Cpu(cpu), Some((start, end))) = (&*storage, layout.contiguous_offsets()) else {
+        unreachable!("`readable` returns contiguous CPU tensors only");
+    };
+    with_element_type!(dtype, T => {
+        let elems = cpu.as_slice::<T>().expect("`readable` converted the tensor to the bucket's dtype");
+        f(bytemuck::cast_slice(&elems[start..end]))
+    })
 }
 
 /// A new tensor of `shape` on `device` holding `src`'s `dtype` elements.

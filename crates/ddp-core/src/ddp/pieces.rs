@@ -4,10 +4,11 @@
 //! traffic (docs/benchmarks.md, "Where the MLP's 2-process step goes"); other paths pack into the process
 //! group's scratch buffer ([`crate::Backend::all_reduce_piecewise`]'s default).
 
+use super::flat;
 use crate::backend::PiecewiseBuffer;
 use crate::dtype::with_element_type;
 use crate::{DType, DdpError, Element, Result};
-use candle_core::{Device, Shape, Storage, Tensor, WithDType};
+use candle_core::{Device, Shape, Tensor, WithDType};
 use std::mem::MaybeUninit;
 use std::ops::Range;
 
@@ -33,7 +34,7 @@ impl BucketPieces {
         let (mut inputs, mut outputs, mut zeros_len) = (Vec::new(), Vec::new(), 0);
         for (range, grad, used) in params {
             let input = match grad {
-                Some(g) => Some(readable(g, dtype)?),
+                Some(g) => Some(flat::readable(g, dtype)?),
                 None => {
                     zeros_len = zeros_len.max(range.len());
                     None
@@ -84,7 +85,7 @@ impl PiecewiseBuffer for BucketPieces {
             let (param, grad) = &self.inputs[i];
             let local = overlap.start - param.start..overlap.end - param.start;
             match grad {
-                Some(g) => with_bytes(g, self.dtype, |bytes| f(overlap.start, &bytes[local])),
+                Some(g) => flat::with_bytes(g, self.dtype, |bytes| f(overlap.start, &bytes[local])),
                 None => f(overlap.start, &self.zeros[..local.len()]),
             }
         }
@@ -99,40 +100,6 @@ impl PiecewiseBuffer for BucketPieces {
             }
         }
     }
-}
-
-/// `g` as a contiguous CPU tensor of `dtype` (itself when it is one already: no copy).
-fn readable(g: &Tensor, dtype: DType) -> Result<Tensor> {
-    let g = match dtype.to_candle() {
-        _ if DType::from_candle(g.dtype()) == Some(dtype) => g.clone(),
-        Some(want) => g.to_dtype(want)?,
-        None => {
-            return Err(DdpError::InvalidArgument(format!(
-                "DDP: a gradient of dtype {:?} in a bucket of {dtype:?}, which candle has no dtype for",
-                g.dtype()
-            )))
-        }
-    };
-    let ready = {
-        let (storage, layout) = g.storage_and_layout();
-        matches!(&*storage, Storage::Cpu(_)) && layout.contiguous_offsets().is_some()
-    };
-    if ready {
-        return Ok(g);
-    }
-    Ok(g.flatten_all()?.to_device(&Device::Cpu)?.contiguous()?)
-}
-
-/// Calls `f` with the bytes of `g`, a tensor [`readable`] returned.
-fn with_bytes(g: &Tensor, dtype: DType, f: impl FnOnce(&[u8])) {
-    let (storage, layout) = g.storage_and_layout();
-    let (Storage::Cpu(cpu), Some((start, end))) = (&*storage, layout.contiguous_offsets()) else {
-        unreachable!("BucketPieces holds contiguous CPU gradients only (`readable`)");
-    };
-    with_element_type!(dtype, T => {
-        let elems = cpu.as_slice::<T>().expect("`readable` converted the gradient to the bucket's dtype");
-        f(bytemuck::cast_slice(&elems[start..end]))
-    })
 }
 
 /// Where one parameter's average is written, in order, before it becomes a tensor.
