@@ -4,7 +4,9 @@
 # overlapped with it (`--overlap on`: the forward recorded, DistributedDataParallel::backward /
 # Accelerator::backward_segments with DdpOptions::overlap On), at the ddp and accel levels (and the Trainer with its
 # default, Auto), for the
-# MLP and the char-GPT; runs interleaved, medians of --repeat. Writes the section between <!-- overlap:begin/end -->
+# MLP and the char-GPT; runs interleaved, medians of --repeat. Each round also starts two 1-process runs of each
+# level side by side, with no communication between them: what this machine gives two processes at all (the
+# ceiling any 2-process scaling is measured against). Writes the section between <!-- overlap:begin/end -->
 # of docs/benchmarks.md. Needs no PyTorch.
 #
 #   scripts/bench-overlap.sh [--repeat 3] [--epochs 2] [--gpt-steps 100] [--model mlp|gpt|all] [--max-load 0.5]
@@ -22,7 +24,7 @@ while [[ $# -gt 0 ]]; do
         --max-load) max_load="$2"; shift 2 ;;
         --max-wait) max_wait="$2"; shift 2 ;;
         --no-report) report=0; shift ;;
-        -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
         *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -41,11 +43,21 @@ wait_for_quiet "$max_load" "$max_wait"
 runs="$out/runs.jsonl"; loads="$out/loads.txt"; : > "$runs"; : > "$loads"
 failed=()
 run_one() { run_and_keep '{.*"framework".*}' "$@"; }
+# `side_by_side CMD...`: CMD twice at once (both outputs in the log); fails if either fails.
+side_by_side() {
+    local rc=0 pid
+    "$@" & pid=$!
+    "$@" || rc=1
+    wait "$pid" || rc=1
+    return $rc
+}
 for i in $(seq "$repeat"); do
     for m in "${models[@]}"; do
         if [[ $m == mlp ]]; then work=(--epochs "$epochs"); else work=(--steps "$gpt_steps"); fi
         for level in ddp accel trainer; do
             run_one "$i $m $level 1p" "$levels_bin" --model "$m" --level "$level" --nproc 1 "${work[@]}"
+            keep=all run_one "$i $m $level 1p side by side" side_by_side "$levels_bin" --model "$m" \
+                --level "$level" --nproc 1 --tag "side-by-side $i" "${work[@]}"
             if [[ $level == trainer ]]; then
                 run_one "$i $m $level 2p" "$levels_bin" --model "$m" --level "$level" --nproc 2 "${work[@]}"
                 continue

@@ -127,6 +127,10 @@ struct Cli {
     /// `sync_gradients` — and print their medians per rank at the end.
     #[arg(long)]
     breakdown: bool,
+    /// Free text copied into the JSON line as `tag`, for the scripts that group runs (`scripts/bench-overlap.sh`
+    /// tags the two 1-process runs it starts side by side with their round).
+    #[arg(long)]
+    tag: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -280,6 +284,9 @@ impl Outcome {
             "overlap": format!("{:?}", cli.overlap).to_lowercase(),
         });
         j[rate_key] = rate.into();
+        if let Some(tag) = &cli.tag {
+            j["tag"] = tag.clone().into();
+        }
         j[quality_key] = self.quality.into();
         if let Some(n) = self.samples_per_epoch {
             j["samples_per_epoch"] = n.into();
@@ -711,8 +718,11 @@ where
     Ok((clock, out.training_loss, t))
 }
 
+/// The Trainer's output directory: one per job (the launcher's port, the same on every rank), or per process when
+/// it runs alone (two single-process runs side by side must not share, and delete, one directory).
 fn scratch_dir(cli: &Cli) -> PathBuf {
-    std::env::temp_dir().join(format!("levels-{:?}-{}", cli.model, std::env::var("MASTER_PORT").unwrap_or_default()))
+    let job = std::env::var("MASTER_PORT").unwrap_or_else(|_| format!("pid{}", std::process::id()));
+    std::env::temp_dir().join(format!("levels-{:?}-{job}", cli.model))
 }
 
 fn mlp_trainer(cli: &Cli) -> Result<Outcome> {

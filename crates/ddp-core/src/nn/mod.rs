@@ -22,7 +22,8 @@ use std::sync::atomic::{AtomicU8, Ordering};
 pub mod activation;
 pub mod attention;
 mod cpu;
-mod cpu_f32;
+/// f32 CPU kernel helpers; `optim`'s AdamW pass uses `simd_fn!` too.
+pub(crate) mod cpu_f32;
 pub mod cross_entropy;
 pub mod layer_norm;
 pub mod linear;

@@ -208,9 +208,19 @@ mod tests {
     }
 
     /// The in-place pass and the composed ops give the same bits for p, m and v over several steps, with and
-    /// without weight decay (`adamw_cpu`'s promise).
+    /// without weight decay (`adamw_cpu`'s promise), from the pass's AVX2 build and from its baseline build (on a
+    /// CPU without AVX2 both take the baseline).
     #[test]
     fn in_place_pass_is_bit_identical_to_the_composed_ops() {
+        use std::sync::atomic::Ordering;
+        for baseline in [false, true] {
+            crate::nn::cpu_f32::BASELINE_ONLY.store(baseline, Ordering::Relaxed);
+            in_place_pass_matches_composed_ops();
+        }
+        crate::nn::cpu_f32::BASELINE_ONLY.store(false, Ordering::Relaxed);
+    }
+
+    fn in_place_pass_matches_composed_ops() {
         for weight_decay in [0.0, 1e-2] {
             let c = AdamWConfig { lr: 3e-3, weight_decay, ..Default::default() };
             let n = 1031;

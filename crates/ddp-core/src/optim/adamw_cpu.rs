@@ -10,6 +10,7 @@
 //! in-place ops (`m`, then `v`, then `p` reading `g`), each lending its storage to the next through a `RefCell`.
 
 use super::AdamWConfig;
+use crate::nn::cpu_f32::simd_fn;
 use candle_core::{CpuStorage, DType, Device, InplaceOp1, InplaceOp2, Layout, Tensor};
 use rayon::prelude::*;
 use std::cell::RefCell;
@@ -169,20 +170,24 @@ impl InplaceOp2 for OnP<'_, '_, '_, '_> {
 /// Elements per rayon task of the update (256 KiB of each array).
 const CHUNK: usize = 64 * 1024;
 
-/// The update of one stretch of the arrays.
-fn update(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: Coefficients) {
-    // Each line is one composed candle op of adamw.rs, in its order (see the module docs).
-    for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-        let m_new = (*m * c.beta1 + 0.0) + (g * c.one_minus_beta1 + 0.0);
-        let v_new = (*v * c.beta2 + 0.0) + ((g * g) * c.one_minus_beta2 + 0.0);
-        let decayed = match c.decay {
-            Some(d) => *p * d + 0.0,
-            None => *p,
-        };
-        let denom = v_new.sqrt() * c.inv_bias_correction2_sqrt + c.eps;
-        let update = (m_new / denom) * c.step_size + 0.0;
-        *p = decayed - update;
-        *m = m_new;
-        *v = v_new;
+simd_fn! {
+    /// The update of one stretch of the arrays, compiled for AVX2 too (`simd_fn!`): the loop is bound by its
+    /// square root and division per element, which 8-lane vectors do twice as fast as the baseline's 4 lanes,
+    /// with the same correctly rounded results.
+    fn update(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: Coefficients) {
+        // Each line is one composed candle op of adamw.rs, in its order (see the module docs).
+        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+            let m_new = (*m * c.beta1 + 0.0) + (g * c.one_minus_beta1 + 0.0);
+            let v_new = (*v * c.beta2 + 0.0) + ((g * g) * c.one_minus_beta2 + 0.0);
+            let decayed = match c.decay {
+                Some(d) => *p * d + 0.0,
+                None => *p,
+            };
+            let denom = v_new.sqrt() * c.inv_bias_correction2_sqrt + c.eps;
+            let update = (m_new / denom) * c.step_size + 0.0;
+            *p = decayed - update;
+            *m = m_new;
+            *v = v_new;
+        }
     }
 }
