@@ -43,12 +43,15 @@ wait_for_quiet "$max_load" "$max_wait"
 runs="$out/runs.jsonl"; loads="$out/loads.txt"; : > "$runs"; : > "$loads"
 failed=()
 run_one() { run_and_keep '{.*"framework".*}' "$@"; }
-# `side_by_side CMD...`: CMD twice at once (both outputs in the log); fails if either fails.
+# `side_by_side CMD...`: CMD twice at once (both outputs in the log); fails if either fails. An interrupt stops
+# the background run too (a non-interactive shell's background jobs ignore SIGINT).
 side_by_side() {
     local rc=0 pid
     "$@" & pid=$!
+    trap 'kill "$pid" 2>/dev/null; exit 130' INT TERM
     "$@" || rc=1
     wait "$pid" || rc=1
+    trap - INT TERM
     return $rc
 }
 for i in $(seq "$repeat"); do

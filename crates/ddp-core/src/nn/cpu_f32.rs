@@ -142,17 +142,34 @@ macro_rules! simd_fn {
 }
 pub(crate) use simd_fn;
 
-/// Tests only: run every [`simd_fn!`] kernel in its baseline build, to compare it with the AVX2 one (they must
-/// agree bit for bit, so flipping this never changes a result, even for tests running at the same time).
 #[cfg(test)]
-pub(crate) static BASELINE_ONLY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+thread_local! {
+    /// Tests only: this thread runs every [`simd_fn!`] kernel in its baseline build (see [`baseline_only`]).
+    static BASELINE_ONLY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Tests only: `f()` with every [`simd_fn!`] kernel called on this thread in its baseline build, to compare it with
+/// the AVX2 one. Per thread, so tests running at the same time keep their own builds; the kernels must run on
+/// the calling thread (inputs below the rayon thresholds), or they take the AVX2 build there.
+#[cfg(test)]
+pub(crate) fn baseline_only<R>(f: impl FnOnce() -> R) -> R {
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            BASELINE_ONLY.with(|b| b.set(false));
+        }
+    }
+    BASELINE_ONLY.with(|b| b.set(true));
+    let _reset = Reset;
+    f()
+}
 
 /// Whether [`simd_fn!`] kernels take their AVX2 build: the CPU has AVX2 (std caches the check).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn use_avx2() -> bool {
     #[cfg(test)]
-    if BASELINE_ONLY.load(std::sync::atomic::Ordering::Relaxed) {
+    if BASELINE_ONLY.with(|b| b.get()) {
         return false;
     }
     std::arch::is_x86_feature_detected!("avx2")
@@ -242,7 +259,6 @@ mod tests {
     #[test]
     fn avx2_and_baseline_kernels_agree_bit_for_bit() {
         use candle_core::{Device, Tensor, Var};
-        use std::sync::atomic::Ordering;
         // Values across GELU's and exp's whole range, including the saturated ends, in rows of odd length (so the
         // vector loops have remainders).
         let xs: Vec<f32> = (0..37 * 301).map(|i| ((i as f32 * 0.7317).sin() * 12.0) + (i % 7) as f32 - 3.0).collect();
@@ -258,9 +274,7 @@ mod tests {
             (bits(&y), bits(&s), bits(grads.get(x.as_tensor()).unwrap()))
         };
         let native = run();
-        super::BASELINE_ONLY.store(true, Ordering::Relaxed);
-        let baseline = run();
-        super::BASELINE_ONLY.store(false, Ordering::Relaxed);
+        let baseline = super::baseline_only(run);
         assert!(native.0 == baseline.0, "GELU forward differs between the AVX2 and the baseline kernels");
         assert!(native.1 == baseline.1, "softmax differs between the AVX2 and the baseline kernels");
         assert!(native.2 == baseline.2, "GELU + softmax backward differs between the AVX2 and the baseline kernels");

@@ -212,12 +212,8 @@ mod tests {
     /// CPU without AVX2 both take the baseline).
     #[test]
     fn in_place_pass_is_bit_identical_to_the_composed_ops() {
-        use std::sync::atomic::Ordering;
-        for baseline in [false, true] {
-            crate::nn::cpu_f32::BASELINE_ONLY.store(baseline, Ordering::Relaxed);
-            in_place_pass_matches_composed_ops();
-        }
-        crate::nn::cpu_f32::BASELINE_ONLY.store(false, Ordering::Relaxed);
+        in_place_pass_matches_composed_ops();
+        crate::nn::cpu_f32::baseline_only(in_place_pass_matches_composed_ops);
     }
 
     fn in_place_pass_matches_composed_ops() {
