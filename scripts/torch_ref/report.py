@@ -316,8 +316,8 @@ def overlap(args):
             continue
         if not str(r["tag"]).startswith("side-by-side") or not isinstance(r.get(rate_key), (int, float)):
             continue
-        pending.setdefault(key + (r["tag"],), []).append(r[rate_key])
-        pair = pending[key + (r["tag"],)]
+        pair = pending.setdefault(key + (r["tag"],), [])
+        pair.append(r[rate_key])
         if len(pair) == 2:
             del pending[key + (r["tag"],)]
             pair_sums.setdefault(key, []).append(sum(pair))
