@@ -21,7 +21,7 @@
 //! linear weights, Normal(0, (0.02/√(2·n_layer))²) for the two residual projections, zero biases, layer norms at
 //! weight 1, bias 0.
 //!
-//! The linear layers, layer norm, causal self-attention and GELU are `ddp_core::nn`'s fused ops (one kernel forward and one backward
+//! The linear layers, layer norm, causal self-attention and GELU are `accel_nn::ops`'s fused ops (one kernel forward and one backward
 //! on the CPU in f32, candle's composed ops on other devices and dtypes; `ACCEL_FUSED_OPS=0` turns the fused
 //! kernels off), so the same code runs fast on the CPU and unchanged on CUDA or in bf16.
 //!
@@ -142,7 +142,7 @@ fn config_error(key: &str, value: usize, reason: String) -> AccelError {
 }
 
 /// `LayerNorm(d)` with replicated `weight` (ones) and `bias` (zeros), eps 1e-5 (PyTorch's default), computed by
-/// [`ddp_core::nn::layer_norm::layer_norm`] (fused on the CPU in f32; candle-nn's `layer_norm_slow` elsewhere, in
+/// [`accel_nn::ops::layer_norm::layer_norm`] (fused on the CPU in f32; candle-nn's `layer_norm_slow` elsewhere, in
 /// f32 for bf16/f16 inputs).
 struct LayerNorm {
     weight: Tensor,
@@ -158,7 +158,7 @@ impl LayerNorm {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(ddp_core::nn::layer_norm::layer_norm(x, &self.weight, &self.bias, 1e-5)?)
+        Ok(accel_nn::ops::layer_norm::layer_norm(x, &self.weight, &self.bias, 1e-5)?)
     }
 }
 
@@ -197,7 +197,7 @@ impl Attention {
         // softmax(q kᵀ / √hd) v per head, keys after the query masked; the heads stay side by side in the last
         // dimension, where the projections put them and c_proj reads them.
         let scale = 1.0 / (self.head_dim as f64).sqrt();
-        let y = ddp_core::nn::attention::causal_self_attention(&q, &k, &v, self.local_heads, scale)?;
+        let y = accel_nn::ops::attention::causal_self_attention(&q, &k, &v, self.local_heads, scale)?;
         self.c_proj.forward(&y)
     }
 }
@@ -218,7 +218,7 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.c_proj.forward(&ddp_core::nn::activation::gelu(&self.c_fc.forward(x)?)?)
+        self.c_proj.forward(&accel_nn::ops::activation::gelu(&self.c_fc.forward(x)?)?)
     }
 }
 

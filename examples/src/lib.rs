@@ -16,10 +16,10 @@
 
 use std::path::{Path, PathBuf};
 
+use accel_nn::ops::linear::{Activation, Linear};
 use anyhow::{bail, Context};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use ddp_core::nn::linear::{Activation, Linear};
 use rand::{Rng, SeedableRng};
 
 pub mod gpt;
@@ -49,7 +49,7 @@ pub const DEFAULT_HIDDEN: &[usize] = &[256];
 /// fewer epochs. Parameters are named `fc1.weight` (shape `[h1, 784]`), `fc1.bias` (`[h1]`), `fc2.weight`, … in
 /// the `VarBuilder`'s namespace, initialised by candle_nn's `linear` (Kaiming-normal weights, uniform bias;
 /// call [`seed_parameters`] for a reproducible PyTorch-style init). The dtype and device are those of the
-/// `VarBuilder`. Each layer is a [`ddp_core::nn::linear::Linear`] with its ReLU fused (one candle custom op
+/// `VarBuilder`. Each layer is a [`accel_nn::ops::linear::Linear`] with its ReLU fused (one candle custom op
 /// forward and backward on the CPU in f32, candle's own ops elsewhere; `ACCEL_FUSED_OPS=0` switches it off).
 /// The forward pass marks a backward-segment cut ([`ddp_core::segments::cut`]) between layers, for DDP's
 /// overlapped backward.

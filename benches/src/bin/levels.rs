@@ -13,7 +13,7 @@
 //! standardised), batch 64 per process, 3 epochs over the shipped 10k MNIST training images, test accuracy on
 //! t10k after training; or the examples' [`CharGpt`] (default [`GptConfig::small`], context 64), 16 sequences per
 //! process, `--steps` optimizer steps over the first 95 % of data/shakespeare, the validation loss on the last 5 %
-//! after training. The optimizer is ddp-core's AdamW, lr 1e-3 and PyTorch's other defaults (weight decay 0.01),
+//! after training. The optimizer is accel-nn's AdamW, lr 1e-3 and PyTorch's other defaults (weight decay 0.01),
 //! at the plain, ddp and accel levels; the Trainer levels use the Trainer's defaults (HF's: linear decay, gradient
 //! clipping at 1.0, weight decay 0) with lr 1e-3. Each process gets `--threads` threads (default 1): the program
 //! sets RAYON_NUM_THREADS / OMP_NUM_THREADS before anything starts a thread, and the launcher keeps them.
@@ -35,12 +35,12 @@ use accel::tensor_parallel::{ParamBuilder, TensorParallel};
 use accel::{Accelerator, AcceleratorConfig, DataLoader, DataLoaderConfig};
 use accel_examples::gpt::{to_candle, CharGpt, GptConfig};
 use accel_examples::{correct_count, default_data_dir, load_mnist, seed_parameters, Mlp, Mnist};
+use accel_nn::optim::{grads_for, AdamW, AdamWConfig, Optimizer};
 use anyhow::{bail, Context, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use clap::{Parser, ValueEnum};
-use ddp_core::optim::{grads_for, AdamW, AdamWConfig, Optimizer};
 use ddp_core::{segments, DdpOptions, DistributedDataParallel, DistributedSampler, Overlap, ProcessGroup};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -280,7 +280,7 @@ impl Outcome {
             "steps": c.ends.len(),
             "parameters": self.parameters,
             "samples_seen": c.samples.iter().sum::<usize>(),
-            "fused_ops": ddp_core::nn::fused_ops_enabled(),
+            "fused_ops": accel_nn::ops::fused_ops_enabled(),
             "overlap": format!("{:?}", cli.overlap).to_lowercase(),
         });
         j[rate_key] = rate.into();

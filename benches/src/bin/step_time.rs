@@ -1,5 +1,5 @@
 //! One training step of a single process, split into forward (model + loss), backward and optimizer, with candle's
-//! composed ops and with accel-rs's fused ops (`ddp_core::nn`), interleaved step by step in one run so a shared
+//! composed ops and with accel-rs's fused ops (`accel_nn::ops`), interleaved step by step in one run so a shared
 //! machine's load hits both alike.
 //!
 //! ```text
@@ -8,12 +8,12 @@
 //! ```
 //!
 //! - `--model mlp`: the examples' `Mlp` 784 → `--hidden` (default 512,512) → 10, batch `--batch` (default 128) of
-//!   random pixels in [0, 1] and random labels, cross entropy (`ddp_core::nn::cross_entropy`), ddp-core's AdamW
+//!   random pixels in [0, 1] and random labels, cross entropy (`accel_nn::ops::cross_entropy`), accel-nn's AdamW
 //!   (lr 1e-3, PyTorch's defaults otherwise).
 //! - `--model gpt`: the examples' `CharGpt` with its default `GptConfig::small` (context 64, d 128, 4 heads,
 //!   4 layers) over the 76-character vocabulary of the shipped Shakespeare text, `--batch` sequences (default 16)
 //!   of 64 random token ids, its mean next-token cross entropy, the same AdamW.
-//! - `--ops candle` / `fused` / `both`: `ddp_core::nn::set_fused_ops(false / true)`; `both` runs one step of each
+//! - `--ops candle` / `fused` / `both`: `accel_nn::ops::set_fused_ops(false / true)`; `both` runs one step of each
 //!   in turn (two models with the same seeded weights, each with its own optimizer, fed the same batches). `both`
 //!   is for a quick look only: sharing caches and the allocator with candle's 3× slower steps cost the fused step
 //!   1–10 % (docs/benchmarks.md, "One training step vs PyTorch"), so `scripts/bench-step.sh` runs `fused` and
@@ -30,11 +30,11 @@ use std::time::Instant;
 use accel::tensor_parallel::{ParamBuilder, TensorParallel};
 use accel_examples::gpt::{CharGpt, GptConfig};
 use accel_examples::{seed_parameters, Mlp};
+use accel_nn::optim::{grads_for, AdamW, AdamWConfig, Optimizer};
 use anyhow::Context;
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use clap::{Parser, ValueEnum};
-use ddp_core::optim::{grads_for, AdamW, AdamWConfig, Optimizer};
 use ddp_core::ProcessGroup;
 
 /// Global allocator, as every binary of the workspace (docs/benchmarks.md, "Allocator").
@@ -54,7 +54,7 @@ enum ModelKind {
 enum Ops {
     /// candle's composed ops (the fused ops switched off).
     Candle,
-    /// ddp_core::nn's fused ops.
+    /// accel_nn::ops's fused ops.
     Fused,
     /// Both, interleaved step by step.
     Both,
@@ -98,7 +98,7 @@ impl Model {
     /// Forward and loss: a scalar.
     fn loss(&self, x: &Tensor, y: &Tensor) -> anyhow::Result<Tensor> {
         Ok(match self {
-            Model::Mlp(m) => ddp_core::nn::cross_entropy::cross_entropy(&m.forward(x)?, y)?,
+            Model::Mlp(m) => accel_nn::ops::cross_entropy::cross_entropy(&m.forward(x)?, y)?,
             Model::Gpt(m) => m.loss(x, y)?,
         })
     }
@@ -161,7 +161,7 @@ impl Variant {
     }
 
     fn run_step(&mut self, x: &Tensor, y: &Tensor, record: bool) -> anyhow::Result<f32> {
-        ddp_core::nn::set_fused_ops(self.fused);
+        accel_nn::ops::set_fused_ops(self.fused);
         let faults0 = page_faults();
         let t0 = Instant::now();
         let loss = self.model.loss(x, y)?;

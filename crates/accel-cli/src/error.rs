@@ -115,3 +115,10 @@ impl CliError {
         CliError::InvalidValue { what: what.into(), value: value.into(), expected: expected.into() }
     }
 }
+
+/// accel-nn's errors (the self-test's optimizer) arrive as the Accelerator's variant of the same name.
+impl From<accel::optim::NnError> for CliError {
+    fn from(e: accel::optim::NnError) -> Self {
+        CliError::Accel(e.into())
+    }
+}

@@ -7,19 +7,19 @@
 //!
 //! Its whole public API is in this file, grouped by purpose: setup, prepare, the training step, collectives,
 //! process control, state (checkpoints), tracking. The work behind the step lives in [`crate::step`] (the one
-//! owner of a step), behind collectives in `collectives.rs`, behind checkpoints in [`crate::state`], behind
+//! owner of a step), behind collectives in `collectives.rs`, behind checkpoints in `checkpointing.rs` (over [`crate::state`]'s files), behind
 //! tracking in [`crate::tracking`].
 //!
 //! Cheap to clone (one `Arc`); every clone is the same Accelerator.
 
+mod checkpointing;
 mod collectives;
-mod prepared_model;
 
 pub use collectives::ReduceKind;
-pub use prepared_model::PreparedModel;
 
 use crate::data::{BatchInfo, DataLoader, Dataset, LoaderStateHandle};
 use crate::mixed_precision::{GradScaler, GradScalerConfig};
+use crate::model::PreparedModel;
 use crate::optim::{AcceleratedOptimizer, Optimizer};
 use crate::state::SharedStateful;
 use crate::step::{StepController, StepCounters};
@@ -51,8 +51,9 @@ struct Inner {
     /// Tensor parallelism over the mesh's tp group (and the layouts of the parameters built through it).
     tp: TensorParallel,
     device: Device,
-    /// The accumulation window, sync decision, gradient buffers, fp16 scaler and step counters.
-    step: StepController,
+    /// The accumulation window, sync decision, gradient buffers, fp16 scaler and step counters (shared with the
+    /// prepared optimizers, which take their gradients from it).
+    step: Arc<StepController>,
     /// What `prepare_*` and `register_*` were given, in order (what checkpoints save and restore).
     prepared: Mutex<Prepared>,
     /// The trackers of `init_trackers` (main process only).
@@ -142,7 +143,7 @@ impl Accelerator {
         let seed = cfg.seed;
         let acc = Accelerator {
             inner: Arc::new(Inner {
-                step: StepController::new(cfg.gradient_accumulation_steps, scaler),
+                step: Arc::new(StepController::new(cfg.gradient_accumulation_steps, scaler)),
                 config: cfg,
                 pg,
                 parallelism,
@@ -287,6 +288,16 @@ impl Accelerator {
     /// parameters not on the Accelerator's device, a parameter already in a prepared model, mismatches across
     /// ranks.
     pub fn prepare_model(&self, varmap: &VarMap) -> Result<PreparedModel> {
+        self.prepare_model_then(varmap, |_| {})
+    }
+
+    /// [`Accelerator::prepare_model`], `adjust` seeing the model before it is registered (tests wrap its
+    /// strategies there).
+    pub(crate) fn prepare_model_then(
+        &self,
+        varmap: &VarMap,
+        adjust: impl FnOnce(&mut PreparedModel),
+    ) -> Result<PreparedModel> {
         let num_params = {
             let vars = lock(varmap.data());
             let prepared = lock(&self.inner.prepared);
@@ -303,14 +314,15 @@ impl Accelerator {
         };
         // The model's gradient slots live with the step owner, under the model's index.
         let index = self.inner.step.register_model(num_params);
-        let model = PreparedModel::new(
+        let mut model = PreparedModel::new(
             index,
-            self.mesh().dp(),
+            self.mesh(),
             self.tensor_parallel(),
             self.device(),
             &self.inner.config.ddp,
             varmap,
         )?;
+        adjust(&mut model);
         lock(&self.inner.prepared).models.push(model.clone());
         Ok(model)
     }
@@ -320,7 +332,7 @@ impl Accelerator {
     pub fn prepare_optimizer<O: Optimizer>(&self, model: &PreparedModel, opt: O) -> Result<AcceleratedOptimizer<O>> {
         let opt = Arc::new(Mutex::new(opt));
         lock(&self.inner.prepared).optimizers.push((opt.clone() as Arc<Mutex<dyn Optimizer>>, model.clone()));
-        Ok(AcceleratedOptimizer::new(self.clone(), model.clone(), opt))
+        Ok(AcceleratedOptimizer::new(self.inner.step.clone(), model.clone(), opt))
     }
 
     /// Prepares a data loader for this process: shards it for the data-parallel rank of the data-parallel size
@@ -493,7 +505,15 @@ impl Accelerator {
         self.inner.step.counters()
     }
 
-    /// The fp16 loss scaler, `None` unless mixed precision is fp16.
+    /// The current fp16 loss scale (PyTorch's `GradScaler.get_scale()`), `None` unless mixed precision is fp16.
+    pub fn loss_scale(&self) -> Option<f64> {
+        self.inner.step.scaler().map(|s| lock(s).scale())
+    }
+
+    /// The fp16 loss scaler itself, `None` unless mixed precision is fp16. Hidden: the scaler is the step
+    /// owner's; tests reach through this handle to replace it with another configuration or to force an
+    /// overflow. Read the scale with [`Accelerator::loss_scale`].
+    #[doc(hidden)]
     pub fn grad_scaler(&self) -> Option<Arc<Mutex<GradScaler>>> {
         self.inner.step.scaler().cloned()
     }
@@ -611,7 +631,7 @@ impl Accelerator {
     /// Errors: I/O, a registered object failing to produce its state, another rank failing (the temporary
     /// directory is removed and any previous checkpoint is left intact).
     pub fn save_state(&self, dir: Option<&Path>) -> Result<PathBuf> {
-        crate::state::save_state(self, dir)
+        checkpointing::save_state(self, dir)
     }
 
     /// Restores the state saved by [`Accelerator::save_state`] from `dir`, or with `None` from the newest
@@ -624,7 +644,7 @@ impl Accelerator {
     /// Errors (all naming the checkpoint and the fix): no checkpoint found, missing files, a tensor missing or of
     /// another shape (named), a different world size, different numbers of prepared objects.
     pub fn load_state(&self, dir: Option<&Path>) -> Result<PathBuf> {
-        let (dir, counters, gradients) = crate::state::load_state(self, dir)?;
+        let (dir, counters, gradients) = checkpointing::load_state(self, dir)?;
         self.inner.step.restore(counters);
         if let Some(sd) = gradients {
             let models = lock(&self.inner.prepared).models.clone();
@@ -684,11 +704,6 @@ impl Accelerator {
     /// `project_dir/checkpoints`, where automatically named checkpoints go; `None` without a `project_dir`.
     pub(crate) fn checkpoints_dir(&self) -> Option<PathBuf> {
         self.config().project_dir.as_ref().map(|p| p.join(crate::state::CHECKPOINTS_SUBDIR))
-    }
-
-    /// The step owner (for the optimizer wrapper).
-    pub(crate) fn step(&self) -> &StepController {
-        &self.inner.step
     }
 
     /// `loader` sharded for this rank with the config's batch rules, on this device, reporting its batches here.

@@ -11,9 +11,7 @@ pub type Result<T> = std::result::Result<T, AccelError>;
 /// Errors raised by the Accelerator, its optimizers, data loaders, checkpoint state, trackers and the CLI.
 #[derive(Debug, thiserror::Error)]
 pub enum AccelError {
-    /// A distributed operation failed (store, collective, DDP check) or an optimizer rejected its input; see the
-    /// wrapped error for rank and op. (ddp-core's configuration, checkpoint and JSON errors become the variants of
-    /// the same name here instead, see the `From` impl.)
+    /// A distributed operation failed (store, collective, DDP check); see the wrapped error for rank and op.
     #[error(transparent)]
     Ddp(ddp_core::DdpError),
 
@@ -74,17 +72,26 @@ pub enum AccelError {
     },
 }
 
-/// ddp-core's errors arrive as [`AccelError::Ddp`], except those of the optimizers' saved state and settings
-/// (which lived in this crate before they moved to ddp-core): `Config`, `Checkpoint` and `Json` keep their
-/// `AccelError` variant of the same name, so matching on them sees one variant whichever crate raised it.
+/// ddp-core's errors arrive as [`AccelError::Ddp`], unchanged.
 impl From<ddp_core::DdpError> for AccelError {
     fn from(e: ddp_core::DdpError) -> Self {
-        use ddp_core::DdpError as D;
+        AccelError::Ddp(e)
+    }
+}
+
+/// accel-nn's errors (the fused ops, the optimizers, their saved state) become the `AccelError` variant of the
+/// same name and text, so matching on a configuration, checkpoint, JSON or I/O error sees one variant whichever
+/// crate raised it.
+impl From<accel_nn::NnError> for AccelError {
+    fn from(e: accel_nn::NnError) -> Self {
+        use accel_nn::NnError as N;
         match e {
-            D::Config { key, value, reason } => AccelError::Config { key, value, reason },
-            D::Checkpoint { path, reason } => AccelError::Checkpoint { path, reason },
-            D::Json { context, source } => AccelError::Json { context, source },
-            e => AccelError::Ddp(e),
+            N::InvalidArgument(m) => AccelError::InvalidArgument(m),
+            N::Config { key, value, reason } => AccelError::Config { key, value, reason },
+            N::Checkpoint { path, reason } => AccelError::Checkpoint { path, reason },
+            N::Json { context, source } => AccelError::Json { context, source },
+            N::Candle(e) => AccelError::Candle(e),
+            N::Io { context, source } => AccelError::Io { context, source },
         }
     }
 }

@@ -36,6 +36,7 @@ pub mod config;
 pub mod config_errors;
 pub mod error;
 pub mod mixed_precision;
+mod model;
 pub mod optim;
 pub mod parallelism;
 pub mod scheduler;
@@ -46,7 +47,10 @@ pub mod tracking;
 
 pub mod data;
 
-pub use accelerator::{Accelerator, PreparedModel, ReduceKind};
+/// accel-nn's fused training ops (linear, attention, softmax, layer norm, GELU, cross entropy), re-exported: what
+/// the tensor-parallel layers and the Trainer's losses compute with.
+pub use accel_nn::ops;
+pub use accelerator::{Accelerator, ReduceKind};
 pub use config::{AcceleratorConfig, MixedPrecision};
 pub use data::{Batch, DataLoader, DataLoaderConfig, Dataset, TensorDataset};
 /// Backward segments (`record`, `cut`, `BackwardSegments`): where a model lets its gradient all-reduce start
@@ -54,9 +58,10 @@ pub use data::{Batch, DataLoader, DataLoaderConfig, Dataset, TensorDataset};
 pub use ddp_core::segments;
 pub use error::{AccelError, Result};
 pub use mixed_precision::{GradScaler, GradScalerConfig};
+pub use model::PreparedModel;
 pub use optim::{AcceleratedOptimizer, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 pub use parallelism::ParallelismConfig;
-pub use step::{GradientReduction, StepCounters};
+pub use step::StepCounters;
 pub use tensor_parallel::{ParamBuilder, ParamInit, ParamLayout, TensorParallel};
 #[cfg(feature = "tensorboard")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tensorboard")))]
@@ -77,5 +82,17 @@ const _: () = {
     }
 };
 
-/// The workspace's one mutex helper (poisoning ignored: a panicking rank takes the job down anyway).
-pub(crate) use ddp_core::sync::lock;
+/// The workspace's one mutex helper (poisoning ignored: a panicking rank takes the job down anyway). Hidden: it is
+/// shared with the Trainer, which depends on this crate only, and is no part of the Accelerator's API.
+#[doc(hidden)]
+pub use ddp_core::sync::lock;
+
+/// The level-1 pieces a user of the Accelerator or the Trainer reaches without depending on ddp-core: the
+/// process group the Accelerator hands out and its reduce ops, ddp-core's error (what [`AccelError::Ddp`] wraps),
+/// the worker launcher (`accel launch`'s engine, which the Trainer's parallel hyperparameter trials use), and
+/// the in-process store that runs ranks as threads in tests. All are ddp-core's items, re-exported unchanged.
+pub mod dist {
+    pub use ddp_core::launcher::{self, launch, LaunchConfig};
+    pub use ddp_core::store::{MemoryStore, Store};
+    pub use ddp_core::{DdpError, DeviceMesh, GroupOptions, ProcessGroup, ReduceOp};
+}

@@ -16,20 +16,19 @@
 //! end-of-data and padding); the optimizer wrapper receives gradients through
 //! [`StepController::optimizer_step`] and never reaches into a model.
 //!
-//! One gradient representation from backward to optimizer: [`Gradients`], a slot per parameter. A sync step
-//! all-reduces each reduction group's slots bucket by bucket, the averages replacing them (see
-//! [`GradientReduction`]); the optimizer reads the slots by reference.
+//! One gradient representation from backward to optimizer: [`Gradients`], a slot per parameter. What happens to
+//! the slots is never decided here but by each parameter group's strategy (`crate::model`'s
+//! `GradientStrategy`), on every path: the reduction after backward or overlapped with it, the norm and the fp16
+//! overflow check, and what follows the optimizer step. The optimizer reads the slots by reference.
 
 mod gradients;
-mod reduction;
 
 pub(crate) use gradients::Gradients;
-pub use reduction::GradientReduction;
 
-use crate::accelerator::PreparedModel;
 use crate::data::BatchInfo;
 use crate::lock;
 use crate::mixed_precision::GradScaler;
+use crate::model::PreparedModel;
 use crate::state::StateDict;
 use crate::{AccelError, Result};
 use candle_core::backprop::GradStore;
@@ -302,12 +301,15 @@ impl StepController {
         grads: &mut [Gradients],
     ) -> Result<()> {
         let mut received: Vec<Vec<bool>> = models.iter().map(|m| vec![false; m.parameters().len()]).collect();
-        match (models, &mut *grads) {
-            ([model], [g]) if model.overlappable() => {
-                let ddp = model.ddp();
+        let overlapping = match models {
+            [model] => model.overlapping_group().map(|strategy| (model, strategy)),
+            _ => None,
+        };
+        match (overlapping, &mut *grads) {
+            (Some((model, strategy)), [g]) => {
                 let params = model.parameters();
                 let seen = &mut received[0];
-                ddp.backward_segments_into(loss, segments, &mut g.slots, sync, |mut store, slots| {
+                let mut add = |mut store: GradStore, slots: &mut [Option<Tensor>]| {
                     let mut got = Vec::new();
                     for (i, p) in params.iter().enumerate() {
                         if let Some(grad) = store.remove(p.as_tensor()) {
@@ -317,7 +319,8 @@ impl StepController {
                         }
                     }
                     Ok(got)
-                })?;
+                };
+                strategy.backward_overlapped(loss, segments, &mut g.slots, sync, &mut add)?;
                 check_received(model, seen)?;
                 g.synced = sync;
             }
@@ -383,8 +386,7 @@ impl StepController {
             let g = &mut st.grads[m.index()];
             if g.synced {
                 self.unscale(m, g)?;
-                // Each parameter counted once: a tp shard's square summed over its tp group, a replicated one
-                // taken as is (transformers#36132, torchtune#2420 were norms counting replicas tp times).
+                // Each parameter counted once, over the norm group each group's strategy names.
                 squares += m.squared_norm(&g.squared_norms()?)?;
             }
         }
@@ -419,14 +421,15 @@ impl StepController {
     }
 
     /// fp16: divides synced gradients by the loss scale, once per optimizer step, and records inf/NaN — agreed
-    /// over the model's tp group, whose ranks hold different shards but must skip the same steps.
+    /// over each group's norm group (the model-parallel ranks hold different pieces but must skip the same
+    /// steps).
     fn unscale(&self, model: &PreparedModel, g: &mut Gradients) -> Result<()> {
         let Some(scaler) = &self.scaler else { return Ok(()) };
         if g.unscaled || !g.synced {
             return Ok(());
         }
         g.scale(1.0 / lock(scaler).scale())?;
-        g.found_inf = model.any_tp_rank(!g.all_finite()?)?;
+        g.found_inf = model.any_rank(!g.all_finite()?)?;
         g.unscaled = true;
         Ok(())
     }

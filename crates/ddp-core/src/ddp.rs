@@ -31,8 +31,6 @@ mod flat;
 mod overlap;
 mod pieces;
 
-pub use bucket::compute_bucket_layout;
-
 use crate::segments::BackwardSegments;
 use crate::{DType, DdpError, ProcessGroup, ReduceOp, Result};
 use candle_core::backprop::GradStore;

@@ -8,8 +8,7 @@ use std::time::Duration;
 /// Result alias used across ddp-core.
 pub type Result<T> = std::result::Result<T, DdpError>;
 
-/// Errors raised by the store, process groups, collectives, DDP, the sampler, the launcher, the optimizers and
-/// their saved state.
+/// Errors raised by the store, process groups, collectives, DDP, the sampler and the launcher.
 #[derive(Debug, thiserror::Error)]
 pub enum DdpError {
     /// A blocking store call (`get`, `wait`) did not see its key(s) in time.
@@ -120,36 +119,6 @@ pub enum DdpError {
     #[error("rendezvous: {0}")]
     Rendezvous(String),
 
-    /// An optimizer hyper-parameter (or another configuration value) is invalid.
-    #[error("invalid configuration {key} = {value:?}: {reason}")]
-    Config {
-        /// Field name, e.g. `AdamWConfig.beta1`.
-        key: String,
-        /// The offending value as given.
-        value: String,
-        /// What is wrong and which values are accepted.
-        reason: String,
-    },
-
-    /// Saved state could not be written or read (missing file, unreadable tensors).
-    #[error("checkpoint {}: {reason}", path.display())]
-    Checkpoint {
-        /// The checkpoint directory or file involved.
-        path: std::path::PathBuf,
-        /// What is wrong and how to fix it.
-        reason: String,
-    },
-
-    /// JSON (de)serialisation of saved state failed, with what we were doing.
-    #[error("{context}: {source}")]
-    Json {
-        /// What we were doing.
-        context: String,
-        /// The serde_json error.
-        #[source]
-        source: serde_json::Error,
-    },
-
     /// An error from candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
@@ -169,10 +138,5 @@ impl DdpError {
     /// Wraps an I/O error with what we were doing.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         DdpError::Io { context: context.into(), source }
-    }
-
-    /// Wraps a JSON error with what we were doing.
-    pub fn json(context: impl Into<String>, source: serde_json::Error) -> Self {
-        DdpError::Json { context: context.into(), source }
     }
 }

@@ -164,7 +164,7 @@ impl LaunchConfig {
     /// ACCEL_RUN_TOKEN, ACCEL_USE_AGENT_STORE=1 (node 0's launcher hosts the store, so no worker starts one),
     /// ACCEL_RESTART_COUNT, ACCEL_MAX_RESTARTS, and, when more than one worker shares the machine and neither the
     /// launcher's environment nor `env` sets them, OMP_NUM_THREADS=1 (as torchrun) and RAYON_NUM_THREADS =
-    /// cores / workers (the rayon pool candle's matrix products and ddp-core's fused ops run on), so that N
+    /// cores / workers (the rayon pool candle's matrix products and accel-nn's fused ops run on), so that N
     /// workers do not each start one thread per core; and, whatever the number of workers, unless the launcher's
     /// environment or `env` sets it, CANDLE_NUM_THREADS=1: candle's second pool, for its elementwise ops, spins
     /// after every op and took the cores from rayon's (char-GPT step 73 → 53 ms with rayon at 2 threads on 2

@@ -10,10 +10,12 @@
 //! - [`DistributedDataParallel`]: bucketed, averaged gradient all-reduce for candle `Var`s, overlapped with the
 //!   backward pass when the model marks [`segments`] (cut points).
 //! - [`launcher`]: spawn N workers with torchrun's environment and fail fast when one dies.
-//! - [`optim`]: [`AdamW`] and [`Sgd`] (as `torch.optim`'s) with state that [`StateDict`] saves and restores exactly;
-//!   the same optimizers `accel` and `trainer` use, so every level steps at the same speed.
 //!
-//! Invariant: ddp-core knows nothing of `accel` or `trainer`; it depends only on candle and small libraries.
+//! The computation these collectives serve — fused training ops, the optimizers, the state-dict format — is
+//! accel-nn's: ddp-core communicates and computes nothing else.
+//!
+//! Invariant: ddp-core knows nothing of `accel-nn`, `accel` or `trainer`; it depends only on candle and small
+//! libraries.
 //!
 //! ```no_run
 //! use ddp_core::{ProcessGroup, ReduceOp};
@@ -41,13 +43,12 @@ pub mod mpirun;
 #[cfg(feature = "nccl")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
 pub mod nccl;
-pub mod nn;
-pub mod optim;
 pub mod process_group;
 pub mod sampler;
 pub mod segments;
-pub mod state;
 pub mod store;
+/// The workspace's one mutex helper. Hidden: shared by the accel-rs crates, no part of the level-1 API.
+#[doc(hidden)]
 pub mod sync;
 mod tensor_ops;
 pub mod token;
@@ -60,10 +61,8 @@ pub use env::{DistEnv, EnvSource};
 pub use error::{DdpError, Result};
 pub use launcher::{launch, LaunchConfig};
 pub use mesh::{DeviceMesh, MeshCoord, MeshDim, MeshShape};
-pub use optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 pub use process_group::{GroupOptions, InitOptions, ProcessGroup, DEFAULT_COLLECTIVE_TIMEOUT};
 pub use sampler::DistributedSampler;
-pub use state::StateDict;
 pub use store::{PrefixStore, Store, TcpStore, TcpStoreServer};
 pub use token::{RunToken, RUN_TOKEN_ENV};
 pub use traffic::{OpTraffic, TrafficStats};
@@ -84,7 +83,5 @@ const _: () = {
         assert_send_sync::<RunToken>();
         assert_send_sync::<DistributedDataParallel>();
         assert_send_sync::<DeviceMesh>();
-        assert_send_sync::<AdamW>();
-        assert_send_sync::<Sgd>();
     }
 };

@@ -51,7 +51,7 @@ pub enum TrainerError {
     },
 
     /// An error from the Accelerator level (collectives and other distributed operations, optimizer, data,
-    /// checkpoint state, file I/O and JSON); a [`ddp_core::DdpError`] arrives here as [`accel::AccelError::Ddp`].
+    /// checkpoint state, file I/O and JSON); a [`accel::dist::DdpError`] arrives here as [`accel::AccelError::Ddp`].
     #[error(transparent)]
     Accel(#[from] accel::AccelError),
 
@@ -107,8 +107,15 @@ impl TrainerError {
 
 /// A ddp-core error takes the one path through the Accelerator's error ([`accel::AccelError::Ddp`]), so callers
 /// match distributed failures in one place whichever level raised them.
-impl From<ddp_core::DdpError> for TrainerError {
-    fn from(e: ddp_core::DdpError) -> Self {
+impl From<accel::dist::DdpError> for TrainerError {
+    fn from(e: accel::dist::DdpError) -> Self {
+        TrainerError::Accel(e.into())
+    }
+}
+
+/// accel-nn's errors (optimizers, their state) take the same path, as the `AccelError` variant of the same name.
+impl From<accel::optim::NnError> for TrainerError {
+    fn from(e: accel::optim::NnError) -> Self {
         TrainerError::Accel(e.into())
     }
 }

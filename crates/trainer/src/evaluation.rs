@@ -208,7 +208,7 @@ where
         }
         let (loss_sum, items) = if acc.world_size() > 1 {
             let mut buf = [loss_sum, items as f64];
-            acc.process_group().all_reduce(&mut buf, ddp_core::ReduceOp::Sum)?;
+            acc.process_group().all_reduce(&mut buf, accel::dist::ReduceOp::Sum)?;
             (buf[0], buf[1])
         } else {
             (loss_sum, items as f64)

@@ -77,7 +77,7 @@ struct SeededVarMap {
 
 impl SimpleBackend for SeededVarMap {
     fn get(&self, s: Shape, name: &str, h: Init, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
-        let mut data = ddp_core::sync::lock(self.varmap.data());
+        let mut data = accel::lock(self.varmap.data());
         if let Some(v) = data.get(name) {
             if v.shape() != &s {
                 candle_core::bail!("shape mismatch on {name}: {s:?} <> {:?}", v.shape())
@@ -96,7 +96,7 @@ impl SimpleBackend for SeededVarMap {
     }
 
     fn contains_tensor(&self, name: &str) -> bool {
-        ddp_core::sync::lock(self.varmap.data()).contains_key(name)
+        accel::lock(self.varmap.data()).contains_key(name)
     }
 }
 

@@ -4,6 +4,7 @@
 //! when the number of target tokens differs between micro-batches — the bug HF fixed in transformers 4.46 (2024),
 //! where averaging per-micro-batch means weighted short sequences too much.
 
+use accel::ops::cross_entropy::cross_entropy_sum;
 use accel::tensor_parallel::{vocab_parallel_cross_entropy, TensorParallel};
 use candle_core::{DType, Tensor, D};
 
@@ -211,41 +212,22 @@ impl Loss for VocabParallelCrossEntropy {
     }
 }
 
-/// Classification cross-entropy, one item per row: `logits` `[b, classes]`, `targets` `[b]` class indices (any
-/// integer dtype) → `Σ_i −log softmax(logits_i)[targets_i]` over `b` items.
+/// Classification cross-entropy, one item per row: `logits` `[b, classes]`, `targets` `[b]` class indices (u8,
+/// u32 or i64) → `Σ_i −log softmax(logits_i)[targets_i]` over `b` items. The kernel is accel-nn's
+/// ([`accel::ops::cross_entropy::cross_entropy_sum`]: fused on the CPU in f32, candle's ops elsewhere).
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> candle_core::Result<LossOutput> {
-    let b = logits.dim(0)?;
-    let log_p = candle_nn::ops::log_softmax(logits, D::Minus1)?;
-    let picked = log_p.gather(&targets.to_dtype(DType::U32)?.unsqueeze(1)?, 1)?;
-    Ok(LossOutput { loss_sum: picked.sum_all()?.neg()?, num_items: b })
+    let (loss_sum, num_items) = cross_entropy_sum(logits, targets, None)?;
+    Ok(LossOutput { loss_sum, num_items })
 }
 
 /// Token-level cross-entropy for sequences with padding: `logits` `[b, T, vocab]`, `targets` `[b, T]` (I64 with
 /// [`IGNORE_INDEX`] = −100 where there is no target, or U32/U8 without padding) → the summed negative
-/// log-likelihood over the non-ignored positions, and their count.
+/// log-likelihood over the non-ignored positions, and their count. The same kernel as [`cross_entropy`], with
+/// PyTorch's `ignore_index` rule (only i64 targets can hold −100).
 pub fn token_cross_entropy(logits: &Tensor, targets: &Tensor) -> candle_core::Result<LossOutput> {
-    let (b, t, v) = logits.dims3()?;
-    let flat_logits = logits.reshape((b * t, v))?;
-    let flat_targets = targets.reshape(b * t)?;
-    let (mask, safe_targets) = if flat_targets.dtype() == DType::I64 {
-        let ignore = Tensor::full(IGNORE_INDEX, b * t, targets.device())?;
-        let mask = flat_targets.ne(&ignore)?;
-        // Ignored positions look up class 0 (any valid index) and are then zeroed by the mask.
-        let safe = mask.where_cond(&flat_targets, &flat_targets.zeros_like()?)?;
-        (Some(mask), safe)
-    } else {
-        (None, flat_targets)
-    };
-    let log_p = candle_nn::ops::log_softmax(&flat_logits, D::Minus1)?;
-    let picked = log_p.gather(&safe_targets.to_dtype(DType::U32)?.unsqueeze(1)?, 1)?.squeeze(1)?;
-    match mask {
-        Some(mask) => {
-            let count = mask.to_dtype(DType::U32)?.sum_all()?.to_scalar::<u32>()? as usize;
-            let masked = (picked * mask.to_dtype(DType::F32)?)?;
-            Ok(LossOutput { loss_sum: masked.sum_all()?.neg()?, num_items: count })
-        }
-        None => Ok(LossOutput { loss_sum: picked.sum_all()?.neg()?, num_items: b * t }),
-    }
+    logits.dims3()?;
+    let (loss_sum, num_items) = cross_entropy_sum(logits, targets, Some(IGNORE_INDEX))?;
+    Ok(LossOutput { loss_sum, num_items })
 }
 
 /// Squared error summed over all elements, one item per element (mean = MSE).
@@ -278,7 +260,7 @@ mod tests {
         let targets = Tensor::new(&[[1u32, 2]], &dev).unwrap();
         let reference = token_cross_entropy(&logits.narrow(2, 0, 3).unwrap(), &targets).unwrap();
         let loss = VocabParallelCrossEntropy { vocab_size: 3 };
-        let tp = TensorParallel::new(ddp_core::ProcessGroup::single_process().unwrap());
+        let tp = TensorParallel::new(accel::dist::ProcessGroup::single_process().unwrap());
         let expected = reference.loss_sum.to_scalar::<f32>().unwrap();
         // compute: full logits, padding column ignored; compute_parallel: a tp = 1 head has no padding column.
         let unpadded = logits.narrow(2, 0, 3).unwrap();

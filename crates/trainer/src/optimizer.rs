@@ -1,7 +1,7 @@
 //! [`TrainerOptimizer`]: the optimizer chosen by `TrainingArguments.optim`, as one concrete type the Accelerator
 //! can wrap.
 
-use accel::optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
+use accel::optim::{AdamW, AdamWConfig, NnError, Optimizer, Sgd, SgdConfig};
 use accel::state::StateDict;
 use candle_core::{Tensor, Var};
 
@@ -55,7 +55,7 @@ impl TrainerOptimizer {
 }
 
 impl Optimizer for TrainerOptimizer {
-    fn step(&mut self, params: &[Var], grads: &[Option<Tensor>]) -> ddp_core::Result<()> {
+    fn step(&mut self, params: &[Var], grads: &[Option<Tensor>]) -> std::result::Result<(), NnError> {
         self.inner_mut().step(params, grads)
     }
     fn learning_rate(&self) -> f64 {
@@ -64,10 +64,10 @@ impl Optimizer for TrainerOptimizer {
     fn set_learning_rate(&mut self, lr: f64) {
         self.inner_mut().set_learning_rate(lr)
     }
-    fn state_dict(&self) -> ddp_core::Result<StateDict> {
+    fn state_dict(&self) -> std::result::Result<StateDict, NnError> {
         self.inner().state_dict()
     }
-    fn load_state_dict(&mut self, sd: &StateDict) -> ddp_core::Result<()> {
+    fn load_state_dict(&mut self, sd: &StateDict) -> std::result::Result<(), NnError> {
         self.inner_mut().load_state_dict(sd)
     }
 }

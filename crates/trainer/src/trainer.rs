@@ -29,6 +29,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use accel::data::{Batch, DataLoader, DataLoaderConfig, Dataset};
+use accel::dist::ProcessGroup;
 use accel::optim::AcceleratedOptimizer;
 use accel::scheduler::{warmup_steps_from, LrScheduler, Scheduler};
 use accel::segments::{self, BackwardSegments};
@@ -37,7 +38,6 @@ use accel::tensor_parallel::{ParamBuilder, TensorParallel};
 use accel::{Accelerator, AcceleratorConfig, MixedPrecision, PreparedModel};
 use candle_core::{DType, ModuleT, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use ddp_core::ProcessGroup;
 
 use crate::args::{SaveStrategy, TrainingArguments};
 use crate::callbacks::{
@@ -561,7 +561,7 @@ where
             std::fs::write(&path, yaml).map_err(|e| TrainerError::io(format!("writing {}", path.display()), e))?;
         }
         {
-            let lr = ddp_core::sync::lock(&scheduler).lr();
+            let lr = accel::lock(&scheduler).lr();
             rt.optimizer.set_learning_rate(lr);
         }
         self.control = TrainerControl::default();
@@ -724,7 +724,7 @@ where
             let local = local_sum.as_ref().map_or(Ok(0.0), |t| t.to_dtype(DType::F64)?.to_scalar::<f64>())?;
             let mut bad = [f64::from(u8::from(!local.is_finite() || grad_norm.is_some_and(|g| !g.is_finite())))];
             if acc.world_size() > 1 {
-                acc.process_group().all_reduce(&mut bad, ddp_core::ReduceOp::Max)?;
+                acc.process_group().all_reduce(&mut bad, accel::dist::ReduceOp::Max)?;
             }
             if bad[0] > 0.0 {
                 // Every rank skips the same step: the synced gradients are dropped, weights and schedule stay.
@@ -742,7 +742,7 @@ where
         if stepped {
             // Only real optimizer steps move the schedule (not fp16-skipped ones).
             if let Some(s) = &rt.scheduler {
-                let mut s = ddp_core::sync::lock(s);
+                let mut s = accel::lock(s);
                 s.step();
                 rt.optimizer.set_learning_rate(s.lr());
             }
@@ -770,7 +770,7 @@ where
             }
             Normalisation::Reduced => {
                 let mut buf = [local_items as f64];
-                acc.process_group().all_reduce(&mut buf, ddp_core::ReduceOp::Sum)?;
+                acc.process_group().all_reduce(&mut buf, accel::dist::ReduceOp::Sum)?;
                 (buf[0], true)
             }
         };
@@ -877,7 +877,7 @@ where
         let mut flags = vec![0.0; world];
         flags[rank] = if local.is_finite() { 0.0 } else { 1.0 };
         if world > 1 {
-            acc.process_group().all_reduce(&mut flags, ddp_core::ReduceOp::Sum)?;
+            acc.process_group().all_reduce(&mut flags, accel::dist::ReduceOp::Sum)?;
         }
         let bad: Vec<usize> = (0..world).filter(|&r| flags[r] > 0.0).collect();
         // Under fp16 an overflowing gradient is routine: the loss scaler skips that step and lowers the scale.
@@ -1100,7 +1100,7 @@ impl LossTally {
             self.run_items,
         ]);
         if world > 1 {
-            acc.process_group().all_reduce(&mut buf, ddp_core::ReduceOp::Sum)?;
+            acc.process_group().all_reduce(&mut buf, accel::dist::ReduceOp::Sum)?;
         }
         Ok(buf
             .chunks(N)
@@ -1137,7 +1137,7 @@ impl LossTally {
 fn global_mean(acc: &Accelerator, sum: f64, items: f64) -> Result<Option<f64>> {
     let mut buf = [sum, items];
     if acc.world_size() > 1 {
-        acc.process_group().all_reduce(&mut buf, ddp_core::ReduceOp::Sum)?;
+        acc.process_group().all_reduce(&mut buf, accel::dist::ReduceOp::Sum)?;
     }
     Ok((buf[1] > 0.0).then(|| buf[0] / buf[1]))
 }
@@ -1149,7 +1149,7 @@ fn agree<T>(acc: &Accelerator, local: Result<T>, what: &str) -> Result<T> {
         return local;
     }
     let mut flag = [if local.is_err() { 1.0 } else { 0.0 }];
-    acc.process_group().all_reduce(&mut flag, ddp_core::ReduceOp::Sum)?;
+    acc.process_group().all_reduce(&mut flag, accel::dist::ReduceOp::Sum)?;
     match local {
         Ok(_) if flag[0] > 0.0 => Err(TrainerError::Usage(format!(
             "{what} failed on another process (its error says why); rank {} stops too",

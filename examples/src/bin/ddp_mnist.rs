@@ -21,11 +21,11 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use accel_examples::{correct_count, default_data_dir, load_mnist, seed_parameters, Mlp, Mnist};
+use accel_nn::optim::{grads_for, AdamW, AdamWConfig, Optimizer};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Module, Var};
 use candle_nn::{VarBuilder, VarMap};
 use clap::Parser;
-use ddp_core::optim::{grads_for, AdamW, AdamWConfig, Optimizer};
 use ddp_core::{segments, DdpOptions, DistributedDataParallel, DistributedSampler, ProcessGroup, ReduceOp};
 
 /// Global allocator: mimalloc keeps freed blocks for reuse, where glibc's malloc returns large ones to the kernel
@@ -104,7 +104,7 @@ fn train(cli: &Cli) -> Result<()> {
     let model = Mlp::with_hidden(VarBuilder::from_varmap(&varmap, DType::F32, &device), &cli.hidden)?;
     seed_parameters(&varmap, cli.seed)?;
     let ddp = DistributedDataParallel::new(&pg, &varmap, DdpOptions::default())?;
-    // ddp-core's AdamW (torch.optim.AdamW's defaults, saveable state), the one the Accelerator and the Trainer
+    // accel-nn's AdamW (torch.optim.AdamW's defaults, saveable state), the one the Accelerator and the Trainer
     // use. Its per-parameter state follows the order of `vars`: DDP's registration order (sorted names), fixed.
     let vars: Vec<Var> = ddp.named_vars().iter().map(|(_, v)| v.clone()).collect();
     let mut opt = AdamW::new(AdamWConfig::new(cli.lr))?;

@@ -1,8 +1,9 @@
 //! [`AcceleratedOptimizer`]: what `Accelerator::prepare_optimizer` returns.
 
 use super::Optimizer;
-use crate::step::StepOutcome;
-use crate::{lock, Accelerator, PreparedModel, Result};
+use crate::model::PreparedModel;
+use crate::step::{StepController, StepOutcome};
+use crate::{lock, Result};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// An optimizer bound to a prepared model and the Accelerator's accumulation window.
@@ -14,7 +15,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 /// which drops them after the step, so a candle loop needs no `zero_grad`; it is there for PyTorch-shaped loops
 /// and is a no-op between syncs.
 pub struct AcceleratedOptimizer<O: Optimizer> {
-    acc: Accelerator,
+    /// The Accelerator's step owner (shared with it): where the gradients come from.
+    step: Arc<StepController>,
     model: PreparedModel,
     opt: Arc<Mutex<O>>,
     skipped: bool,
@@ -30,8 +32,8 @@ impl<O: Optimizer> std::fmt::Debug for AcceleratedOptimizer<O> {
 }
 
 impl<O: Optimizer> AcceleratedOptimizer<O> {
-    pub(crate) fn new(acc: Accelerator, model: PreparedModel, opt: Arc<Mutex<O>>) -> Self {
-        AcceleratedOptimizer { acc, model, opt, skipped: false }
+    pub(crate) fn new(step: Arc<StepController>, model: PreparedModel, opt: Arc<Mutex<O>>) -> Self {
+        AcceleratedOptimizer { step, model, opt, skipped: false }
     }
 
     /// Takes an optimizer step if this micro-step synced gradients. Returns `true` when the parameters were
@@ -39,8 +41,7 @@ impl<O: Optimizer> AcceleratedOptimizer<O> {
     /// then).
     pub fn step(&mut self) -> Result<bool> {
         let (opt, model) = (&self.opt, &self.model);
-        let outcome =
-            self.acc.step().optimizer_step(model, |grads| Ok(lock(opt).step(model.master_weights(), grads)?))?;
+        let outcome = self.step.optimizer_step(model, |grads| Ok(lock(opt).step(model.master_weights(), grads)?))?;
         match outcome {
             StepOutcome::NotSynced => Ok(false),
             StepOutcome::Overflow => {
@@ -49,7 +50,8 @@ impl<O: Optimizer> AcceleratedOptimizer<O> {
                 Ok(false)
             }
             StepOutcome::Applied => {
-                self.model.copy_masters_to_params()?;
+                // The groups' strategies follow up (a sharded group gathers its slices), then the compute copies.
+                self.model.after_optimizer_step()?;
                 self.skipped = false;
                 Ok(true)
             }
@@ -58,7 +60,7 @@ impl<O: Optimizer> AcceleratedOptimizer<O> {
 
     /// Drops the window's gradients on a sync step; a no-op between syncs (as Accelerate's).
     pub fn zero_grad(&mut self) {
-        self.acc.step().zero_grad(&self.model);
+        self.step.zero_grad(&self.model);
     }
 
     /// The current learning rate.

@@ -14,6 +14,8 @@ use crate::error::{AccelError, Result};
 
 /// Sub-directory of `project_dir` that holds automatically named checkpoints.
 pub const CHECKPOINTS_SUBDIR: &str = "checkpoints";
+/// The file every complete checkpoint has; its presence marks a directory as a checkpoint.
+pub const ACCELERATOR_FILE: &str = "accelerator.json";
 /// Prefix of automatically named checkpoints: `checkpoint_0`, `checkpoint_1`, …
 pub const CHECKPOINT_PREFIX: &str = "checkpoint_";
 

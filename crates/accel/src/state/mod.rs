@@ -1,6 +1,6 @@
 //! Checkpoint state: [`StateDict`] / [`Stateful`] (what each object saves), the checkpoint directory format,
 //! atomic writes, automatic naming with a total limit, and per-rank RNG state. The save/load protocol behind
-//! `Accelerator::save_state` and `load_state` lives in `accelerator_state.rs`.
+//! `Accelerator::save_state` and `load_state` is the Accelerator's (`accelerator/checkpointing.rs`).
 //!
 //! Directory layout written by `Accelerator::save_state` (Accelerate's names where one exists; the `_{i}`
 //! suffix appears from the second object of a kind on):
@@ -19,15 +19,13 @@
 //!
 //! Automatic naming: `project_dir/checkpoints/checkpoint_{i}`, `i` one past the highest existing index.
 
-mod accelerator_state;
 mod atomic;
 pub mod checkpoint_dir;
 pub mod rng;
 mod state_dict;
 
-pub(crate) use accelerator_state::{load_state, save_state};
-pub use accelerator_state::{SharedStateful, ACCELERATOR_FILE};
 pub use atomic::write_atomic;
-pub use checkpoint_dir::{checkpoint_name, list_checkpoints, newest_checkpoint, CHECKPOINTS_SUBDIR};
+pub use checkpoint_dir::{checkpoint_name, list_checkpoints, newest_checkpoint, ACCELERATOR_FILE, CHECKPOINTS_SUBDIR};
 pub use rng::RngState;
-pub use state_dict::{load_safetensors, save_safetensors, StateDict, Stateful};
+pub use state_dict::{load_safetensors, save_safetensors, SharedStateful, StateDict, Stateful};
+pub(crate) use state_dict::{read_json, write_json};

@@ -12,7 +12,10 @@ use candle_core::{Device, Tensor};
 
 use crate::error::{AccelError, Result};
 
-pub use ddp_core::state::StateDict;
+pub use accel_nn::state::StateDict;
+
+/// A checkpointed object shared between the training loop and the Accelerator.
+pub type SharedStateful = std::sync::Arc<std::sync::Mutex<dyn Stateful + Send>>;
 
 /// An object whose state goes into checkpoints (`Accelerator::register_for_checkpointing`, `save_state`).
 pub trait Stateful {
@@ -36,12 +39,12 @@ impl<T: Stateful + ?Sized> Stateful for Box<T> {
 /// Writes tensors as one safetensors file (little-endian, row-major; Python's `safetensors.torch.load_file`
 /// reads it). Tensors are made contiguous and copied to the CPU first; the write is atomic.
 pub fn save_safetensors(tensors: &BTreeMap<String, Tensor>, path: &Path) -> Result<()> {
-    Ok(ddp_core::state::save_safetensors(tensors, path)?)
+    Ok(accel_nn::state::save_safetensors(tensors, path)?)
 }
 
 /// Reads every tensor of a safetensors file onto `device`.
 pub fn load_safetensors(path: &Path, device: &Device) -> Result<BTreeMap<String, Tensor>> {
-    Ok(ddp_core::state::load_safetensors(path, device)?)
+    Ok(accel_nn::state::load_safetensors(path, device)?)
 }
 
 /// Writes pretty JSON to `path`.

@@ -4,14 +4,14 @@
 //! A column-parallel layer followed by a row-parallel one (an MLP, attention's projections) communicates twice
 //! per step: *f* all-reduces the input gradient in the backward, *g* the output in the forward. At tp = 1 the
 //! layers compute what `candle_nn::Linear` / `candle_nn::Embedding` compute with the full weights (the linear
-//! products through `ddp_core::nn::linear`, one matrix product over all leading dimensions, equal to candle-nn's
+//! products through `accel_nn::ops::linear`, one matrix product over all leading dimensions, equal to candle-nn's
 //! within f32 rounding).
 
 use super::{ParamBuilder, ParamInit, TensorParallel};
 use crate::{AccelError, Result};
+use accel_nn::ops::linear::{linear, Activation};
 use candle_core::{DType, Module, Tensor, D};
 use ddp_core::functional::{copy_to_group, gather_from_group, reduce_from_group};
-use ddp_core::nn::linear::{linear, Activation};
 
 /// Options of the parallel linear layers.
 #[derive(Debug, Clone, Copy, PartialEq)]

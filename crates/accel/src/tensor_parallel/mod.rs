@@ -95,9 +95,16 @@ impl TensorParallel {
         self.group.world_size()
     }
 
-    /// The layout of `var` ([`ParamLayout::Replicated`] for a parameter not built through a [`ParamBuilder`]).
+    /// The layout of `var` ([`ParamLayout::Replicated`] for a parameter not built through a [`ParamBuilder`]
+    /// and not yet prepared: `prepare_model` registers every parameter, checking that an unregistered one really
+    /// is the same on every tp rank).
     pub fn layout(&self, var: &Var) -> ParamLayout {
-        lock(&self.layouts).get(&var.as_tensor().id()).copied().unwrap_or(ParamLayout::Replicated)
+        self.registered(var).unwrap_or(ParamLayout::Replicated)
+    }
+
+    /// The layout `var` was registered with, if any.
+    pub(crate) fn registered(&self, var: &Var) -> Option<ParamLayout> {
+        lock(&self.layouts).get(&var.as_tensor().id()).copied()
     }
 
     pub(crate) fn register(&self, var: &Var, layout: ParamLayout) {

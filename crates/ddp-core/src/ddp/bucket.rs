@@ -24,7 +24,8 @@ pub(crate) struct Bucket {
 /// `params[i] = (size in bytes, dtype)` of parameter `i` in registration order. Returns each bucket's parameter
 /// indices, in communication order; within a bucket, indices are in reverse registration order. Caps are in
 /// bytes; a cap of 0 puts every parameter in its own bucket.
-pub fn compute_bucket_layout<D: Copy + Eq>(
+#[cfg(test)]
+fn compute_bucket_layout<D: Copy + Eq>(
     params: &[(usize, D)],
     first_cap_bytes: usize,
     cap_bytes: usize,

@@ -34,7 +34,7 @@ impl ConsoleWriter {
     /// Prints `line` followed by a newline.
     pub fn println(&self, line: &str) {
         #[cfg(feature = "progress")]
-        if let Some(b) = ddp_core::sync::lock(&self.bar).as_ref().filter(|b| !b.is_hidden()) {
+        if let Some(b) = accel::lock(&self.bar).as_ref().filter(|b| !b.is_hidden()) {
             b.println(line);
             return;
         }
@@ -43,7 +43,7 @@ impl ConsoleWriter {
 
     #[cfg(feature = "progress")]
     fn attach(&self, bar: Option<ProgressBar>) {
-        *ddp_core::sync::lock(&self.bar) = bar;
+        *accel::lock(&self.bar) = bar;
     }
 }
 

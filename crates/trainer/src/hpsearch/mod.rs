@@ -28,7 +28,7 @@
 //!
 //! **Trials and processes.** The process that calls [`HyperparameterSearch::run`] is the *driver*: it samples
 //! each trial's parameters, appends them to the study file and, by default, starts the trial as
-//! `processes_per_trial` copies of the current program through [`ddp_core::launch`] (port 0: every trial's
+//! `processes_per_trial` copies of the current program through [`accel::dist::launch`] (port 0: every trial's
 //! store gets its own free port; the trial's output goes to `trial-N/logs/rank{r}.log`). The copies find the
 //! trial in their environment (`ACCEL_HP_STUDY`, `ACCEL_HP_TRIAL`), run the same `run` call, which executes that
 //! one trial and returns `None`. At most `processes / processes_per_trial` trials run at once, and every trial
@@ -516,10 +516,10 @@ impl HyperparameterSearch {
                             let cfg = self.launch_config(program, args, &journal, number, &output_dir, threads)?;
                             let interrupted = &interrupted;
                             scope.spawn(move || {
-                                let r = ddp_core::launch(&cfg);
+                                let r = accel::dist::launch(&cfg);
                                 let err = match r {
                                     Ok(()) => None,
-                                    Err(ddp_core::DdpError::Io { source, .. })
+                                    Err(accel::dist::DdpError::Io { source, .. })
                                         if source.kind() == std::io::ErrorKind::Interrupted =>
                                     {
                                         interrupted.store(true, Ordering::SeqCst);
@@ -527,7 +527,7 @@ impl HyperparameterSearch {
                                     }
                                     Err(e) => Some(format!(
                                         "{e} (its output: {})",
-                                        ddp_core::launcher::log_path(&output_dir.join("logs"), 0).display()
+                                        accel::dist::launcher::log_path(&output_dir.join("logs"), 0).display()
                                     )),
                                 };
                                 let _ = tx.send((number, err));
@@ -619,14 +619,14 @@ impl HyperparameterSearch {
         number: u64,
         output_dir: &Path,
         threads: usize,
-    ) -> Result<ddp_core::LaunchConfig> {
+    ) -> Result<accel::dist::LaunchConfig> {
         let program = match program {
             Some(p) => p.clone(),
             None => std::env::current_exe()
                 .map_err(|e| TrainerError::io("locating this executable to launch the trials", e))?,
         };
         let args = args.clone().unwrap_or_else(|| std::env::args().skip(1).collect());
-        let mut cfg = ddp_core::LaunchConfig::local(self.processes_per_trial, program, args);
+        let mut cfg = accel::dist::LaunchConfig::local(self.processes_per_trial, program, args);
         cfg.env.push((STUDY_ENV.into(), journal.path().display().to_string()));
         cfg.env.push((TRIAL_ENV.into(), number.to_string()));
         for var in ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"] {

@@ -7,10 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use accel::data::{Batch, Dataset, TensorDataset};
+use accel::dist::MemoryStore;
+use accel::dist::{GroupOptions, ProcessGroup, Store};
 use candle_core::{DType, Device, Module, ModuleT, Tensor};
 use candle_nn::VarBuilder;
-use ddp_core::store::MemoryStore;
-use ddp_core::{GroupOptions, ProcessGroup, Store};
 use trainer::metrics::IGNORE_INDEX;
 
 /// Features per sample of [`classification_data`].

@@ -9,7 +9,7 @@
 use std::path::Path;
 
 use crate::common::{max_rel_diff, run_ranks, snapshot, TokenData, TokenModel};
-use ddp_core::ProcessGroup;
+use accel::dist::ProcessGroup;
 use trainer::losses::{self, LossOutput};
 use trainer::{OptimizerKind, ReportTo, SaveStrategy, Trainer, TrainingArguments};
 

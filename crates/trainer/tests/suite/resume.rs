@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::common::{classification_data, run_ranks, snapshot, Mlp};
-use ddp_core::ProcessGroup;
+use accel::dist::ProcessGroup;
 use trainer::{losses, ReportTo, SaveStrategy, Trainer, TrainingArguments};
 
 /// The resume tests' arguments (also the base of the safety tests').

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::common::{classification_data, run_ranks, snapshot, Mlp};
-use ddp_core::ProcessGroup;
+use accel::dist::ProcessGroup;
 use trainer::{
     losses, CallbackContext, IntervalStrategy, ReportTo, SaveStrategy, Trainer, TrainerCallback, TrainerControl,
     TrainerError, TrainingArguments,

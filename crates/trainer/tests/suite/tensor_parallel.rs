@@ -90,7 +90,7 @@ fn trainer(out: &Path) -> Trainer<Bigram, TensorDataset> {
         Some(walks(20)),
         losses::VocabParallelCrossEntropy { vocab_size: VOCAB },
     )
-    .process_group(ddp_core::ProcessGroup::single_process().unwrap())
+    .process_group(accel::dist::ProcessGroup::single_process().unwrap())
 }
 
 /// Parameters come from the ParamBuilder, drawn from `args.seed`: two runs train to the same bits; the bigram

@@ -1,7 +1,7 @@
 //! `Accelerator::save_state` / `load_state` / `register_for_checkpointing` (Accelerate's `save_state`,
 //! `load_state`, `register_for_checkpointing`, with its `ProjectConfiguration` automatic naming).
 //!
-//! `save_state` is collective — every rank calls it. Protocol (see [`super::checkpoint_dir`] for atomicity):
+//! `save_state` is collective — every rank calls it. Protocol (see [`crate::state::checkpoint_dir`] for atomicity):
 //! 1. the target is resolved (automatic naming: rank 0 picks `checkpoint_{i}` and broadcasts `i`);
 //! 2. rank 0 creates the temporary `.{name}.partial` next to the target (removing a stale one from a crash);
 //! 3. every rank writes its `random_states_{rank}.json`; rank 0 writes the shared files;
@@ -13,32 +13,26 @@
 //! previous checkpoint is untouched.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 
 use ddp_core::ReduceOp;
 use serde::{Deserialize, Serialize};
 
-use super::checkpoint_dir::{
+use crate::error::{AccelError, Result};
+use crate::state::checkpoint_dir::{
     checkpoint_name, commit, newest_checkpoint, next_checkpoint_index, partial_dir, remove_if_exists,
     rotate_checkpoints,
 };
-use super::rng::RngState;
-use super::state_dict::{load_safetensors, read_json, save_safetensors, write_json};
-use super::{StateDict, Stateful};
-use crate::error::{AccelError, Result};
+use crate::state::rng::RngState;
+use crate::state::{load_safetensors, read_json, save_safetensors, write_json};
+use crate::state::{StateDict, Stateful, ACCELERATOR_FILE};
 use crate::step::StepCounters;
 use crate::MixedPrecision;
 use crate::{lock, Accelerator};
-
-/// A checkpointed object shared between the training loop and the Accelerator.
-pub type SharedStateful = Arc<Mutex<dyn Stateful + Send>>;
 
 /// Identifies the directory format in `accelerator.json`.
 const FORMAT: &str = "accel-checkpoint";
 /// Bumped on incompatible layout changes.
 const FORMAT_VERSION: u32 = 1;
-/// The file every complete checkpoint has; its presence marks a directory as a checkpoint.
-pub const ACCELERATOR_FILE: &str = "accelerator.json";
 
 /// How many objects of each kind a checkpoint holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -3,14 +3,14 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use crate::error::{DdpError, Result};
+use crate::error::{NnError, Result};
 
 /// Writes `bytes` to `path` so that a reader (or a crash) sees either the previous file or the complete new one,
 /// never a partial write: the bytes go to a hidden temporary file in the same directory (same file system, so the
 /// rename is atomic), which is flushed to disk (`fsync`), renamed over `path`, and the directory entry is flushed
 /// too (best effort, Unix only) so the rename survives a power loss.
 ///
-/// Errors: [`DdpError::Io`] naming the file and the step that failed (create, write, sync, rename); the temporary
+/// Errors: [`NnError::Io`] naming the file and the step that failed (create, write, sync, rename); the temporary
 /// file is removed on failure.
 pub fn write_atomic(path: &Path, bytes: impl AsRef<[u8]>) -> Result<()> {
     let tmp = temp_sibling(path);
@@ -19,9 +19,9 @@ pub fn write_atomic(path: &Path, bytes: impl AsRef<[u8]>) -> Result<()> {
         f.write_all(bytes.as_ref())?;
         f.sync_all()
     })();
-    let renamed = written.map_err(|e| DdpError::io(format!("writing {}", tmp.display()), e)).and_then(|()| {
+    let renamed = written.map_err(|e| NnError::io(format!("writing {}", tmp.display()), e)).and_then(|()| {
         std::fs::rename(&tmp, path)
-            .map_err(|e| DdpError::io(format!("renaming {} to {}", tmp.display(), path.display()), e))
+            .map_err(|e| NnError::io(format!("renaming {} to {}", tmp.display(), path.display()), e))
     });
     if renamed.is_err() {
         let _ = std::fs::remove_file(&tmp);

@@ -1,11 +1,11 @@
-//! `ddp_core::nn::attention::causal_self_attention` against attention written out in candle's ops (heads split,
+//! `accel_nn::ops::attention::causal_self_attention` against attention written out in candle's ops (heads split,
 //! `q kᵀ`, an explicit −∞ mask, candle-nn's softmax, `· v`, heads merged): values and the gradients of q, k and v,
 //! for several shapes (one sequence, one head, one position, the char-GPT's); strided inputs; the fallback dtypes;
 //! causality; bad arguments.
 
 use super::nn_check::{assert_close, assert_fused_on, uniform, value_and_grads};
+use accel_nn::ops::attention::causal_self_attention;
 use candle_core::{DType, Device, Tensor, D};
-use ddp_core::nn::attention::causal_self_attention;
 
 /// Attention in candle's composed ops, built here independently of the library.
 fn reference(q: &Tensor, k: &Tensor, v: &Tensor, n_head: usize, scale: f64) -> Tensor {
@@ -120,7 +120,7 @@ fn fallback_dtypes_agree_with_the_fused_path() {
 
 #[test]
 fn bad_arguments_are_named() {
-    let err = |r: ddp_core::Result<Tensor>| r.unwrap_err().to_string();
+    let err = |r: accel_nn::Result<Tensor>| r.unwrap_err().to_string();
     let x = uniform(&[2, 3, 8], 1.0, 0);
     let e = err(causal_self_attention(&x, &x, &uniform(&[2, 3, 4], 1.0, 0), 2, 1.0));
     assert!(e.contains("v [2, 3, 4]") && e.contains("[b, s, n_head · head_dim]"), "{e}");

@@ -15,7 +15,7 @@
 //! `candle_nn::ops::layer_norm_slow`, differentiable composed ops, which computes in f32 for bf16/f16 inputs.
 
 use super::cpu_f32::{dot, fast_path, for_row_blocks, map_row_blocks, storage_f32, sum, tensor_f32};
-use crate::{DdpError, Result};
+use crate::{NnError, Result};
 use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor};
 
 /// `LayerNorm` over the last dimension: `x` `[.., d]`, `weight` and `bias` `[d]`, all of one float dtype →
@@ -25,13 +25,13 @@ use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor};
 /// Differentiable in `x`, `weight` and `bias`. Fused (one forward and one backward kernel) for CPU f32; candle's
 /// composed `layer_norm_slow` elsewhere (see the module documentation).
 ///
-/// Errors ([`DdpError::InvalidArgument`]): `x` a scalar or with an empty last dimension; `weight` or `bias` not
+/// Errors ([`NnError::InvalidArgument`]): `x` a scalar or with an empty last dimension; `weight` or `bias` not
 /// of shape `[d]`; dtypes that differ; `eps` negative or not finite.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     let d = match x.dims().last() {
         Some(&d) if d > 0 => d,
         _ => {
-            return Err(DdpError::InvalidArgument(format!(
+            return Err(NnError::InvalidArgument(format!(
                 "layer_norm: x has shape {:?}; it needs a non-empty last dimension to normalise over",
                 x.dims()
             )))
@@ -39,14 +39,14 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
     };
     for (name, t) in [("weight", weight), ("bias", bias)] {
         if t.dims() != [d] {
-            return Err(DdpError::InvalidArgument(format!(
+            return Err(NnError::InvalidArgument(format!(
                 "layer_norm: {name} has shape {:?}, expected [{d}] (the last dimension of x {:?})",
                 t.dims(),
                 x.dims()
             )));
         }
         if t.dtype() != x.dtype() {
-            return Err(DdpError::InvalidArgument(format!(
+            return Err(NnError::InvalidArgument(format!(
                 "layer_norm: {name} is {:?} but x is {:?}; convert them to one dtype",
                 t.dtype(),
                 x.dtype()
@@ -54,7 +54,7 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
         }
     }
     if !(eps.is_finite() && eps >= 0.0) {
-        return Err(DdpError::InvalidArgument(format!(
+        return Err(NnError::InvalidArgument(format!(
             "layer_norm: eps = {eps}; it must be a finite number ≥ 0 (PyTorch's default is 1e-5)"
         )));
     }

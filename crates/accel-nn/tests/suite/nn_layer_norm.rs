@@ -1,9 +1,9 @@
-//! `ddp_core::nn::layer_norm`: values and gradients (x, weight, bias) against candle-nn's composed
+//! `accel_nn::ops::layer_norm`: values and gradients (x, weight, bias) against candle-nn's composed
 //! `layer_norm_slow`, for 2-D/3-D/4-D and strided inputs; the fallback dtypes; bad arguments.
 
 use super::nn_check::{assert_close, assert_fused_on, uniform, value_and_grads};
+use accel_nn::ops::layer_norm::layer_norm;
 use candle_core::{DType, Tensor};
-use ddp_core::nn::layer_norm::layer_norm;
 
 /// Fused (f32) against candle's composed op (f32), value and the three gradients at rel 1e-5.
 fn check(x: &Tensor, eps: f64, seed: u64) {
@@ -102,7 +102,7 @@ fn fallback_dtypes_agree_with_the_fused_path() {
 fn bad_arguments_are_named() {
     let x = uniform(&[3, 8], 1.0, 0);
     let w = uniform(&[8], 1.0, 1);
-    let err = |r: ddp_core::Result<Tensor>| r.unwrap_err().to_string();
+    let err = |r: accel_nn::Result<Tensor>| r.unwrap_err().to_string();
     let e = err(layer_norm(&x, &uniform(&[7], 1.0, 1), &w, 1e-5));
     assert!(e.contains("weight has shape [7], expected [8]"), "{e}");
     let e = err(layer_norm(&x, &w, &uniform(&[1, 8], 1.0, 1), 1e-5));

@@ -10,7 +10,7 @@
 //! in-place ops (`m`, then `v`, then `p` reading `g`), each lending its storage to the next through a `RefCell`.
 
 use super::AdamWConfig;
-use crate::nn::cpu_f32::simd_fn;
+use crate::ops::cpu_f32::simd_fn;
 use candle_core::{CpuStorage, DType, Device, InplaceOp1, InplaceOp2, Layout, Tensor};
 use rayon::prelude::*;
 use std::cell::RefCell;

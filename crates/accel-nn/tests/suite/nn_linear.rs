@@ -1,9 +1,9 @@
-//! `ddp_core::nn::linear`: forward values and the gradients of x, weight and bias against candle's composed ops
+//! `accel_nn::ops::linear`: forward values and the gradients of x, weight and bias against candle's composed ops
 //! (`candle_nn::Linear` + `relu`, called directly so the process-wide switch is never flipped), at a relative
 //! tolerance of 1e-5 of each tensor's largest magnitude (the products sum in a different order).
 
+use accel_nn::ops::linear::{linear, Activation, Linear};
 use candle_core::{DType, Device, Module, Tensor, Var};
-use ddp_core::nn::linear::{linear, Activation, Linear};
 
 /// Deterministic, irregular values in about [−1, 1] (no exact zeros, so no ReLU ties).
 fn data(salt: usize, dims: &[usize]) -> Tensor {
@@ -72,7 +72,7 @@ fn check(x: &Tensor, x_var: Option<&Var>, w: &Tensor, w_var: &Var, b: Option<&Va
         ),
         // candle's 2-D matmul backward computes the lhs gradient even of an untracked input (it lands in the
         // GradStore); the fused op skips it.
-        None if ddp_core::nn::fused_ops_enabled() && !x.track_op() => {
+        None if accel_nn::ops::fused_ops_enabled() && !x.track_op() => {
             assert!(g_ours.get(x).is_none(), "{what}: an untracked x must get no gradient");
         }
         None => {}
@@ -204,7 +204,7 @@ fn linear_bad_shapes_name_the_problem() {
 
 #[test]
 fn fused_ops_are_on_by_default() {
-    if std::env::var(ddp_core::nn::FUSED_OPS_ENV).is_err() {
-        assert!(ddp_core::nn::fused_ops_enabled());
+    if std::env::var(accel_nn::ops::FUSED_OPS_ENV).is_err() {
+        assert!(accel_nn::ops::fused_ops_enabled());
     }
 }

@@ -1,21 +1,32 @@
 //! [`PreparedModel`]: a model's parameters as the Accelerator manages them — the compute-dtype `Var`s the model
-//! reads, their fp32 master copies the optimizer updates (the same `Var`s in fp32) and the parameter groups
-//! whose gradients are reduced together ([`GradientReduction`]), and how each is laid out over the
-//! tensor-parallel group ([`ParamLayout`]). Its gradients are not here: the Accelerator's step owner holds them
-//! (see `crate::step`).
+//! reads, their fp32 master copies the optimizer updates (the same `Var`s in fp32), how each is laid out over the
+//! tensor-parallel group ([`ParamLayout`]), and the parameter groups whose gradients one [`GradientStrategy`]
+//! reduces, norms and checks (`strategy.rs`). Its gradients are not here: the Accelerator's step owner holds them
+//! (see `crate::step`), and asks the groups' strategies what to do with them.
+//!
+//! This module sits below the step owner and the Accelerator: it imports neither.
 //!
 //! Under tensor parallelism a rank holds a shard of some parameters: their gradients are averaged over the
 //! data-parallel group only (tp peers hold different pieces), their squared norms summed over the tp group, and
 //! checkpoints hold the full tensors under the single-process names (gathered on save, sliced on load), so any
 //! layout reads any other's `model.safetensors`.
 
+mod registration;
+mod strategy;
+
+#[cfg(test)]
+mod tests;
+
+#[cfg(test)]
+use strategy::AddSegment;
+pub(crate) use strategy::{GradientStrategy, ReplicatedDataParallel};
+
 use crate::state::StateDict;
-use crate::step::GradientReduction;
 use crate::tensor_parallel::{ParamLayout, TensorParallel};
 use crate::{AccelError, Result};
 use candle_core::{DType, Tensor, Var};
 use candle_nn::VarMap;
-use ddp_core::{DistributedDataParallel, ProcessGroup};
+use ddp_core::{DeviceMesh, DistributedDataParallel};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -40,9 +51,17 @@ struct ModelInner {
     layouts: Vec<ParamLayout>,
     /// The tensor-parallel group the sharded parameters are split over.
     tp: TensorParallel,
-    /// Parameter groups (indices into `params`) and how each group's gradients are reduced.
-    groups: Vec<(Vec<usize>, GradientReduction)>,
+    /// Parameter groups: every parameter is in exactly one, whose strategy handles its gradients.
+    groups: Vec<ParamGroup>,
     find_unused_parameters: bool,
+}
+
+/// Some of a model's parameters and the one strategy their gradients take.
+#[derive(Debug)]
+pub(crate) struct ParamGroup {
+    /// Indices into the model's parameters (`names` order), ascending.
+    pub(crate) params: Vec<usize>,
+    pub(crate) strategy: Box<dyn GradientStrategy>,
 }
 
 impl std::fmt::Debug for PreparedModel {
@@ -55,13 +74,15 @@ impl std::fmt::Debug for PreparedModel {
 }
 
 impl PreparedModel {
-    /// Sorts `varmap`'s variables by name, checks their device, makes fp32 masters under bf16/fp16 and wraps the
-    /// masters in DDP over the data-parallel group `dp` (names and shapes checked across its ranks, its rank 0's
-    /// values broadcast). Layouts come from `tp`'s registry (parameters built by a [`crate::ParamBuilder`]).
-    /// `index` is the slot the step owner keeps this model's gradients in.
+    /// Sorts `varmap`'s variables by name, checks their device and their tensor-parallel registration, makes
+    /// fp32 masters under bf16/fp16 and puts every parameter in one group whose strategy is DDP over the mesh's
+    /// data-parallel group (names and shapes checked across its ranks, its rank 0's values broadcast), with norms
+    /// over the mesh's model-parallel group. Layouts come from `tp`'s registry (parameters built by a
+    /// [`crate::ParamBuilder`]; see `registration.rs` for the others). `index` is the slot the step owner keeps
+    /// this model's gradients in.
     pub(crate) fn new(
         index: usize,
-        dp: &ProcessGroup,
+        mesh: &DeviceMesh,
         tp: &TensorParallel,
         device: &candle_core::Device,
         ddp: &ddp_core::DdpOptions,
@@ -97,19 +118,20 @@ impl PreparedModel {
         } else {
             params.clone()
         };
-        let layouts: Vec<ParamLayout> = params.iter().map(|v| tp.layout(v)).collect();
+        let layouts = registration::layouts(tp, &names, &params)?;
         // One group: every parameter — replicated over tp or a tp shard — is averaged over its data-parallel
         // replicas, which hold the same piece (Megatron-LM: a shard is never reduced with its tp peers; the
         // replicated ones have equal gradients on every tp rank already). Gradients are reduced in fp32.
         let replicated = DistributedDataParallel::from_named_vars(
-            dp,
+            mesh.dp(),
             names.iter().cloned().zip(masters.iter().cloned()).collect(),
             ddp.clone(),
         )?;
+        let strategy = ReplicatedDataParallel::new(replicated, mesh.model_parallel().clone());
         let model = PreparedModel {
             inner: Arc::new(ModelInner {
                 index,
-                groups: vec![((0..params.len()).collect(), GradientReduction::AllReduce(replicated))],
+                groups: vec![ParamGroup { params: (0..params.len()).collect(), strategy: Box::new(strategy) }],
                 names,
                 params,
                 masters,
@@ -142,23 +164,6 @@ impl PreparedModel {
     /// Number of scalar parameters.
     pub fn num_parameters(&self) -> usize {
         self.inner.params.iter().map(|v| v.elem_count()).sum()
-    }
-
-    /// The DDP wrapper of the replicated parameters (bucket layout, options).
-    pub fn ddp(&self) -> &DistributedDataParallel {
-        self.inner
-            .groups
-            .iter()
-            .map(|(_, r)| match r {
-                GradientReduction::AllReduce(ddp) => ddp,
-            })
-            .next()
-            .expect("a prepared model has one replicated group")
-    }
-
-    /// Parameter groups: the parameter indices of each and how its gradients are reduced.
-    pub fn parameter_groups(&self) -> impl Iterator<Item = (&[usize], &GradientReduction)> {
-        self.inner.groups.iter().map(|(p, r)| (p.as_slice(), r))
     }
 
     /// Each parameter's layout over the tensor-parallel group, in [`PreparedModel::names`] order.
@@ -278,60 +283,75 @@ impl PreparedModel {
         self.inner.find_unused_parameters
     }
 
-    /// Whether one DDP reduces every parameter, slot `i` = parameter `i` (what the overlapped backward drives).
-    pub(crate) fn overlappable(&self) -> bool {
+    /// The group that covers every parameter, slot `i` = parameter `i`, when it can overlap its reduction with
+    /// the backward pass (what `backward_segments` drives); `None` otherwise.
+    pub(crate) fn overlapping_group(&self) -> Option<&dyn GradientStrategy> {
         match &self.inner.groups[..] {
-            [(params, GradientReduction::AllReduce(_))] => params.iter().copied().eq(0..self.inner.params.len()),
-            _ => false,
+            [g] if g.strategy.overlaps() && g.params.iter().copied().eq(0..self.inner.params.len()) => {
+                Some(g.strategy.as_ref())
+            }
+            _ => None,
         }
     }
 
     /// The squared L2 norm of the whole model from each parameter's squared gradient norm on this rank
-    /// (`per_param[i]`, `names` order): tp shards summed over the tp group, replicated parameters counted once.
-    /// Collective over the tp group when the model has sharded parameters.
+    /// (`per_param[i]`, `names` order): each group's strategy counts its parameters once over its norm group.
+    /// Collective over the groups' norm groups.
     pub(crate) fn squared_norm(&self, per_param: &[f64]) -> Result<f64> {
-        let (mut sharded, mut replicated) = (0.0, 0.0);
-        for (sq, layout) in per_param.iter().zip(&self.inner.layouts) {
-            match layout {
-                ParamLayout::Replicated => replicated += sq,
-                ParamLayout::Sharded { .. } => sharded += sq,
-            }
+        let mut total = 0.0;
+        for g in &self.inner.groups {
+            let sq: Vec<f64> = g.params.iter().map(|&i| per_param[i]).collect();
+            total += g.strategy.squared_norm(&sq, &self.group_layouts(g))?;
         }
-        if self.has_shards() {
-            let mut buf = [sharded];
-            self.inner.tp.group().all_reduce(&mut buf, ddp_core::ReduceOp::Sum)?;
-            sharded = buf[0];
-        }
-        Ok(sharded + replicated)
+        Ok(total)
     }
 
-    /// Whether `local` holds on any rank of the tp group (collective over it when the model has sharded
-    /// parameters; `local` otherwise).
-    pub(crate) fn any_tp_rank(&self, local: bool) -> Result<bool> {
-        if !self.has_shards() {
-            return Ok(local);
+    /// Whether `local` holds on any rank that holds another piece of this model (fp16 overflow), as each group's
+    /// strategy agrees it (collective over the groups' norm groups).
+    pub(crate) fn any_rank(&self, local: bool) -> Result<bool> {
+        let mut any = local;
+        for g in &self.inner.groups {
+            any |= g.strategy.any_rank(local, &self.group_layouts(g))?;
         }
-        let mut flag = [i32::from(local)];
-        self.inner.tp.group().all_reduce(&mut flag, ddp_core::ReduceOp::Max)?;
-        Ok(flag[0] != 0)
+        Ok(any)
     }
 
-    /// Whether some parameter is split over a tp group of more than one rank (the same answer on every tp rank:
-    /// the model is built by the same code).
-    fn has_shards(&self) -> bool {
-        self.inner.tp.size() > 1 && self.inner.layouts.iter().any(|l| matches!(l, ParamLayout::Sharded { .. }))
+    fn group_layouts(&self, g: &ParamGroup) -> Vec<ParamLayout> {
+        g.params.iter().map(|&i| self.inner.layouts[i]).collect()
     }
 
-    /// Reduces this model's gradient slots across ranks, group by group (collective).
+    /// Reduces this model's gradient slots after the backward pass, group by group, each by its strategy
+    /// (collective).
     pub(crate) fn reduce_gradients(&self, slots: &mut [Option<Tensor>]) -> Result<()> {
-        for (params, reduction) in &self.inner.groups {
-            let mut group: Vec<Option<Tensor>> = params.iter().map(|&i| slots[i].take()).collect();
-            let reduced = reduction.reduce(&mut group);
-            for (&i, g) in params.iter().zip(group) {
-                slots[i] = g;
+        for g in &self.inner.groups {
+            let mut group: Vec<Option<Tensor>> = g.params.iter().map(|&i| slots[i].take()).collect();
+            let reduced = g.strategy.reduce(&mut group);
+            for (&i, t) in g.params.iter().zip(group) {
+                slots[i] = t;
             }
             reduced?;
         }
         Ok(())
+    }
+
+    /// What each group's strategy does once the optimizer updated the masters, then the compute-dtype copies.
+    pub(crate) fn after_optimizer_step(&self) -> Result<()> {
+        for g in &self.inner.groups {
+            let masters: Vec<Var> = g.params.iter().map(|&i| self.inner.masters[i].clone()).collect();
+            g.strategy.after_optimizer_step(&masters)?;
+        }
+        self.copy_masters_to_params()
+    }
+}
+
+#[cfg(test)]
+impl PreparedModel {
+    /// The same model with every group's strategy wrapped by `wrap` (tests count what goes through them).
+    pub(crate) fn map_strategies(&mut self, wrap: impl Fn(Box<dyn GradientStrategy>) -> Box<dyn GradientStrategy>) {
+        let inner = Arc::get_mut(&mut self.inner).expect("map_strategies before the model is shared");
+        inner.groups = std::mem::take(&mut inner.groups)
+            .into_iter()
+            .map(|g| ParamGroup { params: g.params, strategy: wrap(g.strategy) })
+            .collect();
     }
 }

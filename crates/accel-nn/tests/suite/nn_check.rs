@@ -1,4 +1,4 @@
-//! Helpers of the fused-op tests (`ddp_core::nn`): deterministic inputs, gradients through a probe, and a
+//! Helpers of the fused-op tests (`accel_nn::ops`): deterministic inputs, gradients through a probe, and a
 //! scale-relative comparison.
 #![allow(dead_code)]
 
@@ -58,7 +58,7 @@ pub fn assert_close(a: &Tensor, b: &Tensor, rtol: f64, what: &str) {
 /// The fused fast paths are on (the tests below compare them with candle's ops; none of them flips the switch).
 pub fn assert_fused_on() {
     assert!(
-        ddp_core::nn::fused_ops_enabled(),
+        accel_nn::ops::fused_ops_enabled(),
         "these tests compare the fused kernels with candle's ops: run them without ACCEL_FUSED_OPS=0"
     );
 }

@@ -2,9 +2,9 @@
 //! parameters left alone, state saved to disk and restored bit for bit, typed errors. (The update formulas against
 //! hand-computed torch.optim values are in accel's suite, through the re-exports.)
 
+use accel_nn::optim::{grads_for, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
+use accel_nn::{NnError, StateDict};
 use candle_core::{Device, Tensor, Var};
-use ddp_core::optim::{grads_for, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
-use ddp_core::{DdpError, StateDict};
 
 fn var(v: &[f32]) -> Var {
     Var::new(v, &Device::Cpu).unwrap()
@@ -66,12 +66,12 @@ fn adamw_state_saved_to_disk_resumes_bit_for_bit() {
 #[test]
 fn bad_settings_and_foreign_state_are_typed_errors() {
     let e = AdamW::new(AdamWConfig { beta2: 1.5, ..Default::default() }).unwrap_err();
-    assert!(matches!(&e, DdpError::Config { key, .. } if key == "AdamWConfig.beta2"), "{e}");
+    assert!(matches!(&e, NnError::Config { key, .. } if key == "AdamWConfig.beta2"), "{e}");
     let e = Sgd::new(SgdConfig { lr: -1.0, ..SgdConfig::new(0.1) }).unwrap_err();
-    assert!(matches!(&e, DdpError::Config { key, .. } if key == "SgdConfig.lr"), "{e}");
+    assert!(matches!(&e, NnError::Config { key, .. } if key == "SgdConfig.lr"), "{e}");
     let sgd_state = Sgd::new(SgdConfig::new(0.1)).unwrap().state_dict().unwrap();
     let e = AdamW::new(AdamWConfig::default()).unwrap().load_state_dict(&sgd_state).unwrap_err();
-    assert!(matches!(e, DdpError::InvalidArgument(_)) && e.to_string().contains("\"sgd\""), "{e}");
+    assert!(matches!(e, NnError::InvalidArgument(_)) && e.to_string().contains("\"sgd\""), "{e}");
     let e = StateDict::load(std::path::Path::new("/nonexistent-accel-rs"), "optimizer", &Device::Cpu).unwrap_err();
-    assert!(matches!(e, DdpError::Checkpoint { .. }) && e.to_string().contains("optimizer.json"), "{e}");
+    assert!(matches!(e, NnError::Checkpoint { .. }) && e.to_string().contains("optimizer.json"), "{e}");
 }

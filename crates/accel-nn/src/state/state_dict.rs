@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 
-use crate::error::{DdpError, Result};
+use crate::error::{NnError, Result};
 
 /// Named tensors plus JSON metadata: the saveable state of one object.
 #[derive(Debug, Clone, Default)]
@@ -41,7 +41,7 @@ impl StateDict {
     pub fn tensor(&self, name: &str) -> Result<&Tensor> {
         self.tensors.get(name).ok_or_else(|| {
             let known: Vec<&str> = self.tensors.keys().map(String::as_str).take(8).collect();
-            DdpError::InvalidArgument(format!(
+            NnError::InvalidArgument(format!(
                 "state dict has no tensor {name:?} (it has {} tensors{}{})",
                 self.tensors.len(),
                 if known.is_empty() { "" } else { ", e.g. " },
@@ -55,8 +55,8 @@ impl StateDict {
         let v = self
             .meta
             .get(key)
-            .ok_or_else(|| DdpError::InvalidArgument(format!("state dict metadata has no field {key:?}")))?;
-        serde_json::from_value(v.clone()).map_err(|e| DdpError::json(format!("state dict metadata field {key:?}"), e))
+            .ok_or_else(|| NnError::InvalidArgument(format!("state dict metadata has no field {key:?}")))?;
+        serde_json::from_value(v.clone()).map_err(|e| NnError::json(format!("state dict metadata field {key:?}"), e))
     }
 
     /// Writes `{dir}/{stem}.json` (always) and `{dir}/{stem}.safetensors` (when there are tensors).
@@ -80,7 +80,7 @@ impl StateDict {
     pub fn load(dir: &Path, stem: &str, device: &Device) -> Result<Self> {
         let json_path = dir.join(format!("{stem}.json"));
         if !json_path.is_file() {
-            return Err(DdpError::Checkpoint {
+            return Err(NnError::Checkpoint {
                 path: dir.to_path_buf(),
                 reason: format!("missing {stem}.json — was this checkpoint written with the same registered objects?"),
             });
@@ -100,28 +100,27 @@ pub fn save_safetensors(tensors: &BTreeMap<String, Tensor>, path: &Path) -> Resu
         .map(|(k, t)| Ok((k.clone(), t.to_device(&Device::Cpu)?.contiguous()?)))
         .collect::<Result<_>>()?;
     let bytes = safetensors::tensor::serialize(map, None)
-        .map_err(|e| DdpError::Checkpoint { path: path.to_path_buf(), reason: format!("cannot write tensors: {e}") })?;
+        .map_err(|e| NnError::Checkpoint { path: path.to_path_buf(), reason: format!("cannot write tensors: {e}") })?;
     super::write_atomic(path, bytes)
 }
 
 /// Reads every tensor of a safetensors file onto `device`.
 pub fn load_safetensors(path: &Path, device: &Device) -> Result<BTreeMap<String, Tensor>> {
     let map = candle_core::safetensors::load(path, device)
-        .map_err(|e| DdpError::Checkpoint { path: path.to_path_buf(), reason: format!("cannot read tensors: {e}") })?;
+        .map_err(|e| NnError::Checkpoint { path: path.to_path_buf(), reason: format!("cannot read tensors: {e}") })?;
     Ok(map.into_iter().collect())
 }
 
 /// Writes pretty JSON to `path`.
 fn write_json(path: &Path, v: &serde_json::Value) -> Result<()> {
-    let text =
-        serde_json::to_string_pretty(v).map_err(|e| DdpError::json(format!("encoding {}", path.display()), e))?;
-    std::fs::write(path, text + "\n").map_err(|e| DdpError::io(format!("writing {}", path.display()), e))
+    let text = serde_json::to_string_pretty(v).map_err(|e| NnError::json(format!("encoding {}", path.display()), e))?;
+    std::fs::write(path, text + "\n").map_err(|e| NnError::io(format!("writing {}", path.display()), e))
 }
 
 /// Reads JSON from `path`.
 fn read_json(path: &Path) -> Result<serde_json::Value> {
-    let text = std::fs::read_to_string(path).map_err(|e| DdpError::io(format!("reading {}", path.display()), e))?;
-    serde_json::from_str(&text).map_err(|e| DdpError::json(format!("parsing {}", path.display()), e))
+    let text = std::fs::read_to_string(path).map_err(|e| NnError::io(format!("reading {}", path.display()), e))?;
+    serde_json::from_str(&text).map_err(|e| NnError::json(format!("parsing {}", path.display()), e))
 }
 
 #[cfg(test)]

@@ -11,17 +11,17 @@
 //! cached `[s, s]` mask of 0 / −∞ (so the masked probabilities are `exp(−∞) = 0` there too).
 
 use super::cpu_f32::{dot, exp, fast_path, for_row_blocks, simd_fn, storage_f32, sum, tensor_f32};
-use crate::{DdpError, Result};
+use crate::{NnError, Result};
 use candle_core::{CpuStorage, CustomOp1, DType, Device, DeviceLocation, Layout, Shape, Tensor, D};
 use std::sync::Mutex;
 
 /// `softmax(x)` over the last dimension: `x` `[.., n]` (any float dtype) → the same shape and dtype, each row
 /// summing to 1. Differentiable. Fused for CPU f32; candle-nn's composed `ops::softmax` elsewhere.
 ///
-/// Errors ([`DdpError::InvalidArgument`]): `x` a scalar (no last dimension).
+/// Errors ([`NnError::InvalidArgument`]): `x` a scalar (no last dimension).
 pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     if x.rank() == 0 {
-        return Err(DdpError::InvalidArgument(
+        return Err(NnError::InvalidArgument(
             "softmax_last_dim: x is a scalar; it needs at least one dimension to normalise over".into(),
         ));
     }
@@ -40,17 +40,17 @@ pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
 /// Fused for CPU f32 (no mask tensor, masked entries never read); elsewhere `scale · scores`, a cached mask and
 /// candle-nn's `ops::softmax`.
 ///
-/// Errors ([`DdpError::InvalidArgument`]): `scores` of rank < 2 or whose last two dimensions differ (this is the
+/// Errors ([`NnError::InvalidArgument`]): `scores` of rank < 2 or whose last two dimensions differ (this is the
 /// square self-attention mask, no key/value cache); `scale` not finite.
 pub fn causal_softmax(scores: &Tensor, scale: f64) -> Result<Tensor> {
     let dims = scores.dims();
     if dims.len() < 2 || dims[dims.len() - 1] != dims[dims.len() - 2] {
-        return Err(DdpError::InvalidArgument(format!(
+        return Err(NnError::InvalidArgument(format!(
             "causal_softmax: scores has shape {dims:?}; expected [.., s, s] (queries × keys of one sequence)"
         )));
     }
     if !scale.is_finite() {
-        return Err(DdpError::InvalidArgument(format!(
+        return Err(NnError::InvalidArgument(format!(
             "causal_softmax: scale = {scale}; it must be finite (attention uses 1/√head_dim)"
         )));
     }

@@ -4,7 +4,7 @@
 //! `gelu(x) = 0.5·x·(1 + tanh(u))`, `u = √(2/π)·(x + 0.044715·x³)` — the formula of candle's `Tensor::gelu` and of
 //! PyTorch's `GELU(approximate="tanh")`. The kernel evaluates it through the identity `0.5·(1 + tanh(u)) = σ(2u)`
 //! (`σ` the logistic function) as `x / (1 + exp(−2u))`: the same function, one `exp` instead of one `tanhf` (glibc's
-//! `tanhf` costs about 15 `expf`s here; the `exp` is ddp-core's inlined one, so the loop vectorises), and no cancellation in `1 + tanh(u)` for negative `x`. The backward
+//! `tanhf` costs about 15 `expf`s here; the `exp` is this crate's inlined one, so the loop vectorises), and no cancellation in `1 + tanh(u)` for negative `x`. The backward
 //! recomputes `σ = σ(2u)` from `x` (nothing saved) and writes, in one pass,
 //!
 //! ```text

@@ -1,10 +1,10 @@
-//! `ddp_core::nn::softmax`: `softmax_last_dim` and `causal_softmax` against candle-nn's composed `ops::softmax`
+//! `accel_nn::ops::softmax`: `softmax_last_dim` and `causal_softmax` against candle-nn's composed `ops::softmax`
 //! (with an explicit −∞ mask for the causal variant), values and gradients; exact zeros above the diagonal; bad
 //! arguments.
 
 use super::nn_check::{assert_close, assert_fused_on, uniform, value_and_grads};
+use accel_nn::ops::softmax::{causal_softmax, softmax_last_dim};
 use candle_core::{DType, Device, Tensor, D};
-use ddp_core::nn::softmax::{causal_softmax, softmax_last_dim};
 
 /// `[s, s]`: 0 where key ≤ query, −∞ above the diagonal (the reference's mask, built here independently).
 fn mask(s: usize) -> Tensor {
@@ -127,7 +127,7 @@ fn fallback_dtypes_agree_with_the_fused_path() {
 
 #[test]
 fn bad_arguments_are_named() {
-    let err = |r: ddp_core::Result<Tensor>| r.unwrap_err().to_string();
+    let err = |r: accel_nn::Result<Tensor>| r.unwrap_err().to_string();
     let e = err(causal_softmax(&uniform(&[2, 3, 4], 1.0, 0), 1.0));
     assert!(e.contains("shape [2, 3, 4]; expected [.., s, s]"), "{e}");
     let e = err(causal_softmax(&uniform(&[4], 1.0, 0), 1.0));

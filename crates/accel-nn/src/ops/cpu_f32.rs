@@ -131,7 +131,7 @@ macro_rules! simd_fn {
                 unsafe fn avx2($($arg: $ty),*) {
                     body($($arg),*)
                 }
-                if $crate::nn::cpu_f32::use_avx2() {
+                if $crate::ops::cpu_f32::use_avx2() {
                     // SAFETY: the CPU has AVX2 (use_avx2 checked it).
                     return unsafe { avx2($($arg),*) };
                 }
@@ -264,8 +264,8 @@ mod tests {
         let xs: Vec<f32> = (0..37 * 301).map(|i| ((i as f32 * 0.7317).sin() * 12.0) + (i % 7) as f32 - 3.0).collect();
         let run = || {
             let x = Var::from_tensor(&Tensor::from_vec(xs.clone(), (37, 301), &Device::Cpu).unwrap()).unwrap();
-            let y = crate::nn::activation::gelu(x.as_tensor()).unwrap();
-            let s = crate::nn::softmax::softmax_last_dim(x.as_tensor()).unwrap();
+            let y = crate::ops::activation::gelu(x.as_tensor()).unwrap();
+            let s = crate::ops::softmax::softmax_last_dim(x.as_tensor()).unwrap();
             let loss = (y.sum_all().unwrap() + (s.sqr().unwrap().sum_all().unwrap())).unwrap();
             let grads = loss.backward().unwrap();
             let bits = |t: &Tensor| -> Vec<u32> {

@@ -1,8 +1,8 @@
-//! `ddp_core::nn::cross_entropy`: values and logits gradients against `candle_nn::loss::cross_entropy` (called
+//! `accel_nn::ops::cross_entropy`: values and logits gradients against `candle_nn::loss::cross_entropy` (called
 //! directly, so the process-wide switch is never flipped), the summed form with ignored rows, and the errors.
 
+use accel_nn::ops::cross_entropy::{cross_entropy, cross_entropy_sum};
 use candle_core::{DType, Device, Tensor, Var};
-use ddp_core::nn::cross_entropy::{cross_entropy, cross_entropy_sum};
 
 fn data(salt: usize, dims: &[usize]) -> Tensor {
     let n: usize = dims.iter().product();

@@ -2,9 +2,9 @@
 //! Regularization", ICLR 2019; Adam: Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015).
 
 use super::{adamw_cpu, check_buffer, check_grads, Optimizer, OptimizerState};
-use crate::nn::fused_ops_enabled;
+use crate::ops::fused_ops_enabled;
 use crate::state::StateDict;
-use crate::{DdpError, Result};
+use crate::{NnError, Result};
 use candle_core::{Tensor, Var};
 use serde::{Deserialize, Serialize};
 
@@ -61,7 +61,7 @@ const EXP_AVG_SQ: usize = 1;
 impl AdamW {
     /// A new optimizer. Errors: negative lr/eps/weight decay, betas outside `[0, 1)`.
     pub fn new(cfg: AdamWConfig) -> Result<Self> {
-        let bad = |what: &str, v: f64, reason: &str| DdpError::Config {
+        let bad = |what: &str, v: f64, reason: &str| NnError::Config {
             key: format!("AdamWConfig.{what}"),
             value: v.to_string(),
             reason: reason.into(),
@@ -148,7 +148,7 @@ impl Optimizer for AdamW {
         if let Some(i) = (0..state.param_steps.len())
             .find(|&i| state.param_steps[i] > 0 && state.buffers.iter().any(|b| b[i].is_none()))
         {
-            return Err(DdpError::InvalidArgument(format!(
+            return Err(NnError::InvalidArgument(format!(
                 "AdamW.load_state_dict: parameter {i} was updated {} time(s) but the state lacks its \
                  exp_avg/exp_avg_sq tensors",
                 state.param_steps[i]
@@ -213,7 +213,7 @@ mod tests {
     #[test]
     fn in_place_pass_is_bit_identical_to_the_composed_ops() {
         in_place_pass_matches_composed_ops();
-        crate::nn::cpu_f32::baseline_only(in_place_pass_matches_composed_ops);
+        crate::ops::cpu_f32::baseline_only(in_place_pass_matches_composed_ops);
     }
 
     fn in_place_pass_matches_composed_ops() {

@@ -19,7 +19,7 @@
 use super::cpu::{gemm_into, MatMut, MatRef, Threads};
 use super::cpu_f32::{fast_path, storage_f32, tensor_f32};
 use super::softmax::{softmax_backward_in_place, softmax_in_place};
-use crate::{DdpError, Result};
+use crate::{NnError, Result};
 use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -33,13 +33,13 @@ use rayon::prelude::*;
 /// (split heads, `q kᵀ`, [`super::softmax::causal_softmax`], `· v`, merge heads), so the results are the same
 /// within f32 rounding.
 ///
-/// Errors ([`DdpError::InvalidArgument`]): `q`, `k` or `v` not 3-D or not all of one shape; `n_head` zero or not
+/// Errors ([`NnError::InvalidArgument`]): `q`, `k` or `v` not 3-D or not all of one shape; `n_head` zero or not
 /// dividing the last dimension; `scale` not finite in f32 (the fast path's precision). Mixed dtypes or devices
-/// come back from candle's ops as [`DdpError::Candle`].
+/// come back from candle's ops as [`NnError::Candle`].
 pub fn causal_self_attention(q: &Tensor, k: &Tensor, v: &Tensor, n_head: usize, scale: f64) -> Result<Tensor> {
     let dims = q.dims();
     if dims.len() != 3 || k.dims() != dims || v.dims() != dims {
-        return Err(DdpError::InvalidArgument(format!(
+        return Err(NnError::InvalidArgument(format!(
             "causal_self_attention: q {:?}, k {:?}, v {:?}; expected three tensors of one shape [b, s, n_head · head_dim]",
             q.dims(),
             k.dims(),
@@ -48,13 +48,13 @@ pub fn causal_self_attention(q: &Tensor, k: &Tensor, v: &Tensor, n_head: usize, 
     }
     let d = dims[2];
     if n_head == 0 || !d.is_multiple_of(n_head) {
-        return Err(DdpError::InvalidArgument(format!(
+        return Err(NnError::InvalidArgument(format!(
             "causal_self_attention: n_head = {n_head} does not divide the last dimension {d} (q {dims:?}); \
              it must be the number of heads whose columns lie side by side there"
         )));
     }
     if !(scale as f32).is_finite() {
-        return Err(DdpError::InvalidArgument(format!(
+        return Err(NnError::InvalidArgument(format!(
             "causal_self_attention: scale = {scale}; it must be finite in f32 (attention uses 1/√head_dim)"
         )));
     }

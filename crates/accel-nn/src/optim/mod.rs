@@ -1,6 +1,6 @@
 //! Optimizers whose state can be saved and restored exactly (candle-nn's `AdamW` keeps its moments private, so a
 //! resumed run could not continue bit for bit), usable at every level: a level-1 loop steps them with the
-//! gradients [`DistributedDataParallel::sync_gradients`](crate::DistributedDataParallel::sync_gradients) averaged,
+//! gradients `ddp_core::DistributedDataParallel::sync_gradients` averaged,
 //! the `accel` crate wraps them in its `AcceleratedOptimizer` (sync steps only, fp16 overflow skips, fp32 master
 //! weights) and re-exports them as `accel::optim::*`.
 //!
@@ -22,7 +22,7 @@ pub use adamw::{AdamW, AdamWConfig};
 pub use sgd::{Sgd, SgdConfig};
 
 use crate::state::StateDict;
-use crate::{DdpError, Result};
+use crate::{NnError, Result};
 use candle_core::{Tensor, Var};
 
 /// An optimizer that updates parameters in place from their gradients and whose state can be checkpointed.
@@ -37,7 +37,7 @@ use candle_core::{Tensor, Var};
 /// Level 1 builds the slots from candle's `GradStore` with [`grads_for`]:
 /// `opt.step(&vars, &grads_for(&vars, &grads))`.
 ///
-/// Errors are [`DdpError`]s (`accel` turns them into its `AccelError`, keeping the variant for configuration,
+/// Errors are [`NnError`]s (`accel` turns them into its `AccelError`, keeping the variant for configuration,
 /// checkpoint and JSON errors).
 pub trait Optimizer: Send + 'static {
     /// One update: `params[i]` moves along `grads[i]` (same shape and dtype) unless `grads[i]` is `None`. Errors
@@ -62,7 +62,7 @@ pub fn grads_for(vars: &[Var], grads: &candle_core::backprop::GradStore) -> Vec<
 /// Checks that `grads` matches `params` one to one (count, and shapes where a gradient is present).
 pub(crate) fn check_grads(who: &str, params: &[Var], grads: &[Option<Tensor>]) -> Result<()> {
     if params.len() != grads.len() {
-        return Err(DdpError::InvalidArgument(format!(
+        return Err(NnError::InvalidArgument(format!(
             "{who}.step: {} parameters but {} gradients; pass one gradient slot per parameter, in the same order",
             params.len(),
             grads.len()
@@ -71,7 +71,7 @@ pub(crate) fn check_grads(who: &str, params: &[Var], grads: &[Option<Tensor>]) -
     for (i, (p, g)) in params.iter().zip(grads).enumerate() {
         if let Some(g) = g {
             if p.shape() != g.shape() {
-                return Err(DdpError::InvalidArgument(format!(
+                return Err(NnError::InvalidArgument(format!(
                     "{who}.step: parameter {i} has shape {:?} but its gradient has shape {:?}",
                     p.shape(),
                     g.shape()
@@ -85,7 +85,7 @@ pub(crate) fn check_grads(who: &str, params: &[Var], grads: &[Option<Tensor>]) -
 /// Checks a restored buffer against its parameter (shape) before first use.
 pub(crate) fn check_buffer(who: &str, name: &str, i: usize, buf: &Tensor, p: &Var) -> Result<()> {
     if buf.shape() != p.shape() {
-        return Err(DdpError::InvalidArgument(format!(
+        return Err(NnError::InvalidArgument(format!(
             "{who}: restored buffer {i}.{name} has shape {:?} but parameter {i} has shape {:?}; the checkpoint was \
              written for a different model",
             buf.shape(),
@@ -139,7 +139,7 @@ impl<C: serde::Serialize + serde::de::DeserializeOwned> OptimizerState<C> {
             return Ok(());
         }
         if self.param_steps.iter().any(|&s| s > 0) {
-            return Err(DdpError::InvalidArgument(format!(
+            return Err(NnError::InvalidArgument(format!(
                 "{who}.step: state is for {} parameters but {n} were given",
                 self.param_steps.len()
             )));
@@ -175,7 +175,7 @@ impl<C: serde::Serialize + serde::de::DeserializeOwned> OptimizerState<C> {
     pub(crate) fn from_state_dict(sd: &StateDict, kind: &str, who: &str, names: &[&str]) -> Result<Self> {
         let written_by: String = sd.meta_field("optimizer")?;
         if written_by != kind {
-            return Err(DdpError::InvalidArgument(format!(
+            return Err(NnError::InvalidArgument(format!(
                 "{who}.load_state_dict: the state was written by optimizer {written_by:?}, not {kind:?}"
             )));
         }

@@ -1,9 +1,9 @@
-//! `ddp_core::nn::activation::gelu`: value and gradient against candle's `Tensor::gelu` (the same tanh formula, evaluated as `x·σ(2u)`)
+//! `accel_nn::ops::activation::gelu`: value and gradient against candle's `Tensor::gelu` (the same tanh formula, evaluated as `x·σ(2u)`)
 //! and against the f64 formula; strided input; fallback dtypes.
 
 use super::nn_check::{assert_close, assert_fused_on, uniform, value_and_grads};
+use accel_nn::ops::activation::gelu;
 use candle_core::{DType, Device, Tensor};
-use ddp_core::nn::activation::gelu;
 
 #[test]
 fn matches_candle_gelu() {

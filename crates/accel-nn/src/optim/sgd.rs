@@ -2,7 +2,7 @@
 
 use super::{check_buffer, check_grads, Optimizer, OptimizerState};
 use crate::state::StateDict;
-use crate::{DdpError, Result};
+use crate::{NnError, Result};
 use candle_core::{Tensor, Var};
 use serde::{Deserialize, Serialize};
 
@@ -49,7 +49,7 @@ const MOMENTUM: usize = 0;
 impl Sgd {
     /// A new optimizer. Errors: negative lr/momentum/weight decay, Nesterov without momentum or with dampening.
     pub fn new(cfg: SgdConfig) -> Result<Self> {
-        let bad = |what: &str, v: f64| DdpError::Config {
+        let bad = |what: &str, v: f64| NnError::Config {
             key: format!("SgdConfig.{what}"),
             value: v.to_string(),
             reason: "must be a finite number ≥ 0".into(),
@@ -60,7 +60,7 @@ impl Sgd {
             }
         }
         if cfg.nesterov && (cfg.momentum <= 0.0 || cfg.dampening != 0.0) {
-            return Err(DdpError::Config {
+            return Err(NnError::Config {
                 key: "SgdConfig.nesterov".into(),
                 value: "true".into(),
                 reason: format!(

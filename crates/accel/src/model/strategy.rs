@@ -1,0 +1,154 @@
+//! [`GradientStrategy`]: what one parameter group of a prepared model does with its gradients — the one road
+//! every gradient takes between the backward pass and the optimizer.
+//!
+//! A prepared model is a list of parameter groups, each with one strategy. The step owner (`crate::step`) never
+//! reduces, norms or checks gradients itself: it asks each group's strategy, on every path —
+//!
+//! - **after backward** (plain `backward`, accumulated windows, fp16-scaled losses): [`GradientStrategy::reduce`]
+//!   on the sync step;
+//! - **overlapped with backward** (`backward_segments`): [`GradientStrategy::backward_overlapped`], which runs the
+//!   segmented backward and launches the reduction bucket by bucket as gradients become final;
+//! - **clipping and fp16 overflow**: [`GradientStrategy::squared_norm`] and [`GradientStrategy::any_rank`], summed
+//!   or agreed over the group the strategy names ([`GradientStrategy::norm_group`]);
+//! - **after the optimizer step**: [`GradientStrategy::after_optimizer_step`].
+//!
+//! Today there is one strategy, [`ReplicatedDataParallel`]: DDP's bucketed all-reduce over the mesh's `dp` group
+//! (Li et al., "PyTorch Distributed", VLDB 2020), under tensor parallelism too — a tp shard is averaged with its
+//! data-parallel replicas only, never with its tp peers, which hold different pieces (Megatron-LM, Shoeybi et al.
+//! 2019). The variants to come change only this file's neighbours: a sharded group (ZeRO / FSDP, Rajbhandari et
+//! al. 2020: reduce-scatter over `dp_shard`, each rank stepping its slice, all-gather in `after_optimizer_step`)
+//! and a pipeline stage (norm and overflow over the model-parallel group pp × tp, a tied weight reduced over the
+//! first-and-last-stage group; Narayanan et al. 2021).
+
+use crate::tensor_parallel::ParamLayout;
+use crate::Result;
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
+use ddp_core::segments::BackwardSegments;
+use ddp_core::{DistributedDataParallel, ProcessGroup, ReduceOp};
+
+/// Adds one segment's gradients (taken out of the `GradStore`) into a group's slots; returns the slot indices it
+/// filled. What [`GradientStrategy::backward_overlapped`] calls after each segment.
+pub(crate) type AddSegment<'a> = dyn FnMut(GradStore, &mut [Option<Tensor>]) -> ddp_core::Result<Vec<usize>> + 'a;
+
+/// How one parameter group's gradients are reduced, normed, checked and followed up (module documentation).
+///
+/// Slot `i` of every call is the group's `i`-th parameter; slots are fp32, on the model's device, `None` where no
+/// micro-batch produced a gradient. Every method that communicates is collective over the group it names: every
+/// rank of that group calls it, in the same order.
+pub(crate) trait GradientStrategy: Send + Sync + std::fmt::Debug {
+    /// Reduces the slots after a sync step's backward pass, the results replacing them (collective).
+    fn reduce(&self, slots: &mut [Option<Tensor>]) -> Result<()>;
+
+    /// Whether [`GradientStrategy::backward_overlapped`] can run the reduction during the backward pass.
+    fn overlaps(&self) -> bool {
+        false
+    }
+
+    /// The backward pass of `loss` over `segments`, segment by segment, `add` putting each segment's gradients
+    /// into `slots`; on a sync step (`sync`) the reduction runs overlapped with the later segments and its
+    /// results replace the slots at the end. Only called when [`GradientStrategy::overlaps`]; the default
+    /// refuses.
+    fn backward_overlapped(
+        &self,
+        _loss: &Tensor,
+        _segments: BackwardSegments,
+        _slots: &mut [Option<Tensor>],
+        _sync: bool,
+        _add: &mut AddSegment<'_>,
+    ) -> Result<()> {
+        Err(crate::AccelError::Usage(format!("{self:?} cannot overlap its reduction with the backward pass")))
+    }
+
+    /// The group whose ranks hold different pieces of one model replica: a norm's partial sums and the fp16
+    /// overflow flag are reduced over it (the mesh's model-parallel group, pp × tp).
+    fn norm_group(&self) -> &ProcessGroup;
+
+    /// The group's squared L2 norm from each parameter's squared gradient norm on this rank (`per_param[i]`,
+    /// with `layouts[i]`): every element of the single-process model counted once — tp shards summed over
+    /// [`GradientStrategy::norm_group`], replicated parameters taken as they are (each rank of the group holds
+    /// the same copy; transformers#36132 and torchtune#2420 were norms counting replicas tp times). Collective
+    /// over the norm group when the group holds shards.
+    fn squared_norm(&self, per_param: &[f64], layouts: &[ParamLayout]) -> Result<f64> {
+        let (mut sharded, mut replicated) = (0.0, 0.0);
+        for (sq, layout) in per_param.iter().zip(layouts) {
+            match layout {
+                ParamLayout::Replicated => replicated += sq,
+                ParamLayout::Sharded { .. } => sharded += sq,
+            }
+        }
+        if has_shards(self.norm_group(), layouts) {
+            let mut buf = [sharded];
+            self.norm_group().all_reduce(&mut buf, ReduceOp::Sum)?;
+            sharded = buf[0];
+        }
+        Ok(sharded + replicated)
+    }
+
+    /// Whether `local` holds on any rank of [`GradientStrategy::norm_group`] (fp16 overflow: ranks holding
+    /// different pieces must skip the same steps). Collective over the norm group when the group holds shards;
+    /// `local` otherwise.
+    fn any_rank(&self, local: bool, layouts: &[ParamLayout]) -> Result<bool> {
+        if !has_shards(self.norm_group(), layouts) {
+            return Ok(local);
+        }
+        let mut flag = [i32::from(local)];
+        self.norm_group().all_reduce(&mut flag, ReduceOp::Max)?;
+        Ok(flag[0] != 0)
+    }
+
+    /// After the optimizer updated the group's fp32 master weights (`masters`, group order). Nothing for
+    /// replicated data parallelism; a sharded group all-gathers its slices here.
+    fn after_optimizer_step(&self, _masters: &[Var]) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Whether some parameter is split over a group of more than one rank (the same answer on every rank of it:
+/// the model is built by the same code).
+fn has_shards(group: &ProcessGroup, layouts: &[ParamLayout]) -> bool {
+    group.world_size() > 1 && layouts.iter().any(|l| matches!(l, ParamLayout::Sharded { .. }))
+}
+
+/// Replicated data parallelism: every rank of the `dp` group holds the same parameters (whole, or the same tp
+/// shard); gradients are averaged over `dp` by DDP — after the backward pass, or bucket by bucket during it
+/// (reverse-order buckets, each read from the slots and written into new ones by the all_reduce).
+#[derive(Debug)]
+pub(crate) struct ReplicatedDataParallel {
+    ddp: DistributedDataParallel,
+    model_parallel: ProcessGroup,
+}
+
+impl ReplicatedDataParallel {
+    /// `ddp` over the mesh's `dp` group; `model_parallel` = the mesh's model-parallel group (norms, overflow).
+    pub(crate) fn new(ddp: DistributedDataParallel, model_parallel: ProcessGroup) -> Self {
+        ReplicatedDataParallel { ddp, model_parallel }
+    }
+}
+
+impl GradientStrategy for ReplicatedDataParallel {
+    fn reduce(&self, slots: &mut [Option<Tensor>]) -> Result<()> {
+        Ok(self.ddp.reduce_gradients(slots)?)
+    }
+
+    /// DDP decides per step whether a bucket can go out early (with `find_unused_parameters` it reduces after
+    /// the pass, inside the same call).
+    fn overlaps(&self) -> bool {
+        true
+    }
+
+    fn backward_overlapped(
+        &self,
+        loss: &Tensor,
+        segments: BackwardSegments,
+        slots: &mut [Option<Tensor>],
+        sync: bool,
+        add: &mut AddSegment<'_>,
+    ) -> Result<()> {
+        Ok(self.ddp.backward_segments_into(loss, segments, slots, sync, add)?)
+    }
+
+    fn norm_group(&self) -> &ProcessGroup {
+        &self.model_parallel
+    }
+}
