@@ -1,5 +1,6 @@
 //! One integration-test binary for the crate (each test binary links candle: one link instead of one per file).
 
+mod architecture;
 mod bad_inputs;
 mod ddp_mnist;
 mod gpt_tp;

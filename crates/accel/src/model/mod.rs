@@ -207,13 +207,13 @@ impl PreparedModel {
     /// (collective over the tp group when the model has sharded parameters).
     pub(crate) fn optimizer_state_to_full(&self, sd: StateDict) -> Result<StateDict> {
         let tp = &self.inner.tp;
-        crate::optim::map_param_tensors(sd, |i, t| self.layout_of(i)?.gather(&t, tp))
+        accel_nn::optim::map_param_tensors(sd, |i, t| self.layout_of(i)?.gather(&t, tp))
     }
 
     /// The inverse of [`PreparedModel::optimizer_state_to_full`]: this rank's pieces of a full optimizer state.
     pub(crate) fn optimizer_state_to_local(&self, sd: StateDict) -> Result<StateDict> {
         let (rank, size) = (self.inner.tp.rank(), self.inner.tp.size());
-        crate::optim::map_param_tensors(sd, |i, t| self.layout_of(i)?.slice(&t, rank, size))
+        accel_nn::optim::map_param_tensors(sd, |i, t| self.layout_of(i)?.slice(&t, rank, size))
     }
 
     fn layout_of(&self, i: usize) -> Result<ParamLayout> {

@@ -15,7 +15,6 @@
 
 mod accelerated;
 
-pub(crate) use accel_nn::optim::map_param_tensors;
 pub use accel_nn::optim::{grads_for, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 /// The error the optimizers' methods return (what an [`Optimizer`] implemented outside accel-rs returns too).
 pub use accel_nn::NnError;

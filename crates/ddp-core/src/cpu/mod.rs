@@ -307,14 +307,18 @@ impl CpuBackend {
         self.tuning
     }
 
-    /// Whether collectives go through shared memory (all ranks on this machine, see the module docs).
+    /// Whether collectives go through shared memory (all ranks on this machine, see the module docs). Hidden:
+    /// an internal of the backend, read by its tests and the bandwidth benchmark only.
+    #[doc(hidden)]
     pub fn uses_shared_memory(&self) -> bool {
         self.shm.is_some()
     }
 
     /// Chunks this rank has sent to `peer` and received from it through the shared-memory rings so far, or
     /// `None` when send/recv with this group go over TCP (no shared segment, or `shm_p2p_chunks = 0`). For tests
-    /// and diagnostics: a message of n bytes moves `max(1, ⌈n / shm_p2p_chunk_bytes⌉)` chunks.
+    /// and diagnostics: a message of n bytes moves `max(1, ⌈n / shm_p2p_chunk_bytes⌉)` chunks. Hidden: an
+    /// internal of the backend, read by its tests and the bandwidth benchmark only.
+    #[doc(hidden)]
     pub fn shm_p2p_chunks(&self, peer: usize) -> Option<(u64, u64)> {
         let rings = self.shm.as_ref()?.pair_rings()?;
         (peer < self.world_size && peer != self.rank).then(|| rings.chunks_moved(peer))
