@@ -408,16 +408,20 @@ impl HyperparameterSearch {
         let rec = view.trials.get(&number).ok_or_else(|| {
             TrainerError::Usage(format!("{TRIAL_ENV}={number}: no such trial in {}", study.display()))
         })?;
-        let env_usize = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
+        // The launcher gave this process its place in the trial's job (a lone process: rank 0 of 1).
+        let (rank, world_size, master_port) = match ddp_core::env::DistEnv::detect_from_env() {
+            Ok(Some(env)) => (env.rank, env.world_size, Some(env.master_port)),
+            _ => (0, 1, None),
+        };
         let trial = Trial::new(
             journal.clone(),
             Arc::new(config),
             number,
             rec.params.clone(),
             rec.output_dir.clone(),
-            env_usize("RANK").unwrap_or(0),
-            env_usize("WORLD_SIZE").unwrap_or(1),
-            std::env::var("MASTER_PORT").ok().and_then(|p| p.parse().ok()),
+            rank,
+            world_size,
+            master_port,
         );
         run_trial(trial, objective)
     }
