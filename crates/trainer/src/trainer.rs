@@ -747,97 +747,126 @@ where
     /// micro-batch runs forward and backward before the next one starts: memory does not grow with
     /// `gradient_accumulation_steps`. Otherwise every micro-batch's graph is kept until the count is known.
     fn training_step(&mut self, rt: &mut Runtime<M, D>, window: &[Batch]) -> Result<StepOutcome> {
+        let (local_sum, local_items) = self.accumulate_gradients(rt, window)?;
         let acc = &rt.acc;
-        let dtype = acc.compute_dtype();
-        let rows: usize = window.iter().map(Batch::len).sum();
+        let grad_norm = if self.args.max_grad_norm > 0.0 { acc.clip_grad_norm(self.args.max_grad_norm)? } else { None };
+        if self.args.on_nonfinite_loss == crate::args::NonFiniteLoss::SkipStep
+            && self.skip_nonfinite_step(rt, local_sum.as_ref(), grad_norm)?
+        {
+            let zero = Tensor::zeros((), DType::F32, rt.acc.device())?;
+            return Ok(StepOutcome { loss_sum: zero, items: 0.0, grad_norm: None });
+        }
+        optimizer_step(rt)?;
+        let loss_sum = local_sum.expect("a window has at least one micro-batch");
+        Ok(StepOutcome { loss_sum, items: local_items as f64, grad_norm })
+    }
+
+    /// Forward and backward over the window's micro-batches, the gradients accumulated (and synced with the
+    /// last); returns this rank's loss sum (detached) and item count.
+    fn accumulate_gradients(&self, rt: &Runtime<M, D>, window: &[Batch]) -> Result<(Option<Tensor>, usize)> {
         let counts = window
             .iter()
             .map(|b| self.loss.count_items(&b.targets))
             .collect::<candle_core::Result<Option<Vec<usize>>>>()?;
         let mut local_sum: Option<Tensor> = None;
-        let mut add_to_sum = |loss_sum: &Tensor| -> Result<()> {
-            let detached = loss_sum.detach();
-            local_sum = Some(match local_sum.take() {
-                None => detached,
-                Some(acc_sum) => (acc_sum + detached)?,
-            });
-            Ok(())
-        };
-        // The forward pass is recorded: where the model marks backward-segment cuts (`accel::segments::cut`),
-        // the gradient all-reduce starts during the backward pass (Accelerator::backward_segments).
-        let forward = |batch: &Batch| -> Result<(crate::losses::LossOutput, BackwardSegments)> {
-            segments::record(|| {
-                let y = outputs_f32(rt.model.forward_t(&cast_input(&batch.inputs, dtype)?, true)?)?;
-                Ok(self.loss.compute_parallel(&y, &batch.targets, &rt.tp)?)
-            })
-        };
         // The trainer cuts windows itself (it needs the window's item count first): the window's last micro-batch
         // syncs, whatever the loader's end-of-data flag says about the batch fetched last.
         let local_items = match counts {
-            Some(counts) => {
-                let local_items: usize = counts.iter().sum();
-                let scale = self.loss_scale(acc, local_items, rows)?;
-                acc.accumulate_window(window.len(), |i| {
-                    let (out, cuts) = forward(&window[i])?;
-                    if out.num_items != counts[i] {
-                        return Err(TrainerError::Usage(format!(
-                            "the loss counted {} items from the targets (count_items) but computed {} \
-                             (compute); make the two agree",
-                            counts[i], out.num_items
-                        )));
-                    }
-                    add_to_sum(&out.loss_sum)?;
-                    Ok(acc.backward_segments(&out.loss_sum.affine(scale, 0.0)?, cuts)?)
-                })?;
-                local_items
-            }
-            None => {
-                let mut sums = Vec::with_capacity(window.len());
-                let mut local_items = 0usize;
-                for batch in window {
-                    let (out, cuts) = forward(batch)?;
-                    add_to_sum(&out.loss_sum)?;
-                    local_items += out.num_items;
-                    sums.push((out.loss_sum, Some(cuts)));
-                }
-                let scale = self.loss_scale(acc, local_items, rows)?;
-                acc.accumulate_window(sums.len(), |i| {
-                    let cuts = sums[i].1.take().unwrap_or_default();
-                    Ok::<_, TrainerError>(acc.backward_segments(&sums[i].0.affine(scale, 0.0)?, cuts)?)
-                })?;
-                local_items
-            }
+            Some(counts) => self.accumulate_counted(rt, window, &counts, &mut local_sum)?,
+            None => self.accumulate_uncounted(rt, window, &mut local_sum)?,
         };
-        let grad_norm = if self.args.max_grad_norm > 0.0 { acc.clip_grad_norm(self.args.max_grad_norm)? } else { None };
-        if self.args.on_nonfinite_loss == crate::args::NonFiniteLoss::SkipStep {
-            let local = local_sum.as_ref().map_or(Ok(0.0), |t| t.to_dtype(DType::F64)?.to_scalar::<f64>())?;
-            let mut bad = [f64::from(u8::from(!local.is_finite() || grad_norm.is_some_and(|g| !g.is_finite())))];
-            if acc.world_size() > 1 {
-                acc.process_group().all_reduce(&mut bad, ddp_core::ReduceOp::Max)?;
+        Ok((local_sum, local_items))
+    }
+
+    /// A window whose item counts the loss gave up front (`counts`): each micro-batch runs forward and backward
+    /// before the next one starts.
+    fn accumulate_counted(
+        &self,
+        rt: &Runtime<M, D>,
+        window: &[Batch],
+        counts: &[usize],
+        local_sum: &mut Option<Tensor>,
+    ) -> Result<usize> {
+        let acc = &rt.acc;
+        let rows: usize = window.iter().map(Batch::len).sum();
+        let local_items: usize = counts.iter().sum();
+        let scale = self.loss_scale(acc, local_items, rows)?;
+        acc.accumulate_window(window.len(), |i| {
+            let (out, cuts) = self.forward(rt, &window[i])?;
+            if out.num_items != counts[i] {
+                return Err(TrainerError::Usage(format!(
+                    "the loss counted {} items from the targets (count_items) but computed {} (compute); make \
+                     the two agree",
+                    counts[i], out.num_items
+                )));
             }
-            if bad[0] > 0.0 {
-                // Every rank skips the same step: the synced gradients are dropped, weights and schedule stay.
-                rt.optimizer.zero_grad();
-                tracing::warn!(
-                    "global step {}: non-finite loss or gradient norm on some rank; step skipped \
-                     (on_nonfinite_loss = skip_step)",
-                    self.state.global_step + 1
-                );
-                let zero = Tensor::zeros((), DType::F32, acc.device())?;
-                return Ok(StepOutcome { loss_sum: zero, items: 0.0, grad_norm: None });
-            }
+            add_detached(local_sum, &out.loss_sum)?;
+            Ok(acc.backward_segments(&out.loss_sum.affine(scale, 0.0)?, cuts)?)
+        })?;
+        Ok(local_items)
+    }
+
+    /// A window whose item count is known only after every forward pass: each micro-batch's graph is kept until
+    /// then, and the backward passes follow.
+    fn accumulate_uncounted(
+        &self,
+        rt: &Runtime<M, D>,
+        window: &[Batch],
+        local_sum: &mut Option<Tensor>,
+    ) -> Result<usize> {
+        let acc = &rt.acc;
+        let rows: usize = window.iter().map(Batch::len).sum();
+        let mut sums = Vec::with_capacity(window.len());
+        let mut local_items = 0usize;
+        for batch in window {
+            let (out, cuts) = self.forward(rt, batch)?;
+            add_detached(local_sum, &out.loss_sum)?;
+            local_items += out.num_items;
+            sums.push((out.loss_sum, Some(cuts)));
         }
-        let stepped = rt.optimizer.step()?;
-        if stepped {
-            // Only real optimizer steps move the schedule (not fp16-skipped ones).
-            if let Some(s) = &rt.scheduler {
-                let mut s = ddp_core::sync::lock(s);
-                s.step();
-                rt.optimizer.set_learning_rate(s.lr());
-            }
+        let scale = self.loss_scale(acc, local_items, rows)?;
+        acc.accumulate_window(sums.len(), |i| {
+            let cuts = sums[i].1.take().unwrap_or_default();
+            Ok::<_, TrainerError>(acc.backward_segments(&sums[i].0.affine(scale, 0.0)?, cuts)?)
+        })?;
+        Ok(local_items)
+    }
+
+    /// One micro-batch's forward pass and loss. The pass is recorded: where the model marks backward-segment cuts
+    /// (`accel::segments::cut`), the gradient all-reduce starts during the backward pass
+    /// (Accelerator::backward_segments).
+    fn forward(&self, rt: &Runtime<M, D>, batch: &Batch) -> Result<(crate::losses::LossOutput, BackwardSegments)> {
+        let dtype = rt.acc.compute_dtype();
+        segments::record(|| {
+            let y = outputs_f32(rt.model.forward_t(&cast_input(&batch.inputs, dtype)?, true)?)?;
+            Ok(self.loss.compute_parallel(&y, &batch.targets, &rt.tp)?)
+        })
+    }
+
+    /// `on_nonfinite_loss = skip_step`: whether any rank's loss or the gradient norm is not finite (every rank
+    /// agrees). Then every rank skips the same step: the synced gradients are dropped, weights and schedule stay.
+    fn skip_nonfinite_step(
+        &self,
+        rt: &mut Runtime<M, D>,
+        local_sum: Option<&Tensor>,
+        grad_norm: Option<f64>,
+    ) -> Result<bool> {
+        let acc = &rt.acc;
+        let local = local_sum.map_or(Ok(0.0), |t| t.to_dtype(DType::F64)?.to_scalar::<f64>())?;
+        let mut bad = [f64::from(u8::from(!local.is_finite() || grad_norm.is_some_and(|g| !g.is_finite())))];
+        if acc.world_size() > 1 {
+            acc.process_group().all_reduce(&mut bad, ddp_core::ReduceOp::Max)?;
         }
-        let loss_sum = local_sum.expect("a window has at least one micro-batch");
-        Ok(StepOutcome { loss_sum, items: local_items as f64, grad_norm })
+        if bad[0] == 0.0 {
+            return Ok(false);
+        }
+        rt.optimizer.zero_grad();
+        tracing::warn!(
+            "global step {}: non-finite loss or gradient norm on some rank; step skipped (on_nonfinite_loss = \
+             skip_step)",
+            self.state.global_step + 1
+        );
+        Ok(true)
     }
 
     /// The factor each micro-batch's loss sum is multiplied by before `backward`: `GA · W / N` with `N` the
@@ -1116,6 +1145,30 @@ struct StepOutcome {
     items: f64,
     /// Total gradient norm before clipping, when clipping is on.
     grad_norm: Option<f64>,
+}
+
+/// Adds a micro-batch's loss sum, detached from its graph, to this window's running sum.
+fn add_detached(sum: &mut Option<Tensor>, loss_sum: &Tensor) -> Result<()> {
+    let detached = loss_sum.detach();
+    *sum = Some(match sum.take() {
+        None => detached,
+        Some(acc_sum) => (acc_sum + detached)?,
+    });
+    Ok(())
+}
+
+/// The optimizer step; a real one (not skipped by the fp16 scaler) moves the schedule and the learning rate.
+fn optimizer_step<M, D>(rt: &mut Runtime<M, D>) -> Result<()> {
+    let stepped = rt.optimizer.step()?;
+    if stepped {
+        // Only real optimizer steps move the schedule (not fp16-skipped ones).
+        if let Some(s) = &rt.scheduler {
+            let mut s = ddp_core::sync::lock(s);
+            s.step();
+            rt.optimizer.set_learning_rate(s.lr());
+        }
+    }
+    Ok(())
 }
 
 /// The step arithmetic of one `train()` call (HF's; see the module documentation).
