@@ -6,6 +6,10 @@
 #                             `--flag=var:value` (a switch) sets var to value. -h/--help prints the lines HELP (a
 #                             sed range, e.g. 2,16: the script's header) of $0 and exits 0; an unknown argument
 #                             or a flag without its value exits 2.
+#   bench_dirs NAME           sets $target (CARGO_TARGET_DIR, else target), $venv (BENCH_VENV, else
+#                             $target/bench-venv), $py (the venv's python) and $out ($target/NAME, created).
+#   build_bench BIN           builds the accel-benches binary BIN with the dev profile (as the README builds) and
+#                             prints its path.
 #   ensure_bench_venv DIR     creates the venv DIR with torch, accelerate, transformers and matplotlib from PyPI
 #                             unless they import already. Only these scripts call it — never CI. TORCH_INDEX_URL:
 #                             install torch from that index instead (e.g. the CPU wheels,
@@ -49,6 +53,21 @@ parse_bench_args() {
             echo "unknown argument $1 (see --help)" >&2; exit 2
         fi
     done
+}
+
+bench_dirs() {
+    target="${CARGO_TARGET_DIR:-target}"
+    venv="${BENCH_VENV:-$target/bench-venv}"
+    py="$venv/bin/python"
+    out="$target/$1"
+    mkdir -p "$out"
+}
+
+build_bench() {
+    echo ">> building $1 (dev profile)" >&2
+    # `|| return`: errexit does not reach into the command substitution this runs in.
+    cargo build --quiet -p accel-benches --bin "$1" >&2 || return
+    echo "$target/debug/$1"
 }
 
 ensure_bench_venv() {

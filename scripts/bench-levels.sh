@@ -21,20 +21,14 @@ source scripts/bench-common.sh
 parse_bench_args 2,16 --model=model --repeat=repeat --epochs=epochs --gpt-steps=gpt_steps --threads=threads \
     --nproc=nprocs --max-load=max_load --max-wait=max_wait --no-report=report:0 -- "$@"
 
-target="${CARGO_TARGET_DIR:-target}"
-venv="${BENCH_VENV:-$target/bench-venv}"
-out="$target/bench-levels"
-mkdir -p "$out"
-py="$venv/bin/python"
+bench_dirs bench-levels
 
 # --- the venv (only here, never in CI) ------------------------------------------------------------------------
 models_from "$model"
 ensure_bench_venv "$venv"
 
 # --- the Rust side: the dev profile, as the README builds -----------------------------------------------------
-echo ">> building levels (dev profile)" >&2
-cargo build --quiet -p accel-benches --bin levels
-levels_bin="$target/debug/levels"
+levels_bin=$(build_bench levels)
 
 # --- wait for a quiet machine ---------------------------------------------------------------------------------
 wait_for_quiet "$max_load" "$max_wait"

@@ -19,14 +19,10 @@ source scripts/bench-common.sh
 parse_bench_args 2,13 --repeat=repeat --epochs=epochs --gpt-steps=gpt_steps --model=model --max-load=max_load \
     --max-wait=max_wait --no-report=report:0 -- "$@"
 
-target="${CARGO_TARGET_DIR:-target}"
-out="$target/bench-overlap"
-mkdir -p "$out"
+bench_dirs bench-overlap
 models_from "$model"
 
-echo ">> building levels (dev profile)" >&2
-cargo build --quiet -p accel-benches --bin levels
-levels_bin="$target/debug/levels"
+levels_bin=$(build_bench levels)
 wait_for_quiet "$max_load" "$max_wait"
 
 start_runs

@@ -20,18 +20,12 @@ source scripts/bench-common.sh
 parse_bench_args 2,12 --repeat=repeat --steps=steps --warmup=warmup --threads=threads_list --model=model \
     --max-load=max_load --max-wait=max_wait --no-report=report:0 -- "$@"
 
-target="${CARGO_TARGET_DIR:-target}"
-venv="${BENCH_VENV:-$target/bench-venv}"
-out="$target/bench-step"
-mkdir -p "$out"
-py="$venv/bin/python"
+bench_dirs bench-step
 
 models_from "$model"
 ensure_bench_venv "$venv"
 
-echo ">> building step_time (dev profile)" >&2
-cargo build --quiet -p accel-benches --bin step_time
-step_bin="$target/debug/step_time"
+step_bin=$(build_bench step_time)
 
 wait_for_quiet "$max_load" "$max_wait"
 
