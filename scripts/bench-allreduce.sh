@@ -11,15 +11,11 @@
 # also land in target/bench-allreduce/{ddp,gloo}.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-target="${CARGO_TARGET_DIR:-target}"
-venv="${BENCH_VENV:-$target/bench-venv}"
-out="$target/bench-allreduce"
-mkdir -p "$out"
 source scripts/bench-common.sh
+bench_dirs bench-allreduce
 ensure_bench_venv "$venv"
 
-echo ">> building allreduce_bw (dev profile)" >&2
-cargo build --quiet -p accel-benches --bin allreduce_bw
+allreduce_bw=$(build_bench allreduce_bw)
 wait_for_quiet "${MAX_LOAD:-0.5}" "${MAX_WAIT:-300}"
 echo ">> $waited" >&2
 
@@ -29,9 +25,9 @@ repeat="${REPEAT:-3}"
 rm -f "$out"/ddp.*.txt "$out"/gloo.*.txt
 for i in $(seq "$repeat"); do
     echo ">> run $i/$repeat: ddp-core CPU backend (load $(load1))" >&2
-    "$target/debug/allreduce_bw" "$@" | sed -u 's/^\[rank 0\] //' > "$out/ddp.$i.txt"
+    "$allreduce_bw" "$@" | sed -u 's/^\[rank 0\] //' > "$out/ddp.$i.txt"
     echo ">> run $i/$repeat: PyTorch gloo (load $(load1))" >&2
-    "$venv/bin/python" scripts/bench_allreduce_gloo.py "$@" 2>/dev/null > "$out/gloo.$i.txt"
+    "$py" scripts/bench_allreduce_gloo.py "$@" 2>/dev/null > "$out/gloo.$i.txt"
 done
 
 # best.awk: per size (fields 1-2), the row with the highest busbw (field 8) over all runs, in size order.

@@ -1,5 +1,15 @@
-# Sourced by the PyTorch comparison scripts (bench-levels.sh, bench-step.sh): what both need, written once.
+# Sourced by the benchmark scripts (bench-levels.sh, bench-step.sh, bench-overlap.sh, bench-allreduce.sh): what
+# they share, written once. Defines functions only (sourcing it runs nothing).
 #
+#   parse_bench_args HELP SPEC... -- ARGS...
+#                             parses the script's ARGS by SPEC: `--flag=var` sets var to the flag's value,
+#                             `--flag=var:value` (a switch) sets var to value. -h/--help prints the lines HELP (a
+#                             sed range, e.g. 2,16: the script's header) of $0 and exits 0; an unknown argument
+#                             or a flag without its value exits 2.
+#   bench_dirs NAME           sets $target (CARGO_TARGET_DIR, else target), $venv (BENCH_VENV, else
+#                             $target/bench-venv), $py (the venv's python) and $out ($target/NAME, created).
+#   build_bench BIN           builds the accel-benches binary BIN with the dev profile (as the README builds) and
+#                             prints its path.
 #   ensure_bench_venv DIR     creates the venv DIR with torch, accelerate, transformers and matplotlib from PyPI
 #                             unless they import already. Only these scripts call it — never CI. TORCH_INDEX_URL:
 #                             install torch from that index instead (e.g. the CPU wheels,
@@ -13,6 +23,8 @@
 #                             the last line matching the grep -o PATTERN (the run's JSON result; every matching
 #                             line with keep=all) to $runs; a failed run or one without a result is added to the
 #                             array $failed.
+#   start_runs                sets $runs ($out/runs.jsonl) and $loads ($out/loads.txt), both emptied, and an empty
+#                             array $failed: what run_and_keep appends to.
 #   report_failed             exits 1 naming every failed run, if any.
 #   models_from WHICH         sets the array $models from --model's value (mlp, gpt or all), or exits naming them.
 #   write_bench_meta PY OUT LOADS QUIET TASK
@@ -20,6 +32,44 @@
 #                             kernel), the date, the loads recorded in the file LOADS, the quiet threshold, $waited,
 #                             the venv, TASK and the versions of rustc, torch, accelerate and transformers (PY's
 #                             site-packages; "not installed" where one is missing).
+parse_bench_args() {
+    local _help="$1" _spec _flag
+    local -A _value=() _switch=()
+    shift
+    while [[ $# -gt 0 && $1 != -- ]]; do
+        _spec="$1"; _flag="${_spec%%=*}"; shift
+        if [[ ${_spec#*=} == *:* ]]; then _switch[$_flag]="${_spec#*=}"; else _value[$_flag]="${_spec#*=}"; fi
+    done
+    shift # --
+    while [[ $# -gt 0 ]]; do
+        if [[ $1 == -h || $1 == --help ]]; then
+            sed -n "${_help}p" "$0"; exit 0
+        elif [[ -n ${_value[$1]+set} ]]; then
+            [[ $# -ge 2 ]] || { echo "$1 needs a value (see --help)" >&2; exit 2; }
+            printf -v "${_value[$1]}" '%s' "$2"; shift 2
+        elif [[ -n ${_switch[$1]+set} ]]; then
+            printf -v "${_switch[$1]%%:*}" '%s' "${_switch[$1]#*:}"; shift
+        else
+            echo "unknown argument $1 (see --help)" >&2; exit 2
+        fi
+    done
+}
+
+bench_dirs() {
+    target="${CARGO_TARGET_DIR:-target}"
+    venv="${BENCH_VENV:-$target/bench-venv}"
+    py="$venv/bin/python"
+    out="$target/$1"
+    mkdir -p "$out"
+}
+
+build_bench() {
+    echo ">> building $1 (dev profile)" >&2
+    # `|| return`: errexit does not reach into the command substitution this runs in.
+    cargo build --quiet -p accel-benches --bin "$1" >&2 || return
+    echo "$target/debug/$1"
+}
+
 ensure_bench_venv() {
     local venv="$1"
     if [[ -x "$venv/bin/python" ]] && "$venv/bin/python" -c "import torch, accelerate, transformers, matplotlib" 2>/dev/null; then
@@ -85,6 +135,11 @@ run_and_keep() {
     else
         echo "   FAILED (see $log)" >&2; failed+=("$label")
     fi
+}
+
+start_runs() {
+    runs="$out/runs.jsonl"; loads="$out/loads.txt"; : > "$runs"; : > "$loads"
+    failed=()
 }
 
 report_failed() {

@@ -17,44 +17,24 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 model=all repeat=3 epochs=3 gpt_steps=100 threads=1 nprocs="1 2" max_load=0.5 max_wait=900 report=1
-while [[ $# -gt 0 ]]; do
-    case "$1" in
-        --model) model="$2"; shift 2 ;;
-        --repeat) repeat="$2"; shift 2 ;;
-        --epochs) epochs="$2"; shift 2 ;;
-        --gpt-steps) gpt_steps="$2"; shift 2 ;;
-        --threads) threads="$2"; shift 2 ;;
-        --nproc) nprocs="$2"; shift 2 ;;
-        --max-load) max_load="$2"; shift 2 ;;
-        --max-wait) max_wait="$2"; shift 2 ;;
-        --no-report) report=0; shift ;;
-        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
-        *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
-    esac
-done
+source scripts/bench-common.sh
+parse_bench_args 2,16 --model=model --repeat=repeat --epochs=epochs --gpt-steps=gpt_steps --threads=threads \
+    --nproc=nprocs --max-load=max_load --max-wait=max_wait --no-report=report:0 -- "$@"
 
-target="${CARGO_TARGET_DIR:-target}"
-venv="${BENCH_VENV:-$target/bench-venv}"
-out="$target/bench-levels"
-mkdir -p "$out"
-py="$venv/bin/python"
+bench_dirs bench-levels
 
 # --- the venv (only here, never in CI) ------------------------------------------------------------------------
-source scripts/bench-common.sh
 models_from "$model"
 ensure_bench_venv "$venv"
 
 # --- the Rust side: the dev profile, as the README builds -----------------------------------------------------
-echo ">> building levels (dev profile)" >&2
-cargo build --quiet -p accel-benches --bin levels
-levels_bin="$target/debug/levels"
+levels_bin=$(build_bench levels)
 
 # --- wait for a quiet machine ---------------------------------------------------------------------------------
 wait_for_quiet "$max_load" "$max_wait"
 
 # --- the runs, interleaved ------------------------------------------------------------------------------------
-runs="$out/runs.jsonl"; loads="$out/loads.txt"; : > "$runs"; : > "$loads"
-failed=()
+start_runs
 export OMP_NUM_THREADS="$threads"
 # One run: $1 = label, the rest = the command. Keeps the JSON line (the launcher prefixes "[rank 0] ").
 # LEVELS_T0_NS: when the run was started, for the programs' wall time (start-up and imports included).

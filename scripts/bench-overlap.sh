@@ -15,33 +15,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 repeat=3 epochs=2 gpt_steps=100 model=all max_load=0.5 max_wait=900 report=1
-while [[ $# -gt 0 ]]; do
-    case "$1" in
-        --repeat) repeat="$2"; shift 2 ;;
-        --epochs) epochs="$2"; shift 2 ;;
-        --gpt-steps) gpt_steps="$2"; shift 2 ;;
-        --model) model="$2"; shift 2 ;;
-        --max-load) max_load="$2"; shift 2 ;;
-        --max-wait) max_wait="$2"; shift 2 ;;
-        --no-report) report=0; shift ;;
-        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
-        *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
-    esac
-done
-
-target="${CARGO_TARGET_DIR:-target}"
-out="$target/bench-overlap"
-mkdir -p "$out"
 source scripts/bench-common.sh
+parse_bench_args 2,13 --repeat=repeat --epochs=epochs --gpt-steps=gpt_steps --model=model --max-load=max_load \
+    --max-wait=max_wait --no-report=report:0 -- "$@"
+
+bench_dirs bench-overlap
 models_from "$model"
 
-echo ">> building levels (dev profile)" >&2
-cargo build --quiet -p accel-benches --bin levels
-levels_bin="$target/debug/levels"
+levels_bin=$(build_bench levels)
 wait_for_quiet "$max_load" "$max_wait"
 
-runs="$out/runs.jsonl"; loads="$out/loads.txt"; : > "$runs"; : > "$loads"
-failed=()
+start_runs
 run_one() { run_and_keep '{.*"framework".*}' "$@"; }
 # `side_by_side CMD...`: CMD twice at once (both outputs in the log); fails if either fails. An interrupt stops
 # the background run too (a non-interactive shell's background jobs ignore SIGINT).

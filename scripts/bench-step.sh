@@ -16,39 +16,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 repeat=3 steps=200 warmup=20 threads_list="1 2" model=all max_load=0.5 max_wait=900 report=1
-while [[ $# -gt 0 ]]; do
-    case "$1" in
-        --repeat) repeat="$2"; shift 2 ;;
-        --steps) steps="$2"; shift 2 ;;
-        --warmup) warmup="$2"; shift 2 ;;
-        --threads) threads_list="$2"; shift 2 ;;
-        --model) model="$2"; shift 2 ;;
-        --max-load) max_load="$2"; shift 2 ;;
-        --max-wait) max_wait="$2"; shift 2 ;;
-        --no-report) report=0; shift ;;
-        -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
-        *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
-    esac
-done
-
-target="${CARGO_TARGET_DIR:-target}"
-venv="${BENCH_VENV:-$target/bench-venv}"
-out="$target/bench-step"
-mkdir -p "$out"
-py="$venv/bin/python"
-
 source scripts/bench-common.sh
+parse_bench_args 2,12 --repeat=repeat --steps=steps --warmup=warmup --threads=threads_list --model=model \
+    --max-load=max_load --max-wait=max_wait --no-report=report:0 -- "$@"
+
+bench_dirs bench-step
+
 models_from "$model"
 ensure_bench_venv "$venv"
 
-echo ">> building step_time (dev profile)" >&2
-cargo build --quiet -p accel-benches --bin step_time
-step_bin="$target/debug/step_time"
+step_bin=$(build_bench step_time)
 
 wait_for_quiet "$max_load" "$max_wait"
 
-runs="$out/runs.jsonl"; loads="$out/loads.txt"; : > "$runs"; : > "$loads"
-failed=()
+start_runs
 keep=all # step_time prints one line per variant it runs
 run_one() { run_and_keep '^{.*"impl".*}' "$@"; }
 

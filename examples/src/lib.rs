@@ -216,7 +216,10 @@ pub fn apply_tp_size(tp: usize) -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    let world: usize = std::env::var("WORLD_SIZE").ok().and_then(|w| w.trim().parse().ok()).unwrap_or(1);
+    let world = match ddp_core::env::DistEnv::detect_from_env() {
+        Ok(Some(env)) => env.world_size,
+        _ => 1,
+    };
     if tp == 0 || !world.is_multiple_of(tp) {
         bail!("--tp-size {tp} must divide the {world} processes of this job (laid out as dp × tp)");
     }

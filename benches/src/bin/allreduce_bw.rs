@@ -59,7 +59,7 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    if std::env::var_os("RANK").is_none() && std::env::var_os("SLURM_PROCID").is_none() {
+    if !ddp_core::launcher::is_worker() {
         let exe = std::env::current_exe().context("locating this binary to launch its workers")?;
         let cfg = LaunchConfig::local(args.nproc, exe, std::env::args().skip(1).collect());
         launch(&cfg).context("all-reduce benchmark workers")?;

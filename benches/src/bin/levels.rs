@@ -333,8 +333,8 @@ fn gpt_datasets(cli: &Cli) -> Result<(TextDataset, TextDataset, GptConfig)> {
 }
 
 fn process_group() -> Result<ProcessGroup> {
-    Ok(if std::env::var_os("RANK").is_some() {
-        ProcessGroup::init_from_env().context("joining the process group (RANK is set)")?
+    Ok(if ddp_core::launcher::is_worker() {
+        ProcessGroup::init_from_env().context("joining the process group (a launcher started this process)")?
     } else {
         ProcessGroup::single_process()?
     })
@@ -721,7 +721,10 @@ where
 /// The Trainer's output directory: one per job (the launcher's port, the same on every rank), or per process when
 /// it runs alone (two single-process runs side by side must not share, and delete, one directory).
 fn scratch_dir(cli: &Cli) -> PathBuf {
-    let job = std::env::var("MASTER_PORT").unwrap_or_else(|_| format!("pid{}", std::process::id()));
+    let job = match ddp_core::env::DistEnv::detect_from_env() {
+        Ok(Some(env)) => env.master_port.to_string(),
+        _ => format!("pid{}", std::process::id()),
+    };
     std::env::temp_dir().join(format!("levels-{:?}-{job}", cli.model))
 }
 

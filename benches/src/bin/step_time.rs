@@ -15,9 +15,9 @@
 //!   of 64 random token ids, its mean next-token cross entropy, the same AdamW.
 //! - `--ops candle` / `fused` / `both`: `accel_nn::ops::set_fused_ops(false / true)`; `both` runs one step of each
 //!   in turn (two models with the same seeded weights, each with its own optimizer, fed the same batches). `both`
-//!   is for a quick look only: sharing caches and the allocator with candle's 3× slower steps cost the fused step
-//!   1–10 % (docs/benchmarks.md, "One training step vs PyTorch"), so `scripts/bench-step.sh` runs `fused` and
-//!   `candle` in processes of their own.
+//!   is for a quick look only: sharing caches and the allocator with candle's slower steps slows the fused step
+//!   down (docs/benchmarks.md, section "One training step vs PyTorch", for by how much), so
+//!   `scripts/bench-step.sh` runs `fused` and `candle` in processes of their own.
 //!
 //! Threads: candle's (`RAYON_NUM_THREADS`, set by the caller). Reported per variant: medians over `--steps` timed
 //! steps (after `--warmup`) of forward, backward, optimizer and the whole step in ms, and the minor + major page

@@ -98,11 +98,8 @@ fn main() -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join("data").join("mnist"));
     let data = accel::data::load_mnist(&data_dir, "train10k")?;
-    let pg = if std::env::var_os("RANK").is_some() {
-        ProcessGroup::init_from_env()?
-    } else {
-        ProcessGroup::single_process()?
-    };
+    let pg =
+        if ddp_core::launcher::is_worker() { ProcessGroup::init_from_env()? } else { ProcessGroup::single_process()? };
     let total = cli.warmup + cli.steps;
     let accel_loop = AccelLoop::new(&cli, &pg, data.clone(), total)?;
     let times = Arc::new(Mutex::new(Times::default()));

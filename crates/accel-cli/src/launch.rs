@@ -78,113 +78,17 @@ impl LaunchPlan {
     /// Accelerator cannot train yet (pp or dp_shard > 1) are launched with a warning: a program that lays out a
     /// `ddp_core::DeviceMesh` itself can run them.
     pub fn resolve(flags: &LaunchArgs, file: Option<&AccelerateConfig>) -> CliResult<Self> {
-        let num_machines = flags.num_machines.or(file.map(|f| f.num_machines)).unwrap_or(1);
-        if num_machines == 0 {
-            return Err(CliError::invalid("num_machines", "0", "at least 1 machine"));
-        }
-        let num_processes = match (flags.num_processes, flags.nproc_per_node) {
-            (Some(n), _) => n,
-            (None, Some(per_node)) => per_node * num_machines,
-            (None, None) => file.and_then(|f| f.num_processes).unwrap_or(num_machines),
-        };
-        if num_processes == 0 {
-            return Err(CliError::invalid("num_processes", "0", "at least 1 process"));
-        }
-        if num_processes % num_machines != 0 {
-            return Err(CliError::Launch(format!(
-                "num_processes ({num_processes}) is not divisible by num_machines ({num_machines}): num_processes is \
-                 the TOTAL over all machines and each machine runs num_processes / num_machines workers; give a \
-                 multiple of {num_machines}"
-            )));
-        }
-        let machine_rank = flags.machine_rank.or(file.map(|f| f.machine_rank)).unwrap_or(0);
-        if machine_rank >= num_machines {
-            return Err(CliError::invalid(
-                "machine_rank",
-                machine_rank.to_string(),
-                format!("must be below num_machines ({num_machines}): 0..{}", num_machines - 1),
-            ));
-        }
-        let ip = flags.main_process_ip.clone().or_else(|| file.and_then(|f| f.main_process_ip.clone()));
-        let port = flags.main_process_port.or(file.and_then(|f| f.main_process_port));
-        let (main_process_ip, main_process_port) = if num_machines > 1 {
-            let ip = ip.ok_or_else(|| {
-                CliError::Launch(format!(
-                    "a job on {num_machines} machines needs the address of machine 0: pass --main-process-ip (or \
-                     set main_process_ip in the config file)"
-                ))
-            })?;
-            let port = port.unwrap_or(DEFAULT_MASTER_PORT);
-            if port == 0 {
-                return Err(CliError::invalid(
-                    "main_process_port",
-                    "0",
-                    "a job on several machines needs a fixed port that every machine is told (e.g. 29500)",
-                ));
-            }
-            (ip, port)
-        } else {
-            // One machine: a free port unless one was asked for, so concurrent jobs never collide.
-            (ip.unwrap_or_else(|| DEFAULT_MASTER_ADDR.to_string()), port.unwrap_or(0))
-        };
-
-        let mixed_precision = match &flags.mixed_precision {
-            Some(s) => s.parse::<MixedPrecision>().map_err(|_| {
-                CliError::invalid("--mixed-precision", s.clone(), format!("choose one of {}", MixedPrecision::CHOICES))
-            })?,
-            None => file.map(|f| f.mixed_precision).unwrap_or_default(),
-        };
-        let gradient_accumulation_steps = match flags.gradient_accumulation_steps {
-            Some(k) => Some(k as usize),
-            None => file.and_then(|f| f.gradient_accumulation_steps),
-        };
-        if gradient_accumulation_steps == Some(0) {
-            return Err(CliError::invalid("gradient_accumulation_steps", "0", "at least 1"));
-        }
-        let use_cpu = !flags.multi_gpu
-            && (flags.cpu || file.is_some_and(|f| f.use_cpu || f.distributed_type == DistributedType::MultiCpu));
-        if flags.multi_gpu && num_processes < 2 {
-            return Err(CliError::Launch(
-                "--multi_gpu needs at least 2 processes: pass --num-processes N (one per GPU), or drop --multi_gpu \
-                 for a single process"
-                    .into(),
-            ));
-        }
-        let gpu_ids = flags.gpu_ids.clone().or_else(|| file.and_then(|f| f.gpu_ids.clone()));
-        let per_node = num_processes / num_machines;
-        if let Some(ids) = gpu_ids.as_deref().filter(|ids| !use_cpu && !ids.trim().eq_ignore_ascii_case("all")) {
-            // `accelerate launch` refuses this too: several GPU processes with fewer GPU ids than processes.
-            let n = ids.split(',').filter(|id| !id.trim().is_empty()).count();
-            if per_node > 1 && n < per_node {
-                return Err(CliError::Launch(format!(
-                    "{per_node} GPU processes per machine but gpu_ids {ids:?} names {n} GPU(s): list at least one \
-                     GPU per process (--gpu-ids, or gpu_ids in the config file), use `all`, or pass --cpu"
-                )));
-            }
-        }
-        let mut warnings = Vec::new();
-        let rdzv = flags.rdzv_backend.as_deref().or(file.and_then(|f| f.rdzv_backend.as_deref()));
-        if let Some(backend) = rdzv.filter(|b| !b.trim().eq_ignore_ascii_case("static")) {
-            warnings.push(format!(
-                "rdzv_backend {backend:?} is not used: accel always rendezvouses through its own TCP store on \
-                 main_process_ip:main_process_port with fixed machine ranks (like `static`)"
-            ));
-        }
+        let Counts { num_processes, num_machines, machine_rank } = resolve_counts(flags, file)?;
+        let (main_process_ip, main_process_port) = resolve_rendezvous(flags, file, num_machines)?;
+        let mixed_precision = resolve_mixed_precision(flags, file)?;
+        let gradient_accumulation_steps = resolve_accumulation(flags, file)?;
+        let use_cpu = resolve_use_cpu(flags, file, num_processes)?;
+        let gpu_ids = resolve_gpu_ids(flags, file, use_cpu, num_processes / num_machines)?;
+        let mut warnings: Vec<String> = rdzv_warning(flags, file).into_iter().collect();
         let parallelism = resolve_parallelism(flags, file.and_then(|f| f.parallelism_config.as_ref()));
         if let Some(p) = &parallelism {
-            p.resolve(num_processes)?;
-            if let Err(e) = p.check_accelerator_support() {
-                warnings.push(format!(
-                    "{e} (launching anyway: only a program that lays out a ddp_core::DeviceMesh itself can run this \
-                     layout)"
-                ));
-            }
+            check_parallelism(p, num_processes, &mut warnings)?;
         }
-        let tee = match (&flags.log_dir, &flags.tee) {
-            (None, _) => true,
-            (Some(_), None) => false,
-            (Some(_), Some(v)) => v.trim() != "0",
-        };
         Ok(LaunchPlan {
             num_processes,
             num_machines,
@@ -202,7 +106,7 @@ impl LaunchPlan {
             parallelism,
             max_restarts: flags.max_restarts.unwrap_or(0),
             log_dir: flags.log_dir.clone(),
-            tee,
+            tee: resolve_tee(flags),
             backend: flags.backend.as_deref().map(str::parse).transpose().map_err(CliError::Ddp)?,
             program: flags.program.clone(),
             args: flags.args.clone(),
@@ -286,6 +190,167 @@ impl LaunchPlan {
             if self.use_cpu { ", CPU forced" } else { "" },
             self.program.display()
         )
+    }
+}
+
+/// The job's size and this machine's place in it.
+struct Counts {
+    num_processes: usize,
+    num_machines: usize,
+    machine_rank: usize,
+}
+
+/// Machines, processes (the total: `--num-processes`, else `--nproc-per-node` × machines, else the file) and
+/// this machine's rank, checked: at least one of each, the processes divisible among the machines, the rank
+/// below the machine count.
+fn resolve_counts(flags: &LaunchArgs, file: Option<&AccelerateConfig>) -> CliResult<Counts> {
+    let num_machines = flags.num_machines.or(file.map(|f| f.num_machines)).unwrap_or(1);
+    if num_machines == 0 {
+        return Err(CliError::invalid("num_machines", "0", "at least 1 machine"));
+    }
+    let num_processes = match (flags.num_processes, flags.nproc_per_node) {
+        (Some(n), _) => n,
+        (None, Some(per_node)) => per_node * num_machines,
+        (None, None) => file.and_then(|f| f.num_processes).unwrap_or(num_machines),
+    };
+    if num_processes == 0 {
+        return Err(CliError::invalid("num_processes", "0", "at least 1 process"));
+    }
+    if num_processes % num_machines != 0 {
+        return Err(CliError::Launch(format!(
+            "num_processes ({num_processes}) is not divisible by num_machines ({num_machines}): num_processes is \
+             the TOTAL over all machines and each machine runs num_processes / num_machines workers; give a \
+             multiple of {num_machines}"
+        )));
+    }
+    let machine_rank = flags.machine_rank.or(file.map(|f| f.machine_rank)).unwrap_or(0);
+    if machine_rank >= num_machines {
+        return Err(CliError::invalid(
+            "machine_rank",
+            machine_rank.to_string(),
+            format!("must be below num_machines ({num_machines}): 0..{}", num_machines - 1),
+        ));
+    }
+    Ok(Counts { num_processes, num_machines, machine_rank })
+}
+
+/// The store's address and port: several machines need machine 0's address and a fixed port every machine is
+/// told; one machine defaults to the local address and a free port (so concurrent jobs never collide).
+fn resolve_rendezvous(
+    flags: &LaunchArgs,
+    file: Option<&AccelerateConfig>,
+    num_machines: usize,
+) -> CliResult<(String, u16)> {
+    let ip = flags.main_process_ip.clone().or_else(|| file.and_then(|f| f.main_process_ip.clone()));
+    let port = flags.main_process_port.or(file.and_then(|f| f.main_process_port));
+    if num_machines == 1 {
+        return Ok((ip.unwrap_or_else(|| DEFAULT_MASTER_ADDR.to_string()), port.unwrap_or(0)));
+    }
+    let ip = ip.ok_or_else(|| {
+        CliError::Launch(format!(
+            "a job on {num_machines} machines needs the address of machine 0: pass --main-process-ip (or set \
+             main_process_ip in the config file)"
+        ))
+    })?;
+    let port = port.unwrap_or(DEFAULT_MASTER_PORT);
+    if port == 0 {
+        return Err(CliError::invalid(
+            "main_process_port",
+            "0",
+            "a job on several machines needs a fixed port that every machine is told (e.g. 29500)",
+        ));
+    }
+    Ok((ip, port))
+}
+
+/// `--mixed-precision` (checked against the choices), else the file's, else none.
+fn resolve_mixed_precision(flags: &LaunchArgs, file: Option<&AccelerateConfig>) -> CliResult<MixedPrecision> {
+    Ok(match &flags.mixed_precision {
+        Some(s) => s.parse::<MixedPrecision>().map_err(|_| {
+            CliError::invalid("--mixed-precision", s.clone(), format!("choose one of {}", MixedPrecision::CHOICES))
+        })?,
+        None => file.map(|f| f.mixed_precision).unwrap_or_default(),
+    })
+}
+
+/// Gradient accumulation from the flag or the file (at least 1; `None` leaves it to the program).
+fn resolve_accumulation(flags: &LaunchArgs, file: Option<&AccelerateConfig>) -> CliResult<Option<usize>> {
+    let steps = match flags.gradient_accumulation_steps {
+        Some(k) => Some(k as usize),
+        None => file.and_then(|f| f.gradient_accumulation_steps),
+    };
+    if steps == Some(0) {
+        return Err(CliError::invalid("gradient_accumulation_steps", "0", "at least 1"));
+    }
+    Ok(steps)
+}
+
+/// Whether the workers run on the CPU (`--cpu` or a CPU config file, unless `--multi_gpu`); `--multi_gpu` needs
+/// at least 2 processes.
+fn resolve_use_cpu(flags: &LaunchArgs, file: Option<&AccelerateConfig>, num_processes: usize) -> CliResult<bool> {
+    let use_cpu = !flags.multi_gpu
+        && (flags.cpu || file.is_some_and(|f| f.use_cpu || f.distributed_type == DistributedType::MultiCpu));
+    if flags.multi_gpu && num_processes < 2 {
+        return Err(CliError::Launch(
+            "--multi_gpu needs at least 2 processes: pass --num-processes N (one per GPU), or drop --multi_gpu for \
+             a single process"
+                .into(),
+        ));
+    }
+    Ok(use_cpu)
+}
+
+/// The workers' GPU ids from the flag or the file; several GPU processes per machine need at least one id each
+/// (`accelerate launch` refuses fewer too).
+fn resolve_gpu_ids(
+    flags: &LaunchArgs,
+    file: Option<&AccelerateConfig>,
+    use_cpu: bool,
+    per_node: usize,
+) -> CliResult<Option<String>> {
+    let gpu_ids = flags.gpu_ids.clone().or_else(|| file.and_then(|f| f.gpu_ids.clone()));
+    if let Some(ids) = gpu_ids.as_deref().filter(|ids| !use_cpu && !ids.trim().eq_ignore_ascii_case("all")) {
+        let n = ids.split(',').filter(|id| !id.trim().is_empty()).count();
+        if per_node > 1 && n < per_node {
+            return Err(CliError::Launch(format!(
+                "{per_node} GPU processes per machine but gpu_ids {ids:?} names {n} GPU(s): list at least one GPU \
+                 per process (--gpu-ids, or gpu_ids in the config file), use `all`, or pass --cpu"
+            )));
+        }
+    }
+    Ok(gpu_ids)
+}
+
+/// A warning for an `rdzv_backend` other than `static`, which accel accepts but does not use.
+fn rdzv_warning(flags: &LaunchArgs, file: Option<&AccelerateConfig>) -> Option<String> {
+    let rdzv = flags.rdzv_backend.as_deref().or(file.and_then(|f| f.rdzv_backend.as_deref()));
+    rdzv.filter(|b| !b.trim().eq_ignore_ascii_case("static")).map(|backend| {
+        format!(
+            "rdzv_backend {backend:?} is not used: accel always rendezvouses through its own TCP store on \
+             main_process_ip:main_process_port with fixed machine ranks (like `static`)"
+        )
+    })
+}
+
+/// Refuses a layout that does not fit `num_processes`; warns about one the Accelerator cannot train yet (only a
+/// program that lays out a `ddp_core::DeviceMesh` itself can run it).
+fn check_parallelism(p: &ParallelismConfig, num_processes: usize, warnings: &mut Vec<String>) -> CliResult<()> {
+    p.resolve(num_processes)?;
+    if let Err(e) = p.check_accelerator_support() {
+        warnings.push(format!(
+            "{e} (launching anyway: only a program that lays out a ddp_core::DeviceMesh itself can run this layout)"
+        ));
+    }
+    Ok(())
+}
+
+/// Whether worker output also goes to the console: always without `--log-dir`; with it, only when `--tee` is
+/// given and not `0`.
+fn resolve_tee(flags: &LaunchArgs) -> bool {
+    match (&flags.log_dir, &flags.tee) {
+        (None, _) => true,
+        (Some(_), None) => false,
+        (Some(_), Some(v)) => v.trim() != "0",
     }
 }
 

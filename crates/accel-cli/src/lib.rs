@@ -12,13 +12,23 @@
 //! Warnings (unknown config keys, ignored Accelerate features) go to stderr as `accel: warning: ...`; errors are
 //! returned as [`CliError`] and printed by the binary, which exits with status 1 (2 for usage errors, from clap).
 
+// Hidden from the documentation: these modules are the binary's internals, not a public API. The library target
+// exists only so that the integration tests (tests/) reach them; `src/main.rs` is their one real user.
+#[doc(hidden)]
 pub mod args;
+#[doc(hidden)]
 pub mod config_file;
+#[doc(hidden)]
 pub mod env_report;
+#[doc(hidden)]
 pub mod error;
+#[doc(hidden)]
 pub mod hardware;
+#[doc(hidden)]
 pub mod launch;
+#[doc(hidden)]
 pub mod questionnaire;
+#[doc(hidden)]
 pub mod self_test;
 
 pub use args::{Cli, Command, ConfigAction, ConfigArgs, ConfigDefaultArgs, EnvArgs, LaunchArgs, TestArgs};

@@ -88,11 +88,12 @@ const _: () = {
 pub use ddp_core::sync::lock;
 
 /// The level-1 pieces a user of the Accelerator or the Trainer reaches without depending on ddp-core: the
-/// process group the Accelerator hands out and its reduce ops, ddp-core's error (what [`AccelError::Ddp`] wraps),
-/// the worker launcher (`accel launch`'s engine, which the Trainer's parallel hyperparameter trials use), and
-/// the in-process store that runs ranks as threads in tests. All are ddp-core's items, re-exported unchanged.
+/// process group the Accelerator hands out and its reduce ops, the job layout (`env`), ddp-core's error (what
+/// [`AccelError::Ddp`] wraps), the worker launcher (`accel launch`'s engine, which the Trainer's parallel
+/// hyperparameter trials use), and the in-process store that runs ranks as threads in tests. All are ddp-core's
+/// items, re-exported unchanged.
 pub mod dist {
     pub use ddp_core::launcher::{self, launch, LaunchConfig};
     pub use ddp_core::store::{MemoryStore, Store};
-    pub use ddp_core::{DdpError, DeviceMesh, GroupOptions, ProcessGroup, ReduceOp};
+    pub use ddp_core::{env, DdpError, DeviceMesh, GroupOptions, ProcessGroup, ReduceOp};
 }

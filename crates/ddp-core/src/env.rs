@@ -159,6 +159,30 @@ impl DistEnv {
     }
 }
 
+/// The rank variable each launcher family sets in the processes it starts (torchrun / `accel launch`, Slurm's
+/// `srun`, Open MPI, PMI): a process that has one is a worker of a launched job.
+const WORKER_RANK_VARS: [&str; 4] = ["RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"];
+
+/// Whether this process is a worker of a launched job: a launcher's rank variable is set, even empty (RANK from
+/// torchrun / `accel launch`, SLURM_PROCID, OMPI_COMM_WORLD_RANK or PMI_RANK). What
+/// [`crate::launcher::is_worker`] answers; the job's layout itself is [`DistEnv::from_env`]'s.
+pub fn is_launched_worker() -> bool {
+    WORKER_RANK_VARS.iter().any(|v| std::env::var_os(v).is_some())
+}
+
+/// Whether an MPI launcher started this process (`mpirun` / `mpiexec` of Open MPI, MPICH or a PMIx runtime):
+/// OMPI_COMM_WORLD_SIZE, PMI_SIZE or PMIX_RANK is set, even empty.
+pub fn is_mpi_launched() -> bool {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"].iter().any(|v| std::env::var_os(v).is_some())
+}
+
+/// MASTER_ADDR when it names a host (set and not blank): the store address the user chose, which the MPI
+/// bootstrap prefers to the processor name. `None` leaves the choice to the caller (unlike
+/// [`DistEnv::master_addr`], which defaults it).
+pub fn explicit_master_addr() -> Option<String> {
+    std::env::var("MASTER_ADDR").ok().filter(|a| !a.trim().is_empty())
+}
+
 /// The variable names one launcher family publishes.
 struct Family {
     source: EnvSource,

@@ -236,7 +236,7 @@ fn host_port(host: &str, port: u16) -> String {
 /// Whether this process is already a worker of a launched job: a launcher's layout variable is set (RANK from
 /// torchrun / `accel launch`, SLURM_PROCID, OMPI_COMM_WORLD_RANK or PMI_RANK).
 pub fn is_worker() -> bool {
-    ["RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"].iter().any(|v| std::env::var_os(v).is_some())
+    crate::env::is_launched_worker()
 }
 
 /// Self-launch, like `torch.multiprocessing.spawn`: when this process is not already a worker ([`is_worker`]) and

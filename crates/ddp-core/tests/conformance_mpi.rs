@@ -16,8 +16,7 @@ use std::time::{Duration, Instant};
 const MODE_ENV: &str = "DDP_CONFORMANCE_MODE";
 
 fn main() -> ExitCode {
-    let under_mpi = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"].iter().any(|v| std::env::var_os(v).is_some());
-    if under_mpi {
+    if ddp_core::env::is_mpi_launched() {
         return match std::env::var(MODE_ENV).as_deref() {
             Ok("env") => worker_env(),
             Ok("stuck") => worker_stuck(),

@@ -508,11 +508,20 @@ impl TrainingArguments {
     }
 
     /// Checks the arguments; every error names the field and the fix. Call after [`Self::finalize`] (the trainer
-    /// does both).
+    /// does both). The checks run in this order and the first failure is returned.
     pub fn validate(&self) -> Result<()> {
-        fn err(field: &str, reason: impl Into<String>) -> TrainerError {
-            TrainerError::invalid(field, reason)
-        }
+        self.check_run_length()?;
+        self.check_hyperparameters()?;
+        self.check_intervals()?;
+        self.check_best_model()?;
+        self.check_save_best()?;
+        self.check_early_stopping()?;
+        self.check_outputs()?;
+        self.check_resume()
+    }
+
+    /// Batch sizes and accumulation of at least 1; some training to do (epochs or `max_steps`).
+    fn check_run_length(&self) -> Result<()> {
         for (field, v) in [
             ("per_device_train_batch_size", self.per_device_train_batch_size),
             ("per_device_eval_batch_size", self.per_device_eval_batch_size),
@@ -531,6 +540,12 @@ impl TrainingArguments {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    /// The optimizer's numbers in range: rates and thresholds finite and ≥ 0, betas and momentum in [0, 1),
+    /// `warmup_ratio` in [0, 1].
+    fn check_hyperparameters(&self) -> Result<()> {
         for (field, v) in [
             ("learning_rate", self.learning_rate),
             ("weight_decay", self.weight_decay),
@@ -558,6 +573,11 @@ impl TrainingArguments {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    /// The intervals of the "steps" strategies in use, and a `save_total_limit` that keeps something.
+    fn check_intervals(&self) -> Result<()> {
         if self.logging_strategy == IntervalStrategy::Steps {
             check_interval("logging_steps", self.logging_steps)?;
         }
@@ -571,92 +591,119 @@ impl TrainingArguments {
         if self.save_total_limit == Some(0) {
             return Err(err("save_total_limit", "is 0; keep at least 1 checkpoint, or remove it to keep all"));
         }
+        Ok(())
+    }
+
+    /// A named best-model metric, and what `load_best_model_at_end` needs: evaluations, and checkpoints saved
+    /// where evaluations happen.
+    fn check_best_model(&self) -> Result<()> {
         if let Some(m) = &self.metric_for_best_model {
             if m.trim().is_empty() || m == "eval_" {
                 return Err(err("metric_for_best_model", "is empty; name a metric such as \"loss\" or \"accuracy\""));
             }
         }
-        if self.load_best_model_at_end {
-            if self.eval_strategy == IntervalStrategy::No {
+        if !self.load_best_model_at_end {
+            return Ok(());
+        }
+        if self.eval_strategy == IntervalStrategy::No {
+            return Err(err(
+                "load_best_model_at_end",
+                "needs evaluations to pick the best model: set eval_strategy to \"steps\" or \"epoch\" (and an \
+                 eval dataset)",
+            ));
+        }
+        if self.save_strategy != SaveStrategy::Best {
+            let same = matches!(
+                (self.eval_strategy, self.save_strategy),
+                (IntervalStrategy::Steps, SaveStrategy::Steps) | (IntervalStrategy::Epoch, SaveStrategy::Epoch)
+            );
+            if !same {
                 return Err(err(
                     "load_best_model_at_end",
-                    "needs evaluations to pick the best model: set eval_strategy to \"steps\" or \"epoch\" (and an \
-                     eval dataset)",
+                    format!(
+                        "requires the save and eval strategies to match, but eval_strategy is {} and save_strategy \
+                         is {}; set save_strategy to \"{}\"",
+                        self.eval_strategy, self.save_strategy, self.eval_strategy
+                    ),
                 ));
             }
-            if self.save_strategy != SaveStrategy::Best {
-                let same = matches!(
-                    (self.eval_strategy, self.save_strategy),
-                    (IntervalStrategy::Steps, SaveStrategy::Steps) | (IntervalStrategy::Epoch, SaveStrategy::Epoch)
-                );
-                if !same {
-                    return Err(err(
-                        "load_best_model_at_end",
-                        format!(
-                            "requires the save and eval strategies to match, but eval_strategy is {} and save_strategy \
-                             is {}; set save_strategy to \"{}\"",
-                            self.eval_strategy, self.save_strategy, self.eval_strategy
-                        ),
-                    ));
-                }
-                if self.eval_strategy == IntervalStrategy::Steps {
-                    let eval_steps = self.eval_steps.unwrap_or(self.logging_steps);
-                    let multiple = if eval_steps < 1.0 || self.save_steps < 1.0 {
-                        // Both fractions of max_steps: HF requires save_steps / eval_steps to be a whole number.
-                        let r = self.save_steps / eval_steps;
-                        (r - r.round()).abs() < 1e-9
-                    } else {
-                        (self.save_steps as u64).is_multiple_of(eval_steps as u64)
-                    };
-                    if !multiple {
-                        return Err(err(
-                            "save_steps",
-                            format!(
-                                "load_best_model_at_end requires save_steps to be a round multiple of eval_steps, but \
-                                 save_steps is {} and eval_steps is {}; set save_steps to {}",
-                                self.save_steps,
-                                eval_steps,
-                                ((self.save_steps / eval_steps).ceil().max(1.0) * eval_steps)
-                            ),
-                        ));
-                    }
-                }
+            if self.eval_strategy == IntervalStrategy::Steps {
+                self.check_saves_at_evaluations()?;
             }
         }
-        if self.save_strategy == SaveStrategy::Best {
-            if self.metric_for_best_model.is_none() {
-                return Err(err(
-                    "metric_for_best_model",
-                    "save_strategy \"best\" needs a metric to compare; set metric_for_best_model (e.g. \"loss\")",
-                ));
-            }
-            if self.eval_strategy == IntervalStrategy::No {
-                return Err(err(
-                    "save_strategy",
-                    "\"best\" saves after evaluations: set eval_strategy to steps or epoch",
-                ));
-            }
+        Ok(())
+    }
+
+    /// Under `load_best_model_at_end` with "steps" strategies: every save falls on an evaluation (`save_steps` a
+    /// round multiple of `eval_steps`).
+    fn check_saves_at_evaluations(&self) -> Result<()> {
+        let eval_steps = self.eval_steps.unwrap_or(self.logging_steps);
+        let multiple = if eval_steps < 1.0 || self.save_steps < 1.0 {
+            // Both fractions of max_steps: HF requires save_steps / eval_steps to be a whole number.
+            let r = self.save_steps / eval_steps;
+            (r - r.round()).abs() < 1e-9
+        } else {
+            (self.save_steps as u64).is_multiple_of(eval_steps as u64)
+        };
+        if !multiple {
+            return Err(err(
+                "save_steps",
+                format!(
+                    "load_best_model_at_end requires save_steps to be a round multiple of eval_steps, but \
+                     save_steps is {} and eval_steps is {}; set save_steps to {}",
+                    self.save_steps,
+                    eval_steps,
+                    ((self.save_steps / eval_steps).ceil().max(1.0) * eval_steps)
+                ),
+            ));
         }
-        if let Some(p) = self.early_stopping_patience {
-            if p == 0 {
-                return Err(err(
-                    "early_stopping_patience",
-                    "is 0; it counts evaluations without improvement before stopping, use ≥ 1",
-                ));
-            }
-            if self.metric_for_best_model.is_none() {
-                return Err(err(
-                    "metric_for_best_model",
-                    "early stopping needs a metric to watch; set metric_for_best_model (e.g. \"loss\")",
-                ));
-            }
-            if self.eval_strategy == IntervalStrategy::No {
-                return Err(err(
-                    "early_stopping_patience",
-                    "early stopping needs evaluations: set eval_strategy to \"steps\" or \"epoch\"",
-                ));
-            }
+        Ok(())
+    }
+
+    /// `save_strategy` "best" needs a metric and evaluations.
+    fn check_save_best(&self) -> Result<()> {
+        if self.save_strategy != SaveStrategy::Best {
+            return Ok(());
         }
+        if self.metric_for_best_model.is_none() {
+            return Err(err(
+                "metric_for_best_model",
+                "save_strategy \"best\" needs a metric to compare; set metric_for_best_model (e.g. \"loss\")",
+            ));
+        }
+        if self.eval_strategy == IntervalStrategy::No {
+            return Err(err("save_strategy", "\"best\" saves after evaluations: set eval_strategy to steps or epoch"));
+        }
+        Ok(())
+    }
+
+    /// Early stopping needs a patience ≥ 1, a metric to watch and evaluations.
+    fn check_early_stopping(&self) -> Result<()> {
+        let Some(p) = self.early_stopping_patience else { return Ok(()) };
+        if p == 0 {
+            return Err(err(
+                "early_stopping_patience",
+                "is 0; it counts evaluations without improvement before stopping, use ≥ 1",
+            ));
+        }
+        if self.metric_for_best_model.is_none() {
+            return Err(err(
+                "metric_for_best_model",
+                "early stopping needs a metric to watch; set metric_for_best_model (e.g. \"loss\")",
+            ));
+        }
+        if self.eval_strategy == IntervalStrategy::No {
+            return Err(err(
+                "early_stopping_patience",
+                "early stopping needs evaluations: set eval_strategy to \"steps\" or \"epoch\"",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Known trackers, and no output (tracker, plots, progress bar) this build left out: an error naming the
+    /// feature, never a silently missing output.
+    fn check_outputs(&self) -> Result<()> {
         for name in &self.report_to.0 {
             if !ReportTo::CHOICES.contains(&name.as_str()) {
                 return Err(err(
@@ -665,7 +712,6 @@ impl TrainingArguments {
                 ));
             }
         }
-        // What this build left out: an error naming the feature, never a silently missing output.
         let missing =
             |feature: &str| format!("built without feature `{feature}` of crate trainer: enable it in Cargo.toml");
         if !cfg!(feature = "tensorboard") && self.report_to.0.iter().any(|n| n == "tensorboard") {
@@ -677,6 +723,11 @@ impl TrainingArguments {
         if !cfg!(feature = "progress") && !self.disable_tqdm {
             return Err(err("disable_tqdm", missing("progress")));
         }
+        Ok(())
+    }
+
+    /// A `resume_from_checkpoint` that names something.
+    fn check_resume(&self) -> Result<()> {
         if let Some(r) = &self.resume_from_checkpoint {
             if r.trim().is_empty() {
                 return Err(err("resume_from_checkpoint", "is empty; give a checkpoint directory or \"latest\""));
@@ -713,6 +764,12 @@ impl TrainingArguments {
     }
 }
 
+/// A validation error on `field` (shorthand of [`TrainerError::invalid`]).
+fn err(field: &str, reason: impl Into<String>) -> TrainerError {
+    TrainerError::invalid(field, reason)
+}
+
+/// A "steps" strategy's interval: positive and finite, whole when larger than 1.
 fn check_interval(field: &str, v: f64) -> Result<()> {
     if !(v > 0.0 && v.is_finite()) {
         return Err(TrainerError::invalid(

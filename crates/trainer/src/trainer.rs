@@ -443,7 +443,39 @@ where
         agree(acc, local, "checking output_dir")
     }
 
+    /// The whole run: plan the steps, resume if asked, train the epochs, then summarise (see the module
+    /// documentation).
     fn train_loop(&mut self, rt: &mut Runtime<M, D>) -> Result<TrainOutput> {
+        self.check_eval_dataset()?;
+        let start = Instant::now();
+        let plan = self.plan_steps(rt)?;
+        self.state = self.initial_state(rt, &plan);
+        let scheduler = self.install_scheduler(rt, &plan);
+        self.own_checkpoints.clear();
+        self.last_saved_step = None;
+
+        // Resume: validate and restore everything, then skip what was already trained (HF's arithmetic). Nothing
+        // is written before the checkpoint has been verified and loaded: a failed resume changes no file.
+        let from = match self.args.resume_from_checkpoint.clone() {
+            Some(spec) => self.resume(rt, &plan, &spec)?,
+            None => StartPoint::default(),
+        };
+        self.write_training_args(rt)?;
+        {
+            let lr = accel::lock(&scheduler).lr();
+            rt.optimizer.set_learning_rate(lr);
+        }
+        self.control = TrainerControl::default();
+        fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::TrainBegin)?;
+
+        let start_step = self.state.global_step;
+        let mut progress = Progress { since_log: from.since_log, last_grad_norm: None };
+        self.run_epochs(rt, &plan, from.epochs_trained, from.skip_micro, &mut progress)?;
+        self.finish_training(rt, &plan, start, start_step, progress.since_log)
+    }
+
+    /// Refuses an evaluation strategy without an eval dataset (before anything else runs).
+    fn check_eval_dataset(&self) -> Result<()> {
         if self.args.eval_strategy != crate::args::IntervalStrategy::No && self.eval_dataset.is_none() {
             return Err(TrainerError::invalid(
                 "eval_strategy",
@@ -454,7 +486,12 @@ where
                 ),
             ));
         }
-        let start = Instant::now();
+        Ok(())
+    }
+
+    /// HF's step arithmetic for this run (optimizer steps per epoch, `max_steps`, epochs); refuses an empty
+    /// loader and an evaluation tensor parallelism cannot do.
+    fn plan_steps(&self, rt: &Runtime<M, D>) -> Result<StepPlan> {
         let ga = self.args.gradient_accumulation_steps;
         let world = rt.acc.world_size();
         // Tensor-parallel peers train on the same batches: the samples per step count the data-parallel ranks.
@@ -480,148 +517,193 @@ where
         } else {
             ((self.args.num_train_epochs * upe as f64).ceil() as u64, self.args.num_train_epochs.ceil() as u64)
         };
-        self.state = TrainerState {
-            max_steps,
-            logging_steps: self.args.logging_interval(max_steps),
-            eval_steps: self.args.eval_interval(max_steps),
-            save_steps: self.args.save_interval(max_steps),
-            train_batch_size: (self.args.per_device_train_batch_size * dp) as u64,
-            num_train_epochs: num_epochs,
-            world_size: Some(world as u64),
-            gradient_accumulation_steps: Some(ga as u64),
+        Ok(StepPlan { ga, world, dp, loader_len, upe, max_steps, num_epochs })
+    }
+
+    /// A fresh run's state: the plan's intervals and sizes, step 0.
+    fn initial_state(&self, rt: &Runtime<M, D>, plan: &StepPlan) -> TrainerState {
+        TrainerState {
+            max_steps: plan.max_steps,
+            logging_steps: self.args.logging_interval(plan.max_steps),
+            eval_steps: self.args.eval_interval(plan.max_steps),
+            save_steps: self.args.save_interval(plan.max_steps),
+            train_batch_size: (self.args.per_device_train_batch_size * plan.dp) as u64,
+            num_train_epochs: plan.num_epochs,
+            world_size: Some(plan.world as u64),
+            gradient_accumulation_steps: Some(plan.ga as u64),
             is_local_process_zero: rt.acc.is_local_main_process(),
             is_world_process_zero: rt.acc.is_main_process(),
             ..TrainerState::default()
-        };
-        let warmup = warmup_steps_from(self.args.warmup_steps, self.args.warmup_ratio, max_steps);
+        }
+    }
+
+    /// Builds the LR schedule over `max_steps` and registers it with the Accelerator (so checkpoints carry it).
+    fn install_scheduler(&self, rt: &mut Runtime<M, D>, plan: &StepPlan) -> Arc<Mutex<Scheduler>> {
+        let warmup = warmup_steps_from(self.args.warmup_steps, self.args.warmup_ratio, plan.max_steps);
         let scheduler = Arc::new(Mutex::new(Scheduler::new(
             self.args.lr_scheduler_type,
             self.args.learning_rate,
             warmup,
-            max_steps,
+            plan.max_steps,
         )));
         rt.acc.register_scheduler(scheduler.clone() as Arc<Mutex<dyn Stateful + Send>>);
         rt.scheduler = Some(scheduler.clone());
-        self.own_checkpoints.clear();
-        self.last_saved_step = None;
+        scheduler
+    }
 
-        // Resume: validate and restore everything, then skip what was already trained (HF's arithmetic). Nothing
-        // is written before the checkpoint has been verified and loaded: a failed resume changes no file.
-        let mut epochs_trained = 0u64;
-        let mut skip_micro = 0usize;
-        let mut since_log = LossTally::default();
-        if let Some(spec) = self.args.resume_from_checkpoint.clone() {
-            let dir = checkpoint::resolve_resume(&spec, &self.args.output_dir)?;
-            let saved = TrainerState::load_from_json(&dir.join(TRAINER_STATE_NAME))?;
-            checkpoint::check_compatible(&dir, &saved, world, ga)?;
-            agree(&rt.acc, checkpoint::verify_checksums(&dir), "verifying the checkpoint")?;
-            let loaded = rt.acc.load_state(Some(&dir)).map(|_| ()).map_err(TrainerError::from);
-            agree(&rt.acc, loaded, "loading the checkpoint")?;
-            self.own_checkpoints.insert(dir.clone());
-            if let Some(best) = &saved.best_model_checkpoint {
-                self.own_checkpoints.insert(PathBuf::from(best));
-            }
-            if let Some(t) = saved.loss_tally.get(rt.acc.rank()) {
-                since_log = LossTally::restored(t);
-            }
-            self.state.stateful_callbacks = saved.stateful_callbacks.clone();
-            self.state.loss_tally = saved.loss_tally.clone();
-            self.state.global_step = saved.global_step;
-            self.state.epoch = saved.epoch;
-            self.state.log_history = saved.log_history.clone();
-            self.state.best_metric = saved.best_metric;
-            self.state.best_global_step = saved.best_global_step;
-            self.state.best_model_checkpoint = saved.best_model_checkpoint.clone();
-            self.state.num_input_tokens_seen = saved.num_input_tokens_seen;
-            rt.callbacks.load_states(&saved.stateful_callbacks)?;
-            epochs_trained = saved.global_step / upe;
-            skip_micro = ((saved.global_step % upe) as usize) * ga;
-            if let Some(why) = already_ended(&saved, max_steps) {
-                // Training on would only move past where the original run stopped (and rotate its checkpoints).
-                rt.acc.print(format!(
-                    "Training already ended at global step {} of {} ({why}); not training further, running the \
-                     final steps only (no checkpoint is written or deleted)",
-                    saved.global_step,
-                    dir.display()
-                ));
-                epochs_trained = num_epochs;
-            } else {
-                rt.acc.print(format!(
-                    "Resuming from {} at global step {}: {epochs_trained} epoch(s) done, skipping the first \
-                     {skip_micro} micro-batch(es) of epoch {}",
-                    dir.display(),
-                    saved.global_step,
-                    epochs_trained + 1
-                ));
-            }
+    /// Verifies and loads the checkpoint `spec` names (every rank agreeing), restores the trainer's state from it,
+    /// and says where training goes on; a run that had already ended trains no further.
+    fn resume(&mut self, rt: &mut Runtime<M, D>, plan: &StepPlan, spec: &str) -> Result<StartPoint> {
+        let dir = checkpoint::resolve_resume(spec, &self.args.output_dir)?;
+        let saved = TrainerState::load_from_json(&dir.join(TRAINER_STATE_NAME))?;
+        checkpoint::check_compatible(&dir, &saved, plan.world, plan.ga)?;
+        agree(&rt.acc, checkpoint::verify_checksums(&dir), "verifying the checkpoint")?;
+        let loaded = rt.acc.load_state(Some(&dir)).map(|_| ()).map_err(TrainerError::from);
+        agree(&rt.acc, loaded, "loading the checkpoint")?;
+        self.restore_state(rt, &dir, &saved)?;
+        let since_log = saved.loss_tally.get(rt.acc.rank()).map(LossTally::restored).unwrap_or_default();
+        let mut epochs_trained = saved.global_step / plan.upe;
+        let skip_micro = ((saved.global_step % plan.upe) as usize) * plan.ga;
+        if let Some(why) = already_ended(&saved, plan.max_steps) {
+            // Training on would only move past where the original run stopped (and rotate its checkpoints).
+            rt.acc.print(format!(
+                "Training already ended at global step {} of {} ({why}); not training further, running the \
+                 final steps only (no checkpoint is written or deleted)",
+                saved.global_step,
+                dir.display()
+            ));
+            epochs_trained = plan.num_epochs;
+        } else {
+            rt.acc.print(format!(
+                "Resuming from {} at global step {}: {epochs_trained} epoch(s) done, skipping the first \
+                 {skip_micro} micro-batch(es) of epoch {}",
+                dir.display(),
+                saved.global_step,
+                epochs_trained + 1
+            ));
         }
+        Ok(StartPoint { epochs_trained, skip_micro, since_log })
+    }
+
+    /// Takes over a checkpoint's trainer state (step, history, best model, callbacks' states) and counts it and
+    /// its recorded best as this run's own checkpoints.
+    fn restore_state(&mut self, rt: &mut Runtime<M, D>, dir: &Path, saved: &TrainerState) -> Result<()> {
+        self.own_checkpoints.insert(dir.to_path_buf());
+        if let Some(best) = &saved.best_model_checkpoint {
+            self.own_checkpoints.insert(PathBuf::from(best));
+        }
+        self.state.stateful_callbacks = saved.stateful_callbacks.clone();
+        self.state.loss_tally = saved.loss_tally.clone();
+        self.state.global_step = saved.global_step;
+        self.state.epoch = saved.epoch;
+        self.state.log_history = saved.log_history.clone();
+        self.state.best_metric = saved.best_metric;
+        self.state.best_global_step = saved.best_global_step;
+        self.state.best_model_checkpoint = saved.best_model_checkpoint.clone();
+        self.state.num_input_tokens_seen = saved.num_input_tokens_seen;
+        rt.callbacks.load_states(&saved.stateful_callbacks)?;
+        Ok(())
+    }
+
+    /// Writes the arguments to `output_dir/training_args.yaml` (main process), after any resume has succeeded.
+    fn write_training_args(&self, rt: &Runtime<M, D>) -> Result<()> {
         if rt.acc.is_main_process() {
             let yaml = self.args.to_yaml()?;
             let path = self.args.output_dir.join("training_args.yaml");
             std::fs::write(&path, yaml).map_err(|e| TrainerError::io(format!("writing {}", path.display()), e))?;
         }
-        {
-            let lr = accel::lock(&scheduler).lr();
-            rt.optimizer.set_learning_rate(lr);
-        }
-        self.control = TrainerControl::default();
-        fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::TrainBegin)?;
+        Ok(())
+    }
 
-        let start_step = self.state.global_step;
-        // Loss sums stay on the device until a log needs them (as HF's tr_loss); restored on resume.
-        let mut last_grad_norm: Option<f64> = None;
-
-        for epoch in epochs_trained..num_epochs {
-            if self.state.global_step >= max_steps {
+    /// Trains the remaining epochs, from `epochs_trained` (skipping `skip_micro` micro-batches of the first),
+    /// until `max_steps` or a callback stops training.
+    fn run_epochs(
+        &mut self,
+        rt: &mut Runtime<M, D>,
+        plan: &StepPlan,
+        epochs_trained: u64,
+        skip_micro: usize,
+        progress: &mut Progress,
+    ) -> Result<()> {
+        for epoch in epochs_trained..plan.num_epochs {
+            if self.state.global_step >= plan.max_steps {
                 break;
             }
-            rt.train_loader.set_epoch(epoch);
             let first_epoch_skip = if epoch == epochs_trained { skip_micro } else { 0 };
-            rt.train_loader.skip_first_batches(first_epoch_skip);
-            self.control.new_epoch();
-            fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::EpochBegin)?;
-            let mut consumed = first_epoch_skip;
-            let mut iter = rt.train_loader.iter();
-            loop {
-                let mut window: Vec<Batch> = Vec::with_capacity(ga);
-                for _ in 0..ga {
-                    match iter.next() {
-                        Some(b) => window.push(b?),
-                        None => break,
-                    }
-                }
-                if window.is_empty() {
-                    break;
-                }
-                consumed += window.len();
-                fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::StepBegin)?;
-                let step = self.training_step(rt, &window)?;
-                drop(window);
-                since_log.add(step.loss_sum, step.items)?;
-                if step.grad_norm.is_some() {
-                    last_grad_norm = step.grad_norm;
-                }
-                self.state.global_step += 1;
-                self.state.epoch = epoch as f64 + consumed as f64 / loader_len as f64;
-                fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::StepEnd)?;
-                self.maybe_log_save_evaluate(rt, &mut since_log, last_grad_norm)?;
-                if self.control.should_epoch_stop || self.control.should_training_stop {
-                    break;
-                }
-            }
-            drop(iter);
-            fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::EpochEnd)?;
-            self.maybe_log_save_evaluate(rt, &mut since_log, last_grad_norm)?;
+            self.run_epoch(rt, plan, epoch, first_epoch_skip, progress)?;
             if self.control.should_training_stop {
                 break;
             }
         }
+        Ok(())
+    }
 
+    /// One epoch: positions the loader, takes one optimizer step per window of micro-batches until the epoch
+    /// ends or a callback stops it, then the epoch end's callbacks, log, evaluation and save.
+    fn run_epoch(
+        &mut self,
+        rt: &mut Runtime<M, D>,
+        plan: &StepPlan,
+        epoch: u64,
+        skip: usize,
+        progress: &mut Progress,
+    ) -> Result<()> {
+        rt.train_loader.set_epoch(epoch);
+        rt.train_loader.skip_first_batches(skip);
+        self.control.new_epoch();
+        fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::EpochBegin)?;
+        let mut consumed = skip;
+        let mut iter = rt.train_loader.iter();
+        while let Some(window) = next_window(&mut iter, plan.ga)? {
+            consumed += window.len();
+            let epoch_progress = epoch as f64 + consumed as f64 / plan.loader_len as f64;
+            self.run_step(rt, window, epoch_progress, progress)?;
+            if self.control.should_epoch_stop || self.control.should_training_stop {
+                break;
+            }
+        }
+        drop(iter);
+        fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::EpochEnd)?;
+        self.maybe_log_save_evaluate(rt, &mut progress.since_log, progress.last_grad_norm)
+    }
+
+    /// One global step: the optimizer step over `window` between its callbacks, the loss tallied and the step
+    /// counted, then whatever logging, evaluation and saving the control flags ask for.
+    fn run_step(
+        &mut self,
+        rt: &mut Runtime<M, D>,
+        window: Vec<Batch>,
+        epoch_progress: f64,
+        progress: &mut Progress,
+    ) -> Result<()> {
+        fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::StepBegin)?;
+        let step = self.training_step(rt, &window)?;
+        drop(window);
+        progress.since_log.add(step.loss_sum, step.items)?;
+        if step.grad_norm.is_some() {
+            progress.last_grad_norm = step.grad_norm;
+        }
+        self.state.global_step += 1;
+        self.state.epoch = epoch_progress;
+        fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::StepEnd)?;
+        self.maybe_log_save_evaluate(rt, &mut progress.since_log, progress.last_grad_norm)
+    }
+
+    /// The end of training: the run's loss and throughput logged, the best model reloaded if asked,
+    /// `on_train_end`, the final state written; returns HF's `TrainOutput`.
+    fn finish_training(
+        &mut self,
+        rt: &mut Runtime<M, D>,
+        plan: &StepPlan,
+        start: Instant,
+        start_step: u64,
+        mut since_log: LossTally,
+    ) -> Result<TrainOutput> {
         let runtime = start.elapsed().as_secs_f64();
         let steps_this_run = self.state.global_step - start_step;
         since_log.flush()?;
         let training_loss = since_log.run_mean(&rt.acc)?.unwrap_or(0.0);
-        let samples = steps_this_run as f64 * (self.args.per_device_train_batch_size * ga * dp) as f64;
+        let samples = steps_this_run as f64 * (self.args.per_device_train_batch_size * plan.ga * plan.dp) as f64;
         let metrics = Metrics::from([
             ("train_runtime".to_string(), runtime),
             ("train_samples_per_second".to_string(), samples / runtime.max(1e-9)),
@@ -633,6 +715,16 @@ where
             self.load_best_model(rt)?;
         }
         fire(&mut rt.callbacks, &self.args, &self.state, &rt.acc, &mut self.control, Event::TrainEnd)?;
+        self.write_final_state(rt)?;
+        rt.acc.wait_for_everyone()?;
+        let mut metrics = metrics;
+        metrics.insert("epoch".into(), self.state.epoch);
+        Ok(TrainOutput { global_step: self.state.global_step, training_loss, metrics })
+    }
+
+    /// Writes the final `trainer_state.json` (and, with the feature `plots`, the training curves) on the main
+    /// process.
+    fn write_final_state(&self, rt: &Runtime<M, D>) -> Result<()> {
         if rt.acc.is_main_process() {
             self.state.save_to_json(&self.args.output_dir.join(TRAINER_STATE_NAME))?;
             // Without the feature `plots`, validation refused save_plots: true.
@@ -645,10 +737,7 @@ where
                 }
             }
         }
-        rt.acc.wait_for_everyone()?;
-        let mut metrics = metrics;
-        metrics.insert("epoch".into(), self.state.epoch);
-        Ok(TrainOutput { global_step: self.state.global_step, training_loss, metrics })
+        Ok(())
     }
 
     /// One optimizer step over a window of micro-batches. See the module documentation for the normalisation.
@@ -658,97 +747,126 @@ where
     /// micro-batch runs forward and backward before the next one starts: memory does not grow with
     /// `gradient_accumulation_steps`. Otherwise every micro-batch's graph is kept until the count is known.
     fn training_step(&mut self, rt: &mut Runtime<M, D>, window: &[Batch]) -> Result<StepOutcome> {
+        let (local_sum, local_items) = self.accumulate_gradients(rt, window)?;
         let acc = &rt.acc;
-        let dtype = acc.compute_dtype();
-        let rows: usize = window.iter().map(Batch::len).sum();
+        let grad_norm = if self.args.max_grad_norm > 0.0 { acc.clip_grad_norm(self.args.max_grad_norm)? } else { None };
+        if self.args.on_nonfinite_loss == crate::args::NonFiniteLoss::SkipStep
+            && self.skip_nonfinite_step(rt, local_sum.as_ref(), grad_norm)?
+        {
+            let zero = Tensor::zeros((), DType::F32, rt.acc.device())?;
+            return Ok(StepOutcome { loss_sum: zero, items: 0.0, grad_norm: None });
+        }
+        optimizer_step(rt)?;
+        let loss_sum = local_sum.expect("a window has at least one micro-batch");
+        Ok(StepOutcome { loss_sum, items: local_items as f64, grad_norm })
+    }
+
+    /// Forward and backward over the window's micro-batches, the gradients accumulated (and synced with the
+    /// last); returns this rank's loss sum (detached) and item count.
+    fn accumulate_gradients(&self, rt: &Runtime<M, D>, window: &[Batch]) -> Result<(Option<Tensor>, usize)> {
         let counts = window
             .iter()
             .map(|b| self.loss.count_items(&b.targets))
             .collect::<candle_core::Result<Option<Vec<usize>>>>()?;
         let mut local_sum: Option<Tensor> = None;
-        let mut add_to_sum = |loss_sum: &Tensor| -> Result<()> {
-            let detached = loss_sum.detach();
-            local_sum = Some(match local_sum.take() {
-                None => detached,
-                Some(acc_sum) => (acc_sum + detached)?,
-            });
-            Ok(())
-        };
-        // The forward pass is recorded: where the model marks backward-segment cuts (`accel::segments::cut`),
-        // the gradient all-reduce starts during the backward pass (Accelerator::backward_segments).
-        let forward = |batch: &Batch| -> Result<(crate::losses::LossOutput, BackwardSegments)> {
-            segments::record(|| {
-                let y = outputs_f32(rt.model.forward_t(&cast_input(&batch.inputs, dtype)?, true)?)?;
-                Ok(self.loss.compute_parallel(&y, &batch.targets, &rt.tp)?)
-            })
-        };
         // The trainer cuts windows itself (it needs the window's item count first): the window's last micro-batch
         // syncs, whatever the loader's end-of-data flag says about the batch fetched last.
         let local_items = match counts {
-            Some(counts) => {
-                let local_items: usize = counts.iter().sum();
-                let scale = self.loss_scale(acc, local_items, rows)?;
-                acc.accumulate_window(window.len(), |i| {
-                    let (out, cuts) = forward(&window[i])?;
-                    if out.num_items != counts[i] {
-                        return Err(TrainerError::Usage(format!(
-                            "the loss counted {} items from the targets (count_items) but computed {} \
-                             (compute); make the two agree",
-                            counts[i], out.num_items
-                        )));
-                    }
-                    add_to_sum(&out.loss_sum)?;
-                    Ok(acc.backward_segments(&out.loss_sum.affine(scale, 0.0)?, cuts)?)
-                })?;
-                local_items
-            }
-            None => {
-                let mut sums = Vec::with_capacity(window.len());
-                let mut local_items = 0usize;
-                for batch in window {
-                    let (out, cuts) = forward(batch)?;
-                    add_to_sum(&out.loss_sum)?;
-                    local_items += out.num_items;
-                    sums.push((out.loss_sum, Some(cuts)));
-                }
-                let scale = self.loss_scale(acc, local_items, rows)?;
-                acc.accumulate_window(sums.len(), |i| {
-                    let cuts = sums[i].1.take().unwrap_or_default();
-                    Ok::<_, TrainerError>(acc.backward_segments(&sums[i].0.affine(scale, 0.0)?, cuts)?)
-                })?;
-                local_items
-            }
+            Some(counts) => self.accumulate_counted(rt, window, &counts, &mut local_sum)?,
+            None => self.accumulate_uncounted(rt, window, &mut local_sum)?,
         };
-        let grad_norm = if self.args.max_grad_norm > 0.0 { acc.clip_grad_norm(self.args.max_grad_norm)? } else { None };
-        if self.args.on_nonfinite_loss == crate::args::NonFiniteLoss::SkipStep {
-            let local = local_sum.as_ref().map_or(Ok(0.0), |t| t.to_dtype(DType::F64)?.to_scalar::<f64>())?;
-            let mut bad = [f64::from(u8::from(!local.is_finite() || grad_norm.is_some_and(|g| !g.is_finite())))];
-            if acc.world_size() > 1 {
-                acc.process_group().all_reduce(&mut bad, accel::dist::ReduceOp::Max)?;
+        Ok((local_sum, local_items))
+    }
+
+    /// A window whose item counts the loss gave up front (`counts`): each micro-batch runs forward and backward
+    /// before the next one starts.
+    fn accumulate_counted(
+        &self,
+        rt: &Runtime<M, D>,
+        window: &[Batch],
+        counts: &[usize],
+        local_sum: &mut Option<Tensor>,
+    ) -> Result<usize> {
+        let acc = &rt.acc;
+        let rows: usize = window.iter().map(Batch::len).sum();
+        let local_items: usize = counts.iter().sum();
+        let scale = self.loss_scale(acc, local_items, rows)?;
+        acc.accumulate_window(window.len(), |i| {
+            let (out, cuts) = self.forward(rt, &window[i])?;
+            if out.num_items != counts[i] {
+                return Err(TrainerError::Usage(format!(
+                    "the loss counted {} items from the targets (count_items) but computed {} (compute); make \
+                     the two agree",
+                    counts[i], out.num_items
+                )));
             }
-            if bad[0] > 0.0 {
-                // Every rank skips the same step: the synced gradients are dropped, weights and schedule stay.
-                rt.optimizer.zero_grad();
-                tracing::warn!(
-                    "global step {}: non-finite loss or gradient norm on some rank; step skipped \
-                     (on_nonfinite_loss = skip_step)",
-                    self.state.global_step + 1
-                );
-                let zero = Tensor::zeros((), DType::F32, acc.device())?;
-                return Ok(StepOutcome { loss_sum: zero, items: 0.0, grad_norm: None });
-            }
+            add_detached(local_sum, &out.loss_sum)?;
+            Ok(acc.backward_segments(&out.loss_sum.affine(scale, 0.0)?, cuts)?)
+        })?;
+        Ok(local_items)
+    }
+
+    /// A window whose item count is known only after every forward pass: each micro-batch's graph is kept until
+    /// then, and the backward passes follow.
+    fn accumulate_uncounted(
+        &self,
+        rt: &Runtime<M, D>,
+        window: &[Batch],
+        local_sum: &mut Option<Tensor>,
+    ) -> Result<usize> {
+        let acc = &rt.acc;
+        let rows: usize = window.iter().map(Batch::len).sum();
+        let mut sums = Vec::with_capacity(window.len());
+        let mut local_items = 0usize;
+        for batch in window {
+            let (out, cuts) = self.forward(rt, batch)?;
+            add_detached(local_sum, &out.loss_sum)?;
+            local_items += out.num_items;
+            sums.push((out.loss_sum, Some(cuts)));
         }
-        let stepped = rt.optimizer.step()?;
-        if stepped {
-            // Only real optimizer steps move the schedule (not fp16-skipped ones).
-            if let Some(s) = &rt.scheduler {
-                let mut s = accel::lock(s);
-                s.step();
-                rt.optimizer.set_learning_rate(s.lr());
-            }
+        let scale = self.loss_scale(acc, local_items, rows)?;
+        acc.accumulate_window(sums.len(), |i| {
+            let cuts = sums[i].1.take().unwrap_or_default();
+            Ok::<_, TrainerError>(acc.backward_segments(&sums[i].0.affine(scale, 0.0)?, cuts)?)
+        })?;
+        Ok(local_items)
+    }
+
+    /// One micro-batch's forward pass and loss. The pass is recorded: where the model marks backward-segment cuts
+    /// (`accel::segments::cut`), the gradient all-reduce starts during the backward pass
+    /// (Accelerator::backward_segments).
+    fn forward(&self, rt: &Runtime<M, D>, batch: &Batch) -> Result<(crate::losses::LossOutput, BackwardSegments)> {
+        let dtype = rt.acc.compute_dtype();
+        segments::record(|| {
+            let y = outputs_f32(rt.model.forward_t(&cast_input(&batch.inputs, dtype)?, true)?)?;
+            Ok(self.loss.compute_parallel(&y, &batch.targets, &rt.tp)?)
+        })
+    }
+
+    /// `on_nonfinite_loss = skip_step`: whether any rank's loss or the gradient norm is not finite (every rank
+    /// agrees). Then every rank skips the same step: the synced gradients are dropped, weights and schedule stay.
+    fn skip_nonfinite_step(
+        &self,
+        rt: &mut Runtime<M, D>,
+        local_sum: Option<&Tensor>,
+        grad_norm: Option<f64>,
+    ) -> Result<bool> {
+        let acc = &rt.acc;
+        let local = local_sum.map_or(Ok(0.0), |t| t.to_dtype(DType::F64)?.to_scalar::<f64>())?;
+        let mut bad = [f64::from(u8::from(!local.is_finite() || grad_norm.is_some_and(|g| !g.is_finite())))];
+        if acc.world_size() > 1 {
+            acc.process_group().all_reduce(&mut bad, accel::dist::ReduceOp::Max)?;
         }
-        let loss_sum = local_sum.expect("a window has at least one micro-batch");
-        Ok(StepOutcome { loss_sum, items: local_items as f64, grad_norm })
+        if bad[0] == 0.0 {
+            return Ok(false);
+        }
+        rt.optimizer.zero_grad();
+        tracing::warn!(
+            "global step {}: non-finite loss or gradient norm on some rank; step skipped (on_nonfinite_loss = \
+             skip_step)",
+            self.state.global_step + 1
+        );
+        Ok(true)
     }
 
     /// The factor each micro-batch's loss sum is multiplied by before `backward`: `GA · W / N` with `N` the
@@ -1027,6 +1145,75 @@ struct StepOutcome {
     items: f64,
     /// Total gradient norm before clipping, when clipping is on.
     grad_norm: Option<f64>,
+}
+
+/// Adds a micro-batch's loss sum, detached from its graph, to this window's running sum.
+fn add_detached(sum: &mut Option<Tensor>, loss_sum: &Tensor) -> Result<()> {
+    let detached = loss_sum.detach();
+    *sum = Some(match sum.take() {
+        None => detached,
+        Some(acc_sum) => (acc_sum + detached)?,
+    });
+    Ok(())
+}
+
+/// The optimizer step; a real one (not skipped by the fp16 scaler) moves the schedule and the learning rate.
+fn optimizer_step<M, D>(rt: &mut Runtime<M, D>) -> Result<()> {
+    let stepped = rt.optimizer.step()?;
+    if stepped {
+        // Only real optimizer steps move the schedule (not fp16-skipped ones).
+        if let Some(s) = &rt.scheduler {
+            let mut s = accel::lock(s);
+            s.step();
+            rt.optimizer.set_learning_rate(s.lr());
+        }
+    }
+    Ok(())
+}
+
+/// The step arithmetic of one `train()` call (HF's; see the module documentation).
+struct StepPlan {
+    /// Micro-batches per optimizer step (`gradient_accumulation_steps`).
+    ga: usize,
+    /// Processes in the job.
+    world: usize,
+    /// Data-parallel ranks (tensor-parallel peers train on the same batches).
+    dp: usize,
+    /// Micro-batches per epoch on this process.
+    loader_len: usize,
+    /// Optimizer steps per epoch.
+    upe: u64,
+    max_steps: u64,
+    num_epochs: u64,
+}
+
+/// Where training starts: epochs already done, micro-batches of the next epoch to skip, the restored loss tally
+/// (all zero for a fresh run).
+#[derive(Default)]
+struct StartPoint {
+    epochs_trained: u64,
+    skip_micro: usize,
+    since_log: LossTally,
+}
+
+/// What the loop carries from step to step: the loss sums, which stay on the device until a log needs them (as
+/// HF's `tr_loss`; restored on resume), and the newest gradient norm.
+struct Progress {
+    since_log: LossTally,
+    last_grad_norm: Option<f64>,
+}
+
+/// The next optimizer step's window: up to `ga` micro-batches, fewer at the end of the epoch, `None` once the
+/// epoch has ended.
+fn next_window(iter: &mut impl Iterator<Item = accel::Result<Batch>>, ga: usize) -> Result<Option<Vec<Batch>>> {
+    let mut window: Vec<Batch> = Vec::with_capacity(ga);
+    for _ in 0..ga {
+        match iter.next() {
+            Some(b) => window.push(b?),
+            None => break,
+        }
+    }
+    Ok((!window.is_empty()).then_some(window))
 }
 
 /// Training-loss sums: on the device between logs (one small add per step, no host sync), on the host for the

@@ -14,9 +14,11 @@
 
 use std::path::{Path, PathBuf};
 
+use candle_core::Device;
 use ddp_core::ReduceOp;
 use serde::{Deserialize, Serialize};
 
+use crate::accelerator::Prepared;
 use crate::error::{AccelError, Result};
 use crate::state::checkpoint_dir::{
     checkpoint_name, commit, newest_checkpoint, next_checkpoint_index, partial_dir, remove_if_exists,
@@ -152,28 +154,47 @@ pub(crate) fn save_state(acc: &Accelerator, dir: Option<&Path>) -> Result<PathBu
 /// `Accelerator::load_state`: restores everything but the step counters, which it returns for the step
 /// owner to restore.
 pub(crate) fn load_state(acc: &Accelerator, dir: Option<&Path>) -> Result<(PathBuf, StepCounters, Option<StateDict>)> {
-    let dir = match dir {
-        Some(d) => d.to_path_buf(),
-        None => {
-            let root = acc.checkpoints_dir().ok_or_else(|| {
-                AccelError::Usage(
-                    "load_state(None) looks for the newest checkpoint under project_dir/checkpoints, but no \
-                     project_dir is configured: set AcceleratorConfig::project_dir or pass a directory"
-                        .into(),
-                )
-            })?;
-            newest_checkpoint(&root)?.ok_or_else(|| {
-                checkpoint_err(&root, "no checkpoint_{i} directory found; save one first or pass a directory")
-            })?
-        }
-    };
+    let dir = resolve_load_dir(acc, dir)?;
+    let meta = read_meta(&dir)?;
+    check_layout(acc, &dir, &meta)?;
+    check_contents(acc, &dir, &meta.contents)?;
+    let device = acc.device().clone();
+    let prepared = acc.prepared();
+    restore_models(&dir, &prepared, &device)?;
+    restore_optimizers(&dir, &prepared, &device)?;
+    restore_scaler(acc, &dir, meta.contents.scaler, &device)?;
+    restore_registered(&dir, prepared, &device)?;
+    restore_rng(acc, &dir)?;
+    let gradients = load_gradients(acc, &dir, &device)?;
+    Ok((dir, meta.counters, gradients))
+}
+
+/// The directory to load: the one given, else the newest automatically named checkpoint under `project_dir`.
+fn resolve_load_dir(acc: &Accelerator, dir: Option<&Path>) -> Result<PathBuf> {
+    if let Some(d) = dir {
+        return Ok(d.to_path_buf());
+    }
+    let root = acc.checkpoints_dir().ok_or_else(|| {
+        AccelError::Usage(
+            "load_state(None) looks for the newest checkpoint under project_dir/checkpoints, but no \
+             project_dir is configured: set AcceleratorConfig::project_dir or pass a directory"
+                .into(),
+        )
+    })?;
+    newest_checkpoint(&root)?
+        .ok_or_else(|| checkpoint_err(&root, "no checkpoint_{i} directory found; save one first or pass a directory"))
+}
+
+/// Reads `accelerator.json` of the checkpoint `dir`, refusing a directory that is not a complete checkpoint or
+/// a format this version cannot read.
+fn read_meta(dir: &Path) -> Result<CheckpointMeta> {
     if !dir.is_dir() {
-        return Err(checkpoint_err(&dir, "does not exist or is not a directory"));
+        return Err(checkpoint_err(dir, "does not exist or is not a directory"));
     }
     let meta_path = dir.join(ACCELERATOR_FILE);
     if !meta_path.is_file() {
         return Err(checkpoint_err(
-            &dir,
+            dir,
             format!("no {ACCELERATOR_FILE}: not a checkpoint written by save_state (or an incomplete copy)"),
         ));
     }
@@ -188,9 +209,15 @@ pub(crate) fn load_state(acc: &Accelerator, dir: Option<&Path>) -> Result<(PathB
             ),
         ));
     }
+    Ok(meta)
+}
+
+/// Refuses another number of processes (per-rank state would not fit); warns when the mesh layout or the
+/// gradient accumulation differs (the checkpoint loads, but the resumed run will not match the original).
+fn check_layout(acc: &Accelerator, dir: &Path, meta: &CheckpointMeta) -> Result<()> {
     if meta.world_size != acc.world_size() {
         return Err(checkpoint_err(
-            &dir,
+            dir,
             format!(
                 "written by {} processes but this job has {}; resume with the same number of processes \
                  (data-loader positions and per-rank RNG states depend on it)",
@@ -219,42 +246,59 @@ pub(crate) fn load_state(acc: &Accelerator, dir: Option<&Path>) -> Result<(PathB
             acc.gradient_accumulation_steps()
         );
     }
+    Ok(())
+}
+
+/// Refuses a checkpoint that holds another number of models, optimizers, schedulers, data loaders or registered
+/// objects than this Accelerator (each would load into the wrong object).
+fn check_contents(acc: &Accelerator, dir: &Path, c: &Contents) -> Result<()> {
     let here = contents(acc);
     let check = |what: &str, saved: usize, now: usize, how: &str| -> Result<()> {
         if saved != now {
             return Err(checkpoint_err(
-                &dir,
+                dir,
                 format!("holds {saved} {what} but this Accelerator has {now}; {how} before load_state"),
             ));
         }
         Ok(())
     };
-    let c = meta.contents;
     check("models", c.models, here.models, "prepare the same models")?;
     check("optimizers", c.optimizers, here.optimizers, "prepare the same optimizers")?;
     check("schedulers", c.schedulers, here.schedulers, "register the same schedulers")?;
     check("data loaders", c.data_loaders, here.data_loaders, "prepare the same data loaders, in the same order")?;
-    check("registered objects", c.custom, here.custom, "register_for_checkpointing the same objects")?;
+    check("registered objects", c.custom, here.custom, "register_for_checkpointing the same objects")
+}
 
-    let device = acc.device().clone();
-    let prepared = acc.prepared();
+/// Loads each prepared model's weights from `model*.safetensors`.
+fn restore_models(dir: &Path, prepared: &Prepared, device: &Device) -> Result<()> {
     for (i, model) in prepared.models.iter().enumerate() {
         let file = dir.join(format!("{}.safetensors", stem("model", i)));
         if !file.is_file() {
-            return Err(checkpoint_err(&dir, format!("missing {}", file.display())));
+            return Err(checkpoint_err(dir, format!("missing {}", file.display())));
         }
-        let weights = load_safetensors(&file, &device)?;
+        let weights = load_safetensors(&file, device)?;
         model.load_state_dict(&weights).map_err(restoring(&file, "model weights"))?;
     }
+    Ok(())
+}
+
+/// Loads each optimizer's state, laid out for its model's local shards.
+fn restore_optimizers(dir: &Path, prepared: &Prepared, device: &Device) -> Result<()> {
     for (i, (opt, model)) in prepared.optimizers.iter().enumerate() {
         let s = stem("optimizer", i);
         let restoring_it = || restoring(&dir.join(format!("{s}.json")), "optimizer state");
-        let sd = model.optimizer_state_to_local(StateDict::load(&dir, &s, &device)?).map_err(restoring_it())?;
+        let sd = model.optimizer_state_to_local(StateDict::load(dir, &s, device)?).map_err(restoring_it())?;
         lock(opt).load_state_dict(&sd).map_err(AccelError::from).map_err(restoring_it())?;
     }
-    match (acc.grad_scaler(), c.scaler) {
+    Ok(())
+}
+
+/// Loads the fp16 loss scaler's state when both the run and the checkpoint have one (a run with a scaler but a
+/// checkpoint without starts from the initial scale, with a warning).
+fn restore_scaler(acc: &Accelerator, dir: &Path, saved: bool, device: &Device) -> Result<()> {
+    match (acc.grad_scaler(), saved) {
         (Some(scaler), true) => {
-            let sd = StateDict::load(&dir, "scaler", &device)?;
+            let sd = StateDict::load(dir, "scaler", device)?;
             lock(&scaler).load_state_dict(&sd).map_err(restoring(&dir.join("scaler.json"), "fp16 loss scaler"))?;
         }
         (Some(_), false) => tracing::warn!(
@@ -263,35 +307,49 @@ pub(crate) fn load_state(acc: &Accelerator, dir: Option<&Path>) -> Result<(PathB
         ),
         (None, _) => {}
     }
+    Ok(())
+}
+
+/// Loads the schedulers, the data-loader positions and the objects registered for checkpointing.
+fn restore_registered(dir: &Path, prepared: Prepared, device: &Device) -> Result<()> {
     for (i, sched) in prepared.schedulers.iter().enumerate() {
         let s = stem("scheduler", i);
-        let sd = StateDict::load(&dir, &s, &device)?;
+        let sd = StateDict::load(dir, &s, device)?;
         lock(sched).load_state_dict(&sd).map_err(restoring(&dir.join(format!("{s}.json")), "scheduler"))?;
     }
     for (i, mut handle) in prepared.data_loaders.into_iter().enumerate() {
         let s = stem("data_loader", i);
-        let sd = StateDict::load(&dir, &s, &device)?;
+        let sd = StateDict::load(dir, &s, device)?;
         handle.load_state_dict(&sd).map_err(restoring(&dir.join(format!("{s}.json")), "data-loader position"))?;
     }
     for (i, obj) in prepared.custom.iter().enumerate() {
         let s = format!("custom_checkpoint_{i}");
-        let sd = StateDict::load(&dir, &s, &device)?;
+        let sd = StateDict::load(dir, &s, device)?;
         lock(obj).load_state_dict(&sd).map_err(restoring(&dir.join(format!("{s}.json")), "registered object"))?;
     }
+    Ok(())
+}
+
+/// Restores the Accelerator's RNG from this rank's `random_states_{rank}.json`.
+fn restore_rng(acc: &Accelerator, dir: &Path) -> Result<()> {
     let rng_path = dir.join(format!("random_states_{}.json", acc.rank()));
     if !rng_path.is_file() {
-        return Err(checkpoint_err(&dir, format!("missing random_states_{}.json (this rank's RNG state)", acc.rank())));
+        return Err(checkpoint_err(dir, format!("missing random_states_{}.json (this rank's RNG state)", acc.rank())));
     }
     let states: RandomStates = serde_json::from_value(read_json(&rng_path)?)
         .map_err(|e| AccelError::json(format!("reading {}", rng_path.display()), e))?;
     *acc.rng() = states.accelerator_rng.restore().map_err(restoring(&rng_path, "RNG state"))?;
+    Ok(())
+}
+
+/// This rank's partial gradients, when the checkpoint was saved inside an accumulation window.
+fn load_gradients(acc: &Accelerator, dir: &Path, device: &Device) -> Result<Option<StateDict>> {
     let grads_stem = format!("gradients_{}", acc.rank());
-    let gradients = if dir.join(format!("{grads_stem}.json")).is_file() {
-        Some(StateDict::load(&dir, &grads_stem, &device)?)
+    Ok(if dir.join(format!("{grads_stem}.json")).is_file() {
+        Some(StateDict::load(dir, &grads_stem, device)?)
     } else {
         None
-    };
-    Ok((dir, meta.counters, gradients))
+    })
 }
 
 /// The final directory of a save, and the automatic-naming root when it applies.

@@ -141,7 +141,7 @@ fn host_store(opts: &InitOptions, layout: &MpiLayout) -> Result<(TcpStoreServer,
             None => RunToken::generate()?,
         },
     };
-    let explicit_addr = std::env::var("MASTER_ADDR").ok().filter(|a| !a.trim().is_empty());
+    let explicit_addr = crate::env::explicit_master_addr();
     let bind_host = match (&opts.store_bind_addr, layout.single_node) {
         (Some(b), _) => b.clone(),
         (None, true) => "127.0.0.1".to_string(),

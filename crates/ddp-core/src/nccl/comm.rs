@@ -349,6 +349,7 @@ impl NcclComm {
         Ok(())
     }
 
+    /// Refuses an operand (`what`, on `other`'s stream) that lives on another GPU than this communicator.
     fn check_device(&self, other: &Arc<CudaStream>, what: &str) -> Result<()> {
         let (a, b) = (other.context().ordinal(), self.stream.context().ordinal());
         if a != b {
@@ -359,24 +360,39 @@ impl NcclComm {
         Ok(())
     }
 
+    /// The preamble every device-slice collective shares, in this order: each operand (its stream and what it
+    /// is) must live on this communicator's GPU; then the collective's own argument checks (`args`); then, for
+    /// empty operands, nothing to do (`None`). Otherwise this communicator's stream is ordered after the
+    /// operands' streams and returned, for borrowing the device pointers on it.
+    fn prepare(
+        &self,
+        operands: &[(&Arc<CudaStream>, &str)],
+        args: Result<()>,
+        empty: bool,
+    ) -> Result<Option<Arc<CudaStream>>> {
+        for (stream, what) in operands {
+            self.check_device(stream, what)?;
+        }
+        args?;
+        if empty {
+            return Ok(None);
+        }
+        for (stream, _) in operands {
+            self.after(stream)?;
+        }
+        Ok(Some(self.stream.clone()))
+    }
+
     /// In place all_reduce of a device buffer (`CudaSlice` or `CudaViewMut`, on any stream of this device;
     /// ordered after the buffer's pending work). Returns when the result is complete.
     ///
     /// `Avg` on integer slices is not supported on the device (it needs a division kernel): use `Sum` and divide.
     pub fn all_reduce<T: NcclElement, S: DevicePtrMut<T>>(&mut self, buf: &mut S, op: ReduceOp) -> Result<()> {
-        self.check_device(buf.stream(), "all_reduce buffer")?;
-        if nccl_op(op, T::DTYPE).1 {
-            return Err(DdpError::InvalidArgument(format!(
-                "all_reduce Avg on {:?} device buffers is not supported: use Sum and divide by the world size",
-                T::DTYPE
-            )));
-        }
-        if buf.is_empty() {
+        let args = native_op("all_reduce", op, T::DTYPE, "use Sum and divide by the world size");
+        let Some(stream) = self.prepare(&[(buf.stream(), "all_reduce buffer")], args, buf.is_empty())? else {
             return Ok(());
-        }
-        let owner = buf.stream().clone();
-        self.after(&owner)?;
-        let (stream, count) = (self.stream.clone(), buf.len());
+        };
+        let count = buf.len();
         let (ptr, _sync) = buf.device_ptr_mut(&stream);
         // SAFETY: `ptr` points to `count` elements of T on this device and `_sync` keeps it borrowed.
         unsafe { self.all_reduce_raw(ptr, count, T::DTYPE, op)? };
@@ -385,13 +401,10 @@ impl NcclComm {
 
     /// In place broadcast of a device slice from group rank `root`.
     pub fn broadcast<T: NcclElement, S: DevicePtrMut<T>>(&mut self, buf: &mut S, root: usize) -> Result<()> {
-        self.check_device(buf.stream(), "broadcast buffer")?;
-        if buf.is_empty() {
+        let Some(stream) = self.prepare(&[(buf.stream(), "broadcast buffer")], Ok(()), buf.is_empty())? else {
             return Ok(());
-        }
-        let owner = buf.stream().clone();
-        self.after(&owner)?;
-        let (stream, bytes) = (self.stream.clone(), buf.num_bytes());
+        };
+        let bytes = buf.num_bytes();
         let (ptr, _sync) = buf.device_ptr_mut(&stream);
         // SAFETY: as above, `bytes` bytes.
         unsafe { self.broadcast_raw(ptr, bytes, root) }
@@ -403,23 +416,19 @@ impl NcclComm {
         input: &I,
         output: &mut O,
     ) -> Result<()> {
-        self.check_device(input.stream(), "all_gather input")?;
-        self.check_device(output.stream(), "all_gather output")?;
-        if output.len() != input.len() * self.world_size {
-            return Err(DdpError::InvalidArgument(format!(
+        let args = if output.len() != input.len() * self.world_size {
+            Err(DdpError::InvalidArgument(format!(
                 "all_gather: output has {} elements, expected world_size ({}) × input ({})",
                 output.len(),
                 self.world_size,
                 input.len()
-            )));
-        }
-        if input.is_empty() {
-            return Ok(());
-        }
-        let (a, b) = (input.stream().clone(), output.stream().clone());
-        self.after(&a)?;
-        self.after(&b)?;
-        let (stream, bytes) = (self.stream.clone(), input.num_bytes());
+            )))
+        } else {
+            Ok(())
+        };
+        let operands = [(input.stream(), "all_gather input"), (output.stream(), "all_gather output")];
+        let Some(stream) = self.prepare(&operands, args, input.is_empty())? else { return Ok(()) };
+        let bytes = input.num_bytes();
         let (src, _s) = input.device_ptr(&stream);
         let (dst, _d) = output.device_ptr_mut(&stream);
         // SAFETY: both pointers are on this device with the checked sizes.
@@ -433,29 +442,19 @@ impl NcclComm {
         output: &mut O,
         op: ReduceOp,
     ) -> Result<()> {
-        self.check_device(input.stream(), "reduce_scatter input")?;
-        self.check_device(output.stream(), "reduce_scatter output")?;
-        if input.len() != output.len() * self.world_size {
-            return Err(DdpError::InvalidArgument(format!(
+        let args = if input.len() != output.len() * self.world_size {
+            Err(DdpError::InvalidArgument(format!(
                 "reduce_scatter: input has {} elements, expected world_size ({}) × output ({})",
                 input.len(),
                 self.world_size,
                 output.len()
-            )));
-        }
-        if nccl_op(op, T::DTYPE).1 {
-            return Err(DdpError::InvalidArgument(format!(
-                "reduce_scatter Avg on {:?} device buffers is not supported: use Sum and divide",
-                T::DTYPE
-            )));
-        }
-        if output.is_empty() {
-            return Ok(());
-        }
-        let (a, b) = (input.stream().clone(), output.stream().clone());
-        self.after(&a)?;
-        self.after(&b)?;
-        let (stream, n) = (self.stream.clone(), output.len());
+            )))
+        } else {
+            native_op("reduce_scatter", op, T::DTYPE, "use Sum and divide")
+        };
+        let operands = [(input.stream(), "reduce_scatter input"), (output.stream(), "reduce_scatter output")];
+        let Some(stream) = self.prepare(&operands, args, output.is_empty())? else { return Ok(()) };
+        let n = output.len();
         let (src, _s) = input.device_ptr(&stream);
         let (dst, _d) = output.device_ptr_mut(&stream);
         // SAFETY: both pointers are on this device with the checked sizes.
@@ -465,13 +464,10 @@ impl NcclComm {
 
     /// Sends a device slice to group rank `peer`.
     pub fn send<T: NcclElement, S: DevicePtr<T>>(&mut self, buf: &S, peer: usize) -> Result<()> {
-        self.check_device(buf.stream(), "send buffer")?;
-        if buf.is_empty() {
+        let Some(stream) = self.prepare(&[(buf.stream(), "send buffer")], Ok(()), buf.is_empty())? else {
             return Ok(());
-        }
-        let owner = buf.stream().clone();
-        self.after(&owner)?;
-        let (stream, bytes) = (self.stream.clone(), buf.num_bytes());
+        };
+        let bytes = buf.num_bytes();
         let (ptr, _sync) = buf.device_ptr(&stream);
         // SAFETY: `bytes` bytes on this device.
         unsafe { self.p2p_raw(ptr, bytes, peer, true) }
@@ -479,13 +475,10 @@ impl NcclComm {
 
     /// Receives into a device slice from group rank `peer`.
     pub fn recv<T: NcclElement, S: DevicePtrMut<T>>(&mut self, buf: &mut S, peer: usize) -> Result<()> {
-        self.check_device(buf.stream(), "recv buffer")?;
-        if buf.is_empty() {
+        let Some(stream) = self.prepare(&[(buf.stream(), "recv buffer")], Ok(()), buf.is_empty())? else {
             return Ok(());
-        }
-        let owner = buf.stream().clone();
-        self.after(&owner)?;
-        let (stream, bytes) = (self.stream.clone(), buf.num_bytes());
+        };
+        let bytes = buf.num_bytes();
         let (ptr, _sync) = buf.device_ptr_mut(&stream);
         // SAFETY: `bytes` bytes on this device.
         unsafe { self.p2p_raw(ptr, bytes, peer, false) }
@@ -501,6 +494,17 @@ impl NcclComm {
         let r = unsafe { self.all_reduce_raw(ptr, 1, DType::F32, ReduceOp::Sum) };
         r.map(|_| ()).map_err(|e| rename_op(e, "barrier", seq_before + 1))
     }
+}
+
+/// Refuses `Avg` where NCCL has no native operator (integer device buffers: the division would need a kernel);
+/// `hint` says what to do instead.
+fn native_op(what: &str, op: ReduceOp, dtype: DType, hint: &str) -> Result<()> {
+    if nccl_op(op, dtype).1 {
+        return Err(DdpError::InvalidArgument(format!(
+            "{what} Avg on {dtype:?} device buffers is not supported: {hint}"
+        )));
+    }
+    Ok(())
 }
 
 /// Reports a collective error under another op name (the barrier is an all_reduce inside).

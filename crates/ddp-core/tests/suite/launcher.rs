@@ -532,7 +532,7 @@ fn store_worker() -> i32 {
 
 /// Rank 0 forms a real process group; the other ranks never join (they sleep), so rank 0 waits and says so.
 fn pg_worker() -> i32 {
-    if std::env::var("RANK").unwrap() != "0" {
+    if ddp_core::env::DistEnv::from_env().unwrap().rank != 0 {
         std::thread::sleep(Duration::from_secs(10));
         return 0;
     }

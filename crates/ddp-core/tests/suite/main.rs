@@ -9,6 +9,7 @@ mod ddp;
 mod env;
 mod fault;
 mod functional;
+mod invariants;
 mod launcher;
 mod mesh;
 mod multiprocess;

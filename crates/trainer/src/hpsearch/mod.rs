@@ -408,16 +408,20 @@ impl HyperparameterSearch {
         let rec = view.trials.get(&number).ok_or_else(|| {
             TrainerError::Usage(format!("{TRIAL_ENV}={number}: no such trial in {}", study.display()))
         })?;
-        let env_usize = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
+        // The launcher gave this process its place in the trial's job (a lone process: rank 0 of 1).
+        let (rank, world_size, master_port) = match accel::dist::env::DistEnv::detect_from_env() {
+            Ok(Some(env)) => (env.rank, env.world_size, Some(env.master_port)),
+            _ => (0, 1, None),
+        };
         let trial = Trial::new(
             journal.clone(),
             Arc::new(config),
             number,
             rec.params.clone(),
             rec.output_dir.clone(),
-            env_usize("RANK").unwrap_or(0),
-            env_usize("WORLD_SIZE").unwrap_or(1),
-            std::env::var("MASTER_PORT").ok().and_then(|p| p.parse().ok()),
+            rank,
+            world_size,
+            master_port,
         );
         run_trial(trial, objective)
     }
@@ -429,11 +433,40 @@ impl HyperparameterSearch {
     {
         let started = Instant::now();
         self.config.space.validate()?;
+        let study_dir = self.create_study_dir()?;
+        let journal = Journal::new(study_dir.join(STUDY_FILE));
+        let view = self.open_journal(&journal)?;
+        let mut queue = TrialQueue::new(&view, self.trial_count());
+        let (slots, threads) = self.parallelism();
+        let interrupted = AtomicBool::new(false);
+        let pool = TrialPool {
+            journal: &journal,
+            study_dir: &study_dir,
+            config: Arc::new(self.config.clone()),
+            threads,
+            interrupted: &interrupted,
+        };
+        self.run_trials(objective, &pool, &mut queue, slots)?;
+        if interrupted.load(Ordering::SeqCst) {
+            return Err(TrainerError::Usage(format!(
+                "the study was interrupted; run the same search again to resume it from {}",
+                journal.path().display()
+            )));
+        }
+        self.summarise(&journal, &study_dir, started)
+    }
+
+    /// Creates the study directory and returns its canonical path (the trials' directories are made from it).
+    fn create_study_dir(&self) -> Result<PathBuf> {
         std::fs::create_dir_all(&self.study_dir)
             .map_err(|e| TrainerError::io(format!("creating the study directory {}", self.study_dir.display()), e))?;
-        let study_dir = std::fs::canonicalize(&self.study_dir)
-            .map_err(|e| TrainerError::io(format!("resolving {}", self.study_dir.display()), e))?;
-        let journal = Journal::new(study_dir.join(STUDY_FILE));
+        std::fs::canonicalize(&self.study_dir)
+            .map_err(|e| TrainerError::io(format!("resolving {}", self.study_dir.display()), e))
+    }
+
+    /// Opens the study file: cuts a torn last line, then starts a new study (its configuration line) or checks
+    /// that the existing one was written by this search; returns what the file holds.
+    fn open_journal(&self, journal: &Journal) -> Result<StudyView> {
         if journal.repair()? {
             self.say(format!("[hp] {}: cut a torn last line (the study was killed)", journal.path().display()));
         }
@@ -457,117 +490,156 @@ impl HyperparameterSearch {
                 }
             }
         }
-        let n_trials = match self.config.sampler.capacity(&self.config.space) {
+        Ok(view)
+    }
+
+    /// `n_trials`, or fewer when a grid sampler has fewer points.
+    fn trial_count(&self) -> usize {
+        match self.config.sampler.capacity(&self.config.space) {
             Some(cap) if cap < self.n_trials => {
                 self.say(format!("[hp] the grid has {cap} points: running {cap} trials instead of {}", self.n_trials));
                 cap
             }
             _ => self.n_trials,
-        };
-        let mut rerun: Vec<TrialRecord> = view.in_state(TrialState::Running).cloned().collect();
-        rerun.reverse();
-        let mut next = view.trials.keys().next_back().map_or(0, |k| k + 1);
+        }
+    }
+
+    /// (trials running at once, threads per trial process): the process budget split into trials, and the cores
+    /// shared among their processes.
+    fn parallelism(&self) -> (usize, usize) {
         let slots = (self.processes / self.processes_per_trial).max(1);
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let threads = (cores / (slots * self.processes_per_trial)).max(1);
-        let config = Arc::new(self.config.clone());
-        let interrupted = AtomicBool::new(false);
+        (slots, threads)
+    }
 
+    /// Runs the queued trials, at most `slots` at once, until all have ended or the study is interrupted.
+    fn run_trials<'env, F>(
+        &'env self,
+        objective: &'env F,
+        pool: &TrialPool<'env>,
+        queue: &mut TrialQueue,
+        slots: usize,
+    ) -> Result<()>
+    where
+        F: Fn(&mut Trial) -> Result<f64> + Sync,
+    {
         std::thread::scope(|scope| -> Result<()> {
-            let (tx, rx) = std::sync::mpsc::channel::<(u64, Option<String>)>();
+            let (tx, rx) = std::sync::mpsc::channel::<TrialDone>();
             let mut running = 0usize;
             loop {
-                while running < slots && !interrupted.load(Ordering::SeqCst) {
-                    let (number, params) = if let Some(t) = rerun.pop() {
-                        (t.number, t.params)
-                    } else if (next as usize) < n_trials {
-                        let n = next;
-                        next += 1;
-                        (n, self.sample(&journal, n)?)
-                    } else {
-                        break;
-                    };
-                    let output_dir = study_dir.join(format!("trial-{number:04}"));
-                    if output_dir.exists() {
-                        // A re-run starts clean: stale checkpoints would be mistaken for this attempt's.
-                        std::fs::remove_dir_all(&output_dir)
-                            .map_err(|e| TrainerError::io(format!("clearing {}", output_dir.display()), e))?;
-                    }
-                    std::fs::create_dir_all(&output_dir)
-                        .map_err(|e| TrainerError::io(format!("creating {}", output_dir.display()), e))?;
-                    journal.append(&Record::TrialStart {
-                        trial: number,
-                        params: params.clone(),
-                        output_dir: output_dir.clone(),
-                    })?;
-                    self.say(format!("[hp] trial {number} started: {}", format_params(&params)));
+                while running < slots && !pool.interrupted.load(Ordering::SeqCst) {
+                    let Some((number, params)) = self.next_trial(queue, pool.journal)? else { break };
+                    let output_dir = self.start_trial(pool, number, &params)?;
                     running += 1;
-                    let tx = tx.clone();
-                    match &self.launch {
-                        Launch::InProcess => {
-                            let trial =
-                                Trial::new(journal.clone(), config.clone(), number, params, output_dir, 0, 1, None);
-                            scope.spawn(move || {
-                                let r = run_trial(trial, objective);
-                                let _ = tx.send((number, r.err().map(|e| e.to_string())));
-                            });
-                        }
-                        Launch::Subprocess { program, args } => {
-                            let cfg = self.launch_config(program, args, &journal, number, &output_dir, threads)?;
-                            let interrupted = &interrupted;
-                            scope.spawn(move || {
-                                let r = accel::dist::launch(&cfg);
-                                let err = match r {
-                                    Ok(()) => None,
-                                    Err(accel::dist::DdpError::Io { source, .. })
-                                        if source.kind() == std::io::ErrorKind::Interrupted =>
-                                    {
-                                        interrupted.store(true, Ordering::SeqCst);
-                                        None
-                                    }
-                                    Err(e) => Some(format!(
-                                        "{e} (its output: {})",
-                                        accel::dist::launcher::log_path(&output_dir.join("logs"), 0).display()
-                                    )),
-                                };
-                                let _ = tx.send((number, err));
-                            });
-                        }
-                    }
+                    self.spawn_trial(scope, objective, pool, number, params, output_dir, tx.clone())?;
                 }
                 if running == 0 {
                     return Ok(());
                 }
                 let (number, err) = rx.recv().expect("a running trial always reports back");
                 running -= 1;
-                let view = journal.load()?;
-                let Some(t) = view.trials.get(&number) else { continue };
-                if !t.is_finished() && !interrupted.load(Ordering::SeqCst) {
-                    // The trial's processes died before writing their end: record the failure for them.
-                    journal.append(&Record::TrialEnd {
-                        trial: number,
-                        state: TrialState::Failed,
-                        value: None,
-                        error: Some(err.unwrap_or_else(|| "the trial exited without recording a result".into())),
-                        checkpoint: None,
-                        master_port: None,
-                        world_size: self.processes_per_trial,
-                        wall_s: 0.0,
-                    })?;
-                }
-                let view = journal.load()?;
-                if let Some(t) = view.trials.get(&number) {
-                    self.say(format!("[hp] trial {number} {}", describe_end(t, &self.config.metric)));
-                }
+                self.record_trial_end(pool, number, err)?;
             }
-        })?;
-        if interrupted.load(Ordering::SeqCst) {
-            return Err(TrainerError::Usage(format!(
-                "the study was interrupted; run the same search again to resume it from {}",
-                journal.path().display()
-            )));
-        }
+        })
+    }
 
+    /// The next trial to start: a re-run of an interrupted one, else a new one sampled now; `None` when all
+    /// `n_trials` have been started.
+    fn next_trial(&self, queue: &mut TrialQueue, journal: &Journal) -> Result<Option<(u64, Params)>> {
+        Ok(if let Some(t) = queue.rerun.pop() {
+            Some((t.number, t.params))
+        } else if (queue.next as usize) < queue.n_trials {
+            let n = queue.next;
+            queue.next += 1;
+            Some((n, self.sample(journal, n)?))
+        } else {
+            None
+        })
+    }
+
+    /// Gives trial `number` an empty directory (a re-run starts clean: stale checkpoints would be mistaken for
+    /// this attempt's) and records its start in the study file.
+    fn start_trial(&self, pool: &TrialPool<'_>, number: u64, params: &Params) -> Result<PathBuf> {
+        let output_dir = pool.study_dir.join(format!("trial-{number:04}"));
+        if output_dir.exists() {
+            std::fs::remove_dir_all(&output_dir)
+                .map_err(|e| TrainerError::io(format!("clearing {}", output_dir.display()), e))?;
+        }
+        std::fs::create_dir_all(&output_dir)
+            .map_err(|e| TrainerError::io(format!("creating {}", output_dir.display()), e))?;
+        pool.journal.append(&Record::TrialStart {
+            trial: number,
+            params: params.clone(),
+            output_dir: output_dir.clone(),
+        })?;
+        self.say(format!("[hp] trial {number} started: {}", format_params(params)));
+        Ok(output_dir)
+    }
+
+    /// Runs trial `number` on a thread of `scope` (in this process, or as its own processes started by
+    /// ddp-core's launcher); the thread sends (number, error) on `tx` when the trial has ended.
+    #[allow(clippy::too_many_arguments)]
+    fn spawn_trial<'scope, 'env, F>(
+        &'env self,
+        scope: &'scope std::thread::Scope<'scope, 'env>,
+        objective: &'env F,
+        pool: &TrialPool<'env>,
+        number: u64,
+        params: Params,
+        output_dir: PathBuf,
+        tx: std::sync::mpsc::Sender<TrialDone>,
+    ) -> Result<()>
+    where
+        F: Fn(&mut Trial) -> Result<f64> + Sync,
+    {
+        match &self.launch {
+            Launch::InProcess => {
+                let trial =
+                    Trial::new(pool.journal.clone(), pool.config.clone(), number, params, output_dir, 0, 1, None);
+                scope.spawn(move || {
+                    let r = run_trial(trial, objective);
+                    let _ = tx.send((number, r.err().map(|e| e.to_string())));
+                });
+            }
+            Launch::Subprocess { program, args } => {
+                let cfg = self.launch_config(program, args, pool.journal, number, &output_dir, pool.threads)?;
+                let interrupted = pool.interrupted;
+                scope.spawn(move || {
+                    let _ = tx.send((number, launch_trial(&cfg, &output_dir, interrupted)));
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// After trial `number`'s thread has reported: records the failure of a trial whose processes died before
+    /// writing their end (unless the study was interrupted), and says how the trial ended.
+    fn record_trial_end(&self, pool: &TrialPool<'_>, number: u64, err: Option<String>) -> Result<()> {
+        let view = pool.journal.load()?;
+        let Some(t) = view.trials.get(&number) else { return Ok(()) };
+        if !t.is_finished() && !pool.interrupted.load(Ordering::SeqCst) {
+            pool.journal.append(&Record::TrialEnd {
+                trial: number,
+                state: TrialState::Failed,
+                value: None,
+                error: Some(err.unwrap_or_else(|| "the trial exited without recording a result".into())),
+                checkpoint: None,
+                master_port: None,
+                world_size: self.processes_per_trial,
+                wall_s: 0.0,
+            })?;
+        }
+        let view = pool.journal.load()?;
+        if let Some(t) = view.trials.get(&number) {
+            self.say(format!("[hp] trial {number} {}", describe_end(t, &self.config.metric)));
+        }
+        Ok(())
+    }
+
+    /// The study's summary from its file: checkpoints pruned to the best one if asked, plots written, the table
+    /// printed.
+    fn summarise(&self, journal: &Journal, study_dir: &Path, started: Instant) -> Result<StudySummary> {
         let view = journal.load()?;
         #[cfg_attr(not(feature = "plots"), allow(unused_mut))]
         let mut summary = StudySummary::new(&view, &self.config, journal.path().to_path_buf(), started.elapsed());
@@ -576,11 +648,13 @@ impl HyperparameterSearch {
         }
         #[cfg(feature = "plots")]
         if self.plots {
-            match plot::plot_study(&summary, &study_dir) {
+            match plot::plot_study(&summary, study_dir) {
                 Ok(files) => summary.plots = files,
                 Err(e) => tracing::warn!("could not plot the study: {e}"),
             }
         }
+        #[cfg(not(feature = "plots"))]
+        let _ = study_dir;
         if self.verbose {
             println!("{}", summary.table());
         }
@@ -643,6 +717,57 @@ impl HyperparameterSearch {
         if self.verbose {
             println!("{line}");
         }
+    }
+}
+
+/// What a trial's thread reports when the trial has ended: its number and, when it failed outside the
+/// objective's own error handling, why.
+type TrialDone = (u64, Option<String>);
+
+/// The trials still to start: the interrupted ones of a resumed study first (re-run with their parameters, in
+/// number order), then new numbers up to `n_trials`.
+struct TrialQueue {
+    /// Popped from the back.
+    rerun: Vec<TrialRecord>,
+    next: u64,
+    n_trials: usize,
+}
+
+impl TrialQueue {
+    /// The queue of a study whose file holds `view`.
+    fn new(view: &StudyView, n_trials: usize) -> Self {
+        let mut rerun: Vec<TrialRecord> = view.in_state(TrialState::Running).cloned().collect();
+        rerun.reverse();
+        let next = view.trials.keys().next_back().map_or(0, |k| k + 1);
+        TrialQueue { rerun, next, n_trials }
+    }
+}
+
+/// What the driver shares with the trials it runs.
+struct TrialPool<'a> {
+    journal: &'a Journal,
+    /// Canonical; the trials' directories are made in it.
+    study_dir: &'a Path,
+    config: Arc<StudyConfig>,
+    /// Threads per trial process (`RAYON_NUM_THREADS` / `OMP_NUM_THREADS` unless set).
+    threads: usize,
+    /// Set when a trial's launcher was interrupted (Ctrl-C): no new trial starts.
+    interrupted: &'a AtomicBool,
+}
+
+/// Runs one trial as its own processes (ddp-core's launcher) and returns its failure, if any, for the study
+/// file; an interrupted launch sets `interrupted` instead.
+fn launch_trial(cfg: &accel::dist::LaunchConfig, output_dir: &Path, interrupted: &AtomicBool) -> Option<String> {
+    match accel::dist::launch(cfg) {
+        Ok(()) => None,
+        Err(accel::dist::DdpError::Io { source, .. }) if source.kind() == std::io::ErrorKind::Interrupted => {
+            interrupted.store(true, Ordering::SeqCst);
+            None
+        }
+        Err(e) => Some(format!(
+            "{e} (its output: {})",
+            accel::dist::launcher::log_path(&output_dir.join("logs"), 0).display()
+        )),
     }
 }
 
