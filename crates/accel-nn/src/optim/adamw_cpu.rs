@@ -1,8 +1,8 @@
 //! AdamW's update as one in-place pass over CPU f32 memory.
 //!
 //! The composed form (one candle op per term: ≈ 12 tensor ops, each allocating its output and walking the whole
-//! parameter) is memory-bound: for a 670 k-parameter MLP it spends ≈ 4–5 ms per step moving ≈ 30 parameter-sized
-//! arrays. This pass reads `p, g, m, v` once and writes `p, m, v` in place — 7 array walks, no allocation.
+//! parameter) is memory-bound: it moves ≈ 30 parameter-sized arrays per step (measured in `docs/benchmarks.md`,
+//! "One training step vs PyTorch"). This pass reads `p, g, m, v` once and writes `p, m, v` in place — 7 array walks, no allocation.
 //!
 //! It performs the *same f32 operations in the same order* as the composed path in `adamw.rs` (including
 //! candle's `affine`, `v·mul + add` with `add = 0`, which turns −0 into +0), so both paths give bit-identical

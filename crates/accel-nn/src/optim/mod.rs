@@ -5,9 +5,9 @@
 //! weights) and re-exports them as `accel::optim::*`.
 //!
 //! [`AdamW`] is also fast on the CPU: it updates a CPU f32 parameter in one in-place pass (compiled for AVX2 where
-//! the CPU has it), 0.3–0.5 ms per step for a 784-512-512-10 MLP on a 2-vCPU VM against PyTorch's 1.4–1.7 ms
-//! (`docs/benchmarks.md`, "One training step vs PyTorch"), where candle-nn's `AdamW` allocates several
-//! parameter-sized temporaries per parameter and step ("Allocator").
+//! the CPU has it), where candle-nn's `AdamW` allocates several parameter-sized temporaries per parameter and
+//! step; the measured times, against PyTorch's AdamW, are in `docs/benchmarks.md` ("One training step vs
+//! PyTorch", "Allocator").
 //!
 //! - [`Sgd`]: `torch.optim.SGD` (momentum, dampening, Nesterov momentum after Sutskever et al., "On the importance
 //!   of initialization and momentum in deep learning", ICML 2013, weight decay as L2 added to the gradient).
