@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One training step in one process, accel-rs against PyTorch: benches/src/bin/step_time.rs (--ops fused: the fused ops
-# of ddp_core::nn; then --ops candle: candle's own ops, in a process of its own, so that its 3x slower steps do not
+# of accel_nn::ops; then --ops candle: candle's own ops, in a process of its own, so that its 3x slower steps do not
 # disturb the caches and the allocator of the fused run, as they did interleaved step by step) and
 # scripts/torch_ref/step.py, for the MLP at batch 128 and the char-GPT at 16 sequences, at 1 and 2 threads, the
 # programs alternating (at 2 threads the fused ops once more with CANDLE_NUM_THREADS=1, candle's own elementwise
