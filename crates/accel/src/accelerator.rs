@@ -286,7 +286,8 @@ impl Accelerator {
     /// shapes checked across ranks, rank 0's values broadcast) and, under bf16/fp16, keeps fp32 master copies
     /// that the optimizer updates. Every rank must call it with the same model. Errors: an empty `VarMap`,
     /// parameters not on the Accelerator's device, a parameter already in a prepared model, mismatches across
-    /// ranks.
+    /// ranks, and under tensor parallelism a parameter not built by a [`ParamBuilder`] whose values differ across
+    /// the tp ranks (named; build it with `ParamBuilder::replicated` or `sharded`).
     pub fn prepare_model(&self, varmap: &VarMap) -> Result<PreparedModel> {
         self.prepare_model_then(varmap, |_| {})
     }

@@ -519,7 +519,9 @@ impl StepController {
                 if let Some(t) = sd.tensors.get(&format!("{}.{name}", m.index())) {
                     if t.shape() != p.shape() {
                         return Err(AccelError::InvalidArgument(format!(
-                            "saved gradient of {name:?} has shape {:?} but the parameter has {:?}",
+                            "saved gradient of {name:?} has shape {:?} but the parameter has {:?}: the checkpoint was taken \
+                             inside an accumulation window by another model; resume from a checkpoint at an \
+                             optimizer-step boundary, or with the model that wrote it",
                             t.shape(),
                             p.shape()
                         )));
@@ -535,7 +537,9 @@ impl StepController {
         }
         if used != sd.tensors.len() {
             return Err(AccelError::InvalidArgument(format!(
-                "the checkpoint holds {} saved gradients but only {used} match a parameter of the prepared models",
+                "the checkpoint holds {} saved gradients but only {used} match a parameter of the prepared \
+                 models: it was taken inside an accumulation window by other models; resume from a checkpoint at \
+                 an optimizer-step boundary, or prepare the same models",
                 sd.tensors.len()
             )));
         }

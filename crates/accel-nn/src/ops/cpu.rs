@@ -76,7 +76,7 @@ pub(crate) fn with_f32<R>(t: &Tensor, op: &str, what: &str, f: impl FnOnce(&[f32
     }
 }
 
-/// A strided matrix operand of [`gemm`]: `ptr[offset + i·rs + j·cs]` is element `(i, j)`.
+/// A strided matrix operand of [`gemm()`](fn@gemm): `ptr[offset + i·rs + j·cs]` is element `(i, j)`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct MatRef<'a> {
     pub data: &'a [f32],
@@ -133,7 +133,7 @@ pub(crate) fn gemm(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, m: usize, n: u
     gemm_into(MatMut { data: dst, offset: 0, rs: n }, a, b, m, n, k, accumulate, Threads::Candle)
 }
 
-/// [`gemm`] into a strided destination, on the given threads. Without `accumulate` the destination is only
+/// [`gemm()`](fn@gemm) into a strided destination, on the given threads. Without `accumulate` the destination is only
 /// written, never read (it may hold anything before).
 ///
 /// Panics (a bug in the caller) if an operand's or the destination's strides reach past its slice.

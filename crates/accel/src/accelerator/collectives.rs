@@ -6,7 +6,7 @@ use crate::{AccelError, Result};
 use candle_core::{DType, Tensor};
 use ddp_core::{ProcessGroup, ReduceOp};
 
-/// Reduction of [`Accelerator::reduce`].
+/// Reduction of [`crate::Accelerator::reduce`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ReduceKind {
     /// Element-wise sum over ranks.

@@ -219,7 +219,8 @@ impl PreparedModel {
     fn layout_of(&self, i: usize) -> Result<ParamLayout> {
         self.inner.layouts.get(i).copied().ok_or_else(|| {
             AccelError::InvalidArgument(format!(
-                "the optimizer state names parameter {i}, but the model has {} parameters",
+                "the optimizer state names parameter {i}, but the model has {} parameters: the state belongs to \
+                 another model; load it into the optimizer of the model it was saved with",
                 self.inner.layouts.len()
             ))
         })
@@ -241,14 +242,18 @@ impl PreparedModel {
         for name in weights.keys() {
             if !self.inner.names.contains(name) {
                 return Err(AccelError::InvalidArgument(format!(
-                    "load_state_dict: tensor {name:?} is not a parameter of this model"
+                    "load_state_dict: tensor {name:?} is not a parameter of this model (the weights are another \
+                     model's, or its names carry another prefix: rename the keys to this model's names())"
                 )));
             }
         }
         let mut full = Vec::with_capacity(self.inner.names.len());
         for (i, name) in self.inner.names.iter().enumerate() {
             let t = weights.get(name).ok_or_else(|| {
-                AccelError::InvalidArgument(format!("load_state_dict: no tensor for parameter {name:?}"))
+                AccelError::InvalidArgument(format!(
+                    "load_state_dict: no tensor for parameter {name:?} (the weights are another model's, or a \
+                     partial set: every parameter needs one)"
+                ))
             })?;
             let want = self.full_shape(i);
             if t.dims() != want.as_slice() {

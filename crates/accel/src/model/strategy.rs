@@ -19,6 +19,17 @@
 //! al. 2020: reduce-scatter over `dp_shard`, each rank stepping its slice, all-gather in `after_optimizer_step`)
 //! and a pipeline stage (norm and overflow over the model-parallel group pp × tp, a tied weight reduced over the
 //! first-and-last-stage group; Narayanan et al. 2021).
+//!
+//! How those variants fit, so that the step owner does not change: the step owner hands each group's strategy the
+//! group's slots and asks it to reduce them; what a slot holds afterwards is the strategy's business. A sharded
+//! group's `reduce` reduce-scatters and leaves each slot holding this rank's slice; its fp32 masters are then the
+//! rank's slices (what the optimizer steps, so the moments are the size of the shard), which means
+//! `PreparedModel` keeps masters per group — today one list, the very `Var`s of the parameters in fp32 — and
+//! leaves the copy back into the compute-dtype parameters to the group's `after_optimizer_step` (an all-gather of
+//! the updated slices) instead of copying every master itself. Its `squared_norm` sums the slices' squares over
+//! `dp_shard` too, each element counted once. A pipeline stage's `squared_norm` and `any_rank` reduce over the
+//! model-parallel group whatever the layouts (every stage holds different parameters), and its `reduce` adds one
+//! all-reduce of a tied weight's gradient over the first-and-last-stage group.
 
 use crate::tensor_parallel::ParamLayout;
 use crate::Result;

@@ -1,7 +1,8 @@
 //! Every gradient passes through its group's strategy: a counting strategy wrapped around the real one records
 //! what each path of the step asks of it — plain backward, overlapped backward, an accumulation window, fp16
-//! loss scaling, tensor parallelism — and the parameters after the step are those of the same run without the
-//! wrapper, bit for bit (the wrapper only counts).
+//! loss scaling, data and tensor parallelism, several models — and the parameters after the step are those of the
+//! same run without the wrapper, bit for bit (the wrapper only counts). A sabotaging strategy (it zeroes what it
+//! reduced) shows that nothing reaches the optimizer around the strategy, and every layout steps like one process.
 
 use super::{AddSegment, GradientStrategy, PreparedModel};
 use crate::tensor_parallel::{ColumnParallelLinear, ParallelLinearConfig, ParamInit, ParamLayout, RowParallelLinear};
@@ -73,68 +74,161 @@ impl GradientStrategy for Counting {
     }
 }
 
+/// Zeroes whatever the real strategy leaves in the slots: if the optimizer received gradients by any other road,
+/// the weights would move.
+#[derive(Debug)]
+struct Sabotage {
+    inner: Box<dyn GradientStrategy>,
+}
+
+fn zero(slots: &mut [Option<Tensor>]) -> crate::Result<()> {
+    for s in slots.iter_mut().flatten() {
+        *s = s.zeros_like()?;
+    }
+    Ok(())
+}
+
+impl GradientStrategy for Sabotage {
+    fn reduce(&self, slots: &mut [Option<Tensor>]) -> crate::Result<()> {
+        self.inner.reduce(slots)?;
+        zero(slots)
+    }
+    fn overlaps(&self) -> bool {
+        self.inner.overlaps()
+    }
+    fn backward_overlapped(
+        &self,
+        loss: &Tensor,
+        segments: BackwardSegments,
+        slots: &mut [Option<Tensor>],
+        sync: bool,
+        add: &mut AddSegment<'_>,
+    ) -> crate::Result<()> {
+        self.inner.backward_overlapped(loss, segments, slots, sync, add)?;
+        if sync {
+            zero(slots)?;
+        }
+        Ok(())
+    }
+    fn norm_group(&self) -> &ProcessGroup {
+        self.inner.norm_group()
+    }
+}
+
+/// What wraps the real strategy in a run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Wrapper {
+    None,
+    Counting,
+    Sabotage,
+}
+
 /// Which road a run takes.
 #[derive(Clone, Copy, Debug)]
 struct Path {
     overlapped: bool,
     accumulation: usize,
     precision: MixedPrecision,
+    dp: usize,
     tp: usize,
     clip: bool,
+    /// A second prepared model (a head after the MLP) in the same loss: `backward_segments` then runs the
+    /// segments one after the other and each model's strategy reduces after the pass.
+    two_models: bool,
 }
 
-const PLAIN: Path = Path { overlapped: false, accumulation: 1, precision: MixedPrecision::No, tp: 1, clip: false };
+const PLAIN: Path = Path {
+    overlapped: false,
+    accumulation: 1,
+    precision: MixedPrecision::No,
+    dp: 1,
+    tp: 1,
+    clip: false,
+    two_models: false,
+};
 
-/// One optimizer step of a two-layer column/row-parallel MLP (8 → 8 → 4, tanh, a cut between the layers) on
-/// `path.tp` ranks as threads, every micro-batch the same fixed batch; returns each rank's full weights after
-/// the step and the strategy's counts. `counting: false` runs the real strategy alone.
-fn one_step(path: Path, counting: bool) -> Vec<(Vec<Vec<f32>>, [usize; 5])> {
+/// One rank's result: every prepared model's full weights before and after the step, and the counts.
+struct RankResult {
+    before: Vec<Vec<f32>>,
+    after: Vec<Vec<f32>>,
+    counts: [usize; 5],
+}
+
+/// One optimizer step of a two-layer column/row-parallel MLP (8 → 8 → 4, tanh, a cut between the layers; with
+/// `two_models` a 4 → 2 head prepared as a model of its own) on `dp × tp` ranks as threads. Micro-batch `i` of
+/// dp rank `r` is batch `r · accumulation + i` of one fixed sequence, so dp 2 × 1 micro-batch and dp 1 × 2
+/// micro-batches see the same data. Returns each rank's result.
+fn one_step(path: Path, wrapper: Wrapper) -> Vec<RankResult> {
+    let world = path.dp * path.tp;
     let cfg = AcceleratorConfig {
         mixed_precision: path.precision,
         gradient_accumulation_steps: path.accumulation,
         seed: Some(3),
-        parallelism: ParallelismConfig { tp_size: path.tp, ..ParallelismConfig::default() },
+        parallelism: ParallelismConfig { tp_size: path.tp, dp_replicate_size: path.dp, ..ParallelismConfig::default() },
         ..AcceleratorConfig::default()
     };
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new(Duration::from_secs(60)));
-    let ranks: Vec<_> = (0..path.tp)
+    let ranks: Vec<_> = (0..world)
         .map(|rank| {
             let (store, cfg) = (store.clone(), cfg.clone());
             std::thread::spawn(move || {
-                let pg = if path.tp == 1 {
+                let pg = if world == 1 {
                     ProcessGroup::single_process().unwrap()
                 } else {
                     let opts = GroupOptions { timeout: Duration::from_secs(60), ..Default::default() };
-                    ProcessGroup::from_store(store, rank, path.tp, opts).unwrap()
+                    ProcessGroup::from_store(store, rank, world, opts).unwrap()
                 };
-                run_rank(Accelerator::with_process_group(cfg, pg).unwrap(), path, counting).unwrap()
+                run_rank(Accelerator::with_process_group(cfg, pg).unwrap(), path, wrapper).unwrap()
             })
         })
         .collect();
     ranks.into_iter().map(|h| h.join().expect("a rank panicked")).collect()
 }
 
-fn run_rank(acc: Accelerator, path: Path, counting: bool) -> crate::Result<(Vec<Vec<f32>>, [usize; 5])> {
-    let varmap = VarMap::new();
-    let pb = acc.param_builder(&varmap);
+fn full_weights(model: &PreparedModel) -> crate::Result<Vec<Vec<f32>>> {
+    Ok(model.state_dict()?.values().map(|t| t.flatten_all()?.to_vec1::<f32>()).collect::<candle_core::Result<_>>()?)
+}
+
+fn run_rank(acc: Accelerator, path: Path, wrapper: Wrapper) -> crate::Result<RankResult> {
     let init = ParallelLinearConfig { init: ParamInit::Normal { std: 0.5 }, ..ParallelLinearConfig::default() };
+    let (body, head_vars) = (VarMap::new(), VarMap::new());
+    let pb = acc.param_builder(&body);
     let up = ColumnParallelLinear::new(&pb.pp("up"), 8, 8, init)?;
     let down = RowParallelLinear::new(&pb.pp("down"), 8, 4, init)?;
+    let head = if path.two_models {
+        Some(RowParallelLinear::new(&acc.param_builder(&head_vars).pp("head"), 4, 2, init)?)
+    } else {
+        None
+    };
     let counts = Arc::new(Counts::default());
-    let wrap = |m: &mut PreparedModel| {
-        if counting {
-            m.map_strategies(|inner| Box::new(Counting { inner, counts: counts.clone() }));
-        }
+    let wrap = |m: &mut PreparedModel| match wrapper {
+        Wrapper::None => {}
+        Wrapper::Counting => m.map_strategies(|inner| Box::new(Counting { inner, counts: counts.clone() })),
+        Wrapper::Sabotage => m.map_strategies(|inner| Box::new(Sabotage { inner })),
     };
-    let model = acc.prepare_model_then(&varmap, wrap)?;
-    let mut opt = acc.prepare_optimizer(&model, Sgd::new(SgdConfig::new(0.1))?)?;
-    let x =
-        Tensor::arange(0f32, 16.0, &Device::Cpu)?.reshape((2, 8))?.affine(0.1, -0.5)?.to_dtype(acc.compute_dtype())?;
-    let forward = || -> crate::Result<Tensor> {
-        let h = segments::cut(&up.forward(&x)?.tanh()?)?;
-        Ok(down.forward(&h)?.to_dtype(DType::F32)?.sqr()?.mean_all()?)
-    };
-    for _ in 0..path.accumulation {
+    let mut models = vec![acc.prepare_model_then(&body, wrap)?];
+    if path.two_models {
+        models.push(acc.prepare_model_then(&head_vars, wrap)?);
+    }
+    let mut opts = models
+        .iter()
+        .map(|m| acc.prepare_optimizer(m, Sgd::new(SgdConfig::new(0.1))?))
+        .collect::<crate::Result<Vec<_>>>()?;
+    let before = models.iter().map(full_weights).collect::<crate::Result<Vec<_>>>()?.concat();
+    for i in 0..path.accumulation {
+        let batch = (acc.data_parallel_rank() * path.accumulation + i) as f64;
+        let x = Tensor::arange(0f32, 16.0, &Device::Cpu)?
+            .reshape((2, 8))?
+            .affine(0.1, 0.3 * batch - 0.5)?
+            .to_dtype(acc.compute_dtype())?;
+        let forward = || -> crate::Result<Tensor> {
+            let h = segments::cut(&up.forward(&x)?.tanh()?)?;
+            let mut y = down.forward(&h)?;
+            if let Some(head) = &head {
+                y = head.forward(&segments::cut(&y)?)?;
+            }
+            Ok(y.to_dtype(DType::F32)?.sqr()?.mean_all()?)
+        };
         if path.overlapped {
             let (loss, cuts) = segments::record(forward)?;
             acc.backward_segments(&loss, cuts)?;
@@ -145,19 +239,29 @@ fn run_rank(acc: Accelerator, path: Path, counting: bool) -> crate::Result<(Vec<
     if path.clip {
         assert!(acc.clip_grad_norm(0.01)?.is_some(), "the window synced: clipping ran");
     }
-    assert!(opt.step()?, "{path:?}: the optimizer stepped");
-    let weights =
-        model.state_dict()?.values().map(|t| t.flatten_all()?.to_vec1::<f32>()).collect::<candle_core::Result<_>>()?;
-    Ok((weights, counts.get()))
+    for opt in &mut opts {
+        assert!(opt.step()?, "{path:?}: the optimizer stepped");
+    }
+    let after = models.iter().map(full_weights).collect::<crate::Result<Vec<_>>>()?.concat();
+    Ok(RankResult { before, after, counts: counts.get() })
 }
 
 /// [reduce, overlapped, norm, any_rank, after_step] on every rank, and the same weights as without the wrapper.
 fn assert_path(path: Path, want: [usize; 5]) {
-    let counted = one_step(path, true);
-    let reference = one_step(path, false);
-    for (rank, ((weights, counts), (plain, _))) in counted.iter().zip(&reference).enumerate() {
-        assert_eq!(*counts, want, "{path:?}, rank {rank}: [reduce, overlapped, norm, any_rank, after_step]");
-        assert_eq!(weights, plain, "{path:?}, rank {rank}: the counting wrapper changed the result");
+    let counted = one_step(path, Wrapper::Counting);
+    let reference = one_step(path, Wrapper::None);
+    for (rank, (c, r)) in counted.iter().zip(&reference).enumerate() {
+        assert_eq!(c.counts, want, "{path:?}, rank {rank}: [reduce, overlapped, norm, any_rank, after_step]");
+        assert_eq!(c.after, r.after, "{path:?}, rank {rank}: the counting wrapper changed the result");
+        assert_ne!(r.after, r.before, "{path:?}, rank {rank}: the step moved the weights");
+    }
+}
+
+/// Equal within `tol` relative to each value's size.
+fn assert_close(a: &[Vec<f32>], b: &[Vec<f32>], tol: f32, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
+        assert!((x - y).abs() <= tol * (1.0 + x.abs()), "{what}: {x} vs {y}");
     }
 }
 
@@ -184,23 +288,53 @@ fn fp16_overflow_and_clipping_ask_the_strategy() {
 }
 
 #[test]
-fn tensor_parallel_gradients_norms_and_overflow_go_through_the_strategy() {
+fn data_and_tensor_parallel_gradients_norms_and_overflow_go_through_the_strategy() {
     assert_path(Path { tp: 2, clip: true, ..PLAIN }, [1, 0, 1, 0, 1]);
     assert_path(
         Path { tp: 2, overlapped: true, precision: MixedPrecision::Fp16, clip: true, ..PLAIN },
         [0, 1, 1, 1, 1],
     );
+    assert_path(Path { dp: 2, ..PLAIN }, [1, 0, 0, 0, 1]);
+    assert_path(Path { dp: 2, tp: 2, overlapped: true, clip: true, ..PLAIN }, [0, 1, 1, 0, 1]);
 }
 
 #[test]
-fn tensor_parallel_step_equals_one_process() {
-    // The road through the strategy trains the single-process model: tp = 2 ends where tp = 1 does.
-    let single = one_step(Path { clip: true, ..PLAIN }, false);
-    let split = one_step(Path { tp: 2, clip: true, ..PLAIN }, false);
-    for (a, b) in single[0].0.iter().zip(&split[0].0) {
-        assert_eq!(a.len(), b.len());
-        for (x, y) in a.iter().zip(b) {
-            assert!((x - y).abs() <= 1e-6 * (1.0 + x.abs()), "{x} vs {y}");
+fn several_models_each_reduce_through_their_strategy() {
+    // Two models: the segmented backward runs without overlap, then each model's strategy reduces.
+    assert_path(Path { two_models: true, ..PLAIN }, [2, 0, 0, 0, 2]);
+    assert_path(Path { two_models: true, overlapped: true, clip: true, ..PLAIN }, [2, 0, 2, 0, 2]);
+}
+
+#[test]
+fn the_strategy_is_the_only_road_to_the_optimizer() {
+    // A strategy that zeroes what it reduced: no weight may move, on any path.
+    for path in [
+        PLAIN,
+        Path { overlapped: true, ..PLAIN },
+        Path { accumulation: 2, ..PLAIN },
+        Path { precision: MixedPrecision::Fp16, clip: true, ..PLAIN },
+        Path { dp: 2, tp: 2, overlapped: true, ..PLAIN },
+        Path { two_models: true, overlapped: true, ..PLAIN },
+    ] {
+        for (rank, r) in one_step(path, Wrapper::Sabotage).iter().enumerate() {
+            assert_eq!(
+                r.after, r.before,
+                "{path:?}, rank {rank}: a gradient reached the optimizer around the strategy"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_layout_steps_like_one_process_on_the_whole_batch() {
+    // dp 1 × 2 micro-batches ≡ dp 2 × 1 ≡ dp 2 × tp 2, with clipping (the global norm) and the overlapped path.
+    for overlapped in [false, true] {
+        let base = Path { overlapped, clip: true, ..PLAIN };
+        let single = one_step(Path { accumulation: 2, ..base }, Wrapper::None);
+        for layout in [Path { dp: 2, ..base }, Path { dp: 2, tp: 2, ..base }, Path { tp: 2, accumulation: 2, ..base }] {
+            for (rank, r) in one_step(layout, Wrapper::None).iter().enumerate() {
+                assert_close(&single[0].after, &r.after, 1e-6, &format!("{layout:?}, rank {rank}"));
+            }
         }
     }
 }

@@ -79,7 +79,10 @@ impl ParamBuilder {
     }
 
     /// A candle `VarBuilder` over the same `VarMap`, dtype, device and prefix, for layers that have no parallel
-    /// form (their parameters are replicated, initialised by candle, not from the seed).
+    /// form (their parameters are replicated, initialised by candle, not from the seed). At tp > 1,
+    /// `prepare_model` accepts such a parameter only if it holds the same values on every tp rank (a constant
+    /// initialiser, e.g. a norm's ones and zeros): candle's random initialisers draw different values on each
+    /// rank, so build those with [`ParamBuilder::replicated`].
     pub fn var_builder(&self) -> VarBuilder<'static> {
         let vb = VarBuilder::from_varmap(&self.varmap, self.dtype, &self.device);
         self.path.iter().fold(vb, |vb, p| vb.pp(p))

@@ -1,8 +1,8 @@
 //! Experiment trackers: where `Accelerator::log` sends scalars (loss, learning rate, metrics).
 //!
 //! - [`JsonlTracker`]: one JSON object per `log` call in `metrics.jsonl` (always available, easy to `jq`/pandas).
-//! - [`TensorBoardTracker`]: TensorBoard event files (`events.out.tfevents.{secs}.{host}`), written by a small
-//!   writer of TFRecord framing ([`tfrecord`]) and the `Event` protobuf ([`event`]); there is no maintained Rust
+//! - `TensorBoardTracker`: TensorBoard event files (`events.out.tfevents.{secs}.{host}`), written by a small
+//!   writer of TFRecord framing (`tfrecord`) and the `Event` protobuf (`event`); there is no maintained Rust
 //!   crate for it. Behind the cargo feature `tensorboard`; without it, creating one is an error naming the feature.
 //!
 //! Both write into `logging_dir/project/`, as Accelerate's `init_trackers(project_name)` does. The Accelerator
