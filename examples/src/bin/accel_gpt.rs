@@ -209,8 +209,10 @@ fn train(args: &Args) -> anyhow::Result<()> {
     let start = Instant::now();
     // Throughput is measured after the first logged interval (allocation, first-touch and thread-pool start-up).
     let mut measured: Option<(Instant, u64)> = None;
-    // The tp group's collective payload over the measured interval (ddp_core::traffic counters).
-    let mut tp_traffic_at_start = acc.mesh().tp().traffic();
+    // The tp group's collective payload (ddp_core::traffic counters): from the start of training, and from the end
+    // of the first logged interval (the measured window, like the throughput).
+    let tp_traffic_at_run_start = acc.mesh().tp().traffic();
+    let mut tp_traffic_at_start = tp_traffic_at_run_start;
     let (mut step, mut epoch) = (0u64, 0u64);
     let (mut loss_sum, mut loss_count) = (0f64, 0usize);
     let mut last_loss = f64::NAN;
@@ -264,8 +266,20 @@ fn train(args: &Args) -> anyhow::Result<()> {
         epoch += 1;
     }
     let elapsed = start.elapsed().as_secs_f64();
-    let tp_traffic = acc.mesh().tp().traffic() - tp_traffic_at_start;
-    let measured_steps = measured.map_or(step, |(_, s0)| step - s0).max(1);
+    // Counted over the steps after warm-up; a run that ends with its first logged interval has none, and is
+    // counted whole instead (a counter never reports a window it did not see).
+    let (tp_traffic, measured_steps, window) = match measured {
+        Some((_, s0)) if step > s0 => (
+            acc.mesh().tp().traffic() - tp_traffic_at_start,
+            step - s0,
+            format!("the {} steps after warm-up", step - s0),
+        ),
+        _ => (
+            acc.mesh().tp().traffic() - tp_traffic_at_run_start,
+            step.max(1),
+            format!("all {step} steps, warm-up included"),
+        ),
+    };
     let throughput = match measured {
         Some((t0, s0)) if step > s0 => (step - s0) as f64 * tokens_per_step / t0.elapsed().as_secs_f64().max(1e-9),
         _ => step as f64 * tokens_per_step / elapsed.max(1e-9),
@@ -283,7 +297,8 @@ fn train(args: &Args) -> anyhow::Result<()> {
         let bytes = acc.compute_dtype().size_in_bytes();
         let per_layer = 4 * args.batch_size * args.block_size * gpt_cfg.d_model * bytes;
         acc.print(format!(
-            "tp traffic per optimizer step (rank {}): {} B of all-reduce payload in {} calls, {} B of all-gather; \
+            "tp traffic per optimizer step (rank {}, over {window}): {} B of all-reduce payload in {} calls, {} B of \
+             all-gather; \
              formula 4·b·s·h·bytes per layer per micro-batch × {} layers × {ga} micro-batches = {} B, plus \
              2·b·s·h·bytes for the embedding (forward) and the head (backward), 3·b·s·4 for the vocab-parallel \
              loss and 8 for the gradient norm",

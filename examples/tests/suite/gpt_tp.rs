@@ -213,6 +213,20 @@ fn accel_gpt_tp2_prints_the_single_process_losses() {
         assert!(tp2.contains(&format!("rank {r} (dp 0 tp {r}): peak RSS")), "rank {r}'s RSS:\n{tp2}");
     }
     assert!(single.contains("sample (temperature 0.8):\nHAMLET:\n"), "{single}");
+    // The tp traffic counter counts the steps it names: the 2 after warm-up here, and the whole run when the run
+    // ends with its first logged interval (it reported 0 calls there).
+    assert!(tp_all_reduce_calls(&tp2, "the 2 steps after warm-up") > 0, "{tp2}");
+    let steps: Vec<&str> = small.iter().map(|a| if *a == "4" { "2" } else { *a }).collect();
+    let short = run_example(bin, &[&["--nproc", "2", "--tp-size", "2"], &steps[..]].concat());
+    assert!(tp_all_reduce_calls(&short, "all 2 steps, warm-up included") > 0, "{short}");
+}
+
+/// The all-reduce calls per step of the `tp traffic` line, which must name `window`.
+fn tp_all_reduce_calls(out: &str, window: &str) -> u64 {
+    let line = out.lines().find(|l| l.contains("tp traffic per optimizer step")).expect("a tp traffic line");
+    assert!(line.contains(&format!("over {window})")), "{line}");
+    let calls = line.split(" calls").next().unwrap().rsplit(' ').next().unwrap();
+    calls.parse().unwrap_or_else(|_| panic!("calls in {line}"))
 }
 
 /// Layouts the model or the process count cannot take are refused before any worker starts, naming what fits.
