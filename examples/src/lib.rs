@@ -298,8 +298,9 @@ pub fn keep_freed_memory() {
 /// [`ddp_core::launcher::LaunchConfig::worker_env`]) — so that a run that trains in this process (`--nproc 1`)
 /// runs as a launched worker would; then installs a `tracing` subscriber on stderr, so library warnings reach the
 /// user (level `warn` by default, `RUST_LOG` overrides, e.g. `RUST_LOG=accel=debug`), and reports an error as its
-/// chain of causes with exit status 1 — no backtrace, even under `RUST_BACKTRACE=1`: those are for panics, not for
-/// a wrong flag or a missing file.
+/// chain of causes with exit status 1 ([`ddp_core::launcher::report_error`]: a launched worker's report is printed
+/// once by its launcher) — no backtrace, even under `RUST_BACKTRACE=1`: those are for panics, not for a wrong flag
+/// or a missing file.
 pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> std::process::ExitCode {
     keep_freed_memory();
     if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
@@ -320,10 +321,8 @@ pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> std::process::Exit
     match body() {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("Error: {e}");
-            for cause in e.chain().skip(1) {
-                eprintln!("  caused by: {cause}");
-            }
+            // Under a launcher, into the report file it prints once (not from every rank); else on stderr.
+            ddp_core::launcher::report_error(e.as_ref());
             std::process::ExitCode::FAILURE
         }
     }

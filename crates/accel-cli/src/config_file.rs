@@ -79,8 +79,8 @@ pub enum DistributedType {
     MultiCpu,
     /// Several GPU processes (`MULTI_GPU`).
     MultiGpu,
-    /// Any other value Accelerate knows (`FSDP`, `DEEPSPEED`, `XLA`, `MULTI_NPU`, ...), kept verbatim; launched
-    /// as plain data parallelism with a warning.
+    /// Any other value Accelerate knows (`FSDP`, `DEEPSPEED`, `XLA`, `MULTI_NPU`, ...), kept verbatim;
+    /// `accel launch` refuses it, naming the fix.
     Other(String),
 }
 
@@ -378,12 +378,8 @@ impl AccelerateConfig {
                 config.compute_environment
             ));
         }
-        if let DistributedType::Other(t) = &config.distributed_type {
-            warnings.push(format!(
-                "{}: distributed_type {t} is not implemented by accel; launching plain data parallelism (DDP)",
-                path.display()
-            ));
-        }
+        // A `distributed_type` accel does not run (FSDP, DEEPSPEED, ...) is refused by `accel launch`, not warned
+        // about here: `accel env` reads the same file and only reports it.
         // The warnings go back to the caller, which prints them once (`load_and_warn`).
         Ok(LoadedConfig { path: path.to_path_buf(), config, text: text.to_string(), warnings })
     }

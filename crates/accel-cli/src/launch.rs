@@ -65,6 +65,9 @@ pub struct LaunchPlan {
     pub tee: bool,
     /// Backend for the workers (ACCEL_BACKEND); `Mpi` hands the job to `mpirun`. `None`: the program's default.
     pub backend: Option<ddp_core::BackendKind>,
+    /// The config file read, as the banner names it ([`describe_config`]); [`ddp_core::launcher::NO_CONFIG`] when
+    /// none was.
+    pub config_source: String,
     /// The program and its arguments.
     pub program: PathBuf,
     /// Arguments of the program.
@@ -74,20 +77,21 @@ pub struct LaunchPlan {
 impl LaunchPlan {
     /// Combines `flags` (highest precedence), `file` and the defaults, and checks the result: counts ≥ 1,
     /// `num_processes` divisible by `num_machines`, `machine_rank < num_machines`, an address and a fixed port for
-    /// several machines, parallel sizes whose product is `num_processes` (or all 1) and cp = 1. Layouts the
-    /// Accelerator cannot train yet (pp or dp_shard > 1) are launched with a warning: a program that lays out a
-    /// `ddp_core::DeviceMesh` itself can run them.
+    /// several machines, parallel sizes whose product is `num_processes` (or all 1), cp = 1, and a layout the
+    /// Accelerator can train (pp and dp_shard 1 until pipeline and sharded data parallelism land: refused here, once,
+    /// rather than by every rank).
     pub fn resolve(flags: &LaunchArgs, file: Option<&AccelerateConfig>) -> CliResult<Self> {
+        check_distributed_type(file)?;
         let Counts { num_processes, num_machines, machine_rank } = resolve_counts(flags, file)?;
         let (main_process_ip, main_process_port) = resolve_rendezvous(flags, file, num_machines)?;
         let mixed_precision = resolve_mixed_precision(flags, file)?;
         let gradient_accumulation_steps = resolve_accumulation(flags, file)?;
         let use_cpu = resolve_use_cpu(flags, file, num_processes)?;
         let gpu_ids = resolve_gpu_ids(flags, file, use_cpu, num_processes / num_machines)?;
-        let mut warnings: Vec<String> = rdzv_warning(flags, file).into_iter().collect();
+        let warnings: Vec<String> = rdzv_warning(flags, file).into_iter().collect();
         let parallelism = resolve_parallelism(flags, file.and_then(|f| f.parallelism_config.as_ref()));
         if let Some(p) = &parallelism {
-            check_parallelism(p, num_processes, &mut warnings)?;
+            check_parallelism(p, num_processes)?;
         }
         Ok(LaunchPlan {
             num_processes,
@@ -108,6 +112,7 @@ impl LaunchPlan {
             log_dir: flags.log_dir.clone(),
             tee: resolve_tee(flags),
             backend: flags.backend.as_deref().map(str::parse).transpose().map_err(CliError::Ddp)?,
+            config_source: ddp_core::launcher::NO_CONFIG.to_string(),
             program: flags.program.clone(),
             args: flags.args.clone(),
         })
@@ -154,6 +159,9 @@ impl LaunchPlan {
             env.push((USE_PARALLELISM_CONFIG_ENV.to_string(), "true".to_string()));
             env.extend(p.env_vars());
         }
+        // What the banner said, so that the workers do not say it again (unless their program changed it).
+        env.push((ddp_core::launcher::LAUNCH_BANNER_ENV.to_string(), self.banner().settings()));
+        env.push((ddp_core::launcher::CONFIG_SOURCE_ENV.to_string(), self.config_source.clone()));
         env
     }
 
@@ -172,25 +180,102 @@ impl LaunchPlan {
         cfg
     }
 
-    /// One line describing the launch, printed before it starts.
+    /// What the workers will run, printed once before they start ([`ddp_core::launcher::RunBanner`]). The backend
+    /// is the one the workers' `auto` resolves to when `--backend` is not given: NCCL when they run on GPUs that
+    /// this build can use, else the CPU backend.
+    pub fn banner(&self) -> ddp_core::launcher::RunBanner {
+        let layout = self.parallelism.clone().unwrap_or_default();
+        let layout = layout
+            .mesh_shape(self.num_processes)
+            .unwrap_or_else(|_| ddp_core::MeshShape::new(1, self.num_processes, 1, 1).expect("at least one process"));
+        let on_gpus = !self.use_cpu && crate::hardware::CUDA_COMPILED && crate::hardware::usable_gpu_count() > 0;
+        let backend = match self.backend {
+            Some(ddp_core::BackendKind::Cpu) => "cpu",
+            Some(ddp_core::BackendKind::Nccl) => "nccl",
+            Some(ddp_core::BackendKind::Mpi) => "mpi",
+            Some(ddp_core::BackendKind::Auto) | None if on_gpus => "nccl",
+            Some(ddp_core::BackendKind::Auto) | None => "cpu",
+        };
+        ddp_core::launcher::RunBanner {
+            config: self.config_source.clone(),
+            processes: self.num_processes,
+            machines: self.num_machines,
+            layout,
+            mixed_precision: self.mixed_precision.to_string(),
+            gradient_accumulation_steps: self.gradient_accumulation_steps.unwrap_or(1),
+            backend: backend.to_string(),
+        }
+    }
+
+    /// The banner, the machine and the program: printed once before the workers start.
     pub fn summary(&self) -> String {
-        let machines = if self.num_machines > 1 {
+        let machine = if self.num_machines > 1 {
             format!(
-                " on machine {}/{} (main {}:{})",
-                self.machine_rank, self.num_machines, self.main_process_ip, self.main_process_port
+                "\naccel launch: machine {}/{} runs {} of the processes (main {}:{})",
+                self.machine_rank,
+                self.num_machines,
+                self.nproc_per_node(),
+                self.main_process_ip,
+                self.main_process_port
             )
         } else {
             String::new()
         };
-        format!(
-            "accel launch: {} process(es){machines}, {} here, mixed precision {}{}: {}",
-            self.num_processes,
-            self.nproc_per_node(),
-            self.mixed_precision,
-            if self.use_cpu { ", CPU forced" } else { "" },
-            self.program.display()
-        )
+        format!("accel launch: {}{machine}\naccel launch: {}", self.banner(), self.program.display())
     }
+}
+
+/// How the banner names the config file at `path`: the path, whether it is the default one (`accel config`
+/// writes it there, and every later launch reads it), and which of the run's settings it changed — those it
+/// sets to something other than the built-in default that no flag overrides.
+pub fn describe_config(path: &Path, default_location: bool, file: &AccelerateConfig, flags: &LaunchArgs) -> String {
+    let mut set = Vec::new();
+    if flags.num_processes.is_none() && flags.nproc_per_node.is_none() {
+        if let Some(n) = file.num_processes.filter(|n| *n > 1) {
+            set.push(format!("{n} processes"));
+        }
+    }
+    if flags.num_machines.is_none() && file.num_machines > 1 {
+        set.push(format!("{} machines", file.num_machines));
+    }
+    if flags.mixed_precision.is_none() && file.mixed_precision != MixedPrecision::No {
+        set.push(format!("mixed precision {}", file.mixed_precision));
+    }
+    if flags.gradient_accumulation_steps.is_none() {
+        if let Some(k) = file.gradient_accumulation_steps.filter(|k| *k > 1) {
+            set.push(format!("gradient accumulation {k}"));
+        }
+    }
+    if file.parallelism_config.as_ref().is_some_and(|p| !p.is_default_layout()) {
+        set.push("the layout".to_string());
+    }
+    let which = if default_location { "the default config file, written by `accel config`; " } else { "" };
+    let what = if set.is_empty() { "it changes no default".to_string() } else { format!("it set {}", set.join(", ")) };
+    format!("{} ({which}{what})", path.display())
+}
+
+/// Refuses a config file whose `distributed_type` asks for something accel does not run (`FSDP`, `DEEPSPEED`,
+/// `MEGATRON_LM`, `XLA`, other accelerators): running it as plain data parallelism would train something other
+/// than what the file says.
+fn check_distributed_type(file: Option<&AccelerateConfig>) -> CliResult<()> {
+    let Some(DistributedType::Other(t)) = file.map(|f| &f.distributed_type) else { return Ok(()) };
+    let (why, block) = match t.as_str() {
+        "FSDP" => ("sharded data parallelism (FSDP / ZeRO) is not implemented yet", " (and remove fsdp_config)"),
+        "DEEPSPEED" => ("accel has no DeepSpeed engine", " (and remove deepspeed_config)"),
+        "MEGATRON_LM" => (
+            "accel has no Megatron-LM plugin (its tensor parallelism is parallelism_config_tp_size)",
+            " (and remove megatron_lm_config)",
+        ),
+        _ => ("accel runs on CPUs and CUDA GPUs only", ""),
+    };
+    Err(CliError::invalid(
+        "distributed_type",
+        t.clone(),
+        format!(
+            "{why}; for data parallelism set distributed_type to MULTI_CPU or MULTI_GPU{block}, or run `accel \
+             config` again"
+        ),
+    ))
 }
 
 /// The job's size and this machine's place in it.
@@ -332,15 +417,11 @@ fn rdzv_warning(flags: &LaunchArgs, file: Option<&AccelerateConfig>) -> Option<S
     })
 }
 
-/// Refuses a layout that does not fit `num_processes`; warns about one the Accelerator cannot train yet (only a
-/// program that lays out a `ddp_core::DeviceMesh` itself can run it).
-fn check_parallelism(p: &ParallelismConfig, num_processes: usize, warnings: &mut Vec<String>) -> CliResult<()> {
+/// Refuses, before any worker starts, a layout that does not fit `num_processes` and one the Accelerator cannot
+/// train yet (pp or dp_shard > 1): one message saying what would run, instead of every rank failing with it.
+fn check_parallelism(p: &ParallelismConfig, num_processes: usize) -> CliResult<()> {
     p.resolve(num_processes)?;
-    if let Err(e) = p.check_accelerator_support() {
-        warnings.push(format!(
-            "{e} (launching anyway: only a program that lays out a ddp_core::DeviceMesh itself can run this layout)"
-        ));
-    }
+    p.check_accelerator_support()?;
     Ok(())
 }
 
@@ -590,19 +671,18 @@ mod tests {
         let p = LaunchPlan::resolve(&LaunchArgs { num_processes: Some(4), ..flags("p") }, None).unwrap();
         assert_eq!(p.parallelism, None);
         assert!(p.worker_env().iter().all(|(k, _)| !k.starts_with("PARALLELISM_CONFIG_")));
-        // cp is refused; pp and dp_shard launch with a warning (the Accelerator refuses them, a mesh can use them).
+        // cp, pp and dp_shard are refused before launch, saying what runs on the same processes.
         let e = LaunchPlan::resolve(&LaunchArgs { parallelism_config_cp_size: Some(2), ..tp2.clone() }, None)
             .unwrap_err()
             .to_string();
         assert!(e.ends_with("context parallelism is not implemented yet; set cp_size to 1"), "{e}");
-        let p = LaunchPlan::resolve(&LaunchArgs { parallelism_config_pp_size: Some(2), ..tp2 }, None).unwrap();
-        assert_eq!(p.warnings.len(), 1);
+        let e = LaunchPlan::resolve(&LaunchArgs { parallelism_config_pp_size: Some(2), ..tp2 }, None).unwrap_err();
         assert!(
-            p.warnings[0].contains("cannot train with pipeline parallelism yet")
-                && p.warnings[0]
-                    .ends_with("only a program that lays out a ddp_core::DeviceMesh itself can run this layout)"),
-            "{:?}",
-            p.warnings
+            e.to_string().ends_with(
+                "on the same 4 processes set pp_size 1 and dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 2 \
+                 × pp 1 runs)"
+            ),
+            "{e}"
         );
     }
 

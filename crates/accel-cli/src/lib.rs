@@ -107,7 +107,10 @@ fn run_launch(args: &LaunchArgs) -> CliResult<()> {
         Some(path) => Some(load_and_warn(&path)?),
         None => None,
     };
-    let plan = LaunchPlan::resolve(args, file.as_ref().map(|l| &l.config))?;
+    let mut plan = LaunchPlan::resolve(args, file.as_ref().map(|l| &l.config))?;
+    if let Some(loaded) = &file {
+        plan.config_source = launch::describe_config(&loaded.path, args.config_file.is_none(), &loaded.config, args);
+    }
     for w in &plan.warnings {
         eprintln!("accel: warning: {w}");
     }

@@ -27,11 +27,13 @@ fn main() -> ExitCode {
     match accel_cli::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("accel: error: {e}");
-            let mut source = std::error::Error::source(&e);
-            while let Some(s) = source {
-                eprintln!("  caused by: {s}");
-                source = s.source();
+            if std::env::var_os(ddp_core::launcher::ERROR_FILE_ENV).is_some() {
+                // A worker of `accel test`: its launcher prints the report once.
+                ddp_core::launcher::report_error(&e);
+            } else {
+                // The chain of causes, no backtrace (those are for panics).
+                let report = ddp_core::launcher::error_report(&e);
+                eprintln!("accel: {}", report.replacen("Error:", "error:", 1));
             }
             ExitCode::FAILURE
         }

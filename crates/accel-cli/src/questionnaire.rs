@@ -155,16 +155,15 @@ fn ask_parallelism(
              machines (keep tp within a machine when you can)\n"
         ))?;
     }
+    // The Accelerator cannot train pp > 1 yet: the answer is re-asked with the reason, so that the file written is
+    // one `accel launch` runs (never a config this command calls invalid).
     let pp = q.ask("Pipeline-parallel size (pp: pipeline stages; 1 = off)?", Some("1"), |s| {
-        dividing("pp", s, num_processes / tp)
+        let pp = dividing("pp", s, num_processes / tp)?;
+        let p = ParallelismConfig::data_parallel(num_processes / (tp * pp)).with_tp_size(tp).with_pp_size(pp);
+        p.check_accelerator_support().map_err(|e| e.to_string())?;
+        Ok(pp)
     })?;
     let p = ParallelismConfig::data_parallel(num_processes / (tp * pp)).with_tp_size(tp).with_pp_size(pp);
-    if let Err(e) = p.check_accelerator_support() {
-        q.say(&format!(
-            "  note: {e}; the config is written anyway (a program that lays out a ddp_core::DeviceMesh itself can run \
-             it)\n"
-        ))?;
-    }
     Ok((tp > 1 || pp > 1).then_some(p))
 }
 
@@ -341,12 +340,16 @@ mod tests {
             "{out}"
         );
         assert!(out.contains("invalid answer \"4\": pp 4 does not divide the 2 processes left for it"), "{out}");
-        // pp 2 is written, with a note that the Accelerator cannot train it yet.
-        let (cfg, out) = run("cpu\n1\n4\n2\n2\nno\n", 0);
-        let p = cfg.unwrap().parallelism_config.unwrap();
-        assert_eq!((p.dp_replicate_size, p.tp_size, p.pp_size), (1, 2, 2));
+        // pp 2 is refused (the Accelerator cannot train it yet) with what runs instead, and re-asked: no config
+        // this command calls invalid is written.
+        let (cfg, out) = run("cpu\n1\n4\n2\n2\n1\nno\n", 0);
+        assert_eq!(cfg.unwrap().parallelism_config, Some(ParallelismConfig::data_parallel(2).with_tp_size(2)));
         assert!(
-            out.contains("note: invalid configuration parallelism_config_pp_size = \"2\": the Accelerator"),
+            out.contains(
+                "invalid answer \"2\": invalid configuration parallelism_config_pp_size = \"2\": the Accelerator \
+                 cannot train with pipeline parallelism (accel has no pipeline schedule yet); on the same 4 processes \
+                 set pp_size 1 and dp_replicate_size 2"
+            ),
             "{out}"
         );
         // tp wider than a machine: a warning.

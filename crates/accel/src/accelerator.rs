@@ -60,6 +60,9 @@ struct Inner {
     trackers: Mutex<Trackers>,
     /// The Accelerator's RNG (seeded by `set_seed`); its state is checkpointed per rank.
     rng: Mutex<ChaCha8Rng>,
+    /// On the CPU: bf16 autocast set on the creating thread (on under bf16, off otherwise), put back as it was when
+    /// the Accelerator goes (see [`Accelerator::compute_dtype`]).
+    _autocast: Option<accel_nn::ops::autocast::Bf16Guard>,
 }
 
 /// The objects an Accelerator prepared or was asked to checkpoint, in registration order.
@@ -141,8 +144,13 @@ impl Accelerator {
             _ => None,
         };
         let seed = cfg.seed;
+        // bf16 on the CPU is autocast over f32 tensors (compute_dtype's docs); elsewhere bf16 tensors.
+        let autocast = device
+            .is_cpu()
+            .then(|| accel_nn::ops::autocast::Bf16Guard::new(cfg.mixed_precision == MixedPrecision::Bf16));
         let acc = Accelerator {
             inner: Arc::new(Inner {
+                _autocast: autocast,
                 step: Arc::new(StepController::new(cfg.gradient_accumulation_steps, scaler)),
                 config: cfg,
                 pg,
@@ -236,9 +244,19 @@ impl Accelerator {
         self.inner.config.mixed_precision
     }
 
-    /// The dtype model `Var`s and activations use: F32, F16 or BF16.
+    /// The dtype model `Var`s and activations use: F32, F16 or BF16 — except bf16 on the CPU, which is F32.
+    ///
+    /// bf16 on the CPU runs as PyTorch's `torch.autocast("cpu", dtype=torch.bfloat16)` (and Accelerate's
+    /// `mixed_precision="bf16"` on a CPU, which uses it): parameters, activations and gradients are f32 tensors,
+    /// and the linear layers of [`crate::ops::linear`] multiply bf16-rounded operands into bf16-rounded results
+    /// ([`crate::ops::autocast`], switched on for the thread that creates the Accelerator, until it is dropped).
+    /// candle's CPU kernels for bf16 tensors cost several times their f32 ones (`docs/benchmarks.md`, "bf16 on
+    /// the CPU"); on CUDA, bf16 keeps bf16 tensors with fp32 master weights.
     pub fn compute_dtype(&self) -> DType {
-        self.inner.config.mixed_precision.compute_dtype()
+        match self.inner.config.mixed_precision {
+            MixedPrecision::Bf16 if self.inner.device.is_cpu() => DType::F32,
+            mp => mp.compute_dtype(),
+        }
     }
 
     /// Micro-batches per optimizer step.
@@ -568,6 +586,35 @@ impl Accelerator {
     pub fn print(&self, msg: impl std::fmt::Display) {
         if self.is_main_process() {
             println!("{msg}");
+        }
+    }
+
+    /// What this run is — config file, processes × machines, layout, mixed precision, gradient accumulation,
+    /// backend — as [`Self::print_banner`] prints it. The config file is the one `accel launch` read (none when
+    /// the program was started on its own: its settings come from defaults, its flags and `ACCELERATE_*`
+    /// variables).
+    pub fn run_banner(&self) -> ddp_core::launcher::RunBanner {
+        let machines = ddp_core::env::DistEnv::detect_from_env()
+            .ok()
+            .flatten()
+            .map_or(1, |e| e.world_size / e.local_world_size.max(1));
+        ddp_core::launcher::RunBanner {
+            config: ddp_core::launcher::RunBanner::config_from_env(),
+            processes: self.world_size(),
+            machines,
+            layout: self.mesh().shape(),
+            mixed_precision: self.mixed_precision().to_string(),
+            gradient_accumulation_steps: self.gradient_accumulation_steps(),
+            backend: self.inner.pg.backend_name().to_string(),
+        }
+    }
+
+    /// Prints the [run banner](Self::run_banner) once, on the main process, as `{program}: config … | …`: before
+    /// the first step, so a run says what it is. Under `accel launch`, which printed its own banner, only when
+    /// the program changed a setting the launcher announced (its flags or code override the launch's).
+    pub fn print_banner(&self, program: &str) {
+        if let Some(line) = self.run_banner().worker_line(program) {
+            self.print(line);
         }
     }
 

@@ -311,27 +311,40 @@ impl ParallelismConfig {
     ///
     /// Errors: [`AccelError::Config`] naming the size and what to use instead.
     pub fn check_accelerator_support(&self) -> Result<()> {
-        if self.pp_size > 1 {
-            return Err(AccelError::Config {
-                key: "parallelism_config_pp_size".into(),
-                value: self.pp_size.to_string(),
-                reason: "the Accelerator cannot train with pipeline parallelism yet (a ddp_core::DeviceMesh can \
-                         already lay pp out, but accel has no pipeline schedule); set pp_size to 1 and use tp_size \
-                         or dp_replicate_size"
-                    .into(),
-            });
-        }
-        if self.dp_shard_size > 1 {
-            return Err(AccelError::Config {
-                key: "parallelism_config_dp_shard_size".into(),
-                value: self.dp_shard_size.to_string(),
-                reason: "the Accelerator cannot train with sharded data parallelism (ZeRO / FSDP) yet (a \
-                         ddp_core::DeviceMesh can already lay dp_shard out, but accel does not shard optimizer state \
-                         yet); set dp_shard_size to 1 and use dp_replicate_size for data parallelism"
-                    .into(),
-            });
-        }
-        Ok(())
+        let (key, size, what) = if self.pp_size > 1 {
+            ("pp", self.pp_size, "pipeline parallelism (accel has no pipeline schedule yet)")
+        } else if self.dp_shard_size > 1 {
+            ("dp_shard", self.dp_shard_size, "sharded data parallelism (ZeRO / FSDP: accel does not shard yet)")
+        } else {
+            return Ok(());
+        };
+        // What runs on the same processes: the unsupported dimensions folded into replicated data parallelism.
+        let dp = self.dp_replicate_size * self.dp_shard_size * self.pp_size;
+        let runnable = ParallelismConfig { dp_replicate_size: dp, dp_shard_size: 1, pp_size: 1, ..self.clone() };
+        let mut set: Vec<String> = [("pp", self.pp_size), ("dp_shard", self.dp_shard_size)]
+            .iter()
+            .filter(|(_, n)| *n > 1)
+            .map(|(name, _)| format!("{name}_size 1"))
+            .collect();
+        set.push(format!("dp_replicate_size {dp}"));
+        Err(AccelError::Config {
+            key: format!("parallelism_config_{key}_size"),
+            value: size.to_string(),
+            reason: format!(
+                "the Accelerator cannot train with {what}; on the same {} processes set {} ({} runs)",
+                self.total_size(),
+                join_and(&set),
+                runnable.layout_string()
+            ),
+        })
+    }
+
+    /// The four sizes a mesh lays out, `dp_replicate 2 × dp_shard 1 × tp 2 × pp 1` (cp, always 1 here, left out).
+    pub fn layout_string(&self) -> String {
+        format!(
+            "dp_replicate {} × dp_shard {} × tp {} × pp {}",
+            self.dp_replicate_size, self.dp_shard_size, self.tp_size, self.pp_size
+        )
     }
 }
 
@@ -449,12 +462,26 @@ mod tests {
     #[test]
     fn the_accelerator_refuses_pp_and_dp_shard_saying_what_to_use() {
         ParallelismConfig::default().with_tp_size(4).check_accelerator_support().unwrap();
-        let e = ParallelismConfig::default().with_pp_size(2).check_accelerator_support().unwrap_err().to_string();
-        assert!(e.starts_with("invalid configuration parallelism_config_pp_size = \"2\": the Accelerator cannot"));
-        assert!(e.contains("pipeline parallelism") && e.contains("set pp_size to 1"), "{e}");
+        // pp 2 × tp 2 on 4 processes: what runs there is dp_replicate 2 × tp 2.
+        let e = ParallelismConfig::default().with_pp_size(2).with_tp_size(2).check_accelerator_support().unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid configuration parallelism_config_pp_size = \"2\": the Accelerator cannot train with pipeline \
+             parallelism (accel has no pipeline schedule yet); on the same 4 processes set pp_size 1 and \
+             dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 2 × pp 1 runs)"
+        );
+        let e = ParallelismConfig::data_parallel(2).with_dp_shard_size(2).with_pp_size(2).check_accelerator_support();
+        assert!(e.unwrap_err().to_string().ends_with(
+            "on the same 8 processes set pp_size 1, dp_shard_size 1 and dp_replicate_size 8 (dp_replicate 8 × \
+             dp_shard 1 × tp 1 × pp 1 runs)"
+        ));
         let e = ParallelismConfig::default().with_dp_shard_size(2).check_accelerator_support().unwrap_err();
-        let e = e.to_string();
-        assert!(e.contains("sharded data parallelism") && e.contains("set dp_shard_size to 1"), "{e}");
+        assert_eq!(
+            e.to_string(),
+            "invalid configuration parallelism_config_dp_shard_size = \"2\": the Accelerator cannot train with \
+             sharded data parallelism (ZeRO / FSDP: accel does not shard yet); on the same 2 processes set \
+             dp_shard_size 1 and dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 1 × pp 1 runs)"
+        );
     }
 
     #[test]

@@ -40,7 +40,8 @@ fn copy_storage<S: BackendStorage<Device: BackendDevice<Storage = S>>>(
 
 /// A ddp-core error raised inside a backward pass, carried through candle's error type.
 fn wrap(e: DdpError) -> candle_core::Error {
-    candle_core::Error::wrap(e)
+    // No `Error::wrap`: it captures a backtrace under RUST_BACKTRACE=1, which every rank would then print.
+    candle_core::Error::Wrapped(Box::new(e))
 }
 
 /// *f*'s op: identity forward, all-reduce (sum) backward.

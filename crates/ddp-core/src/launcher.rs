@@ -21,12 +21,16 @@
 //! Workers get no stdin (they run in background process groups, where reading a terminal would stop them).
 //! Anything a worker leaves running in its process group is killed when the group ends.
 
+mod banner;
+mod error_report;
 mod group;
 mod output;
 mod rendezvous;
 mod signals;
 mod status;
 
+pub use banner::{RunBanner, CONFIG_SOURCE_ENV, LAUNCH_BANNER_ENV, NO_CONFIG};
+pub use error_report::{error_report, report_error, ERROR_FILE_ENV};
 pub use output::log_path;
 pub use status::{signal_name, WorkerExit};
 
@@ -269,6 +273,78 @@ pub fn launch_self(nproc: usize) -> Result<bool> {
     Ok(true)
 }
 
+/// The error-report files of one worker generation ([`ERROR_FILE_ENV`]), in a fresh directory removed on drop.
+struct ErrorFiles {
+    dir: PathBuf,
+}
+
+impl ErrorFiles {
+    fn create(launch_id: u64, restart: usize) -> Result<Self> {
+        let dir = std::env::temp_dir().join(format!("accel-errors-{}-{launch_id}-{restart}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir); // a leftover of a killed launcher that had our pid
+        std::fs::create_dir(&dir).map_err(|e| DdpError::io(format!("creating {}", dir.display()), e))?;
+        Ok(ErrorFiles { dir })
+    }
+
+    fn path(&self, local_rank: usize) -> PathBuf {
+        self.dir.join(format!("rank{local_rank}.txt"))
+    }
+
+    /// Prints the report of the first failing worker once, on the console and in its log file, each line
+    /// prefixed with its rank as its output was; another rank's report that says something else is named in one
+    /// line (its whole report goes to its log file). A worker that wrote no report (killed, a panic, a program
+    /// that does not use [`report_error`]) printed what it had to say on its stderr: then the first report another
+    /// rank left is the one printed in full.
+    fn print(&self, first: usize, sinks: &output::Sinks) {
+        let order = std::iter::once(first).chain((0..sinks.len()).filter(|r| *r != first));
+        let reports: Vec<(usize, String)> =
+            order.filter_map(|r| error_report::read_report(&self.path(r)).map(|text| (r, text))).collect();
+        let Some((shown_rank, shown)) = reports.first() else { return };
+        sinks.rank(*shown_rank).write_report(shown, true, true);
+        for (rank, other) in &reports[1..] {
+            let sink = sinks.rank(*rank);
+            sink.write_report(other, false, true);
+            if other != shown {
+                let first_line = other.lines().next().unwrap_or_default();
+                sink.write_report(&format!("failed too: {}", first_line.trim_start_matches("Error: ")), true, false);
+            }
+        }
+    }
+}
+
+impl Drop for ErrorFiles {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// How long a launcher without a run token keeps trying to tell the other machines, before it exits with its own
+/// error (machine 0 may start a little after the others, or the reverse).
+const NO_TOKEN_NOTICE: Duration = Duration::from_secs(10);
+
+/// A machine without the run token cannot join, but its peers would wait for it until `rdzv_timeout` (30 min by
+/// default): it makes them fail at once instead, through the store's own refusal of a wrong token. Machine 1, 2, …
+/// connects to machine 0's store with a throw-away token (machine 0 sees the refused peer and fails); machine 0
+/// listens with one for [`NO_TOKEN_NOTICE`] (every machine that connects is refused and fails). No token is ever
+/// sent, and nothing a peer learns from a throw-away token's proof is of use.
+fn fail_the_other_machines(cfg: &LaunchConfig) {
+    let Ok(throw_away) = RunToken::generate() else { return };
+    if cfg.nnodes <= 1 || cfg.master_port == 0 {
+        return;
+    }
+    let addr = host_port(&cfg.master_addr, cfg.master_port);
+    if cfg.node_rank > 0 {
+        let _ = crate::store::TcpStore::connect(&addr, throw_away, NO_TOKEN_NOTICE);
+        return;
+    }
+    let Ok(server) = TcpStoreServer::bind(&addr, throw_away) else { return };
+    let until = std::time::Instant::now() + NO_TOKEN_NOTICE;
+    // Every peer that has not been refused yet may still come: wait for all of them, or the notice window.
+    while server.refused_peers().len() < cfg.nnodes - 1 && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Runs the workers to completion. `Ok(())` when all exit 0; otherwise [`crate::DdpError::WorkerFailed`] naming
 /// the first failing rank and its status, after stopping the others.
 ///
@@ -288,7 +364,7 @@ pub fn launch_self(nproc: usize) -> Result<bool> {
 /// ```
 pub fn launch(cfg: &LaunchConfig) -> Result<()> {
     cfg.validate()?;
-    let token = cfg.run_token()?;
+    let token = cfg.run_token().inspect_err(|_| fail_the_other_machines(cfg))?;
     let signals =
         signals::SignalGuard::install().map_err(|e| DdpError::io("installing the launcher's signal handlers", e))?;
     let first_rank = cfg.node_rank * cfg.nproc_per_node;
@@ -324,16 +400,21 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
             host_port(&cfg.master_addr, port),
             if restart > 0 { format!(", restart {restart} of {}", cfg.max_restarts) } else { String::new() }
         );
+        let reports = ErrorFiles::create(launch_id, restart)?;
         let commands = (0..cfg.nproc_per_node)
             .map(|local_rank| {
                 let mut cmd = Command::new(&cfg.program);
                 cmd.args(&cfg.args).envs(cfg.worker_env(local_rank, port, &token, restart));
+                cmd.env(ERROR_FILE_ENV, reports.path(local_rank));
                 cmd
             })
             .collect();
         let spec = GroupSpec { commands, first_rank, stop_grace: cfg.stop_grace };
         let outcome = group::run_group(spec, &sinks, &signals)?;
         drop(server);
+        if let GroupOutcome::Failed { local_rank, .. } = outcome {
+            reports.print(local_rank, &sinks);
+        }
         match outcome {
             GroupOutcome::Success => return Ok(()),
             GroupOutcome::Interrupted { signal } => {

@@ -141,7 +141,7 @@ fn run() -> anyhow::Result<()> {
         let exe = std::env::current_exe().context("locating this executable to launch its workers")?;
         let mut launch = ddp_core::LaunchConfig::local(args.nproc, exe, std::env::args().skip(1).collect());
         launch.env.extend(accel_examples::parallel_env(args.nproc, args.tp_size)); // accel: the workers' mesh
-        ddp_core::launch(&launch).context("the training workers failed")?;
+        ddp_core::launch(&launch)?; // its error is the one-line summary naming the failing rank
         return Ok(());
     }
     train(&args)
@@ -186,6 +186,7 @@ fn train(args: &Args) -> anyhow::Result<()> {
 
     let ga = acc.gradient_accumulation_steps();
     let tokens_per_step = (args.batch_size * args.block_size * dp * ga) as f64;
+    acc.print_banner("accel_gpt"); // accel: config, processes, layout, precision, accumulation, backend (once)
     acc.print(format!(
         "accel_gpt: {} process(es) = dp {dp} × tp {}, model {} parameters (d_model {}, {} heads, {} layers, context \
          {}, d_ff {}, vocabulary {} padded to {}), mixed precision {}, gradient accumulation {ga}, global batch {} \

@@ -22,7 +22,7 @@ use accel::data::load_mnist;
 use accel::{segments, Dataset, ReduceKind, TensorDataset};
 use accel::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, DataLoader, DataLoaderConfig, MixedPrecision};
 use accel_examples::{default_data_dir, seed_parameters, Mlp};
-use anyhow::{bail, Context};
+use anyhow::bail;
 use candle_core::{DType, Module, Tensor};
 use candle_nn::VarMap;
 use clap::Parser;
@@ -78,7 +78,7 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    if ddp_core::launcher::launch_self(cli.nproc).context("running the workers")? {
+    if ddp_core::launcher::launch_self(cli.nproc)? {
         return Ok(());
     }
     train(&cli)
@@ -120,12 +120,9 @@ fn train(cli: &Cli) -> anyhow::Result<()> {
 
     // guide:end model
 
+    acc.print_banner("accel_mnist"); // accel: config, processes, layout, precision, accumulation, backend (once)
     acc.print(format!(
-        "accel_mnist: {} process(es), mixed precision {}, gradient accumulation {}, batch {} per process ({} per optimizer step), {} \
-         train batches per process per epoch",
-        acc.world_size(),
-        acc.mixed_precision(),
-        acc.gradient_accumulation_steps(),
+        "accel_mnist: batch {} per process ({} per optimizer step), {} train batches per process per epoch",
         cli.batch_size,
         cli.batch_size * acc.world_size() * acc.gradient_accumulation_steps(),
         train_loader.len()

@@ -112,6 +112,20 @@ fn train(cli: &Cli) -> Result<()> {
 
     let (rank, world) = (pg.rank(), pg.world_size());
     if rank == 0 {
+        // What the run is, once (level 1 has no config file, mixed precision or accumulation: plain DDP in f32).
+        let machines = ddp_core::env::DistEnv::detect_from_env()?.map_or(1, |e| e.world_size / e.local_world_size);
+        let banner = ddp_core::launcher::RunBanner {
+            config: ddp_core::launcher::RunBanner::config_from_env(),
+            processes: world,
+            machines,
+            layout: ddp_core::MeshShape::new(1, world, 1, 1)?,
+            mixed_precision: "no".into(),
+            gradient_accumulation_steps: 1,
+            backend: pg.backend_name().into(),
+        };
+        if let Some(line) = banner.worker_line("ddp_mnist") {
+            println!("{line}");
+        }
         let hidden: Vec<String> = cli.hidden.iter().map(ToString::to_string).collect();
         println!(
             "MLP 784-{}-10, {} ranks × batch {} (global {}), AdamW lr {}, {} train / {} test images, {} steps per epoch",

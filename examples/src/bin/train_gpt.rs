@@ -102,7 +102,7 @@ fn run() -> anyhow::Result<()> {
         let exe = std::env::current_exe().context("locating this executable to launch its workers")?;
         let mut launch = ddp_core::LaunchConfig::local(cli.nproc, exe, std::env::args().skip(1).collect());
         launch.env.extend(accel_examples::parallel_env(cli.nproc, cli.tp_size));
-        ddp_core::launch(&launch).context("the training workers failed")?;
+        ddp_core::launch(&launch)?; // its error is the one-line summary naming the failing rank
         return Ok(());
     }
     accel_examples::apply_tp_size(cli.tp_size)?; // --tp-size, unless the launcher set PARALLELISM_CONFIG_*
@@ -127,10 +127,12 @@ fn worker(cli: Cli) -> anyhow::Result<()> {
     let acc = trainer.accelerator().expect("the trainer is set up after train()").clone();
     let eval_loss = eval.get("eval_loss").copied().unwrap_or(f64::NAN);
     acc.print(format!(
-        "\ntrain_gpt: {} parameters, {} process(es); {} optimizer steps in {:.1} s, mean training loss {:.4}; \
-         validation loss {eval_loss:.4} (perplexity {:.2})",
+        "\ntrain_gpt: {} parameters, {} process(es) = dp {} × tp {}; {} optimizer steps in {:.1} s, mean training \
+         loss {:.4}; validation loss {eval_loss:.4} (perplexity {:.2})",
         cfg.num_parameters(),
         acc.world_size(),
+        acc.data_parallel_size(),
+        acc.mesh().shape().tp,
         out.global_step,
         out.metrics.get("train_runtime").copied().unwrap_or_default(),
         out.training_loss,

@@ -100,3 +100,27 @@ fn best_checkpoint_line_names_the_metric_that_chose_it() {
         "best checkpoint: runs/x/checkpoint-100 (validation loss 0.2012)"
     );
 }
+
+/// Every rank of a two-process run fails with the same error: it is printed once (the first failing rank's
+/// report, through the launcher), then the launcher's one-line summary naming the rank — and no backtrace, even
+/// with `RUST_BACKTRACE=1` set, as many Rust users have it.
+#[test]
+fn an_error_on_every_rank_is_printed_once_without_a_backtrace() {
+    let out = Command::new(env!("CARGO_BIN_EXE_accel_mnist"))
+        .args(["--nproc", "2", "--data-dir", "/nonexistent/mnist"])
+        .env_remove("RANK")
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .expect("running accel_mnist");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "{text}");
+    let lines: Vec<&str> = text.lines().collect();
+    let reports: Vec<&&str> = lines.iter().filter(|l| l.contains("/nonexistent/mnist does not exist")).collect();
+    assert_eq!(reports.len(), 1, "one copy of the error:\n{text}");
+    assert!(reports[0].starts_with("[rank ") && reports[0].contains("] Error: data: MNIST directory"), "{text}");
+    let summary: Vec<&&str> = lines.iter().filter(|l| l.contains("failed first")).collect();
+    assert_eq!(summary.len(), 1, "{text}");
+    assert!(summary[0].starts_with("Error: worker rank ") && summary[0].ends_with("the other workers were stopped"));
+    assert!(!lines.iter().any(|l| l.trim_start().starts_with("0: ") || l.contains("stack backtrace")), "{text}");
+    assert_eq!(lines.len(), 2, "nothing else:\n{text}");
+}

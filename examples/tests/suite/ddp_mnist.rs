@@ -55,7 +55,10 @@ fn accel_mnist_runs_are_reproducible_for_a_seed() {
             .expect("running accel_mnist");
         let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         assert!(out.status.success(), "accel_mnist failed:\n{text}");
-        assert!(text.contains("1 process(es), mixed precision no, gradient accumulation 1"), "{text}");
+        // The run banner, once, before the first step.
+        let banner = "accel_mnist: config none: defaults | 1 process × 1 machine | dp_replicate 1 × dp_shard 1 × tp 1 \
+                      × pp 1 | mixed precision no | gradient accumulation 1 | backend cpu";
+        assert_eq!(text.lines().filter(|l| l.contains("config none")).collect::<Vec<_>>(), [banner], "{text}");
         // The epoch line without its wall time: "epoch 0: train loss …, test accuracy … (…/10000)".
         let line = text.lines().find(|l| l.contains("epoch 0: train loss")).expect("an epoch line").to_string();
         line.split(", test accuracy").next().unwrap().to_string()

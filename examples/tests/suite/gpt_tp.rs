@@ -209,6 +209,13 @@ fn accel_gpt_tp2_prints_the_single_process_losses() {
     assert_eq!(a.len(), 2, "two logged steps:\n{single}");
     assert_eq!(a, b, "1 process:\n{single}\ntp2:\n{tp2}");
     assert!(tp2.contains("dp 1 × tp 2"), "{tp2}");
+    assert!(
+        tp2.contains(
+            "[rank 0] accel_gpt: config none: defaults | 2 processes × 1 machine | dp_replicate 1 × dp_shard 1 × tp 2 \
+             × pp 1 | mixed precision no | gradient accumulation 1 | backend cpu\n"
+        ),
+        "{tp2}"
+    );
     for r in 0..2 {
         assert!(tp2.contains(&format!("rank {r} (dp 0 tp {r}): peak RSS")), "rank {r}'s RSS:\n{tp2}");
     }
@@ -289,4 +296,9 @@ fn train_gpt_runs_at_tp2() {
     );
     assert!(text.contains("validation loss"), "{text}");
     assert!(text.contains("sample (temperature 0.8)"), "{text}");
+    // The banner once, from rank 0, before the first step; the summary names the layout.
+    let banner = "[rank 0] train_gpt: config none: defaults | 2 processes × 1 machine | dp_replicate 1 × dp_shard 1 × \
+                  tp 2 × pp 1 | mixed precision no | gradient accumulation 1 | backend cpu";
+    assert_eq!(text.lines().filter(|l| l.contains("config none")).collect::<Vec<_>>(), [banner], "{text}");
+    assert!(text.contains(" parameters, 2 process(es) = dp 1 × tp 2; 4 optimizer steps"), "{text}");
 }

@@ -122,6 +122,81 @@ fn launch_takes_settings_from_the_config_file_and_flags_override_them() {
 }
 
 #[test]
+fn launch_prints_one_banner_naming_the_default_config_that_changed_the_run() {
+    // `accel config default --mixed-precision bf16` once; a later plain launch is bf16, and its banner says why.
+    let dir = tempfile::tempdir().unwrap();
+    accel(dir.path()).args(["config", "default", "--mixed-precision", "bf16"]).assert().success();
+    let default = dir.path().join("hf/accelerate/default_config.yaml");
+    let out = accel(dir.path())
+        .args(["launch", "-n", "2", "sh", "-c", "echo \"rank=$RANK banner=$ACCEL_LAUNCH_BANNER\""])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stderr}");
+    let settings = "2 processes × 1 machine | dp_replicate 2 × dp_shard 1 × tp 1 × pp 1 | mixed precision bf16 | \
+                    gradient accumulation 1 | backend cpu";
+    let banner = format!(
+        "accel launch: config {} (the default config file, written by `accel config`; it set mixed precision bf16) \
+         | {settings}",
+        default.display()
+    );
+    assert_eq!(stderr.lines().filter(|l| l.starts_with("accel launch: config")).collect::<Vec<_>>(), [banner]);
+    // The workers get the settings it printed, so that an Accelerator program does not print them again.
+    assert!(stdout.contains(&format!("[rank 1] rank=1 banner={settings}")), "{stdout}");
+
+    // No config file: "none: defaults"; flags appear in the banner.
+    std::fs::remove_file(&default).unwrap();
+    let out = accel(dir.path())
+        .args(["launch", "-n", "4", "--gradient-accumulation-steps", "2", "--parallelism-config-tp-size", "2"])
+        .args(["--parallelism-config-dp-replicate-size", "2", "true"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.lines().any(|l| l
+            == "accel launch: config none: defaults | 4 processes × 1 machine | dp_replicate 2 × dp_shard 1 × tp 2 × \
+                pp 1 | mixed precision no | gradient accumulation 2 | backend cpu"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_layout_the_accelerator_cannot_run_is_refused_before_any_worker_starts() {
+    // pp 2 × tp 2 on 4 processes: one message, naming what runs; no worker started (the script would print).
+    let dir = tempfile::tempdir().unwrap();
+    let out = accel(dir.path())
+        .args(["launch", "-n", "4", "--parallelism-config-pp-size", "2", "--parallelism-config-tp-size", "2"])
+        .args(["sh", "-c", "echo started"])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(1));
+    assert!(!stdout.contains("started"), "{stdout}");
+    assert_eq!(
+        stderr.trim(),
+        "accel: error: invalid configuration parallelism_config_pp_size = \"2\": the Accelerator cannot train with \
+         pipeline parallelism (accel has no pipeline schedule yet); on the same 4 processes set pp_size 1 and \
+         dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 2 × pp 1 runs)"
+    );
+    // Accelerate's FSDP file is refused too, not run as DDP with warnings.
+    let out = accel(dir.path())
+        .args(["launch", "--config-file"])
+        .arg(fixture("accelerate_fsdp_two_machines.yaml"))
+        .args(["--machine-rank", "0", "sh", "-c", "echo started"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("started"));
+    assert!(
+        stderr.contains(
+            "accel: error: invalid distributed_type \"FSDP\": sharded data parallelism (FSDP / ZeRO) is \
+                         not implemented yet"
+        ),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn launch_reports_the_first_failing_rank_and_its_status() {
     let dir = tempfile::tempdir().unwrap();
     // Rank 1 fails at once; rank 0 would sleep for a long time and must be stopped by the launcher.

@@ -65,21 +65,24 @@ fn reads_a_two_machine_fsdp_file_and_warns_about_what_accel_ignores() {
         })
     );
     let all = loaded.warnings.join("\n");
-    assert!(all.contains("fsdp_config") && all.contains("FSDP"), "{all}");
-    // Its dp_shard layout is a valid mesh (2 × 2 = 4 processes) that the Accelerator cannot train yet: launched
-    // with a warning saying so.
+    assert!(all.contains("fsdp_config"), "{all}");
+    // accel cannot shard yet: the launch is refused before any worker starts, naming the fix (not run as DDP).
     let flags = LaunchArgs { program: "prog".into(), ..LaunchArgs::default() };
-    let plan = LaunchPlan::resolve(&flags, Some(c)).unwrap();
-    let all = plan.warnings.join("\n");
-    assert!(
-        all.contains(
-            "parallelism_config_dp_shard_size = \"2\": the Accelerator cannot train with sharded data \
-                      parallelism (ZeRO / FSDP) yet"
-        ),
-        "{all}"
+    let e = LaunchPlan::resolve(&flags, Some(c)).unwrap_err().to_string();
+    assert_eq!(
+        e,
+        "invalid distributed_type \"FSDP\": sharded data parallelism (FSDP / ZeRO) is not implemented yet; for data \
+         parallelism set distributed_type to MULTI_CPU or MULTI_GPU (and remove fsdp_config), or run `accel config` \
+         again"
     );
-    let env = plan.worker_env();
-    assert!(env.contains(&("PARALLELISM_CONFIG_DP_SHARD_SIZE".to_string(), "2".to_string())), "{env:?}");
+    // As MULTI_GPU, its dp_shard layout is a valid mesh (2 × 2 = 4 processes) that the Accelerator cannot train
+    // yet: refused too, saying what runs on the same processes.
+    let c = &AccelerateConfig { distributed_type: DistributedType::MultiGpu, ..c.clone() };
+    let e = LaunchPlan::resolve(&flags, Some(c)).unwrap_err().to_string();
+    assert!(
+        e.ends_with("set dp_shard_size 1 and dp_replicate_size 4 (dp_replicate 4 × dp_shard 1 × tp 1 × pp 1 runs)"),
+        "{e}"
+    );
     // A layout whose product is not the process count is refused, naming what fits.
     let flags = LaunchArgs { program: "prog".into(), parallelism_config_tp_size: Some(2), ..LaunchArgs::default() };
     let e = LaunchPlan::resolve(&flags, Some(c)).unwrap_err().to_string();

@@ -280,7 +280,12 @@ fn two_machines_on_one_host_form_one_job() {
                 "machine {machine}:\n{stdout}"
             );
         }
-        assert!(stderr.contains(&format!("on machine {machine}/2 (main 127.0.0.1:{port}), 2 here")), "{stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "accel launch: machine {machine}/2 runs 2 of the processes (main 127.0.0.1:{port})"
+            )),
+            "{stderr}"
+        );
     }
 }
 

@@ -167,9 +167,20 @@ fn layouts_the_accelerator_cannot_run_are_refused_on_every_rank() {
     );
     assert!(e.iter().all(|m| *m == e[0]));
     let e = errors_on(4, with(ParallelismConfig::default().with_pp_size(2).with_tp_size(2)));
-    assert!(e[3].starts_with("invalid configuration parallelism_config_pp_size = \"2\": the Accelerator cannot train with pipeline parallelism yet"), "{}", e[3]);
+    assert!(
+        e[3].ends_with(
+            "on the same 4 processes set pp_size 1 and dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × \
+                        tp 2 × pp 1 runs)"
+        ),
+        "{}",
+        e[3]
+    );
     let e = errors_on(2, with(ParallelismConfig::default().with_dp_shard_size(2)));
-    assert!(e[1].contains("cannot train with sharded data parallelism (ZeRO / FSDP) yet"), "{}", e[1]);
+    assert!(
+        e[1].contains("cannot train with sharded data parallelism (ZeRO / FSDP: accel does not shard yet)"),
+        "{}",
+        e[1]
+    );
     let e = errors_on(2, with(ParallelismConfig::default().with_cp_size(2)));
     assert_eq!(
         e[0],

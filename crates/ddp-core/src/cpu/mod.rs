@@ -399,7 +399,8 @@ impl CpuBackend {
         if let Some(shm) = &self.shm {
             shm.signal_abort(rec.blamed);
         }
-        tracing::error!(rank = self.rank, "cpu backend aborted: {}", rec.describe(self.rank));
+        // Debug, not error: the error returned to the caller carries the same record, and is what gets printed.
+        tracing::debug!(rank = self.rank, "cpu backend aborted: {}", rec.describe(self.rank));
         let err = self.error(call, &rec, false);
         st.aborted = Some(rec);
         err

@@ -124,7 +124,8 @@ pub(crate) fn run_group(spec: GroupSpec, sinks: &Sinks, signals: &SignalGuard) -
             Ok((local_rank, status)) => {
                 workers[local_rank].exited = Some(status);
                 if !status.success() {
-                    tracing::error!(
+                    // Info, not error: the summary reaches the user once, as the error `launch` returns.
+                    tracing::info!(
                         "launcher: worker rank {} failed first ({status}); stopping the others",
                         spec.first_rank + local_rank
                     );

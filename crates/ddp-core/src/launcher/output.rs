@@ -62,12 +62,37 @@ impl Sinks {
         &self.ranks[local_rank]
     }
 
+    /// Number of ranks.
+    pub(crate) fn len(&self) -> usize {
+        self.ranks.len()
+    }
+
     /// Writes a launcher note (e.g. a restart marker) into every log file.
     pub(crate) fn note(&self, text: &str) {
         for sink in &self.ranks {
             if let Some(f) = &sink.file {
                 let _ = writeln!(crate::sync::lock(f), "[launcher] {text}");
             }
+        }
+    }
+}
+
+impl RankSink {
+    /// Writes a worker's error report (or a line about it): to the console's stderr, prefixed with the rank, when
+    /// `console` (even when the worker's output goes to its log file only: this is the one copy the user must
+    /// see), and unprefixed to the rank's log file when `file` and there is one.
+    pub(crate) fn write_report(&self, text: &str, console: bool, file: bool) {
+        if console {
+            let mut block = Vec::new();
+            for line in text.lines() {
+                block.extend_from_slice(&self.prefix);
+                block.extend_from_slice(line.as_bytes());
+                block.push(b'\n');
+            }
+            let _ = std::io::stderr().lock().write_all(&block);
+        }
+        if let (true, Some(f)) = (file, &self.file) {
+            let _ = writeln!(crate::sync::lock(f), "{text}");
         }
     }
 }

@@ -209,6 +209,40 @@ fn output_is_prefixed_with_the_rank_and_teed_to_log_files() {
 }
 
 #[test]
+fn a_failed_job_prints_the_first_failing_ranks_error_once() {
+    // Rank 1 fails first; rank 0 fails with the same report, rank 2 with another (a consequence, typically).
+    // What each worker's `report_error` writes goes to ACCEL_ERROR_FILE, and the launcher prints rank 1's once,
+    // names rank 2's in one line, and leaves every report in the rank's log file.
+    let dir = tempfile::tempdir().unwrap();
+    let logs = dir.path().join("logs");
+    let script = r#"case $RANK in
+        1) printf 'Error: boom\n  caused by: disk full\n' > "$ACCEL_ERROR_FILE"; exit 1 ;;
+        0) sleep 0.3; printf 'Error: boom\n  caused by: disk full\n' > "$ACCEL_ERROR_FILE"; exit 1 ;;
+        *) sleep 0.3; printf 'Error: peer rank 1 is gone\n' > "$ACCEL_ERROR_FILE"; exit 1 ;;
+    esac"#;
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(self_exe_args())
+        .env(MODE_ENV, "launcher")
+        .env("LAUNCH_N", "3")
+        .env("LAUNCH_SCRIPT", script)
+        .env("LAUNCH_LOG_DIR", &logs)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stdout.contains("LAUNCH_RESULT err worker rank 1 (local rank 1) failed first: exit code 1"),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.iter().filter(|l| l.contains("boom")).count(), 1, "one copy of the error:\n{stderr}");
+    assert!(lines.contains(&"[rank 1] Error: boom") && lines.contains(&"[rank 1]   caused by: disk full"), "{stderr}");
+    assert!(lines.contains(&"[rank 2] failed too: peer rank 1 is gone"), "{stderr}");
+    assert_eq!(read(log_path(&logs, 0)).trim(), "Error: boom\n  caused by: disk full");
+    assert_eq!(read(log_path(&logs, 2)).trim(), "Error: peer rank 1 is gone");
+}
+
+#[test]
 fn without_tee_output_goes_only_to_the_log_files() {
     let dir = tempfile::tempdir().unwrap();
     let out = Command::new(std::env::current_exe().unwrap())
@@ -407,6 +441,42 @@ fn machine_0_fails_at_once_when_a_machine_with_another_run_token_is_refused() {
         "{msg}"
     );
     assert!(started.elapsed() < Duration::from_secs(10), "took {:?}", started.elapsed());
+}
+
+/// `machine(...)` without the run token: what a machine started without `export ACCEL_RUN_TOKEN=…` runs.
+fn without_token(mut cfg: LaunchConfig) -> LaunchConfig {
+    assert!(std::env::var_os("ACCEL_RUN_TOKEN").is_none(), "the test process itself must have no run token");
+    cfg.env.retain(|(k, _)| k != "ACCEL_RUN_TOKEN");
+    cfg
+}
+
+#[test]
+fn a_machine_without_the_run_token_fails_the_other_machine_at_once() {
+    // Machine 1 has no token: it fails naming the variable, and machine 0 (rdzv_timeout 30 s, 30 min by default)
+    // fails within seconds instead of waiting for it.
+    let port = free_port();
+    let started = Instant::now();
+    let node0 = launch_on_thread(machine(1, 2, 0, port, RunToken::generate().unwrap(), "true"));
+    let err1 = launch(&without_token(machine(1, 2, 1, port, RunToken::generate().unwrap(), "true"))).unwrap_err();
+    let err0 = node0.join().unwrap().unwrap_err();
+    assert!(
+        err1.to_string().starts_with("environment variable ACCEL_RUN_TOKEN: not set, but a job on 2 machines"),
+        "{err1}"
+    );
+    let msg = err0.to_string();
+    assert!(msg.contains("(run token mismatch); export the same ACCEL_RUN_TOKEN"), "{msg}");
+    assert!(started.elapsed() < Duration::from_secs(15), "took {:?}", started.elapsed());
+
+    // Machine 0 has none: machine 1, started after it, is refused at once.
+    let port = free_port();
+    let started = Instant::now();
+    let node0 = launch_on_thread(without_token(machine(1, 2, 0, port, RunToken::generate().unwrap(), "true")));
+    std::thread::sleep(Duration::from_millis(300));
+    let err1 = launch(&machine(1, 2, 1, port, RunToken::generate().unwrap(), "true")).unwrap_err();
+    let err0 = node0.join().unwrap().unwrap_err();
+    assert!(err0.to_string().contains("ACCEL_RUN_TOKEN: not set"), "{err0}");
+    assert!(matches!(err1, DdpError::TokenRejected { .. }), "{err1}");
+    assert!(started.elapsed() < Duration::from_secs(15), "took {:?}", started.elapsed());
 }
 
 #[test]
