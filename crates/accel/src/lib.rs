@@ -39,6 +39,7 @@ pub mod mixed_precision;
 mod model;
 pub mod optim;
 pub mod parallelism;
+pub mod pipeline;
 pub mod scheduler;
 pub mod state;
 mod step;

@@ -176,6 +176,30 @@ impl BackwardSegments {
     }
 }
 
+/// The backward pass of `output` with `grad` as its incoming gradient — torch's `output.backward(grad)`: the
+/// gradients of everything `output` depends on, as a backward from a loss whose gradient with respect to
+/// `output` is `grad`. A pipeline stage starts its backward here from the gradient the next stage sends for its
+/// output; the gradient of its input (a variable holding the activation it received) is in the store too.
+///
+/// `grad` enters unchanged (the seeding op of [`BackwardSegments::backward`]; no multiply by a ones tensor), so
+/// the gradients are the values a single backward pass through both stages computes.
+///
+/// Errors: [`DdpError::InvalidArgument`] when `grad`'s shape or dtype is not `output`'s; candle's.
+pub fn backward_from(output: &Tensor, grad: &Tensor) -> Result<GradStore> {
+    if output.shape() != grad.shape() || output.dtype() != grad.dtype() {
+        return Err(DdpError::InvalidArgument(format!(
+            "backward_from: the gradient is {:?} {:?} but the output is {:?} {:?}; pass the gradient of this output \
+             (same shape and dtype)",
+            grad.dims(),
+            grad.dtype(),
+            output.dims(),
+            output.dtype()
+        )));
+    }
+    let seeded = output.apply_op1(SeedGradient { grad: grad.clone() })?;
+    Ok(seeded.backward()?)
+}
+
 /// Moves the gradients of every remaining cut's leaf from `store` into `pending` (summed).
 fn take_leaf_gradients(cuts: &[Cut], store: &mut GradStore, pending: &mut [Option<Tensor>]) -> Result<()> {
     for (cut, slot) in cuts.iter().zip(pending.iter_mut()) {

@@ -7,7 +7,7 @@
 //! Supported dtypes: f32, f64, f16, bf16, i32, i64, u8 (every candle dtype that has a [`crate::DType`]); others
 //! are an [`DdpError::InvalidArgument`] naming the dtype. Non-contiguous inputs are made contiguous first (one
 //! copy). Every rank must pass tensors of the same shape and dtype (a different size is reported as a
-//! collective mismatch).
+//! collective mismatch). `send_tensor` / `recv_tensor` move one tensor between two ranks (pipeline stages).
 
 use crate::dtype::with_element_type;
 use crate::{DType, DdpError, Element, ProcessGroup, ReduceOp, Result};
@@ -65,7 +65,50 @@ fn reduce_scatter_t<T: Element + WithDType>(
     Ok(Tensor::from_vec(out, out_shape, t.device())?)
 }
 
+/// Sends `t`'s elements straight from its storage when it is contiguous (no copy), else from a contiguous copy.
+fn send_t<T: Element + WithDType>(pg: &ProcessGroup, t: &Tensor, dst: usize) -> Result<()> {
+    let (storage, layout) = t.storage_and_layout();
+    if let (candle_core::Storage::Cpu(cpu), Some((start, end))) = (&*storage, layout.contiguous_offsets()) {
+        return pg.send(&cpu.as_slice::<T>()?[start..end], dst);
+    }
+    drop(storage);
+    pg.send(&host_vec::<T>(t)?, dst)
+}
+
+fn recv_t<T: Element + WithDType>(pg: &ProcessGroup, shape: Shape, src: usize) -> Result<Tensor> {
+    let mut v = vec![T::zeroed(); shape.elem_count()];
+    pg.recv(&mut v, src)?;
+    Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
+}
+
 impl ProcessGroup {
+    /// Sends a tensor to group rank `dst` (point to point: a pipeline stage's activation or gradient). The
+    /// receiver must call [`Self::recv_tensor`] with the same shape and dtype — pipeline stages agree on them once
+    /// per run — and messages between two ranks arrive in the order they were sent. A contiguous tensor is sent
+    /// from its own storage, without a copy.
+    ///
+    /// Errors: unsupported dtype or a non-CPU tensor ([`DdpError::InvalidArgument`]), `dst` out of range or this
+    /// rank, the backend's (a dead peer is named).
+    pub fn send_tensor(&self, t: &Tensor, dst: usize) -> Result<()> {
+        let dtype = check(t, "send_tensor")?;
+        with_element_type!(dtype, T => send_t::<T>(self, t, dst))
+    }
+
+    /// Receives a tensor of `shape` and `dtype` from group rank `src` (what its [`Self::send_tensor`] sent), on
+    /// the CPU. The elements land in the new tensor's own storage (no copy after the receive).
+    ///
+    /// Errors: unsupported dtype ([`DdpError::InvalidArgument`]), `src` out of range or this rank, a sender
+    /// whose tensor has another size (reported by the backend), a dead peer.
+    pub fn recv_tensor(&self, shape: impl Into<Shape>, dtype: candle_core::DType, src: usize) -> Result<Tensor> {
+        let dt = DType::from_candle(dtype).ok_or_else(|| {
+            DdpError::InvalidArgument(format!(
+                "recv_tensor: tensors of dtype {dtype:?} are not supported (use f32, f64, f16, bf16, i32, i64 or u8)"
+            ))
+        })?;
+        let shape = shape.into();
+        with_element_type!(dt, T => recv_t::<T>(self, shape, src))
+    }
+
     /// all_reduce of a tensor; returns the reduced tensor (same shape, dtype, device).
     ///
     /// Errors: unsupported dtype or device ([`DdpError::InvalidArgument`]), collective failures.

@@ -568,3 +568,38 @@ fn all_reduce_piecewise_has_the_bits_of_all_reduce_on_every_path() {
         }
     }
 }
+
+/// A pipeline stage's activation and gradient between two ranks: contiguous, strided and every dtype arrive
+/// with their values; a size the receiver does not expect is an error naming both sizes, not a wrong tensor.
+#[test]
+fn tensors_go_point_to_point_in_order() {
+    use candle_core::{DType as C, Device, Tensor};
+    let errs = run_ranks(2, None, |pg| {
+        let base = Tensor::arange(0f32, 12.0, &Device::Cpu).unwrap().reshape((3, 4)).unwrap();
+        if pg.rank() == 0 {
+            for dt in [C::F32, C::BF16, C::F16, C::I64] {
+                pg.send_tensor(&base.to_dtype(dt).unwrap(), 1).unwrap();
+            }
+            pg.send_tensor(&base.t().unwrap(), 1).unwrap(); // strided: sent from a contiguous copy
+            pg.send_tensor(&base, 1).unwrap(); // 12 elements where 1 expects 6
+            String::new()
+        } else {
+            for dt in [C::F32, C::BF16, C::F16, C::I64] {
+                let t = pg.recv_tensor((3, 4), dt, 0).unwrap();
+                assert_eq!((t.dims(), t.dtype()), (&[3usize, 4][..], dt));
+                let v: Vec<f32> = t.to_dtype(C::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+                assert_eq!(v, (0..12).map(|i| i as f32).collect::<Vec<_>>(), "{dt:?}");
+            }
+            let t = pg.recv_tensor((4, 3), C::F32, 0).unwrap();
+            assert_eq!(t.to_vec2::<f32>().unwrap(), base.t().unwrap().to_vec2::<f32>().unwrap());
+            pg.recv_tensor((2, 3), C::F32, 0).unwrap_err().to_string()
+        }
+    });
+    assert!(errs[1].contains("24 bytes") && errs[1].contains("48 bytes"), "{}", errs[1]);
+    let e = run_ranks(1, None, |pg| {
+        pg.send_tensor(&candle_core::Tensor::zeros(2, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap(), 0)
+            .unwrap_err()
+            .to_string()
+    });
+    assert!(e[0].contains("is this rank itself"), "{}", e[0]);
+}

@@ -431,3 +431,50 @@ fn a_plain_backward_of_a_recorded_forward_is_an_error_that_says_why() {
         assert!(msg.contains("needs DistributedDataParallel::backward(&loss, cuts)"), "{msg}");
     }
 }
+
+/// Two pipeline stages on two ranks: rank 0 runs fc1–fc2 and sends its output; rank 1 runs fc3–fc4 and the loss
+/// on what it received, and sends back the gradient of that input; rank 0's backward starts from it
+/// (`segments::backward_from`). Every parameter's gradient is `loss.backward()`'s in one process, bit for bit.
+#[test]
+fn a_backward_from_the_gradient_of_the_next_stage_equals_one_backward() {
+    let (len, start) = (16, 8);
+    let stage_grads = run_ranks(2, None, move |pg| {
+        let varmap = mlp_varmap(0.3);
+        let x = wave(0.1, &[96, WIDTHS[0]], 1.0).narrow(0, start, len).unwrap();
+        if pg.rank() == 0 {
+            let h2 = linear(&varmap, 2, &linear(&varmap, 1, &x).tanh().unwrap()).tanh().unwrap();
+            pg.send_tensor(&h2, 1).unwrap();
+            let grad = pg.recv_tensor(h2.shape(), h2.dtype(), 1).unwrap();
+            let store = segments::backward_from(&h2, &grad).unwrap();
+            let wrong = segments::backward_from(&h2, &grad.narrow(0, 0, 1).unwrap()).unwrap_err().to_string();
+            assert!(wrong.contains("the gradient is [1, 8] F32 but the output is [16, 8] F32"), "{wrong}");
+            ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+                .map(|n| {
+                    (
+                        n.to_string(),
+                        store.get(&param(&varmap, n)).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    )
+                })
+                .to_vec()
+        } else {
+            let input =
+                Var::from_tensor(&pg.recv_tensor((len, WIDTHS[2]), candle_core::DType::F32, 0).unwrap()).unwrap();
+            let h3 = linear(&varmap, 3, input.as_tensor()).tanh().unwrap();
+            let target = wave(3.0, &[len, WIDTHS[4]], 0.5);
+            let loss = (linear(&varmap, 4, &h3) - target).unwrap().sqr().unwrap().mean_all().unwrap();
+            let store = loss.backward().unwrap();
+            pg.send_tensor(store.get(input.as_tensor()).unwrap(), 0).unwrap();
+            ["fc3.bias", "fc3.weight", "fc4.bias", "fc4.weight"]
+                .map(|n| {
+                    (
+                        n.to_string(),
+                        store.get(&param(&varmap, n)).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    )
+                })
+                .to_vec()
+        }
+    });
+    let pipelined: Vec<(String, Vec<f32>)> = stage_grads.into_iter().flatten().collect();
+    let one_process = plain_gradients(&mlp_varmap(0.3), Wiring::Chain, start, len);
+    assert_eq!(bits(&pipelined), bits(&one_process));
+}
