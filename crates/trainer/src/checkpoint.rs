@@ -12,8 +12,8 @@
 //! [`verify_checksums`] checks it before anything is loaded: a truncated or flipped weight file is an error naming
 //! the file, never a silent resume.
 //!
-//! Ownership of an output directory: [`lock_output_dir`] marks it as used by one job (`.trainer.lock` with the
-//! pid and host), and [`check_output_dir`] refuses to start a new run over another run's checkpoints.
+//! Ownership of an output directory (the lock, and the refusal of another run's files) is [`crate::output_dir`]'s;
+//! its items are re-exported here, where they used to live.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -283,153 +283,8 @@ pub fn verify_checksums(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Refuses to start a new run in an `output_dir` that already holds `checkpoint-N` directories (HF's
-/// "Output directory ... already exists and is not empty"), unless the run resumes (`resuming`) or
-/// `overwrite` is set; with `overwrite` the old checkpoints are deleted first (returned). Main process only.
-pub fn check_output_dir(output_dir: &Path, resuming: bool, overwrite: bool) -> Result<Vec<PathBuf>> {
-    if resuming {
-        return Ok(Vec::new());
-    }
-    let old = sorted_checkpoints(output_dir, None)?;
-    if old.is_empty() {
-        return Ok(Vec::new());
-    }
-    if !overwrite {
-        let names: Vec<String> =
-            old.iter().filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned())).collect();
-        return Err(TrainerError::invalid(
-            "output_dir",
-            format!(
-                "{} already holds checkpoints of another run ({}); a new run would mix with them. Either resume \
-                 that run (resume_from_checkpoint = \"latest\", --resume-from-checkpoint latest), or delete them \
-                 and start over (overwrite_output_dir = true, --overwrite-output-dir true); or use another \
-                 output_dir",
-                output_dir.display(),
-                names.join(", ")
-            ),
-        ));
-    }
-    for dir in &old {
-        std::fs::remove_dir_all(dir).map_err(|e| {
-            TrainerError::io(format!("deleting old checkpoint {} (overwrite_output_dir)", dir.display()), e)
-        })?;
-    }
-    Ok(old)
-}
-
-/// Name of the lock file that marks an output directory as used by a running job.
-pub const LOCK_NAME: &str = ".trainer.lock";
-
-/// Content of `.trainer.lock`.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct LockInfo {
-    /// Process id of the job's main process.
-    pub pid: u32,
-    /// Host name of that process.
-    pub host: String,
-    /// Start time, seconds since the Unix epoch.
-    pub started: u64,
-}
-
-/// An output directory held by this job: the lock file is removed when this is dropped (end of `train`, also on
-/// error).
-#[derive(Debug)]
-pub struct OutputDirLock {
-    path: PathBuf,
-    info: LockInfo,
-}
-
-impl Drop for OutputDirLock {
-    fn drop(&mut self) {
-        // Only our own lock: another job may have taken over a lock we lost (e.g. deleted by hand).
-        let ours = std::fs::read_to_string(&self.path)
-            .ok()
-            .and_then(|t| serde_json::from_str::<LockInfo>(&t).ok())
-            .is_some_and(|i| i == self.info);
-        if ours {
-            let _ = std::fs::remove_file(&self.path);
-        }
-    }
-}
-
-/// This machine's host name.
-pub fn host_name() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: the buffer is valid for its length; gethostname NUL-terminates within it on success.
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    if rc != 0 {
-        return "unknown".into();
-    }
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    String::from_utf8_lossy(&buf[..end]).into_owned()
-}
-
-fn pid_alive(pid: u32) -> bool {
-    // SAFETY: signal 0 only checks for existence; EPERM means it exists under another user.
-    let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
-    rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
-}
-
-/// Takes `output_dir/.trainer.lock` for this process (creating `output_dir`). Errors when another job holds it,
-/// naming the directory and that job (pid, host); a lock left by a process that is dead on this host is taken
-/// over with a warning. Main process only.
-pub fn lock_output_dir(output_dir: &Path) -> Result<OutputDirLock> {
-    use std::io::Write;
-    std::fs::create_dir_all(output_dir)
-        .map_err(|e| TrainerError::io(format!("creating output_dir {}", output_dir.display()), e))?;
-    let path = output_dir.join(LOCK_NAME);
-    let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-    let info = LockInfo { pid: std::process::id(), host: host_name(), started };
-    let text = serde_json::to_string(&info).map_err(|e| TrainerError::json("encoding the lock file", e))?;
-    for _ in 0..2 {
-        match std::fs::OpenOptions::new().write(true).create_new(true).open(&path) {
-            Ok(mut f) => {
-                f.write_all(text.as_bytes()).map_err(|e| TrainerError::io(format!("writing {}", path.display()), e))?;
-                return Ok(OutputDirLock { path, info });
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                let held = std::fs::read_to_string(&path).ok().and_then(|t| serde_json::from_str::<LockInfo>(&t).ok());
-                match held {
-                    Some(other) if other.host == info.host && !pid_alive(other.pid) => {
-                        tracing::warn!(
-                            "{}: taking over a stale lock of process {} on {} (no longer running)",
-                            output_dir.display(),
-                            other.pid,
-                            other.host
-                        );
-                        eprintln!(
-                            "warning: {}: taking over the stale lock of process {} on {}, which is no longer running",
-                            output_dir.display(),
-                            other.pid,
-                            other.host
-                        );
-                        let _ = std::fs::remove_file(&path);
-                    }
-                    Some(other) => {
-                        return Err(TrainerError::Usage(format!(
-                            "output_dir {} is in use by another training job (pid {} on host {}, lock {}); wait \
-                             for it to finish or use another output_dir. If that job is gone, delete the lock file",
-                            output_dir.display(),
-                            other.pid,
-                            other.host,
-                            path.display()
-                        )))
-                    }
-                    None => {
-                        return Err(TrainerError::Usage(format!(
-                            "output_dir {} is locked by {} but the lock cannot be read; if no other job uses this \
-                             directory, delete the lock file",
-                            output_dir.display(),
-                            path.display()
-                        )))
-                    }
-                }
-            }
-            Err(e) => return Err(TrainerError::io(format!("creating {}", path.display()), e)),
-        }
-    }
-    Err(TrainerError::Usage(format!("output_dir {}: could not take the lock {}", output_dir.display(), path.display())))
-}
+// Ownership of an output directory moved to `crate::output_dir`; kept at its old paths.
+pub use crate::output_dir::{check_output_dir, host_name, lock_output_dir, LockInfo, OutputDirLock, LOCK_NAME};
 
 #[cfg(test)]
 mod tests {

@@ -21,8 +21,9 @@
 //! Modules, one concept each: [`args`] (TrainingArguments, CLI), [`trainer`] (the loop), [`evaluation`]
 //! (evaluate / predict), [`losses`] (sum + item count losses), [`metrics`] (accuracy, macro P/R/F1,
 //! perplexity), [`callbacks`] (control object, early stopping, progress bar, printer, trackers), [`checkpoint`]
-//! (naming, rotation, resume lookup), [`state`] (TrainerState / trainer_state.json), `plot` (PNG + SVG
-//! curves), [`init`] (seeded model initialisation), [`optimizer`] (AdamW / SGD from the arguments),
+//! (naming, rotation, resume lookup), [`output_dir`] (one job and one run per output directory: the lock, released
+//! on SIGINT/SIGTERM too, and the refusal of another run's files), [`state`] (TrainerState / trainer_state.json),
+//! `plot` (PNG + SVG curves), [`init`] (seeded model initialisation), [`optimizer`] (AdamW / SGD from the arguments),
 //! [`hpsearch`] (hyperparameter search: samplers, pruners, parallel trials, resumable study).
 //!
 //! Cargo features (all off by default, as in burn-train; the examples turn them on): `plots` (the `plot` module,
@@ -42,6 +43,7 @@ pub mod init;
 pub mod losses;
 pub mod metrics;
 pub mod optimizer;
+pub mod output_dir;
 #[cfg(feature = "plots")]
 #[cfg_attr(docsrs, doc(cfg(feature = "plots")))]
 pub mod plot;

@@ -49,6 +49,7 @@ use crate::error::{Result, TrainerError};
 use crate::losses::Loss;
 use crate::metrics::{EvalPrediction, Metrics};
 use crate::optimizer::TrainerOptimizer;
+use crate::output_dir;
 use crate::state::{LogEntry, LossTallyState, TrainerState, TRAINER_STATE_NAME};
 
 /// Builds the model from a `VarBuilder` (device, dtype and seeded initialisation chosen by the trainer).
@@ -113,6 +114,8 @@ pub struct Trainer<M, D> {
     pub(crate) state: TrainerState,
     pub(crate) control: TrainerControl,
     trained: bool,
+    /// Whether `train` prints the run banner (a hyperparameter search's trials do not: the study says it once).
+    banner: bool,
     /// Checkpoints of this run's lineage: written by it, or the resumed checkpoint and its recorded best. Only
     /// these are ever loaded as the best model.
     own_checkpoints: std::collections::HashSet<PathBuf>,
@@ -255,6 +258,7 @@ where
             state: TrainerState::default(),
             control: TrainerControl::default(),
             trained: false,
+            banner: true,
             own_checkpoints: Default::default(),
             last_saved_step: None,
         }
@@ -270,6 +274,12 @@ where
     /// Adds a callback (after the built-in ones).
     pub fn callback(mut self, cb: impl TrainerCallback + 'static) -> Self {
         self.user_callbacks.push(Box::new(cb));
+        self
+    }
+
+    /// Does not print the run banner when training (a hyperparameter search's trials).
+    pub(crate) fn without_banner(mut self) -> Self {
+        self.banner = false;
         self
     }
 
@@ -405,6 +415,18 @@ where
 
     /// Trains: see the module documentation. Resumes when `resume_from_checkpoint` is set. Call once per
     /// Trainer.
+    ///
+    /// The output directory is this run's alone ([`crate::output_dir`]): the main process holds
+    /// `output_dir/.trainer.lock` while `train` runs (another job in the same directory fails at once), and a new run
+    /// in a directory holding another run's files (checkpoints, `trainer_state.json`, `training_args.yaml`,
+    /// `training_curves.*`, the trackers' `logging_dir/run_name`) is refused with
+    /// [`TrainerError::InvalidArgument`] (`output_dir`) unless it resumes or sets `overwrite_output_dir`, which
+    /// deletes them first.
+    ///
+    /// Signals: while the lock is held, SIGINT and SIGTERM whose action is the default (terminate) first delete
+    /// the lock, then end the process by the same signal (a shell shows exit status 130 / 143). For that the main
+    /// process installs a handler for the two signals while `train` runs and restores the previous action after;
+    /// a program that ignores or handles them itself keeps its own behaviour (details: [`crate::output_dir::signals`]).
     pub fn train(&mut self) -> Result<TrainOutput> {
         if self.trained {
             return Err(TrainerError::Usage(
@@ -414,6 +436,9 @@ where
         self.setup()?;
         self.trained = true;
         let mut rt = self.rt.take().expect("setup created the runtime");
+        if self.banner {
+            rt.acc.print_banner(&program_name());
+        }
         let result = match self.claim_output_dir(&rt.acc) {
             // The lock is held until training ends (successfully or not) and removed when `_lock` drops.
             Ok(_lock) => self.train_loop(&mut rt),
@@ -424,16 +449,21 @@ where
     }
 
     /// Makes `output_dir` this run's (main process; every rank agrees on the outcome): takes its lock (refusing
-    /// a directory another job is training in), then refuses another run's checkpoints unless this run resumes
-    /// or `overwrite_output_dir` deletes them.
-    fn claim_output_dir(&self, acc: &Accelerator) -> Result<Option<checkpoint::OutputDirLock>> {
+    /// a directory another job is training in; released on SIGINT/SIGTERM too), then refuses another run's files
+    /// (checkpoints, final state, curves, the trackers' folder of this run name) unless this run resumes or
+    /// `overwrite_output_dir` deletes them.
+    fn claim_output_dir(&self, acc: &Accelerator) -> Result<Option<output_dir::OutputDirLock>> {
         let local = if acc.is_main_process() {
-            checkpoint::lock_output_dir(&self.args.output_dir).and_then(|lock| {
+            output_dir::lock_output_dir(&self.args.output_dir).and_then(|lock| {
                 let resuming = self.args.resume_from_checkpoint.is_some();
-                let removed =
-                    checkpoint::check_output_dir(&self.args.output_dir, resuming, self.args.overwrite_output_dir)?;
-                for dir in removed {
-                    acc.print(format!("overwrite_output_dir: deleted the old checkpoint {}", dir.display()));
+                let removed = output_dir::check_output_dir(
+                    &self.args.output_dir,
+                    &self.args.tracker_dir(),
+                    resuming,
+                    self.args.overwrite_output_dir,
+                )?;
+                for path in removed {
+                    acc.print(format!("overwrite_output_dir: deleted {} of the previous run", path.display()));
                 }
                 Ok(Some(lock))
             })
@@ -1369,4 +1399,12 @@ fn already_ended(saved: &TrainerState, max_steps: u64) -> Option<String> {
         })
     });
     Some(early.unwrap_or_else(|| "a callback set should_training_stop".into()))
+}
+
+/// The running program's name, for the run banner (`train_gpt: config …`).
+fn program_name() -> String {
+    std::env::current_exe()
+        .ok()
+        .and_then(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "trainer".into())
 }

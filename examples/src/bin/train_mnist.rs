@@ -35,7 +35,6 @@ use std::path::PathBuf;
 
 use accel::data::{load_mnist, Dataset, TensorDataset};
 use accel_examples::{default_data_dir, Mlp};
-use anyhow::Context;
 use clap::Parser;
 use trainer::hpsearch::{HyperparameterSearch, Params, TrialState};
 use trainer::{losses, metrics, IntervalStrategy, SaveStrategy, Trainer, TrainingArguments, TrainingArgumentsCli};
@@ -66,7 +65,7 @@ struct Cli {
     /// Run a hyperparameter search described by this YAML file instead of one training.
     #[arg(long, value_name = "FILE")]
     hp_search: Option<PathBuf>,
-    /// Trials of the search (overrides the file's n_trials).
+    /// Trials this run starts (overrides the file's n_trials); a resumed study runs N more (Optuna's optimize).
     #[arg(long, value_name = "N")]
     n_trials: Option<usize>,
     /// Process budget of the search (overrides the file's `processes`).
@@ -124,7 +123,7 @@ fn run() -> anyhow::Result<()> {
     if let Some(file) = cli.hp_search.clone() {
         return hp_search(&cli, &file);
     }
-    if ddp_core::launcher::launch_self(cli.nproc).context("the training workers failed")? {
+    if ddp_core::launcher::launch_self(cli.nproc)? {
         return Ok(());
     }
     worker(cli)

@@ -7,3 +7,4 @@ mod gpt_tp;
 mod guide_diffs;
 mod hp_search;
 mod nd_equivalence;
+mod run_folders;

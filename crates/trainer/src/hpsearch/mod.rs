@@ -44,8 +44,11 @@
 //!
 //! **Resuming.** The study file (`study_dir/study.jsonl`, see [`study`]) is appended as things happen; running
 //! the same search again with the same `study_dir` keeps the finished trials, re-runs the interrupted ones with
-//! their recorded parameters and samples the rest from the recorded history (same seed → same draws for a
-//! sequential study).
+//! their recorded parameters and samples new ones from the recorded history (same seed → same draws for a
+//! sequential study). As with Optuna's `study.optimize(n_trials=N)`, `n_trials` counts the trials *this run*
+//! starts: a resumed study runs N more (its interrupted trials first, counted among them); a grid stops at its
+//! last point. The driver's first line says which: `[hp] new study …: running 20 trial(s) (0–19)`, `[hp] resuming
+//! …: 20 finished trial(s) kept; running 20 more …: 20 new: 20–39`, or `… nothing left to run: …`.
 //!
 //! The TPE sampler is the [`tpe`] crate; random and grid sampling, the pruners, the study file and the
 //! scheduling are ours (the Rust crates with TPE have none of them). See [`sampler`] for what we add to `tpe`.
@@ -164,7 +167,8 @@ pub struct SearchFile {
     /// Direction (default from the metric's name).
     #[serde(default)]
     pub direction: Option<Direction>,
-    /// Trials in the study (default 10).
+    /// Trials each run of the search starts (default 10): a resumed study runs this many more (Optuna's
+    /// `optimize(n_trials=N)`).
     #[serde(default)]
     pub n_trials: Option<usize>,
     /// Process budget (default 1).
@@ -277,7 +281,9 @@ impl HyperparameterSearch {
         self
     }
 
-    /// Trials in the study (counting those a resumed study already finished).
+    /// Trials this run of the study starts, as Optuna's `study.optimize(n_trials=N)`: `n` for a new study, `n`
+    /// more for a resumed one (its interrupted trials re-run first and count among them). A grid sampler runs at
+    /// most its points not yet tried; 0 runs nothing (the summary then shows the study as it stands). Default 10.
     pub fn n_trials(mut self, n: usize) -> Self {
         self.n_trials = n;
         self
@@ -436,7 +442,10 @@ impl HyperparameterSearch {
         let study_dir = self.create_study_dir()?;
         let journal = Journal::new(study_dir.join(STUDY_FILE));
         let view = self.open_journal(&journal)?;
-        let mut queue = TrialQueue::new(&view, self.trial_count());
+        let capacity = self.config.sampler.capacity(&self.config.space);
+        let mut queue = TrialQueue::new(&view, self.n_trials, capacity);
+        self.say(plan_line(journal.path(), &view, &queue, self.n_trials, capacity));
+        let planned = queue.left;
         let (slots, threads) = self.parallelism();
         let interrupted = AtomicBool::new(false);
         let pool = TrialPool {
@@ -447,13 +456,14 @@ impl HyperparameterSearch {
             interrupted: &interrupted,
         };
         self.run_trials(objective, &pool, &mut queue, slots)?;
+        let run_now = planned - queue.left;
         if interrupted.load(Ordering::SeqCst) {
             return Err(TrainerError::Usage(format!(
                 "the study was interrupted; run the same search again to resume it from {}",
                 journal.path().display()
             )));
         }
-        self.summarise(&journal, &study_dir, started)
+        self.summarise(&journal, &study_dir, started, run_now)
     }
 
     /// Creates the study directory and returns its canonical path (the trials' directories are made from it).
@@ -483,25 +493,9 @@ impl HyperparameterSearch {
                     serde_json::to_string(&self.config).unwrap_or_default()
                 )))
             }
-            Some(_) => {
-                let done = view.trials.values().filter(|t| t.is_finished()).count();
-                if done > 0 {
-                    self.say(format!("[hp] resuming {}: {done} finished trial(s) kept", journal.path().display()));
-                }
-            }
+            Some(_) => {}
         }
         Ok(view)
-    }
-
-    /// `n_trials`, or fewer when a grid sampler has fewer points.
-    fn trial_count(&self) -> usize {
-        match self.config.sampler.capacity(&self.config.space) {
-            Some(cap) if cap < self.n_trials => {
-                self.say(format!("[hp] the grid has {cap} points: running {cap} trials instead of {}", self.n_trials));
-                cap
-            }
-            _ => self.n_trials,
-        }
     }
 
     /// (trials running at once, threads per trial process): the process budget split into trials, and the cores
@@ -544,14 +538,19 @@ impl HyperparameterSearch {
         })
     }
 
-    /// The next trial to start: a re-run of an interrupted one, else a new one sampled now; `None` when all
-    /// `n_trials` have been started.
+    /// The next trial to start: a re-run of an interrupted one, else a new one sampled now; `None` when this run
+    /// has started its `n_trials` (or the grid has no point left).
     fn next_trial(&self, queue: &mut TrialQueue, journal: &Journal) -> Result<Option<(u64, Params)>> {
+        if queue.left == 0 {
+            return Ok(None);
+        }
         Ok(if let Some(t) = queue.rerun.pop() {
+            queue.left -= 1;
             Some((t.number, t.params))
-        } else if (queue.next as usize) < queue.n_trials {
+        } else if queue.end.is_none_or(|end| queue.next < end) {
             let n = queue.next;
             queue.next += 1;
+            queue.left -= 1;
             Some((n, self.sample(journal, n)?))
         } else {
             None
@@ -639,10 +638,11 @@ impl HyperparameterSearch {
 
     /// The study's summary from its file: checkpoints pruned to the best one if asked, plots written, the table
     /// printed.
-    fn summarise(&self, journal: &Journal, study_dir: &Path, started: Instant) -> Result<StudySummary> {
+    fn summarise(&self, journal: &Journal, study_dir: &Path, started: Instant, run_now: usize) -> Result<StudySummary> {
         let view = journal.load()?;
         #[cfg_attr(not(feature = "plots"), allow(unused_mut))]
         let mut summary = StudySummary::new(&view, &self.config, journal.path().to_path_buf(), started.elapsed());
+        summary.run_now = run_now;
         if self.keep_only_best_checkpoint {
             summary.prune_checkpoints();
         }
@@ -724,23 +724,87 @@ impl HyperparameterSearch {
 /// objective's own error handling, why.
 type TrialDone = (u64, Option<String>);
 
-/// The trials still to start: the interrupted ones of a resumed study first (re-run with their parameters, in
-/// number order), then new numbers up to `n_trials`.
+/// The trials this run still starts: the interrupted ones of a resumed study first (re-run with their parameters,
+/// in number order), then new numbers after the study's last one; `left` of them in all (Optuna's
+/// `optimize(n_trials=N)`: N trials per run, however many the study already holds).
 struct TrialQueue {
     /// Popped from the back.
     rerun: Vec<TrialRecord>,
+    /// The next new trial's number.
     next: u64,
-    n_trials: usize,
+    /// Trials this run may still start.
+    left: usize,
+    /// New trial numbers stay below this: a grid's point count (a grid sampler maps trial `k` to its `k`-th point).
+    end: Option<u64>,
 }
 
 impl TrialQueue {
-    /// The queue of a study whose file holds `view`.
-    fn new(view: &StudyView, n_trials: usize) -> Self {
+    /// The queue of a run of `n_trials` trials over a study whose file holds `view`; `capacity` is the sampler's
+    /// number of distinct points, if bounded.
+    fn new(view: &StudyView, n_trials: usize, capacity: Option<usize>) -> Self {
         let mut rerun: Vec<TrialRecord> = view.in_state(TrialState::Running).cloned().collect();
         rerun.reverse();
         let next = view.trials.keys().next_back().map_or(0, |k| k + 1);
-        TrialQueue { rerun, next, n_trials }
+        let end = capacity.map(|c| c as u64);
+        let new_possible = end.map_or(usize::MAX, |e| e.saturating_sub(next) as usize);
+        let left = n_trials.min(rerun.len().saturating_add(new_possible));
+        TrialQueue { rerun, next, left, end }
     }
+
+    /// (interrupted trials re-run, new trials) this run will start, unless it is interrupted.
+    fn planned(&self) -> (usize, usize) {
+        let reruns = self.left.min(self.rerun.len());
+        (reruns, self.left - reruns)
+    }
+}
+
+/// The driver's first line: a new or resumed study, and which trials this run starts — or that nothing is left to
+/// run, and why.
+fn plan_line(file: &Path, view: &StudyView, queue: &TrialQueue, n_trials: usize, capacity: Option<usize>) -> String {
+    let finished = view.trials.values().filter(|t| t.is_finished()).count();
+    let interrupted = queue.rerun.len();
+    let (reruns, new) = queue.planned();
+    let numbers = |from: u64, count: usize| match count {
+        0 => String::new(),
+        1 => format!("{from}"),
+        _ => format!("{from}–{}", from + count as u64 - 1),
+    };
+    let grid_note = match capacity {
+        Some(cap) if reruns + new < n_trials => format!(" (the grid has {cap} points; n_trials was {n_trials})"),
+        _ => String::new(),
+    };
+    if view.trials.is_empty() {
+        return match new {
+            0 if n_trials == 0 => format!("[hp] new study {}: nothing to run (n_trials is 0)", file.display()),
+            0 => format!("[hp] new study {}: nothing to run{grid_note}", file.display()),
+            _ => format!("[hp] new study {}: running {new} trial(s) ({}){grid_note}", file.display(), numbers(0, new)),
+        };
+    }
+    let mut kept = format!("[hp] resuming {}: {finished} finished trial(s) kept", file.display());
+    if interrupted > 0 {
+        kept += &format!(", {interrupted} interrupted");
+    }
+    if reruns + new == 0 {
+        // With n_trials > 0 only a grid can run out.
+        let why = match capacity {
+            Some(cap) if n_trials > 0 => format!("all {cap} points of the grid have been tried"),
+            _ => "n_trials is 0".to_string(),
+        };
+        return format!("{kept}; nothing left to run: {why}");
+    }
+    let mut which = Vec::new();
+    if reruns > 0 {
+        let again: Vec<String> = queue.rerun.iter().rev().take(reruns).map(|t| t.number.to_string()).collect();
+        which.push(format!("{} again", again.join(", ")));
+    }
+    if new > 0 {
+        which.push(format!("{new} new: {}", numbers(queue.next, new)));
+    }
+    format!(
+        "{kept}; running {} more (n_trials counts this run's trials, as Optuna's optimize(n_trials=N)): {}{grid_note}",
+        reruns + new,
+        which.join(", then ")
+    )
 }
 
 /// What the driver shares with the trials it runs.
@@ -852,7 +916,7 @@ where
     D: Dataset + 'static,
 {
     let metric = trial.shared.config.metric.clone();
-    let mut trainer = trainer.callback(trial.pruning_callback());
+    let mut trainer = trainer.callback(trial.pruning_callback()).without_banner();
     trainer.train()?;
     let state = trainer.state();
     let best =
@@ -1111,6 +1175,9 @@ pub struct StudySummary {
     pub plots: Vec<PathBuf>,
     /// Wall time of this run of the driver, seconds.
     pub wall_s: f64,
+    /// Trials this run of the driver started (re-runs of interrupted ones included); the others were already in
+    /// the study file.
+    pub run_now: usize,
 }
 
 impl StudySummary {
@@ -1130,6 +1197,7 @@ impl StudySummary {
             study_file,
             plots: Vec::new(),
             wall_s: wall.as_secs_f64(),
+            run_now: 0,
         }
     }
 
@@ -1167,11 +1235,13 @@ impl StudySummary {
         let metric_w = self.metric.len().max(10);
         let widths: Vec<usize> = names.iter().map(|n| n.len().max(10)).collect();
         let mut out = format!(
-            "\nhyperparameter search: {} trials ({} complete, {} pruned, {} failed) in {:.1} s; study file {}\n",
+            "\nhyperparameter search: {} trials ({} complete, {} pruned, {} failed), {} of them run now in {:.1} s; \
+             study file {}\n",
             self.trials.len(),
             self.count(TrialState::Complete),
             self.count(TrialState::Pruned),
             self.count(TrialState::Failed),
+            self.run_now,
             self.wall_s,
             self.study_file.display()
         );
@@ -1219,10 +1289,10 @@ impl<M: ModuleT + 'static, D: Dataset + 'static> Trainer<M, D> {
     /// HF's `Trainer.hyperparameter_search(hp_space, n_trials, direction)`, with `model_init`'s role played by
     /// `build`: every trial gets a fresh Trainer (fresh weights) built from its parameters. Optimises `metric`
     /// (e.g. `"eval_accuracy"`, an evaluation metric the Trainer logs) in `direction` over `n_trials` trials of
-    /// `space`, with the default sampler (TPE), pruner (median) and a one-process budget; use
-    /// [`HyperparameterSearch`] for everything else (samplers, pruners, process budget, study directory).
-    /// Returns the study's summary in the driver and `None` in a trial's own process. Errors: as
-    /// [`HyperparameterSearch::run_trainer`].
+    /// `space` (n_trials more on a resumed study, as Optuna's `optimize`), with the default sampler (TPE), pruner
+    /// (median) and a one-process budget; use [`HyperparameterSearch`] for everything else (samplers, pruners,
+    /// process budget, study directory). Returns the study's summary in the driver and `None` in a trial's own
+    /// process. Errors: as [`HyperparameterSearch::run_trainer`].
     pub fn hyperparameter_search<B>(
         space: SearchSpace,
         metric: &str,

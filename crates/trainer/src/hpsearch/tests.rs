@@ -45,9 +45,20 @@ fn killed_study_resumes_without_rerunning_finished_trials() {
     assert_eq!(torn.trials[&2].state, TrialState::Running);
     assert_eq!(torn.in_state(TrialState::Complete).count(), 2);
 
+    // n_trials counts this run's trials (Optuna's optimize(n_trials=N)): the interrupted trial 2 and 3 new ones.
     let calls: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+    let view = Journal::new(&file).load().unwrap();
+    let queue = TrialQueue::new(&view, 4, None);
+    assert_eq!(
+        plan_line(&file, &view, &queue, 4, None),
+        format!(
+            "[hp] resuming {}: 2 finished trial(s) kept, 1 interrupted; running 4 more (n_trials counts this run's \
+             trials, as Optuna's optimize(n_trials=N)): 2 again, then 3 new: 3–5",
+            file.display()
+        )
+    );
     let resumed = search(dir.path())
-        .n_trials(6)
+        .n_trials(4)
         .run(|t| {
             calls.lock().unwrap().push(t.number());
             Ok(value(t.params()))
@@ -57,6 +68,7 @@ fn killed_study_resumes_without_rerunning_finished_trials() {
     // Trials 0 and 1 are kept, 2 (no end record) is re-run with its parameters, 3..5 are new.
     assert_eq!(*calls.lock().unwrap(), vec![2, 3, 4, 5]);
     assert_eq!(resumed.count(TrialState::Complete), 6);
+    assert_eq!(resumed.run_now, 4);
     assert!(!Journal::new(&file).load().unwrap().torn_tail);
     // Same seed, replayed history: the resumed study drew exactly the uninterrupted study's parameters.
     let params = |s: &StudySummary| s.trials.iter().map(|t| t.params.clone()).collect::<Vec<_>>();
@@ -66,6 +78,111 @@ fn killed_study_resumes_without_rerunning_finished_trials() {
     // Another configuration in the same study directory is refused.
     let e = search(dir.path()).direction(Direction::Maximize).run(|_| Ok(0.0)).unwrap_err();
     assert!(e.to_string().contains("another configuration"), "{e}");
+}
+
+/// Runs `search` counting the objective's calls; returns (the trial numbers it ran, the summary).
+fn run_counted(search: HyperparameterSearch) -> (Vec<u64>, StudySummary) {
+    let calls: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+    let s = search
+        .run(|t| {
+            calls.lock().unwrap().push(t.number());
+            Ok(value(t.params()))
+        })
+        .unwrap()
+        .unwrap();
+    let mut calls = calls.into_inner().unwrap();
+    calls.sort();
+    (calls, s)
+}
+
+#[test]
+fn a_resumed_study_runs_n_trials_more_as_optuna_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join(STUDY_FILE);
+    let (calls, first) = run_counted(search(dir.path()).n_trials(3));
+    assert_eq!(calls, vec![0, 1, 2]);
+    assert_eq!((first.trials.len(), first.run_now), (3, 3));
+
+    // What the driver prints first, for the next run of the same study with n_trials 2.
+    let view = Journal::new(&file).load().unwrap();
+    assert_eq!(
+        plan_line(&file, &view, &TrialQueue::new(&view, 2, None), 2, None),
+        format!(
+            "[hp] resuming {}: 3 finished trial(s) kept; running 2 more (n_trials counts this run's trials, as \
+             Optuna's optimize(n_trials=N)): 2 new: 3–4",
+            file.display()
+        )
+    );
+    let (calls, resumed) = run_counted(search(dir.path()).n_trials(2));
+    assert_eq!(calls, vec![3, 4], "2 more trials, after the 3 finished ones");
+    assert_eq!((resumed.trials.len(), resumed.run_now), (5, 2));
+    assert_eq!(resumed.count(TrialState::Complete), 5);
+    let table = resumed.table();
+    assert!(
+        table.contains("hyperparameter search: 5 trials (5 complete, 0 pruned, 0 failed), 2 of them run now"),
+        "{table}"
+    );
+
+    // n_trials 0: nothing runs, and the first line says so.
+    let view = Journal::new(&file).load().unwrap();
+    assert!(plan_line(&file, &view, &TrialQueue::new(&view, 0, None), 0, None)
+        .ends_with("5 finished trial(s) kept; nothing left to run: n_trials is 0"));
+    let (calls, same) = run_counted(search(dir.path()).n_trials(0));
+    assert!(calls.is_empty());
+    assert_eq!((same.trials.len(), same.run_now), (5, 0));
+}
+
+#[test]
+fn a_grid_study_stops_at_its_last_point_and_says_so() {
+    // 3 × 2 = 6 points.
+    let grid = |dir: &Path| {
+        HyperparameterSearch::new(
+            SearchSpace::new().add("x", Distribution::int(0, 2)).add("k", Distribution::categorical(["a", "b"])),
+            "loss",
+        )
+        .study_dir(dir)
+        .in_process()
+        .verbose(false)
+        .plots(false)
+        .pruner(PrunerConfig::None)
+        .sampler(SamplerConfig::Grid { seed: 0 })
+    };
+    let value = |p: &Params| p["x"].as_i64().unwrap() as f64;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join(STUDY_FILE);
+    let empty = StudyView::default();
+    assert_eq!(
+        plan_line(&file, &empty, &TrialQueue::new(&empty, 4, Some(6)), 4, Some(6)),
+        format!("[hp] new study {}: running 4 trial(s) (0–3)", file.display())
+    );
+    let first = grid(dir.path()).n_trials(4).run(|t| Ok(value(t.params()))).unwrap().unwrap();
+    assert_eq!((first.trials.len(), first.run_now), (4, 4));
+
+    // 5 more asked, 2 points left: both run, and the line says why not 5.
+    let view = Journal::new(&file).load().unwrap();
+    assert!(plan_line(&file, &view, &TrialQueue::new(&view, 5, Some(6)), 5, Some(6)).ends_with(
+        "running 2 more (n_trials counts this run's trials, as Optuna's optimize(n_trials=N)): 2 new: 4–5 \
+                    (the grid has 6 points; n_trials was 5)"
+    ));
+    let second = grid(dir.path()).n_trials(5).run(|t| Ok(value(t.params()))).unwrap().unwrap();
+    assert_eq!((second.trials.len(), second.run_now), (6, 2));
+    let mut points: Vec<String> = second.trials.iter().map(|t| format!("{:?}", t.params)).collect();
+    points.sort();
+    points.dedup();
+    assert_eq!(points.len(), 6, "every grid point once");
+
+    // Nothing left: no trial runs, the first line says so, the summary is the study as it stands.
+    let view = Journal::new(&file).load().unwrap();
+    assert_eq!(
+        plan_line(&file, &view, &TrialQueue::new(&view, 3, Some(6)), 3, Some(6)),
+        format!(
+            "[hp] resuming {}: 6 finished trial(s) kept; nothing left to run: all 6 points of the grid have been tried",
+            file.display()
+        )
+    );
+    let third = grid(dir.path()).n_trials(3).run(|_| panic!("no trial may run")).unwrap().unwrap();
+    assert_eq!((third.trials.len(), third.run_now), (6, 0));
+    assert_eq!(third.best.as_ref().unwrap().value, Some(0.0));
 }
 
 #[test]

@@ -3,6 +3,7 @@
 mod common;
 mod grad_accumulation;
 mod resume;
+mod run_folders;
 mod safety;
 mod tensor_parallel;
 mod trainer_loop;
