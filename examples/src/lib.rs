@@ -323,7 +323,8 @@ pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> std::process::Exit
         Err(e) => {
             // Under a launcher, into the report file it prints once (not from every rank); else on stderr.
             ddp_core::launcher::report_error(e.as_ref());
-            std::process::ExitCode::FAILURE
+            // 130 / 143 when Ctrl-C or SIGTERM stopped the workers, as for a process the signal ended.
+            std::process::ExitCode::from(ddp_core::launcher::exit_code(e.as_ref()))
         }
     }
 }

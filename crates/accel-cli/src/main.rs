@@ -35,7 +35,12 @@ fn main() -> ExitCode {
                 let report = ddp_core::launcher::error_report(&e);
                 eprintln!("accel: {}", report.replacen("Error:", "error:", 1));
             }
-            ExitCode::FAILURE
+            // 130 / 143 when Ctrl-C or SIGTERM stopped the launch (as for a process the signal ended), else 1.
+            // (`CliError::Ddp` is transparent: its source is the launcher error's source, so look at the error itself.)
+            ExitCode::from(match &e {
+                accel_cli::CliError::Ddp(d) => ddp_core::launcher::exit_code(d),
+                e => ddp_core::launcher::exit_code(e),
+            })
         }
     }
 }

@@ -123,6 +123,17 @@ pub enum DdpError {
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 
+    /// Launcher: SIGINT or SIGTERM reached the launcher; its workers were stopped. A program that reports it
+    /// exits as a process that signal ended would (128 + the signal number: 130 for Ctrl-C;
+    /// [`crate::launcher::exit_code`]).
+    #[error("{context}")]
+    Interrupted {
+        /// The signal number.
+        signal: i32,
+        /// What was interrupted.
+        context: String,
+    },
+
     /// Other I/O errors, with what we were doing.
     #[error("{context}: {source}")]
     Io {

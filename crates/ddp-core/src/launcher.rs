@@ -30,7 +30,7 @@ mod signals;
 mod status;
 
 pub use banner::{RunBanner, CONFIG_SOURCE_ENV, LAUNCH_BANNER_ENV, NO_CONFIG};
-pub use error_report::{error_report, report_error, ERROR_FILE_ENV};
+pub use error_report::{error_report, exit_code, report_error, ERROR_FILE_ENV};
 pub use output::log_path;
 pub use status::{signal_name, WorkerExit};
 
@@ -353,7 +353,8 @@ fn fail_the_other_machines(cfg: &LaunchConfig) {
 /// [`DdpError::Rendezvous`] on several machines when they disagree about the job, claim the same machine
 /// rank, a peer is refused by machine 0's store, or a machine does not join within `rdzv_timeout`
 /// ([`DdpError::Connect`] / [`DdpError::TokenRejected`] when this machine cannot reach machine 0's store),
-/// [`DdpError::Io`] when a worker cannot be started (naming the program) or when SIGINT/SIGTERM interrupted the
+/// [`DdpError::Interrupted`] when SIGINT/SIGTERM interrupted the launch, [`DdpError::Io`] when a worker cannot be
+/// started (naming the program) or when SIGINT/SIGTERM interrupted the
 /// launch (after the workers were stopped; the message names the signal).
 ///
 /// ```no_run
@@ -418,14 +419,14 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
         match outcome {
             GroupOutcome::Success => return Ok(()),
             GroupOutcome::Interrupted { signal } => {
-                return Err(DdpError::io(
-                    format!(
+                return Err(DdpError::Interrupted {
+                    signal,
+                    context: format!(
                         "launcher interrupted by {}; its {} worker(s) were stopped",
                         signal_name(signal).unwrap_or("a signal"),
                         cfg.nproc_per_node
                     ),
-                    std::io::Error::from(std::io::ErrorKind::Interrupted),
-                ))
+                })
             }
             GroupOutcome::Failed { local_rank, status } => {
                 let err =

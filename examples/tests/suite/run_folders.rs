@@ -61,6 +61,11 @@ fn ctrl_c_releases_the_lock_and_the_rerun_does_not_warn() {
         if nproc == 1 {
             use std::os::unix::process::ExitStatusExt;
             assert_eq!(status.signal(), Some(2), "ends by SIGINT, as without the lock's handler: {said}");
+        } else {
+            // The launcher stops its workers and exits 130, as a shell reports Ctrl-C, saying so once.
+            assert_eq!(status.code(), Some(130), "{said}");
+            let lines: Vec<&str> = said.lines().filter(|l| l.contains("interrupted")).collect();
+            assert_eq!(lines, ["Error: launcher interrupted by SIGINT; its 2 worker(s) were stopped"], "{said}");
         }
         assert!(!out.join(".trainer.lock").exists(), "nproc {nproc}: the lock survived Ctrl-C");
 

@@ -16,15 +16,36 @@ use std::path::Path;
 /// Environment variable: the file a launched worker writes its final error report to ([`report_error`]).
 pub const ERROR_FILE_ENV: &str = "ACCEL_ERROR_FILE";
 
-/// `Error: {e}` and one `  caused by: {source}` line per cause, with any captured backtrace left out.
+/// `Error: {e}` and one `  caused by: {source}` line per cause, with any captured backtrace left out. A cause
+/// whose text the message before it already ends with (an error that displays its source, `"{context}:
+/// {source}"`) is not repeated.
 pub fn error_report(e: &(dyn Error + 'static)) -> String {
-    let mut out = format!("Error: {}", without_backtrace(&e.to_string()));
+    let mut previous = without_backtrace(&e.to_string());
+    let mut out = format!("Error: {previous}");
     let mut source = e.source();
     while let Some(s) = source {
-        out.push_str(&format!("\n  caused by: {}", without_backtrace(&s.to_string())));
+        let text = without_backtrace(&s.to_string());
+        if !previous.ends_with(&text) {
+            out.push_str(&format!("\n  caused by: {text}"));
+        }
+        previous = text;
         source = s.source();
     }
     out
+}
+
+/// The exit status a program should end with after `e`: 128 + the signal number when a launcher in the chain
+/// was interrupted by SIGINT / SIGTERM ([`DdpError::Interrupted`]: 130 for Ctrl-C, as a shell reports a process
+/// the signal ended), else 1.
+pub fn exit_code(e: &(dyn Error + 'static)) -> u8 {
+    let mut next: Option<&(dyn Error + 'static)> = Some(e);
+    while let Some(err) = next {
+        if let Some(crate::DdpError::Interrupted { signal, .. }) = err.downcast_ref::<crate::DdpError>() {
+            return u8::try_from(128 + signal).unwrap_or(1);
+        }
+        next = err.source();
+    }
+    1
 }
 
 /// Reports a program's final error: into the file named by [`ERROR_FILE_ENV`] when a launcher set it (the
@@ -107,5 +128,15 @@ mod tests {
             backtrace: Box::new(std::backtrace::Backtrace::force_capture()),
         };
         assert_eq!(error_report(&bt), "Error: shape mismatch");
+        // An error that displays its source does not get it repeated as a cause.
+        let io = crate::DdpError::io("reading the shard", std::io::Error::other("disk full"));
+        assert_eq!(error_report(&io), "Error: reading the shard: disk full");
+    }
+
+    #[test]
+    fn an_interrupted_launch_exits_as_the_signal_would() {
+        let e = crate::DdpError::Interrupted { signal: 2, context: "launcher interrupted by SIGINT".into() };
+        assert_eq!(exit_code(&e), 130);
+        assert_eq!(exit_code(&crate::DdpError::InvalidArgument("x".into())), 1);
     }
 }

@@ -824,7 +824,7 @@ struct TrialPool<'a> {
 fn launch_trial(cfg: &accel::dist::LaunchConfig, output_dir: &Path, interrupted: &AtomicBool) -> Option<String> {
     match accel::dist::launch(cfg) {
         Ok(()) => None,
-        Err(accel::dist::DdpError::Io { source, .. }) if source.kind() == std::io::ErrorKind::Interrupted => {
+        Err(accel::dist::DdpError::Interrupted { .. }) => {
             interrupted.store(true, Ordering::SeqCst);
             None
         }
