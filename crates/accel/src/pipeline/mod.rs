@@ -5,14 +5,20 @@
 //!   backwards, sends and receives, printable and readable in torch.distributed.pipelining's text form.
 //! - [`simulate`] — runs the lists against each other on paper: no deadlock, receives in their peers' sending
 //!   order, each rank's bubble and the activations it holds.
+//! - [`links`] — the point-to-point groups between neighbouring pp ranks, one per direction.
+//! - [`executor`] — runs one rank's list on its stages of a model ([`PipelineModel`]): activations forward,
+//!   gradients backward, a stage's backward from the gradient of its output, gradients summed over micro-batches.
 //!
-//! Running a schedule on a model (stages, activations over the pp group, the Accelerator and the Trainer driving
-//! micro-batches) builds on these; until it lands the Accelerator refuses pp > 1
-//! ([`crate::ParallelismConfig::check_accelerator_support`]).
+//! The Accelerator and the Trainer driving micro-batches through a schedule build on these; until they do, the
+//! Accelerator refuses pp > 1 ([`crate::ParallelismConfig::check_accelerator_support`]).
 
+pub mod executor;
+pub mod links;
 pub mod schedule;
 pub mod simulate;
 
+pub use executor::{run_schedule, PipelineModel, PipelineStep};
+pub use links::PipelineLinks;
 pub use schedule::{Action, PipelineSchedule, ScheduleKind};
 pub use simulate::{simulate, Costs, SimReport, Span};
 

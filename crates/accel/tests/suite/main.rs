@@ -9,6 +9,7 @@ mod mixed_precision;
 mod optim;
 mod overlap;
 mod parallelism;
+mod pipeline;
 mod ranks;
 mod resume;
 mod tensor_parallel;

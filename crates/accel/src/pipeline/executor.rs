@@ -1,0 +1,205 @@
+//! Runs one rank's action list of a [`PipelineSchedule`] on its stages of a model: forwards, the loss on the
+//! last stage, backwards from the gradient that arrives for a stage's output
+//! ([`ddp_core::segments::backward_from`]), activations and gradients over the [`PipelineLinks`].
+//!
+//! - Receives block on this thread; sends are handed to a sender thread in schedule order (asynchronous, as the
+//!   schedules assume), which this call waits for before it returns.
+//! - A stage's input arrives as a fresh leaf variable, so the backward yields its gradient, which goes back to
+//!   the previous stage. On one rank holding two consecutive stages (interleaved, pp = 1) the tensor is handed over
+//!   in memory.
+//! - The loss is the model's: [`PipelineModel::loss`] must already be normalised for the whole step (divided by
+//!   the global number of items over every micro-batch, accumulation step and data-parallel rank), so that the
+//!   gradients summed here over the micro-batches are the step's gradients with no rescaling after (torchtitan
+//!   #1733).
+//! - Gradients are summed per parameter in backward order (every schedule backwards a stage's micro-batches in
+//!   ascending order, so GPipe and 1F1B give the same sums bit for bit).
+
+use super::links::PipelineLinks;
+use super::schedule::{Action, PipelineSchedule};
+use crate::{AccelError, Result};
+use candle_core::{DType, Shape, Tensor, Var};
+use std::collections::HashMap;
+use std::time::Instant;
+
+/// A model cut into stages, as one pipeline rank sees it (its own stages only).
+pub trait PipelineModel {
+    /// The forward of `stage` on `microbatch`. `input` is the previous stage's output; `None` on stage 0, which
+    /// reads the micro-batch's data itself.
+    fn forward(&mut self, stage: usize, microbatch: usize, input: Option<&Tensor>) -> Result<Tensor>;
+
+    /// On the last stage: the loss of `microbatch` from the stage's output, normalised for the whole step (see
+    /// the module documentation). A scalar.
+    fn loss(&mut self, microbatch: usize, output: &Tensor) -> Result<Tensor>;
+
+    /// The shape and dtype of the activation `stage` receives (`stage ≥ 1`); every micro-batch's is the same.
+    fn input_shape(&self, stage: usize) -> (Shape, DType);
+
+    /// The parameters of this rank's stages, whose gradients the step sums.
+    fn parameters(&self) -> Vec<Var>;
+}
+
+/// What one step of the schedule gave on this rank.
+pub struct PipelineStep {
+    /// The loss of each micro-batch, on the rank holding the last stage (empty elsewhere).
+    pub losses: Vec<f64>,
+    /// The gradient of each of [`PipelineModel::parameters`], summed over the micro-batches (`None`: no
+    /// gradient reached it).
+    pub gradients: Vec<Option<Tensor>>,
+    /// Start and end (seconds since the step began) of each forward and backward, in order: the measured
+    /// timeline, from which the bubble is read.
+    pub timeline: Vec<(Action, f64, f64)>,
+}
+
+/// What a forward left for its backward.
+struct Stash {
+    input: Option<Var>,
+    output: Tensor,
+    loss: Option<Tensor>,
+}
+
+/// Runs this rank's actions of `schedule` (this rank: [`PipelineLinks::rank`]).
+///
+/// Errors: the model's; a backend error naming the failing peer (a stage that died or stalls fails within the
+/// collective timeout); [`AccelError::InvalidArgument`] for a schedule whose shape is not the links' or that
+/// asks for a tensor this rank does not have (check schedules with [`super::simulate::simulate`] first).
+pub fn run_schedule(
+    schedule: &PipelineSchedule,
+    links: &PipelineLinks,
+    model: &mut dyn PipelineModel,
+) -> Result<PipelineStep> {
+    if schedule.pp != links.pp() {
+        return Err(AccelError::InvalidArgument(format!(
+            "pipeline: a schedule for pp = {} on a pp group of {} ranks",
+            schedule.pp,
+            links.pp()
+        )));
+    }
+    let me = links.rank();
+    let last = schedule.num_stages() - 1;
+    let params = model.parameters();
+    let t0 = Instant::now();
+    std::thread::scope(|scope| -> Result<PipelineStep> {
+        let (tx, rx) = std::sync::mpsc::channel::<(Tensor, usize)>();
+        let sender = scope.spawn(move || -> Result<()> {
+            for (t, peer) in rx {
+                let (group, dst) = links.to(peer).ok_or_else(|| no_link("send to", peer))?;
+                group.send_tensor(&t, dst)?;
+            }
+            Ok(())
+        });
+        let mut stash: HashMap<(usize, usize), Stash> = HashMap::new();
+        let mut inbox: HashMap<Action, Tensor> = HashMap::new(); // received, not yet used
+        let mut local: HashMap<Action, Tensor> = HashMap::new(); // sent to a stage on this rank
+        let mut step = PipelineStep { losses: Vec::new(), gradients: vec![None; params.len()], timeline: Vec::new() };
+        let mut input_grads: HashMap<(usize, usize), Tensor> = HashMap::new();
+        let run = (|| -> Result<()> {
+            for &action in &schedule.ranks[me] {
+                let (stage, mb) = action.at();
+                match action {
+                    Action::RecvActivation { .. } | Action::RecvGradient { .. } => {
+                        let (from_stage, sent) = match action {
+                            Action::RecvActivation { .. } => {
+                                (stage - 1, Action::SendActivation { stage: stage - 1, microbatch: mb })
+                            }
+                            _ => (stage + 1, Action::SendGradient { stage: stage + 1, microbatch: mb }),
+                        };
+                        let peer = schedule.rank_of(from_stage);
+                        let t = if peer == me {
+                            local.remove(&sent).ok_or_else(|| missing(action))?
+                        } else {
+                            let (shape, dtype) = match action {
+                                Action::RecvActivation { .. } => model.input_shape(stage),
+                                _ => {
+                                    let out = &stash.get(&(stage, mb)).ok_or_else(|| missing(action))?.output;
+                                    (out.shape().clone(), out.dtype())
+                                }
+                            };
+                            let (group, src) = links.from(peer).ok_or_else(|| no_link("receive from", peer))?;
+                            group.recv_tensor(shape, dtype, src)?
+                        };
+                        inbox.insert(action, t);
+                    }
+                    Action::Forward { .. } => {
+                        let start = t0.elapsed().as_secs_f64();
+                        let input = match stage {
+                            0 => None,
+                            _ => {
+                                let t = inbox
+                                    .remove(&Action::RecvActivation { stage, microbatch: mb })
+                                    .ok_or_else(|| missing(action))?;
+                                Some(Var::from_tensor(&t)?)
+                            }
+                        };
+                        let output = model.forward(stage, mb, input.as_ref().map(Var::as_tensor))?;
+                        let loss = if stage == last { Some(model.loss(mb, &output)?) } else { None };
+                        if let Some(l) = &loss {
+                            step.losses.push(l.to_dtype(DType::F64)?.to_scalar::<f64>()?);
+                        }
+                        stash.insert((stage, mb), Stash { input, output, loss });
+                        step.timeline.push((action, start, t0.elapsed().as_secs_f64()));
+                    }
+                    Action::Backward { .. } => {
+                        let start = t0.elapsed().as_secs_f64();
+                        let s = stash.remove(&(stage, mb)).ok_or_else(|| missing(action))?;
+                        let store = match &s.loss {
+                            Some(loss) => loss.backward()?,
+                            None => {
+                                let grad = inbox
+                                    .remove(&Action::RecvGradient { stage, microbatch: mb })
+                                    .ok_or_else(|| missing(action))?;
+                                ddp_core::segments::backward_from(&s.output, &grad)?
+                            }
+                        };
+                        for (slot, p) in step.gradients.iter_mut().zip(&params) {
+                            if let Some(g) = store.get(p.as_tensor()) {
+                                *slot = Some(match slot.take() {
+                                    Some(acc) => (acc + g)?,
+                                    None => g.clone(),
+                                });
+                            }
+                        }
+                        if let Some(input) = &s.input {
+                            let g = store.get(input.as_tensor()).cloned().unwrap_or(input.zeros_like()?);
+                            input_grads.insert((stage, mb), g);
+                        }
+                        step.timeline.push((action, start, t0.elapsed().as_secs_f64()));
+                    }
+                    Action::SendActivation { .. } | Action::SendGradient { .. } => {
+                        let (t, to_stage) = match action {
+                            Action::SendActivation { .. } => {
+                                (stash.get(&(stage, mb)).ok_or_else(|| missing(action))?.output.clone(), stage + 1)
+                            }
+                            _ => (input_grads.remove(&(stage, mb)).ok_or_else(|| missing(action))?, stage - 1),
+                        };
+                        let peer = schedule.rank_of(to_stage);
+                        if peer == me {
+                            local.insert(action, t);
+                        } else {
+                            // The sender thread is gone only if a send failed: its error is returned below.
+                            let _ = tx.send((t.detach(), peer));
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })();
+        drop(tx);
+        let sent =
+            sender.join().map_err(|_| AccelError::InvalidArgument("pipeline: the sender thread panicked".into()))?;
+        run?;
+        sent?;
+        Ok(step)
+    })
+}
+
+fn missing(action: Action) -> AccelError {
+    AccelError::InvalidArgument(format!(
+        "pipeline: {action} needs a tensor this rank does not have (check the schedule with pipeline::simulate)"
+    ))
+}
+
+fn no_link(what: &str, peer: usize) -> AccelError {
+    AccelError::InvalidArgument(format!(
+        "pipeline: no link to {what} pp rank {peer} (schedules send only between neighbouring pp ranks)"
+    ))
+}
