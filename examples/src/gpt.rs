@@ -245,15 +245,32 @@ impl Block {
 /// `wte.weight` `[vocab, d]`, `wpe.weight` `[block, d]`, `h.{i}.ln_1.{weight,bias}`,
 /// `h.{i}.attn.{q,k,v,c_proj}.{weight,bias}`, `h.{i}.ln_2.*`, `h.{i}.mlp.{c_fc,c_proj}.{weight,bias}`,
 /// `ln_f.{weight,bias}`, `lm_head.weight` `[vocab, d]`.
+///
+/// The same type holds one pipeline stage ([`CharGpt::new_stage`]): a run of blocks, with the embeddings on the
+/// first stage and `ln_f` and the head on the last.
 pub struct CharGpt {
     cfg: GptConfig,
-    wte: VocabParallelEmbedding,
-    wpe: Tensor,
+    /// The embeddings (first stage only).
+    embed: Option<(VocabParallelEmbedding, Tensor)>,
     blocks: Vec<Block>,
-    ln_f: LayerNorm,
-    lm_head: ColumnParallelLinear,
+    /// The blocks this model holds, `h.{start}` … `h.{end − 1}`.
+    layers: std::ops::Range<usize>,
+    /// The final norm and the head (last stage only).
+    head: Option<(LayerNorm, ColumnParallelLinear)>,
     tp: TensorParallel,
     device: Device,
+}
+
+/// Which part of the model a pipeline stage holds: its blocks, and whether it is the first stage (embeddings)
+/// and the last (final norm, head, loss).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StagePart {
+    /// Blocks `h.{start}` … `h.{end − 1}`.
+    pub layers: std::ops::Range<usize>,
+    /// The first stage: it embeds the ids.
+    pub first: bool,
+    /// The last stage: it computes the logits.
+    pub last: bool,
 }
 
 impl CharGpt {
@@ -261,11 +278,32 @@ impl CharGpt {
     ///
     /// Errors: [`GptConfig::validate`] for `pb.tp().size()`; a parameter name already in the builder's VarMap.
     pub fn new(cfg: GptConfig, pb: &ParamBuilder) -> Result<Self> {
+        Self::new_stage(cfg, pb, StagePart { layers: 0..cfg.n_layer, first: true, last: true })
+    }
+
+    /// Builds one pipeline stage: only `part`'s parameters, drawn from the same per-name streams as the whole
+    /// model's (so every pipeline layout starts from the single-process weights) under the same names.
+    ///
+    /// Errors: [`GptConfig::validate`]; blocks outside `0..n_layer`.
+    pub fn new_stage(cfg: GptConfig, pb: &ParamBuilder, part: StagePart) -> Result<Self> {
         cfg.validate(pb.tp().size())?;
+        if part.layers.end > cfg.n_layer {
+            return Err(AccelError::InvalidArgument(format!(
+                "CharGpt::new_stage: blocks {:?} of a model of {} layers",
+                part.layers, cfg.n_layer
+            )));
+        }
         let emb = ParamInit::Normal { std: 0.02 };
-        let wte = VocabParallelEmbedding::new(&pb.pp("wte"), cfg.vocab_size, cfg.d_model, emb)?;
-        let wpe = pb.pp("wpe").replicated("weight", (cfg.block_size, cfg.d_model), emb)?;
-        let blocks = (0..cfg.n_layer)
+        let embed = if part.first {
+            let wte = VocabParallelEmbedding::new(&pb.pp("wte"), cfg.vocab_size, cfg.d_model, emb)?;
+            let wpe = pb.pp("wpe").replicated("weight", (cfg.block_size, cfg.d_model), emb)?;
+            Some((wte, wpe))
+        } else {
+            None
+        };
+        let blocks = part
+            .layers
+            .clone()
             .map(|i| {
                 let pb = pb.pp("h").pp(i);
                 Ok(Block {
@@ -276,10 +314,15 @@ impl CharGpt {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let ln_f = LayerNorm::new(&pb.pp("ln_f"), cfg.d_model)?;
-        let head = ParallelLinearConfig { bias: false, pad_output: true, ..Default::default() };
-        let lm_head = ColumnParallelLinear::new(&pb.pp("lm_head"), cfg.d_model, cfg.vocab_size, head)?;
-        Ok(CharGpt { cfg, wte, wpe, blocks, ln_f, lm_head, tp: pb.tp().clone(), device: pb.device().clone() })
+        let head = if part.last {
+            let ln_f = LayerNorm::new(&pb.pp("ln_f"), cfg.d_model)?;
+            let head = ParallelLinearConfig { bias: false, pad_output: true, ..Default::default() };
+            Some((ln_f, ColumnParallelLinear::new(&pb.pp("lm_head"), cfg.d_model, cfg.vocab_size, head)?))
+        } else {
+            None
+        };
+        let (tp, device) = (pb.tp().clone(), pb.device().clone());
+        Ok(CharGpt { cfg, embed, blocks, layers: part.layers, head, tp, device })
     }
 
     /// The sizes.
@@ -304,22 +347,44 @@ impl CharGpt {
     ///
     /// Errors: `ids` not 2-D, `s` 0 or longer than the context; an id outside the vocabulary.
     pub fn logits(&self, ids: &Tensor) -> Result<Tensor> {
-        let (_b, s) = ids.dims2()?;
-        if s == 0 || s > self.cfg.block_size {
+        if self.embed.is_none() || self.head.is_none() {
             return Err(AccelError::InvalidArgument(format!(
-                "CharGpt: a sequence of {s} tokens; the model reads 1 to block_size = {} tokens",
-                self.cfg.block_size
+                "CharGpt::logits on a pipeline stage (blocks {:?}): run the stages with stage_forward",
+                self.layers
             )));
         }
-        let tok = self.wte.forward(ids)?;
-        let mut x = tok.broadcast_add(&self.wpe.narrow(0, 0, s)?)?;
+        self.stage_forward(ids)
+    }
+
+    /// This stage's forward: `input` is the ids `[b, s]` u32 on the first stage, else the previous stage's
+    /// output `[b, s, d_model]`; returns the logits (as [`CharGpt::logits`]) on the last stage, else `[b, s,
+    /// d_model]` for the next.
+    ///
+    /// Errors: as [`CharGpt::logits`] on the first stage.
+    pub fn stage_forward(&self, input: &Tensor) -> Result<Tensor> {
+        let mut x = match &self.embed {
+            Some((wte, wpe)) => {
+                let (_b, s) = input.dims2()?;
+                if s == 0 || s > self.cfg.block_size {
+                    return Err(AccelError::InvalidArgument(format!(
+                        "CharGpt: a sequence of {s} tokens; the model reads 1 to block_size = {} tokens",
+                        self.cfg.block_size
+                    )));
+                }
+                wte.forward(input)?.broadcast_add(&wpe.narrow(0, 0, s)?)?
+            }
+            None => input.clone(),
+        };
         for block in &self.blocks {
             // A backward-segment cut before each block (the identity unless the forward pass is recorded): the
             // gradient all-reduce of the blocks after it starts while the backward pass computes this one.
             x = ddp_core::segments::cut(&x)?;
             x = block.forward(&x)?;
         }
-        self.lm_head.forward(&self.ln_f.forward(&x)?)
+        match &self.head {
+            Some((ln_f, lm_head)) => lm_head.forward(&ln_f.forward(&x)?),
+            None => Ok(x),
+        }
     }
 
     /// Mean next-character cross entropy: `ids`, `targets` `[b, s]` u32 → scalar f32, the mean over the `b · s`
@@ -331,7 +396,12 @@ impl CharGpt {
 
     /// The per-position losses `[b · s]` f32 behind [`CharGpt::loss`] (for a sum-and-count loss).
     pub fn token_losses(&self, ids: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        let logits = self.logits(ids)?;
+        self.token_losses_of(&self.logits(ids)?, targets)
+    }
+
+    /// The per-position losses `[b · s]` f32 of the logits `[b, s, padded_vocab / tp]` (the last pipeline
+    /// stage's output) against `targets` `[b, s]` u32.
+    pub fn token_losses_of(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         let (b, s, v) = logits.dims3()?;
         vocab_parallel_cross_entropy(
             &logits.reshape((b * s, v))?,

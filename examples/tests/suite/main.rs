@@ -7,4 +7,5 @@ mod gpt_tp;
 mod guide_diffs;
 mod hp_search;
 mod nd_equivalence;
+mod pipeline_gpt;
 mod run_folders;

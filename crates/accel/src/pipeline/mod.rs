@@ -5,6 +5,7 @@
 //!   backwards, sends and receives, printable and readable in torch.distributed.pipelining's text form.
 //! - [`simulate`] — runs the lists against each other on paper: no deadlock, receives in their peers' sending
 //!   order, each rank's bubble and the activations it holds.
+//! - [`stages`] — which blocks each stage holds (even, or as listed).
 //! - [`links`] — the point-to-point groups between neighbouring pp ranks, one per direction.
 //! - [`executor`] — runs one rank's list on its stages of a model ([`PipelineModel`]): activations forward,
 //!   gradients backward, a stage's backward from the gradient of its output, gradients summed over micro-batches.
@@ -16,11 +17,13 @@ pub mod executor;
 pub mod links;
 pub mod schedule;
 pub mod simulate;
+pub mod stages;
 
 pub use executor::{run_schedule, PipelineModel, PipelineStep};
 pub use links::PipelineLinks;
 pub use schedule::{Action, PipelineSchedule, ScheduleKind};
 pub use simulate::{simulate, Costs, SimReport, Span};
+pub use stages::split_layers;
 
 #[cfg(test)]
 mod tests;
