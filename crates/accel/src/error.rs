@@ -15,6 +15,17 @@ pub enum AccelError {
     #[error(transparent)]
     Ddp(ddp_core::DdpError),
 
+    /// A pipeline stage's send or receive failed (a dead or stuck stage): the context names the stage, the
+    /// micro-batch, the action, this pp rank and the peer; the source is the backend's error (op, peer, timeout).
+    #[error("{context}: {source}")]
+    Pipeline {
+        /// Stage, micro-batch, action, ranks.
+        context: String,
+        /// The collective's error (boxed: it would make every `Result` of the crate larger).
+        #[source]
+        source: Box<ddp_core::DdpError>,
+    },
+
     /// An error from candle (shape mismatch, dtype, device, ...).
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

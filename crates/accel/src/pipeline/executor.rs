@@ -59,8 +59,8 @@ struct Stash {
 
 /// Runs this rank's actions of `schedule` (this rank: [`PipelineLinks::rank`]).
 ///
-/// Errors: the model's; a backend error naming the failing peer (a stage that died or stalls fails within the
-/// collective timeout); [`AccelError::InvalidArgument`] for a schedule whose shape is not the links' or that
+/// Errors: the model's; a send or receive that failed — a stage that died or stalls, within the collective
+/// timeout — naming the stage, the micro-batch, the action, this pp rank and the peer, with the backend's error; [`AccelError::InvalidArgument`] for a schedule whose shape is not the links' or that
 /// asks for a tensor this rank does not have (check schedules with [`super::simulate::simulate`] first).
 pub fn run_schedule(
     schedule: &PipelineSchedule,
@@ -79,11 +79,11 @@ pub fn run_schedule(
     let params = model.parameters();
     let t0 = Instant::now();
     std::thread::scope(|scope| -> Result<PipelineStep> {
-        let (tx, rx) = std::sync::mpsc::channel::<(Tensor, usize)>();
+        let (tx, rx) = std::sync::mpsc::channel::<(Tensor, usize, Action)>();
         let sender = scope.spawn(move || -> Result<()> {
-            for (t, peer) in rx {
+            for (t, peer, action) in rx {
                 let (group, dst) = links.to(peer).ok_or_else(|| no_link("send to", peer))?;
-                group.send_tensor(&t, dst)?;
+                group.send_tensor(&t, dst).map_err(|e| failed(action, me, peer, e))?;
             }
             Ok(())
         });
@@ -115,7 +115,7 @@ pub fn run_schedule(
                                 }
                             };
                             let (group, src) = links.from(peer).ok_or_else(|| no_link("receive from", peer))?;
-                            group.recv_tensor(shape, dtype, src)?
+                            group.recv_tensor(shape, dtype, src).map_err(|e| failed(action, me, peer, e))?
                         };
                         inbox.insert(action, t);
                     }
@@ -176,7 +176,7 @@ pub fn run_schedule(
                             local.insert(action, t);
                         } else {
                             // The sender thread is gone only if a send failed: its error is returned below.
-                            let _ = tx.send((t.detach(), peer));
+                            let _ = tx.send((t.detach(), peer, action));
                         }
                     }
                 }
@@ -190,6 +190,22 @@ pub fn run_schedule(
         sent?;
         Ok(step)
     })
+}
+
+/// A send or receive that failed (a dead or stuck peer: the backend names it and the collective), with the
+/// stage, the micro-batch, this rank and the peer.
+fn failed(action: Action, me: usize, peer: usize, e: ddp_core::DdpError) -> AccelError {
+    let (stage, mb) = action.at();
+    let what = match action {
+        Action::SendActivation { .. } => "sending the activation to",
+        Action::SendGradient { .. } => "sending the input gradient to",
+        Action::RecvActivation { .. } => "receiving the activation from",
+        _ => "receiving the output gradient from",
+    };
+    AccelError::Pipeline {
+        context: format!("pipeline stage {stage}, micro-batch {mb} ({action}) on pp rank {me}: {what} pp rank {peer}"),
+        source: Box::new(e),
+    }
 }
 
 fn missing(action: Action) -> AccelError {

@@ -265,3 +265,41 @@ fn large_activations_do_not_deadlock_any_schedule() {
         }
     }
 }
+
+/// A stage that dies: the rank waiting for it fails at once (not at the timeout), naming the stage, the
+/// micro-batch, the action and both pp ranks, with the backend's error naming the dead rank.
+#[test]
+fn a_dead_stage_fails_the_waiting_rank_naming_stage_micro_batch_and_peer() {
+    let schedule = Arc::new(PipelineSchedule::new(ScheduleKind::OneFOneB, 2, 2, 1).unwrap());
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new(Duration::from_secs(60)));
+    let started = std::time::Instant::now();
+    let handles: Vec<_> = (0..2)
+        .map(|rank| {
+            let (store, schedule) = (store.clone(), schedule.clone());
+            std::thread::spawn(move || -> Option<String> {
+                let opts = GroupOptions { timeout: Duration::from_secs(60), ..Default::default() };
+                let pg = ProcessGroup::from_store(store, rank, 2, opts).unwrap();
+                let links = PipelineLinks::new(&pg).unwrap();
+                if rank == 1 {
+                    return None; // dies: its groups and connections go away
+                }
+                let mut model = MlpStages {
+                    layers: (0..WIDTHS.len() - 1).map(layer_params).collect(),
+                    layers_per_stage: 2,
+                    m: 2,
+                    x: wave(0.1, &[ROWS, WIDTHS[0]], 1.0),
+                    target: wave(3.0, &[ROWS, WIDTHS[4]], 0.5),
+                };
+                Some(ddp_core::launcher::error_report(&run_schedule(&schedule, &links, &mut model).err()?))
+            })
+        })
+        .collect();
+    let errs: Vec<Option<String>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let e = errs[0].as_ref().expect("rank 0 fails");
+    assert!(
+        e.starts_with("Error: pipeline stage 0, micro-batch 0 (0RECV_B0) on pp rank 0: receiving the output gradient from pp rank 1: "),
+        "{e}"
+    );
+    assert!(e.contains("rank 1"), "{e}");
+    assert!(started.elapsed() < Duration::from_secs(30), "took {:?}", started.elapsed());
+}
