@@ -85,41 +85,52 @@ fn bits(t: &Tensor) -> Vec<u32> {
     t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| if *x == 0.0 { 0 } else { x.to_bits() }).collect()
 }
 
-/// Runs `kind` on `pp` ranks with `v` stages each and `m` micro-batches; every rank's gradients by name.
-fn pipelined(kind: ScheduleKind, pp: usize, v: usize, m: usize) -> Vec<RankGrads> {
-    let schedule = Arc::new(PipelineSchedule::new(kind, pp, m, v).unwrap());
+/// Runs `f(rank, links)` on `pp` ranks (threads over one in-memory store, loopback links), results by rank.
+fn on_pp_ranks<R: Send + 'static>(pp: usize, f: impl Fn(usize, PipelineLinks) -> R + Send + Sync + 'static) -> Vec<R> {
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new(Duration::from_secs(60)));
+    let f = Arc::new(f);
     let handles: Vec<_> = (0..pp)
         .map(|rank| {
-            let (store, schedule) = (store.clone(), schedule.clone());
-            std::thread::spawn(move || -> RankGrads {
+            let (store, f) = (store.clone(), f.clone());
+            std::thread::spawn(move || {
                 let opts = GroupOptions { timeout: Duration::from_secs(60), ..Default::default() };
                 let pg = ProcessGroup::from_store(store, rank, pp, opts).unwrap();
-                let links = PipelineLinks::new(&pg).unwrap();
-                let stages = pp * v;
-                let layers_per_stage = (WIDTHS.len() - 1) / stages;
-                let mine: Vec<usize> =
-                    (rank..stages).step_by(pp).flat_map(|s| s * layers_per_stage..(s + 1) * layers_per_stage).collect();
-                let all: Vec<(Var, Var)> = (0..WIDTHS.len() - 1).map(layer_params).collect();
-                let mut model = MlpStages {
-                    layers: all,
-                    layers_per_stage,
-                    m,
-                    x: wave(0.1, &[ROWS, WIDTHS[0]], 1.0),
-                    target: wave(3.0, &[ROWS, WIDTHS[4]], 0.5),
-                };
-                let step = run_schedule(&schedule, &links, &mut model).unwrap();
-                let names = names();
-                let grads = mine
-                    .iter()
-                    .flat_map(|&i| [2 * i, 2 * i + 1])
-                    .map(|k| (names[k].clone(), bits(step.gradients[k].as_ref().expect("a gradient"))))
-                    .collect();
-                (grads, step.losses)
+                f(rank, PipelineLinks::new(&pg).unwrap())
             })
         })
         .collect();
     handles.into_iter().map(|h| h.join().expect("a rank panicked")).collect()
+}
+
+/// Runs `kind` on `pp` ranks with `v` stages each and `m` micro-batches; every rank's gradients by name.
+fn pipelined(kind: ScheduleKind, pp: usize, v: usize, m: usize) -> Vec<RankGrads> {
+    let schedule = PipelineSchedule::new(kind, pp, m, v).unwrap();
+    on_pp_ranks(pp, move |rank, links| -> RankGrads {
+        let stages = pp * v;
+        let layers_per_stage = (WIDTHS.len() - 1) / stages;
+        let mine: Vec<usize> =
+            (rank..stages).step_by(pp).flat_map(|s| s * layers_per_stage..(s + 1) * layers_per_stage).collect();
+        let mut model = mlp_stages(layers_per_stage, m);
+        let step = run_schedule(&schedule, &links, &mut model).unwrap();
+        let names = names();
+        let grads = mine
+            .iter()
+            .flat_map(|&i| [2 * i, 2 * i + 1])
+            .map(|k| (names[k].clone(), bits(step.gradients[k].as_ref().expect("a gradient"))))
+            .collect();
+        (grads, step.losses)
+    })
+}
+
+/// Every layer of the MLP (a rank uses its stages' only), `layers_per_stage` per stage, `m` micro-batches.
+fn mlp_stages(layers_per_stage: usize, m: usize) -> MlpStages {
+    MlpStages {
+        layers: (0..WIDTHS.len() - 1).map(layer_params).collect(),
+        layers_per_stage,
+        m,
+        x: wave(0.1, &[ROWS, WIDTHS[0]], 1.0),
+        target: wave(3.0, &[ROWS, WIDTHS[4]], 0.5),
+    }
 }
 
 /// One process: gradient accumulation over the same `m` micro-batches, summed in order; and the losses.
@@ -222,29 +233,16 @@ impl PipelineModel for ScaleStages {
 fn large_activations_do_not_deadlock_any_schedule() {
     for (kind, v) in [(ScheduleKind::GPipe, 1), (ScheduleKind::OneFOneB, 1), (ScheduleKind::Interleaved1F1B, 2)] {
         let (pp, m) = (2, 4);
-        let schedule = Arc::new(PipelineSchedule::new(kind, pp, m, v).unwrap());
-        let store: Arc<dyn Store> = Arc::new(MemoryStore::new(Duration::from_secs(60)));
-        let handles: Vec<_> = (0..pp)
-            .map(|rank| {
-                let (store, schedule) = (store.clone(), schedule.clone());
-                std::thread::spawn(move || {
-                    let opts = GroupOptions { timeout: Duration::from_secs(60), ..Default::default() };
-                    let pg = ProcessGroup::from_store(store, rank, pp, opts).unwrap();
-                    let links = PipelineLinks::new(&pg).unwrap();
-                    let w = (0..pp * v).map(|s| Var::from_tensor(&wave(10.0 + s as f32, &[D], 1.0)).unwrap()).collect();
-                    let mut model = ScaleStages { w, m };
-                    let step = run_schedule(&schedule, &links, &mut model).unwrap();
-                    let stages: Vec<usize> = (rank..pp * v).step_by(pp).collect();
-                    stages
-                        .iter()
-                        .map(|&s| {
-                            (s, step.gradients[s].as_ref().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap())
-                        })
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        let mut got: Vec<(usize, f32)> = handles.into_iter().flat_map(|h| h.join().unwrap()).collect();
+        let schedule = PipelineSchedule::new(kind, pp, m, v).unwrap();
+        let per_rank = on_pp_ranks(pp, move |rank, links| {
+            let w = (0..pp * v).map(|s| Var::from_tensor(&wave(10.0 + s as f32, &[D], 1.0)).unwrap()).collect();
+            let mut model = ScaleStages { w, m };
+            let step = run_schedule(&schedule, &links, &mut model).unwrap();
+            let stages: Vec<usize> = (rank..pp * v).step_by(pp).collect();
+            let sum = |s: usize| step.gradients[s].as_ref().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+            stages.iter().map(|&s| (s, sum(s))).collect::<Vec<_>>()
+        });
+        let mut got: Vec<(usize, f32)> = per_rank.into_iter().flatten().collect();
         got.sort_by_key(|(s, _)| *s);
         // One process: the same product chain, gradients accumulated over the micro-batches.
         let w: Vec<Var> = (0..pp * v).map(|s| Var::from_tensor(&wave(10.0 + s as f32, &[D], 1.0)).unwrap()).collect();
@@ -270,31 +268,15 @@ fn large_activations_do_not_deadlock_any_schedule() {
 /// micro-batch, the action and both pp ranks, with the backend's error naming the dead rank.
 #[test]
 fn a_dead_stage_fails_the_waiting_rank_naming_stage_micro_batch_and_peer() {
-    let schedule = Arc::new(PipelineSchedule::new(ScheduleKind::OneFOneB, 2, 2, 1).unwrap());
-    let store: Arc<dyn Store> = Arc::new(MemoryStore::new(Duration::from_secs(60)));
+    let schedule = PipelineSchedule::new(ScheduleKind::OneFOneB, 2, 2, 1).unwrap();
     let started = std::time::Instant::now();
-    let handles: Vec<_> = (0..2)
-        .map(|rank| {
-            let (store, schedule) = (store.clone(), schedule.clone());
-            std::thread::spawn(move || -> Option<String> {
-                let opts = GroupOptions { timeout: Duration::from_secs(60), ..Default::default() };
-                let pg = ProcessGroup::from_store(store, rank, 2, opts).unwrap();
-                let links = PipelineLinks::new(&pg).unwrap();
-                if rank == 1 {
-                    return None; // dies: its groups and connections go away
-                }
-                let mut model = MlpStages {
-                    layers: (0..WIDTHS.len() - 1).map(layer_params).collect(),
-                    layers_per_stage: 2,
-                    m: 2,
-                    x: wave(0.1, &[ROWS, WIDTHS[0]], 1.0),
-                    target: wave(3.0, &[ROWS, WIDTHS[4]], 0.5),
-                };
-                Some(ddp_core::launcher::error_report(&run_schedule(&schedule, &links, &mut model).err()?))
-            })
-        })
-        .collect();
-    let errs: Vec<Option<String>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let errs = on_pp_ranks(2, move |rank, links| -> Option<String> {
+        if rank == 1 {
+            return None; // dies: its groups and connections go away
+        }
+        let mut model = mlp_stages(2, 2);
+        Some(ddp_core::launcher::error_report(&run_schedule(&schedule, &links, &mut model).err()?))
+    });
     let e = errs[0].as_ref().expect("rank 0 fails");
     assert!(
         e.starts_with("Error: pipeline stage 0, micro-batch 0 (0RECV_B0) on pp rank 0: receiving the output gradient from pp rank 1: "),
