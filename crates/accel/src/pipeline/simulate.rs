@@ -57,6 +57,38 @@ pub struct SimReport {
     pub peak_in_flight: Vec<usize>,
 }
 
+impl SimReport {
+    /// The timeline as text, one row per rank, one column per `unit` of time: a forward of micro-batch k as the
+    /// digit k, its backward as the letter `a` + k (`+` / `*` past 10 and 26), idle time (the bubble) as `.`:
+    ///
+    /// ```text
+    /// rank 0 |01..aa.bb|      1F1B, pp 2, 2 micro-batches, a backward costing two forwards
+    /// rank 1 |.0aa1bb..|
+    /// ```
+    pub fn draw(&self, unit: f64) -> String {
+        let cols = (self.makespan / unit).round() as usize;
+        let rows: Vec<String> = self
+            .timeline
+            .iter()
+            .enumerate()
+            .map(|(r, spans)| {
+                let mut line = vec!['.'; cols];
+                for span in spans {
+                    let (start, end) = ((span.start / unit).round() as usize, (span.end / unit).round() as usize);
+                    let mb = span.action.at().1 as u32;
+                    let mark = match span.action.kind() {
+                        "F" => char::from_digit(mb, 10).unwrap_or('+'),
+                        _ => char::from_u32('a' as u32 + mb).filter(|_| mb < 26).unwrap_or('*'),
+                    };
+                    line.iter_mut().take(end.min(cols)).skip(start).for_each(|c| *c = mark);
+                }
+                format!("rank {r} |{}|", line.into_iter().collect::<String>())
+            })
+            .collect();
+        rows.join("\n")
+    }
+}
+
 /// A rank's progress.
 #[derive(Default)]
 struct RankState {

@@ -127,3 +127,12 @@ fn the_simulator_catches_broken_schedules() {
     let s = PipelineSchedule::from_csv("0B0,0F0\n1F0").unwrap();
     assert!(simulate(&s, Costs::default()).unwrap_err().to_string().contains("rank 0 runs 0B0 before its forward"));
 }
+
+#[test]
+fn the_timeline_draws_each_ranks_work_and_bubble() {
+    let costs = Costs::default(); // forward 1, backward 2
+    let ofob = simulate(&PipelineSchedule::new(ScheduleKind::OneFOneB, 2, 2, 1).unwrap(), costs).unwrap();
+    assert_eq!(ofob.draw(1.0), "rank 0 |01..aa.bb|\nrank 1 |.0aa1bb..|");
+    let gpipe = simulate(&PipelineSchedule::new(ScheduleKind::GPipe, 2, 2, 1).unwrap(), costs).unwrap();
+    assert_eq!(gpipe.draw(1.0), "rank 0 |01...aabb|\nrank 1 |.01aabb..|");
+}
