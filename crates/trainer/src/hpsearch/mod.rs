@@ -442,9 +442,14 @@ impl HyperparameterSearch {
         let study_dir = self.create_study_dir()?;
         let journal = Journal::new(study_dir.join(STUDY_FILE));
         let view = self.open_journal(&journal)?;
-        let capacity = self.config.sampler.capacity(&self.config.space);
-        let mut queue = TrialQueue::new(&view, self.n_trials, capacity);
-        self.say(plan_line(journal.path(), &view, &queue, self.n_trials, capacity));
+        // Enqueued trials (a baseline) come before a grid's points and do not use one up.
+        let grid = self
+            .config
+            .sampler
+            .capacity(&self.config.space)
+            .map(|points| GridSize { points, enqueued: self.enqueued.len() });
+        let mut queue = TrialQueue::new(&view, self.n_trials, grid.map(|g| g.points + g.enqueued));
+        self.say(plan_line(journal.path(), &view, &queue, self.n_trials, grid));
         let planned = queue.left;
         let (slots, threads) = self.parallelism();
         let interrupted = AtomicBool::new(false);
@@ -678,7 +683,13 @@ impl HyperparameterSearch {
                 .map(|value| sampler::Observation { params: t.params.clone(), value })
             })
             .collect();
-        let mut params = self.config.sampler.sample(&self.config.space, number, &history)?;
+        // A grid maps a trial to a point by its number: trials after the enqueued ones take points 0, 1, … so that
+        // an enqueued baseline does not hide a point.
+        let point = match self.config.sampler {
+            sampler::SamplerConfig::Grid { .. } => number.saturating_sub(self.enqueued.len() as u64),
+            _ => number,
+        };
+        let mut params = self.config.sampler.sample(&self.config.space, point, &history)?;
         if let Some(fixed) = self.enqueued.get(number as usize) {
             params.extend(fixed.iter().map(|(k, v)| (k.clone(), v.clone())));
         }
@@ -760,7 +771,24 @@ impl TrialQueue {
 
 /// The driver's first line: a new or resumed study, and which trials this run starts — or that nothing is left to
 /// run, and why.
-fn plan_line(file: &Path, view: &StudyView, queue: &TrialQueue, n_trials: usize, capacity: Option<usize>) -> String {
+/// A grid study's size: its points, and the enqueued trials that run before them.
+#[derive(Debug, Clone, Copy)]
+struct GridSize {
+    points: usize,
+    enqueued: usize,
+}
+
+impl std::fmt::Display for GridSize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} points", self.points)?;
+        match self.enqueued {
+            0 => Ok(()),
+            n => write!(f, " and {n} enqueued trial(s)"),
+        }
+    }
+}
+
+fn plan_line(file: &Path, view: &StudyView, queue: &TrialQueue, n_trials: usize, grid: Option<GridSize>) -> String {
     let finished = view.trials.values().filter(|t| t.is_finished()).count();
     let interrupted = queue.rerun.len();
     let (reruns, new) = queue.planned();
@@ -769,8 +797,8 @@ fn plan_line(file: &Path, view: &StudyView, queue: &TrialQueue, n_trials: usize,
         1 => format!("{from}"),
         _ => format!("{from}–{}", from + count as u64 - 1),
     };
-    let grid_note = match capacity {
-        Some(cap) if reruns + new < n_trials => format!(" (the grid has {cap} points; n_trials was {n_trials})"),
+    let grid_note = match grid {
+        Some(g) if reruns + new < n_trials => format!(" (the grid has {g}; n_trials was {n_trials})"),
         _ => String::new(),
     };
     if view.trials.is_empty() {
@@ -786,8 +814,8 @@ fn plan_line(file: &Path, view: &StudyView, queue: &TrialQueue, n_trials: usize,
     }
     if reruns + new == 0 {
         // With n_trials > 0 only a grid can run out.
-        let why = match capacity {
-            Some(cap) if n_trials > 0 => format!("all {cap} points of the grid have been tried"),
+        let why = match grid {
+            Some(g) if n_trials > 0 => format!("the grid's {g} have all been tried"),
             _ => "n_trials is 0".to_string(),
         };
         return format!("{kept}; nothing left to run: {why}");

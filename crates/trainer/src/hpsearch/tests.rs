@@ -152,7 +152,7 @@ fn a_grid_study_stops_at_its_last_point_and_says_so() {
     let file = dir.path().join(STUDY_FILE);
     let empty = StudyView::default();
     assert_eq!(
-        plan_line(&file, &empty, &TrialQueue::new(&empty, 4, Some(6)), 4, Some(6)),
+        plan_line(&file, &empty, &TrialQueue::new(&empty, 4, Some(6)), 4, Some(GridSize { points: 6, enqueued: 0 })),
         format!("[hp] new study {}: running 4 trial(s) (0–3)", file.display())
     );
     let first = grid(dir.path()).n_trials(4).run(|t| Ok(value(t.params()))).unwrap().unwrap();
@@ -160,10 +160,11 @@ fn a_grid_study_stops_at_its_last_point_and_says_so() {
 
     // 5 more asked, 2 points left: both run, and the line says why not 5.
     let view = Journal::new(&file).load().unwrap();
-    assert!(plan_line(&file, &view, &TrialQueue::new(&view, 5, Some(6)), 5, Some(6)).ends_with(
-        "running 2 more (n_trials counts this run's trials, as Optuna's optimize(n_trials=N)): 2 new: 4–5 \
+    assert!(plan_line(&file, &view, &TrialQueue::new(&view, 5, Some(6)), 5, Some(GridSize { points: 6, enqueued: 0 }))
+        .ends_with(
+            "running 2 more (n_trials counts this run's trials, as Optuna's optimize(n_trials=N)): 2 new: 4–5 \
                     (the grid has 6 points; n_trials was 5)"
-    ));
+        ));
     let second = grid(dir.path()).n_trials(5).run(|t| Ok(value(t.params()))).unwrap().unwrap();
     assert_eq!((second.trials.len(), second.run_now), (6, 2));
     let mut points: Vec<String> = second.trials.iter().map(|t| format!("{:?}", t.params)).collect();
@@ -174,15 +175,50 @@ fn a_grid_study_stops_at_its_last_point_and_says_so() {
     // Nothing left: no trial runs, the first line says so, the summary is the study as it stands.
     let view = Journal::new(&file).load().unwrap();
     assert_eq!(
-        plan_line(&file, &view, &TrialQueue::new(&view, 3, Some(6)), 3, Some(6)),
+        plan_line(&file, &view, &TrialQueue::new(&view, 3, Some(6)), 3, Some(GridSize { points: 6, enqueued: 0 })),
         format!(
-            "[hp] resuming {}: 6 finished trial(s) kept; nothing left to run: all 6 points of the grid have been tried",
+            "[hp] resuming {}: 6 finished trial(s) kept; nothing left to run: the grid's 6 points have all been tried",
             file.display()
         )
     );
     let third = grid(dir.path()).n_trials(3).run(|_| panic!("no trial may run")).unwrap().unwrap();
     assert_eq!((third.trials.len(), third.run_now), (6, 0));
     assert_eq!(third.best.as_ref().unwrap().value, Some(0.0));
+}
+
+#[test]
+fn an_enqueued_baseline_does_not_hide_a_grid_point() {
+    // 2 × 2 = 4 points plus the enqueued defaults: 5 trials, every point once (trial 0 used to take point 0's place).
+    let dir = tempfile::tempdir().unwrap();
+    let mut baseline = Params::new();
+    baseline.insert("x".into(), serde_json::json!(7));
+    baseline.insert("k".into(), serde_json::json!("z"));
+    let search = HyperparameterSearch::new(
+        SearchSpace::new().add("x", Distribution::int(0, 1)).add("k", Distribution::categorical(["a", "b"])),
+        "loss",
+    )
+    .study_dir(dir.path())
+    .in_process()
+    .verbose(false)
+    .plots(false)
+    .pruner(PrunerConfig::None)
+    .sampler(SamplerConfig::Grid { seed: 0 })
+    .enqueue_trial(baseline)
+    .n_trials(10);
+    let file = dir.path().join(STUDY_FILE);
+    let empty = StudyView::default();
+    assert_eq!(
+        plan_line(&file, &empty, &TrialQueue::new(&empty, 10, Some(5)), 10, Some(GridSize { points: 4, enqueued: 1 })),
+        format!(
+            "[hp] new study {}: running 5 trial(s) (0–4) (the grid has 4 points and 1 enqueued trial(s); n_trials \
+             was 10)",
+            file.display()
+        )
+    );
+    let s = search.run(|t| Ok(t.params()["x"].as_i64().unwrap() as f64)).unwrap().unwrap();
+    let mut seen: Vec<String> = s.trials.iter().map(|t| format!("{}{}", t.params["x"], t.params["k"])).collect();
+    seen.sort();
+    assert_eq!(seen, ["0\"a\"", "0\"b\"", "1\"a\"", "1\"b\"", "7\"z\""]);
 }
 
 #[test]
