@@ -186,17 +186,22 @@ pub fn parallel_env(nproc: usize, tp: usize) -> Vec<(String, String)> {
     accel::ParallelismConfig::default().with_tp_size(tp).with_dp_replicate_size(nproc / tp.max(1)).env_vars()
 }
 
-/// Checks `--tp-size` against `--nproc` before any worker starts (one message instead of one per rank): the
-/// processes are laid out as dp × tp, so tp must be at least 1 and divide the process count.
+/// Checks `--tp-size` against the process count before any worker starts (one message instead of one per rank):
+/// the processes are laid out as dp × tp, so tp must be at least 1 and divide them. The count is `--nproc`, or,
+/// in a worker of a launched job (`accel launch`, where `--nproc` is ignored), the job's `WORLD_SIZE`.
 pub fn check_tp_size(nproc: usize, tp: usize) -> anyhow::Result<()> {
-    let fits: Vec<usize> = (1..=nproc).filter(|t| nproc.is_multiple_of(*t)).collect();
+    let (n, what) = match ddp_core::env::DistEnv::detect_from_env() {
+        Ok(Some(env)) if ddp_core::launcher::is_worker() => (env.world_size, "the job's WORLD_SIZE"),
+        _ => (nproc, "--nproc"),
+    };
+    let fits: Vec<usize> = (1..=n).filter(|t| n.is_multiple_of(*t)).collect();
     if tp == 0 {
-        anyhow::bail!("--tp-size 0: the tensor-parallel size is at least 1 (1 = no tensor parallelism); with --nproc {nproc} it could be one of {fits:?}");
+        anyhow::bail!("--tp-size 0: the tensor-parallel size is at least 1 (1 = no tensor parallelism); with {what} {n} it could be one of {fits:?}");
     }
-    if !nproc.is_multiple_of(tp) {
+    if !n.is_multiple_of(tp) {
         anyhow::bail!(
-            "--tp-size {tp} must divide --nproc {nproc} (the processes are laid out as dp × tp); with --nproc {nproc} \
-             it could be one of {fits:?}"
+            "--tp-size {tp} must divide {what} {n} (the processes are laid out as dp × tp); with {what} {n} it could \
+             be one of {fits:?}"
         );
     }
     Ok(())
@@ -301,6 +306,29 @@ pub fn keep_freed_memory() {
 /// chain of causes with exit status 1 ([`ddp_core::launcher::report_error`]: a launched worker's report is printed
 /// once by its launcher) — no backtrace, even under `RUST_BACKTRACE=1`: those are for panics, not for a wrong flag
 /// or a missing file.
+/// Ends the program after its command line failed to parse (the binary passes clap's rendered message, its exit
+/// code and whether it is an error rather than `--help` / `--version`): help goes to stdout; an error goes,
+/// under a launcher, into the report file it prints once ([`ddp_core::launcher::report_error`]) — not once per
+/// rank — else to stderr.
+pub fn exit_on_bad_command_line(text: String, code: i32, is_error: bool) -> ! {
+    match std::env::var_os(ddp_core::launcher::ERROR_FILE_ENV).filter(|_| is_error) {
+        Some(path) if std::fs::write(&path, &text).is_ok() => {}
+        _ if is_error => eprint!("{text}"),
+        _ => print!("{text}"),
+    }
+    std::process::exit(code)
+}
+
+/// `Cli::parse()` for the examples' binaries (the parser trait in scope at the call site), a bad command line
+/// reported with [`exit_on_bad_command_line`]: once, not once per rank, under a launcher.
+#[macro_export]
+macro_rules! parse_args {
+    ($cli:ty) => {
+        <$cli>::try_parse()
+            .unwrap_or_else(|e| $crate::exit_on_bad_command_line(e.render().to_string(), e.exit_code(), e.use_stderr()))
+    };
+}
+
 pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> std::process::ExitCode {
     keep_freed_memory();
     if std::env::var_os("CANDLE_NUM_THREADS").is_none() {

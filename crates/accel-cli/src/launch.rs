@@ -225,33 +225,62 @@ impl LaunchPlan {
     }
 }
 
-/// How the banner names the config file at `path`: the path, whether it is the default one (`accel config`
-/// writes it there, and every later launch reads it), and which of the run's settings it changed — those it
-/// sets to something other than the built-in default that no flag overrides.
+/// How the banner names the config file at `path`: the path, whether it is the default one (where `accel config`
+/// writes, and what every later launch reads), and which of the run's settings it changed — those it sets to
+/// something other than the built-in default — and which of those a flag overrode.
 pub fn describe_config(path: &Path, default_location: bool, file: &AccelerateConfig, flags: &LaunchArgs) -> String {
-    let mut set = Vec::new();
-    if flags.num_processes.is_none() && flags.nproc_per_node.is_none() {
-        if let Some(n) = file.num_processes.filter(|n| *n > 1) {
-            set.push(format!("{n} processes"));
+    let (mut set, mut overridden) = (Vec::new(), Vec::new());
+    let mut note = |what: Option<String>, flag_given: bool| {
+        if let Some(what) = what {
+            if flag_given {
+                overridden.push(what)
+            } else {
+                set.push(what)
+            }
         }
+    };
+    note(
+        file.num_processes.filter(|n| *n > 1).map(|n| format!("{n} processes")),
+        flags.num_processes.is_some() || flags.nproc_per_node.is_some(),
+    );
+    note((file.num_machines > 1).then(|| format!("{} machines", file.num_machines)), flags.num_machines.is_some());
+    note(
+        (file.mixed_precision != MixedPrecision::No).then(|| format!("mixed precision {}", file.mixed_precision)),
+        flags.mixed_precision.is_some(),
+    );
+    note(
+        file.gradient_accumulation_steps.filter(|k| *k > 1).map(|k| format!("gradient accumulation {k}")),
+        flags.gradient_accumulation_steps.is_some(),
+    );
+    let layout_flag = [
+        flags.parallelism_config_dp_replicate_size,
+        flags.parallelism_config_dp_shard_size,
+        flags.parallelism_config_tp_size,
+        flags.parallelism_config_pp_size,
+        flags.parallelism_config_cp_size,
+    ]
+    .iter()
+    .any(Option::is_some);
+    note(
+        file.parallelism_config
+            .as_ref()
+            .filter(|p| !p.is_default_layout())
+            .map(|p| format!("the layout {}", p.layout_string())),
+        layout_flag,
+    );
+    let mut parts = Vec::new();
+    if default_location {
+        parts.push("the default config file, where `accel config` writes".to_string());
     }
-    if flags.num_machines.is_none() && file.num_machines > 1 {
-        set.push(format!("{} machines", file.num_machines));
+    match (set.is_empty(), overridden.is_empty()) {
+        (true, true) => parts.push("it changes no default".into()),
+        (false, _) => parts.push(format!("it set {}", set.join(", "))),
+        _ => {}
     }
-    if flags.mixed_precision.is_none() && file.mixed_precision != MixedPrecision::No {
-        set.push(format!("mixed precision {}", file.mixed_precision));
+    if !overridden.is_empty() {
+        parts.push(format!("flags overrode its {}", overridden.join(", ")));
     }
-    if flags.gradient_accumulation_steps.is_none() {
-        if let Some(k) = file.gradient_accumulation_steps.filter(|k| *k > 1) {
-            set.push(format!("gradient accumulation {k}"));
-        }
-    }
-    if file.parallelism_config.as_ref().is_some_and(|p| !p.is_default_layout()) {
-        set.push("the layout".to_string());
-    }
-    let which = if default_location { "the default config file, written by `accel config`; " } else { "" };
-    let what = if set.is_empty() { "it changes no default".to_string() } else { format!("it set {}", set.join(", ")) };
-    format!("{} ({which}{what})", path.display())
+    format!("{} ({})", path.display(), parts.join("; "))
 }
 
 /// Refuses a config file whose `distributed_type` asks for something accel does not run (`FSDP`, `DEEPSPEED`,
@@ -420,8 +449,9 @@ fn rdzv_warning(flags: &LaunchArgs, file: Option<&AccelerateConfig>) -> Option<S
 /// Refuses, before any worker starts, a layout that does not fit `num_processes` and one the Accelerator cannot
 /// train yet (pp or dp_shard > 1): one message saying what would run, instead of every rank failing with it.
 fn check_parallelism(p: &ParallelismConfig, num_processes: usize) -> CliResult<()> {
+    // The support check first: its message already says what fits the process count.
+    p.check_accelerator_support_on(num_processes)?;
     p.resolve(num_processes)?;
-    p.check_accelerator_support()?;
     Ok(())
 }
 

@@ -104,10 +104,14 @@ fn run_config(args: ConfigArgs) -> CliResult<()> {
 
 fn run_launch(args: &LaunchArgs) -> CliResult<()> {
     let file = match config_file::resolve_config_path(args.config_file.as_deref())? {
-        Some(path) => Some(load_and_warn(&path)?),
+        Some(path) => Some(AccelerateConfig::load(&path)?),
         None => None,
     };
     let mut plan = LaunchPlan::resolve(args, file.as_ref().map(|l| &l.config))?;
+    // The file's warnings once the launch is sure to go ahead (a refused file gets its error only).
+    for w in file.iter().flat_map(|l| &l.warnings) {
+        eprintln!("accel: warning: {w}");
+    }
     if let Some(loaded) = &file {
         plan.config_source = launch::describe_config(&loaded.path, args.config_file.is_none(), &loaded.config, args);
     }

@@ -130,6 +130,9 @@ pub fn ask(input: &mut dyn BufRead, out: &mut dyn Write, machine: MachineDefault
         cfg.gpu_ids = Some(ids);
     }
 
+    if use_cpu {
+        q.say(CPU_PRECISION_COSTS)?;
+    }
     cfg.mixed_precision =
         q.ask("Mixed precision? [no/fp16/bf16]", Some("no"), |s| match s.to_ascii_lowercase().as_str() {
             "no" | "fp16" | "bf16" => s.parse::<MixedPrecision>().map_err(|e| e.to_string()),
@@ -138,6 +141,13 @@ pub fn ask(input: &mut dyn BufRead, out: &mut dyn Write, machine: MachineDefault
 
     Ok(cfg)
 }
+
+/// What each precision costs on a CPU, printed before the question there (measured: docs/benchmarks.md, "bf16 on
+/// the CPU"): bf16 is autocast over f32 tensors (accel's `Accelerator::compute_dtype`), fp16 keeps f16 tensors.
+const CPU_PRECISION_COSTS: &str =
+    "  on the CPU: bf16 runs as autocast (f32 tensors, bf16 products in the linear layers) and \
+     costs about what no does (1.0-1.1x its time); fp16 keeps f16 tensors, which candle computes about 7x slower \
+     than f32 on a CPU\n";
 
 /// The tensor-parallel and pipeline-parallel sizes (each must divide what is left of the processes); `None` when
 /// both are 1 (data parallelism over all processes needs no block).
@@ -313,6 +323,17 @@ mod tests {
         assert!(out.contains("cannot be spread evenly over 2 machines"), "{out}");
         assert!(out.contains("invalid answer \"fp8\""), "{out}");
         assert!(out.contains("fixed port"), "{out}");
+    }
+
+    #[test]
+    fn the_cpu_precision_question_says_what_each_costs() {
+        let (cfg, out) = run("cpu\n\n\nbf16\n", 0);
+        assert_eq!(cfg.unwrap().mixed_precision, MixedPrecision::Bf16);
+        assert!(out.contains("on the CPU: bf16 runs as autocast") && out.contains("1.0-1.1x"), "{out}");
+        assert!(out.contains("fp16 keeps f16 tensors"), "{out}");
+        let (cfg, out) = run("gpu\n1\n8\n\n\nall\nbf16\n", 8);
+        assert_eq!(cfg.unwrap().mixed_precision, MixedPrecision::Bf16, "{out}");
+        assert!(!out.contains("on the CPU:"), "GPU configs are not told CPU costs: {out}");
     }
 
     #[test]

@@ -133,8 +133,9 @@ impl Accelerator {
     pub fn with_process_group(cfg: AcceleratorConfig, pg: ProcessGroup) -> Result<Self> {
         cfg.validate()?;
         // Every rank has the same config, so these errors are raised by all ranks before any collective.
+        // The support check first: its message already says what fits the world size.
+        cfg.parallelism.check_accelerator_support_on(pg.world_size())?;
         let parallelism = cfg.parallelism.resolve(pg.world_size())?;
-        parallelism.check_accelerator_support()?;
         let shape = parallelism.mesh_shape(pg.world_size())?;
         let device = pick_device(&cfg, pg.local_rank())?;
         let mesh = DeviceMesh::new(&pg, shape)?;

@@ -311,6 +311,13 @@ impl ParallelismConfig {
     ///
     /// Errors: [`AccelError::Config`] naming the size and what to use instead.
     pub fn check_accelerator_support(&self) -> Result<()> {
+        self.check_accelerator_support_on(self.total_size())
+    }
+
+    /// [`Self::check_accelerator_support`] for a job of `world_size` processes, checked before the sizes are
+    /// matched to it (so that a launcher refuses pp or dp_shard first, in one message): what would run on
+    /// `world_size` processes instead.
+    pub fn check_accelerator_support_on(&self, world_size: usize) -> Result<()> {
         let (key, size, what) = if self.pp_size > 1 {
             ("pp", self.pp_size, "pipeline parallelism (accel has no pipeline schedule yet)")
         } else if self.dp_shard_size > 1 {
@@ -318,24 +325,25 @@ impl ParallelismConfig {
         } else {
             return Ok(());
         };
-        // What runs on the same processes: the unsupported dimensions folded into replicated data parallelism.
-        let dp = self.dp_replicate_size * self.dp_shard_size * self.pp_size;
-        let runnable = ParallelismConfig { dp_replicate_size: dp, dp_shard_size: 1, pp_size: 1, ..self.clone() };
         let mut set: Vec<String> = [("pp", self.pp_size), ("dp_shard", self.dp_shard_size)]
             .iter()
             .filter(|(_, n)| *n > 1)
             .map(|(name, _)| format!("{name}_size 1"))
             .collect();
-        set.push(format!("dp_replicate_size {dp}"));
+        // What runs on the same processes: the unsupported dimensions folded into replicated data parallelism.
+        let model = self.tp_size * self.cp_size;
+        let fix = if world_size.is_multiple_of(model) {
+            let dp = world_size / model;
+            set.push(format!("dp_replicate_size {dp}"));
+            let runnable = ParallelismConfig { dp_replicate_size: dp, dp_shard_size: 1, pp_size: 1, ..self.clone() };
+            format!("set {} ({} runs)", join_and(&set), runnable.layout_string())
+        } else {
+            format!("set {} and a tp_size that divides {world_size}", join_and(&set))
+        };
         Err(AccelError::Config {
             key: format!("parallelism_config_{key}_size"),
             value: size.to_string(),
-            reason: format!(
-                "the Accelerator cannot train with {what}; on the same {} processes set {} ({} runs)",
-                self.total_size(),
-                join_and(&set),
-                runnable.layout_string()
-            ),
+            reason: format!("the Accelerator cannot train with {what}; on the same {world_size} processes {fix}"),
         })
     }
 

@@ -301,13 +301,26 @@ impl ErrorFiles {
             order.filter_map(|r| error_report::read_report(&self.path(r)).map(|text| (r, text))).collect();
         let Some((shown_rank, shown)) = reports.first() else { return };
         sinks.rank(*shown_rank).write_report(shown, true, true);
+        let mut differing = Vec::new();
         for (rank, other) in &reports[1..] {
             let sink = sinks.rank(*rank);
             sink.write_report(other, false, true);
             if other != shown {
-                let first_line = other.lines().next().unwrap_or_default();
-                sink.write_report(&format!("failed too: {}", first_line.trim_start_matches("Error: ")), true, false);
+                differing.push(*rank);
+                if differing.len() == 1 {
+                    let first_line = other.lines().next().unwrap_or_default();
+                    let line = format!("failed too: {}", first_line.trim_start_matches("Error: "));
+                    sink.write_report(&line, true, false);
+                }
             }
+        }
+        // Usually the same chain reaction (a collective broken by the first failure): named once, not repeated.
+        if differing.len() > 1 {
+            let more: Vec<String> = differing[1..].iter().map(|r| sinks.rank(*r).rank().to_string()).collect();
+            eprintln!(
+                "[launcher] rank(s) {} failed too (their reports are in their log files with --log-dir)",
+                more.join(", ")
+            );
         }
     }
 }
@@ -318,28 +331,33 @@ impl Drop for ErrorFiles {
     }
 }
 
-/// How long a launcher without a run token keeps trying to tell the other machines, before it exits with its own
-/// error (machine 0 may start a little after the others, or the reverse).
-const NO_TOKEN_NOTICE: Duration = Duration::from_secs(10);
-
 /// A machine without the run token cannot join, but its peers would wait for it until `rdzv_timeout` (30 min by
-/// default): it makes them fail at once instead, through the store's own refusal of a wrong token. Machine 1, 2, …
-/// connects to machine 0's store with a throw-away token (machine 0 sees the refused peer and fails); machine 0
-/// listens with one for [`NO_TOKEN_NOTICE`] (every machine that connects is refused and fails). No token is ever
-/// sent, and nothing a peer learns from a throw-away token's proof is of use.
-fn fail_the_other_machines(cfg: &LaunchConfig) {
+/// default): it makes them fail as soon as they are up instead, through the store's own refusal of a wrong token.
+/// Machine 1, 2, … connects to machine 0's store with a throw-away token (machine 0 sees the refused peer and
+/// fails); machine 0 listens with one (every machine that connects is refused and fails). It says so at once
+/// (`error`, on stderr) and waits for the other machines as long as a rendezvous would (`rdzv_timeout`; Ctrl-C
+/// ends the wait), since they may start minutes later. No token is ever sent, and nothing a peer learns from a
+/// throw-away token's proof is of use.
+fn fail_the_other_machines(cfg: &LaunchConfig, error: &DdpError) {
     let Ok(throw_away) = RunToken::generate() else { return };
     if cfg.nnodes <= 1 || cfg.master_port == 0 {
         return;
     }
     let addr = host_port(&cfg.master_addr, cfg.master_port);
+    eprintln!(
+        "[launcher] machine {}: {error}\n[launcher] machine {}: waiting up to {:.0} s to tell the other machines, so \
+         that they fail too (Ctrl-C to stop)",
+        cfg.node_rank,
+        cfg.node_rank,
+        cfg.rdzv_timeout.as_secs_f64()
+    );
     if cfg.node_rank > 0 {
-        let _ = crate::store::TcpStore::connect(&addr, throw_away, NO_TOKEN_NOTICE);
+        let _ = crate::store::TcpStore::connect(&addr, throw_away, cfg.rdzv_timeout);
         return;
     }
     let Ok(server) = TcpStoreServer::bind(&addr, throw_away) else { return };
-    let until = std::time::Instant::now() + NO_TOKEN_NOTICE;
-    // Every peer that has not been refused yet may still come: wait for all of them, or the notice window.
+    let until = std::time::Instant::now() + cfg.rdzv_timeout;
+    // Every peer that has not been refused yet may still come: wait for all of them, or the timeout.
     while server.refused_peers().len() < cfg.nnodes - 1 && std::time::Instant::now() < until {
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -365,7 +383,7 @@ fn fail_the_other_machines(cfg: &LaunchConfig) {
 /// ```
 pub fn launch(cfg: &LaunchConfig) -> Result<()> {
     cfg.validate()?;
-    let token = cfg.run_token().inspect_err(|_| fail_the_other_machines(cfg))?;
+    let token = cfg.run_token().inspect_err(|e| fail_the_other_machines(cfg, e))?;
     let signals =
         signals::SignalGuard::install().map_err(|e| DdpError::io("installing the launcher's signal handlers", e))?;
     let first_rank = cfg.node_rank * cfg.nproc_per_node;

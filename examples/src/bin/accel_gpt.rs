@@ -130,7 +130,7 @@ fn model_config(args: &Args, vocab_size: usize) -> GptConfig {
 }
 
 fn run() -> anyhow::Result<()> {
-    let args = Args::parse();
+    let args = accel_examples::parse_args!(Args); // a bad command line is reported once under a launcher
     accel_examples::check_tp_size(args.nproc, args.tp_size)?;
     // Check the model against the tp size once, here, before any worker starts (76 = the shipped vocabulary;
     // the vocabulary never constrains tp).

@@ -77,7 +77,7 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let cli = accel_examples::parse_args!(Cli); // a bad command line is reported once under a launcher
     if ddp_core::launcher::launch_self(cli.nproc)? {
         return Ok(());
     }

@@ -70,9 +70,9 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run() -> anyhow::Result<()> {
-    let cli = Cli::parse();
-    // Without a launcher, run `--nproc` copies of this program as the workers (the launcher also gives each its
-    // share of the cores: RAYON_NUM_THREADS, OMP_NUM_THREADS).
+    let cli = accel_examples::parse_args!(Cli); // a bad command line is reported once under a launcher
+                                                // Without a launcher, run `--nproc` copies of this program as the workers (the launcher also gives each its
+                                                // share of the cores: RAYON_NUM_THREADS, OMP_NUM_THREADS).
     if ddp_core::launcher::launch_self(cli.nproc)? {
         return Ok(());
     }

@@ -62,7 +62,7 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run() -> anyhow::Result<()> {
-    let args = Args::parse();
+    let args = accel_examples::parse_args!(Args); // a bad command line is reported once under a launcher
     let mut rows = Vec::new();
 
     match ddp_core::nccl::probe() {

@@ -91,8 +91,8 @@ fn model_config(cli: &Cli, vocab_size: usize) -> GptConfig {
 }
 
 fn run() -> anyhow::Result<()> {
-    let cli = Cli::parse();
-    // Check everything once, here, before any worker starts: one clear message instead of one per rank.
+    let cli = accel_examples::parse_args!(Cli); // a bad command line is reported once under a launcher
+                                                // Check everything once, here, before any worker starts: one clear message instead of one per rank.
     cli.train.resolve(defaults())?;
     accel_examples::check_tp_size(cli.nproc, cli.tp_size)?;
     model_config(&cli, 76).validate(cli.tp_size)?;

@@ -104,9 +104,9 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run() -> anyhow::Result<()> {
-    let cli = Cli::parse();
-    // Check the arguments and the data once, here, before any worker starts: one clear message instead of one
-    // per rank.
+    let cli = accel_examples::parse_args!(Cli); // a bad command line is reported once under a launcher
+                                                // Check the arguments and the data once, here, before any worker starts: one clear message instead of one
+                                                // per rank.
     let args = cli.train.resolve(defaults())?;
     let data_dir = cli.data_dir.clone().unwrap_or_else(default_data_dir);
     anyhow::ensure!(

@@ -136,8 +136,8 @@ fn launch_prints_one_banner_naming_the_default_config_that_changed_the_run() {
     let settings = "2 processes × 1 machine | dp_replicate 2 × dp_shard 1 × tp 1 × pp 1 | mixed precision bf16 | \
                     gradient accumulation 1 | backend cpu";
     let banner = format!(
-        "accel launch: config {} (the default config file, written by `accel config`; it set mixed precision bf16) \
-         | {settings}",
+        "accel launch: config {} (the default config file, where `accel config` writes; it set mixed precision \
+         bf16) | {settings}",
         default.display()
     );
     assert_eq!(stderr.lines().filter(|l| l.starts_with("accel launch: config")).collect::<Vec<_>>(), [banner]);
@@ -177,6 +177,19 @@ fn a_layout_the_accelerator_cannot_run_is_refused_before_any_worker_starts() {
         "accel: error: invalid configuration parallelism_config_pp_size = \"2\": the Accelerator cannot train with \
          pipeline parallelism (accel has no pipeline schedule yet); on the same 4 processes set pp_size 1 and \
          dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 2 × pp 1 runs)"
+    );
+    // pp 2 alone on 4 processes: the same refusal first (not "set dp_replicate_size 2", then this).
+    let out = accel(dir.path())
+        .args(["launch", "-n", "4", "--parallelism-config-pp-size", "2", "sh", "-c", "echo started"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.trim().ends_with(
+            "on the same 4 processes set pp_size 1 and dp_replicate_size 4 (dp_replicate 4 × dp_shard 1 × tp 1 × pp 1 \
+             runs)"
+        ),
+        "{stderr}"
     );
     // Accelerate's FSDP file is refused too, not run as DDP with warnings.
     let out = accel(dir.path())

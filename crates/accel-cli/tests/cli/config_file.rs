@@ -83,13 +83,24 @@ fn reads_a_two_machine_fsdp_file_and_warns_about_what_accel_ignores() {
         e.ends_with("set dp_shard_size 1 and dp_replicate_size 4 (dp_replicate 4 × dp_shard 1 × tp 1 × pp 1 runs)"),
         "{e}"
     );
-    // A layout whose product is not the process count is refused, naming what fits.
+    // With tp 2 from a flag: still refused first for dp_shard, with what runs on the 4 processes.
     let flags = LaunchArgs { program: "prog".into(), parallelism_config_tp_size: Some(2), ..LaunchArgs::default() };
     let e = LaunchPlan::resolve(&flags, Some(c)).unwrap_err().to_string();
     assert!(
+        e.ends_with("set dp_shard_size 1 and dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 2 × pp 1 runs)"),
+        "{e}"
+    );
+    // A layout the Accelerator runs whose product is not the process count is refused, naming what fits.
+    let flags = LaunchArgs {
+        program: "prog".into(),
+        parallelism_config_tp_size: Some(4),
+        parallelism_config_dp_shard_size: Some(1),
+        ..LaunchArgs::default()
+    };
+    let e = LaunchPlan::resolve(&flags, Some(c)).unwrap_err().to_string();
+    assert!(
         e.ends_with(
-            "the sizes multiply to 8 but the job has 4 processes; with dp_shard 2, tp 2 and 4 processes set \
-                     dp_replicate_size 1"
+            "the sizes multiply to 8 but the job has 4 processes; with tp 4 and 4 processes set dp_replicate_size 1"
         ),
         "{e}"
     );

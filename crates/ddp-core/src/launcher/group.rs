@@ -116,7 +116,8 @@ pub(crate) fn run_group(spec: GroupSpec, sinks: &Sinks, signals: &SignalGuard) -
 
     let outcome = loop {
         if let Some(signal) = signals.received() {
-            tracing::warn!("launcher: got signal {signal}; stopping {} worker(s)", workers.len());
+            // Info: the launch's error says it once ("launcher interrupted by SIGINT; its N worker(s) were stopped").
+            tracing::info!("launcher: got signal {signal}; stopping {} worker(s)", workers.len());
             stop(&mut workers, &rx, signal, spec.stop_grace, signals);
             break GroupOutcome::Interrupted { signal };
         }
@@ -130,6 +131,19 @@ pub(crate) fn run_group(spec: GroupSpec, sinks: &Sinks, signals: &SignalGuard) -
                         spec.first_rank + local_rank
                     );
                     settle(&mut workers, &rx, SETTLE, signals);
+                    // A worker killed by a signal (OOM killer, kill -9) is usually the cause, and its peers then
+                    // fail with a collective error — whose exit the watchers may report first. Name the killed one.
+                    let (local_rank, status) = match status {
+                        WorkerExit::Code(_) => workers
+                            .iter()
+                            .enumerate()
+                            .find_map(|(i, w)| match w.exited {
+                                Some(s @ WorkerExit::Signal { .. }) => Some((i, s)),
+                                _ => None,
+                            })
+                            .unwrap_or((local_rank, status)),
+                        WorkerExit::Signal { .. } => (local_rank, status),
+                    };
                     stop(&mut workers, &rx, libc::SIGTERM, spec.stop_grace, signals);
                     break GroupOutcome::Failed { local_rank, status };
                 }

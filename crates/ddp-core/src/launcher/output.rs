@@ -22,6 +22,7 @@ pub(crate) enum Stream {
 /// Where one rank's output goes.
 #[derive(Clone)]
 pub(crate) struct RankSink {
+    rank: usize,
     prefix: Vec<u8>,
     console: bool,
     file: Option<Arc<Mutex<File>>>,
@@ -51,7 +52,12 @@ impl Sinks {
                         Some(Arc::new(Mutex::new(f)))
                     }
                 };
-                Ok(RankSink { prefix: format!("[rank {rank}] ").into_bytes(), console: log_dir.is_none() || tee, file })
+                Ok(RankSink {
+                    rank,
+                    prefix: format!("[rank {rank}] ").into_bytes(),
+                    console: log_dir.is_none() || tee,
+                    file,
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Sinks { ranks })
@@ -78,6 +84,11 @@ impl Sinks {
 }
 
 impl RankSink {
+    /// The global rank this sink is for.
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
     /// Writes a worker's error report (or a line about it): to the console's stderr, prefixed with the rank, when
     /// `console` (even when the worker's output goes to its log file only: this is the one copy the user must
     /// see), and unprefixed to the rank's log file when `file` and there is one.

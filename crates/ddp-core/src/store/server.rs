@@ -252,7 +252,8 @@ fn handshake(stream: &mut TcpStream, shared: &Shared, peer: &str) -> bool {
         return false;
     }
     if !shared.token.verify(protocol::CLIENT_LABEL, &server_nonce, client_nonce, &proof) {
-        tracing::warn!("store server: refused {peer}: run token mismatch");
+        // Info: the refusal is recorded (`refused_peers`) and the launcher's rendezvous error names it.
+        tracing::info!("store server: refused {peer}: run token mismatch");
         record_refused(shared, peer, "run token mismatch".into());
         let _ = stream.write_all(&[protocol::HELLO_BAD_TOKEN]);
         return false;

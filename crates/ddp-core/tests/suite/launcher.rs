@@ -477,6 +477,17 @@ fn a_machine_without_the_run_token_fails_the_other_machine_at_once() {
     assert!(err0.to_string().contains("ACCEL_RUN_TOKEN: not set"), "{err0}");
     assert!(matches!(err1, DdpError::TokenRejected { .. }), "{err1}");
     assert!(started.elapsed() < Duration::from_secs(15), "took {:?}", started.elapsed());
+
+    // Machine 1 without the token starts 11 s before machine 0 (machines start minutes apart on a real cluster):
+    // it waits to tell machine 0, which fails as soon as it is up.
+    let port = free_port();
+    let node1 = launch_on_thread(without_token(machine(1, 2, 1, port, RunToken::generate().unwrap(), "true")));
+    std::thread::sleep(Duration::from_secs(11));
+    let started = Instant::now();
+    let err0 = launch(&machine(1, 2, 0, port, RunToken::generate().unwrap(), "true")).unwrap_err();
+    assert!(err0.to_string().contains("(run token mismatch)"), "{err0}");
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    assert!(node1.join().unwrap().unwrap_err().to_string().contains("ACCEL_RUN_TOKEN: not set"));
 }
 
 #[test]
@@ -543,7 +554,10 @@ fn bad_configurations_are_refused_with_a_reason() {
     cfg.master_port = 0;
     check(&cfg, &["master_port"]);
     if std::env::var_os("ACCEL_RUN_TOKEN").is_none() {
-        cfg.master_port = 29998;
+        cfg.master_port = free_port();
+        // Without the token machine 0 waits up to rdzv_timeout to refuse the other machines (so that they fail
+        // too), then fails itself.
+        cfg.rdzv_timeout = Duration::from_millis(300);
         check(&cfg, &["ACCEL_RUN_TOKEN", "openssl rand -hex 16"]);
     }
     let mut cfg = sh(1, "true");
@@ -642,5 +656,16 @@ fn launcher_child() -> i32 {
             println!("LAUNCH_RESULT err {e}");
             1
         }
+    }
+}
+
+/// A worker killed by a signal is named as the failure, even when a peer's error exit (its collective broke)
+/// reaches the launcher first: the kill is the cause.
+#[test]
+fn a_killed_worker_is_named_before_a_peer_that_exited_with_an_error() {
+    let script = r#"if [ "$RANK" = 1 ]; then exit 1; fi; sleep 0.3; kill -9 $$"#;
+    match launch(&sh(2, script)) {
+        Err(DdpError::WorkerFailed { rank: 0, status, .. }) => assert_eq!(status, "killed by signal 9 (SIGKILL)"),
+        other => panic!("expected rank 0 killed by SIGKILL, got {other:?}"),
     }
 }
