@@ -48,6 +48,7 @@ def parse():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", default=None)
     p.add_argument("--text", default=None)
+    p.add_argument("--tag", default=None, help="free text copied into the JSON line as `tag` (as levels.rs)")
     a = p.parse_args()
     a.batch = a.batch or (64 if a.model == "mlp" else 16)
     a.hidden = [int(h) for h in a.hidden.split(",") if h]
@@ -88,6 +89,8 @@ def report(args, clock, world, train_loss, quality, parameters, samples_per_epoc
         "samples_seen": sum(clock.samples),
         "torch": torch.__version__,
     }
+    if args.tag is not None:
+        out["tag"] = args.tag
     if args.model == "mlp":
         out["samples_per_s"] = per_s
         out["test_accuracy"] = quality

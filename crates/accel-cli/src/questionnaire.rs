@@ -146,8 +146,8 @@ pub fn ask(input: &mut dyn BufRead, out: &mut dyn Write, machine: MachineDefault
 /// the CPU"): bf16 is autocast over f32 tensors (accel's `Accelerator::compute_dtype`), fp16 keeps f16 tensors.
 const CPU_PRECISION_COSTS: &str =
     "  on the CPU: bf16 runs as autocast (f32 tensors, bf16 products in the linear layers) and \
-     costs about what no does (1.0-1.1x its time); fp16 keeps f16 tensors, which candle computes about 7x slower \
-     than f32 on a CPU\n";
+     costs about what no does (1.05x its step time, docs/benchmarks.md); fp16 keeps f16 tensors, which candle \
+     computes about 7x slower than f32 on a CPU\n";
 
 /// The tensor-parallel and pipeline-parallel sizes (each must divide what is left of the processes); `None` when
 /// both are 1 (data parallelism over all processes needs no block).
@@ -329,7 +329,7 @@ mod tests {
     fn the_cpu_precision_question_says_what_each_costs() {
         let (cfg, out) = run("cpu\n\n\nbf16\n", 0);
         assert_eq!(cfg.unwrap().mixed_precision, MixedPrecision::Bf16);
-        assert!(out.contains("on the CPU: bf16 runs as autocast") && out.contains("1.0-1.1x"), "{out}");
+        assert!(out.contains("on the CPU: bf16 runs as autocast") && out.contains("1.05x its step time"), "{out}");
         assert!(out.contains("fp16 keeps f16 tensors"), "{out}");
         let (cfg, out) = run("gpu\n1\n8\n\n\nall\nbf16\n", 8);
         assert_eq!(cfg.unwrap().mixed_precision, MixedPrecision::Bf16, "{out}");

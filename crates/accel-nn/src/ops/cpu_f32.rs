@@ -35,7 +35,7 @@ pub(crate) fn tensor_f32<'a>(s: &'a Storage, l: &Layout, op: &str) -> candle_cor
 }
 
 /// Elements per rayon task: below this a task's work is too small to pay for the hand-off.
-const GRAIN: usize = 32 * 1024;
+pub(crate) const GRAIN: usize = 32 * 1024;
 
 /// Rows per task for rows of `row_len` elements (at least one row).
 fn rows_per_task(row_len: usize) -> usize {
@@ -43,7 +43,7 @@ fn rows_per_task(row_len: usize) -> usize {
 }
 
 /// Whether `len` elements are worth splitting over rayon's threads.
-fn parallel(len: usize) -> bool {
+pub(crate) fn parallel(len: usize) -> bool {
     len >= 2 * GRAIN && rayon::current_num_threads() > 1
 }
 

@@ -12,11 +12,13 @@
 //!
 //! This is PyTorch's `torch.nn.functional.linear` followed by `relu` (the weight is `[out, in]`, as in
 //! `torch.nn.Linear` and `candle_nn::Linear`), with the backward of `torch.autograd`'s `addmm` / `threshold`
-//! formulas.
+//! formulas. With [`super::autocast`] on, the operands and results are rounded to bf16 around the same f32 products
+//! (that module's docs), on both paths.
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Module, Result, Shape, Tensor};
 use candle_nn::VarBuilder;
 
+use super::autocast::{round_bf16, round_bf16_in_place, rounded_bf16};
 use super::cpu::{gemm, has_rows_view, with_f32, MatRef, RowsView};
 
 /// The activation applied to a linear layer's output inside the fused op.
@@ -39,6 +41,10 @@ pub enum Activation {
 /// gradient of `x` is only computed when `x` is tracked (a variable or derived from one). Elsewhere (CUDA, other
 /// dtypes, the switch off): `candle_nn::Linear`'s own ops followed by candle's `relu`, so the results are the same
 /// within f32 rounding.
+///
+/// With [`super::autocast::bf16_enabled`] on this thread and f32 CPU tensors, both paths compute
+/// `act(bf16(bf16(x) · bf16(w)ᵀ + bf16(b)))` with f32 accumulation and round every gradient to bf16 (the composed
+/// path through candle's `to_dtype` casts), still returning f32 tensors.
 ///
 /// Errors: `weight` not 2-D, `x`'s last dimension not `weight`'s second, `bias` not `[out]`, mixed dtypes or
 /// devices — each naming the shapes involved.
@@ -66,13 +72,15 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, activation: Ac
         && x.dtype() == DType::F32
         && weight.dtype() == DType::F32
         && bias.is_none_or(|b| b.dtype() == DType::F32);
-    if !(super::fused_ops_enabled() && all_f32_cpu && weight.device().is_cpu() && x.elem_count() > 0) {
-        return composed(x, weight, bias, activation);
+    let all_f32_cpu = all_f32_cpu && weight.device().is_cpu() && bias.is_none_or(|b| b.device().is_cpu());
+    let bf16 = all_f32_cpu && super::autocast::bf16_enabled();
+    if !(super::fused_ops_enabled() && all_f32_cpu && x.elem_count() > 0) {
+        return if bf16 { composed_bf16(x, weight, bias, activation) } else { composed(x, weight, bias, activation) };
     }
     // The kernel reads x as rows; a tensor whose leading dims do not merge is copied once (tracked, so its
     // gradient still flows).
     let x = if has_rows_view(x) { x.clone() } else { x.contiguous()? };
-    let op = LinearOp { activation };
+    let op = LinearOp { activation, bf16, rounded_x: Default::default() };
     match bias {
         Some(b) => x.apply_op3(weight, b, op),
         None => x.apply_op2(weight, op),
@@ -89,10 +97,41 @@ fn composed(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, activation: Acti
     }
 }
 
+/// [`composed`] under bf16 autocast: the operands and the result pass through candle's bf16 casts, whose
+/// backward rounds the gradients to bf16 as the fused op does (the reference the fused op is tested against).
+fn composed_bf16(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, activation: Activation) -> Result<Tensor> {
+    let round = |t: &Tensor| t.to_dtype(DType::BF16)?.to_dtype(DType::F32);
+    let bias = bias.map(round).transpose()?;
+    let y = round(&composed(&round(x)?, &round(weight)?, bias.as_ref(), Activation::None)?)?;
+    match activation {
+        Activation::None => Ok(y),
+        Activation::Relu => y.relu(),
+    }
+}
+
 /// The fused op; arguments `(x, weight)` or `(x, weight, bias)`.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct LinearOp {
     activation: Activation,
+    /// bf16 autocast was on when the op was applied: operands and results rounded to bf16 (module docs).
+    bf16: bool,
+    /// Under autocast: the forward's bf16-rounded copy of x, kept for the weight gradient (PyTorch's autocast keeps
+    /// its bf16 copy of x for the backward likewise) instead of rounding x again; the backward takes it, and
+    /// rounds x itself when it is gone (a second backward through the same graph).
+    rounded_x: std::sync::Arc<std::sync::Mutex<Option<Vec<f32>>>>,
+}
+
+/// The matrix of `view` over `data` rounded to bf16, as a packed row-major copy `[rows, cols]` (autocast).
+fn rounded_rows(data: &[f32], view: &RowsView) -> Vec<f32> {
+    if view.is_packed() {
+        rounded_bf16(&data[view.offset..view.offset + view.rows * view.cols])
+    } else {
+        let mut out = Vec::with_capacity(view.rows * view.cols);
+        for i in 0..view.rows {
+            out.extend((0..view.cols).map(|j| round_bf16(view.at(data, i, j))));
+        }
+        out
+    }
 }
 
 impl LinearOp {
@@ -106,33 +145,35 @@ impl LinearOp {
         let wv = RowsView::of(w.1).ok_or_else(|| candle_core::Error::Msg("linear: weight must be 2-D".into()))?;
         let (n, in_dim, out_dim) = (xv.rows, xv.cols, wv.rows);
         let mut y = vec![0f32; n * out_dim];
-        // y[n×out] = x[n×in] · wᵀ[in×out]
-        gemm(&mut y, MatRef::rows(x.0, &xv), MatRef::rows(w.0, &wv).t(), n, out_dim, in_dim, false);
+        // y[n×out] = x[n×in] · wᵀ[in×out]; under autocast on bf16-rounded copies (the rounding is O(n·in +
+        // out·in) against the product's O(n·in·out)).
+        if self.bf16 {
+            let (xr, wr) = (rounded_rows(x.0, &xv), rounded_rows(w.0, &wv));
+            let (xm, wm) = (
+                MatRef { data: &xr, offset: 0, rs: in_dim, cs: 1 },
+                MatRef { data: &wr, offset: 0, rs: in_dim, cs: 1 },
+            );
+            gemm(&mut y, xm, wm.t(), n, out_dim, in_dim, false);
+            *self.rounded_x.lock().unwrap_or_else(|e| e.into_inner()) = Some(xr);
+        } else {
+            gemm(&mut y, MatRef::rows(x.0, &xv), MatRef::rows(w.0, &wv).t(), n, out_dim, in_dim, false);
+        }
         let bias: Option<Vec<f32>> = b.map(|(data, l)| {
             let (off, s) = (l.start_offset(), l.stride()[0]);
-            (0..out_dim).map(|j| data[off + j * s]).collect()
+            let at = |j: usize| data[off + j * s];
+            if self.bf16 {
+                (0..out_dim).map(|j| round_bf16(at(j))).collect()
+            } else {
+                (0..out_dim).map(at).collect()
+            }
         });
-        match (bias.as_deref(), self.activation) {
-            (None, Activation::None) => {}
-            (Some(b), Activation::None) => {
-                for row in y.chunks_exact_mut(out_dim) {
-                    for (v, b) in row.iter_mut().zip(b) {
-                        *v += b;
-                    }
-                }
-            }
-            (None, Activation::Relu) => {
-                for v in y.iter_mut() {
-                    *v = v.max(0.0);
-                }
-            }
-            (Some(b), Activation::Relu) => {
-                for row in y.chunks_exact_mut(out_dim) {
-                    for (v, b) in row.iter_mut().zip(b) {
-                        *v = (*v + b).max(0.0);
-                    }
-                }
-            }
+        // Bias and activation in one pass over y; under autocast the bf16 rounding of the result too (ReLU commutes
+        // with the rounding: both keep the sign, and 0 is exact). Without it `finish` is the identity, which the
+        // compiler removes: the f32 path computes exactly what it did before autocast existed.
+        if self.bf16 {
+            bias_act(&mut y, bias.as_deref(), self.activation, out_dim, round_bf16);
+        } else {
+            bias_act(&mut y, bias.as_deref(), self.activation, out_dim, |v| v);
         }
         let mut shape = x.1.dims().to_vec();
         *shape.last_mut().expect("x has rank ≥ 1") = out_dim;
@@ -153,6 +194,21 @@ impl LinearOp {
         let want_db = b.is_some_and(|b| b.track_op());
         let grad =
             if RowsView::of(grad.layout()).is_some_and(|v| v.is_packed()) { grad.clone() } else { grad.contiguous()? };
+        // Under autocast the products below read bf16-rounded copies: the incoming gradient (the output cast's
+        // gradient), the weight and the input (what the forward multiplied). The tracked originals still decide
+        // which gradients are wanted.
+        let (grad, w_data, x_data) = if self.bf16 {
+            let saved = self.rounded_x.lock().unwrap_or_else(|e| e.into_inner()).take();
+            let x_data = match saved {
+                Some(xr) if w.track_op() => Tensor::from_vec(xr, x.shape(), x.device())?,
+                _ if w.track_op() => rounded_tensor(x)?,
+                _ => x.clone(),
+            };
+            let w_data = if x.track_op() { rounded_tensor(w)? } else { w.clone() };
+            (rounded_tensor(&grad)?, w_data, x_data)
+        } else {
+            (grad, w.clone(), x.clone())
+        };
         // g' = g ⊙ [y > 0] (ReLU) and db = Σ_rows g', in one pass.
         let mut db = if want_db { vec![0f32; out_dim] } else { Vec::new() };
         let masked: Option<Vec<f32>> = with_f32(&grad, "linear backward", "the output gradient", |g, gl| {
@@ -193,12 +249,15 @@ impl LinearOp {
                 Some(m) => MatRef { data: m, offset: 0, rs: out_dim, cs: 1 },
                 None => MatRef { data: g, offset: gl.start_offset(), rs: out_dim, cs: 1 },
             };
-            with_f32(w, "linear backward", "weight", |wd, wl| {
+            with_f32(&w_data, "linear backward", "weight", |wd, wl| {
                 let wv = RowsView::of(wl).expect("weight is 2-D");
                 let dx = if x.track_op() {
                     // dx[n×in] = g'[n×out] · w[out×in]
                     let mut dx = vec![0f32; n * in_dim];
                     gemm(&mut dx, g_mat, MatRef::rows(wd, &wv), n, in_dim, out_dim, false);
+                    if self.bf16 {
+                        round_bf16_in_place(&mut dx);
+                    }
                     Some(Tensor::from_vec(dx, x.shape(), dev)?)
                 } else {
                     None
@@ -206,11 +265,14 @@ impl LinearOp {
                 let dw = if w.track_op() {
                     // dw[out×in] = g'ᵀ[out×n] · x[n×in]
                     let mut dw = vec![0f32; out_dim * in_dim];
-                    with_f32(x, "linear backward", "x", |xd, xl| {
+                    with_f32(&x_data, "linear backward", "x", |xd, xl| {
                         let xv = RowsView::of(xl).expect("x rows merge (checked forward)");
                         gemm(&mut dw, g_mat.t(), MatRef::rows(xd, &xv), out_dim, in_dim, n, false);
                         Ok(())
                     })?;
+                    if self.bf16 {
+                        round_bf16_in_place(&mut dw);
+                    }
                     Some(Tensor::from_vec(dw, (out_dim, in_dim), dev)?)
                 } else {
                     None
@@ -218,9 +280,52 @@ impl LinearOp {
                 Ok((dx, dw))
             })
         })?;
+        if self.bf16 {
+            round_bf16_in_place(&mut db);
+        }
         let db = if want_db { Some(Tensor::from_vec(db, out_dim, dev)?) } else { None };
         Ok((dx, dw, db))
     }
+}
+
+/// `y = finish(act(y + b))` row by row over rows of `out_dim` (the bias broadcast over the rows).
+#[inline(always)]
+fn bias_act(y: &mut [f32], bias: Option<&[f32]>, activation: Activation, out_dim: usize, finish: impl Fn(f32) -> f32) {
+    match (bias, activation) {
+        (None, Activation::None) => {
+            for v in y.iter_mut() {
+                *v = finish(*v);
+            }
+        }
+        (Some(b), Activation::None) => {
+            for row in y.chunks_exact_mut(out_dim) {
+                for (v, b) in row.iter_mut().zip(b) {
+                    *v = finish(*v + b);
+                }
+            }
+        }
+        (None, Activation::Relu) => {
+            for v in y.iter_mut() {
+                *v = finish(v.max(0.0));
+            }
+        }
+        (Some(b), Activation::Relu) => {
+            for row in y.chunks_exact_mut(out_dim) {
+                for (v, b) in row.iter_mut().zip(b) {
+                    *v = finish((*v + b).max(0.0));
+                }
+            }
+        }
+    }
+}
+
+/// `t` (f32, CPU, leading dims merging into rows) as a packed untracked tensor of its shape rounded to bf16.
+fn rounded_tensor(t: &Tensor) -> Result<Tensor> {
+    let data = with_f32(t, "linear backward", "an operand", |d, l| {
+        let view = RowsView::of(l).ok_or_else(|| candle_core::Error::Msg("linear: rows do not merge".into()))?;
+        Ok(rounded_rows(d, &view))
+    })?;
+    Tensor::from_vec(data, t.shape(), t.device())
 }
 
 fn cpu_f32<'a>(s: &'a CpuStorage, what: &str) -> Result<&'a [f32]> {

@@ -8,6 +8,7 @@
 //! - [`softmax`]: softmax over the last dimension (optionally scaled and causally masked) with its backward.
 //! - [`activation`]: GELU (tanh approximation, as candle's `gelu`) with a one-pass backward.
 //! - [`attention`]: causal self-attention over heads laid side by side, `softmax(q kᵀ · scale + mask) v`, in one op.
+//! - [`autocast`]: bf16 autocast on the CPU (f32 tensors, [`linear`]'s products on bf16-rounded operands), per thread.
 //!
 //! Every op has a *fast path* (CPU, f32, contiguous where it matters) implemented as candle custom ops, and falls
 //! back to candle's own composed ops elsewhere (CUDA, bf16/f16, f64), so the results are the same op for op within
@@ -21,6 +22,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 pub mod activation;
 pub mod attention;
+pub mod autocast;
 mod cpu;
 /// f32 CPU kernel helpers; `optim`'s AdamW pass uses `simd_fn!` too.
 pub(crate) mod cpu_f32;

@@ -2,6 +2,7 @@
 
 mod nn_activation;
 mod nn_attention;
+mod nn_autocast;
 mod nn_check;
 mod nn_cross_entropy;
 mod nn_layer_norm;

@@ -26,13 +26,37 @@ fn fp16_model_vars_are_half_and_masters_fp32() {
         assert_eq!(acc.grad_scaler().unwrap().lock().unwrap().scale(), 65536.0);
         Ok(())
     });
+}
+
+/// bf16 on the CPU is autocast, as PyTorch's and Accelerate's: f32 parameters (no separate masters), and the
+/// linear layers of `accel::ops` multiply bf16-rounded operands into bf16 results on the thread that built the
+/// Accelerator, until it is dropped.
+#[test]
+fn bf16_on_the_cpu_keeps_f32_tensors_and_rounds_the_products() {
+    use accel::ops::{autocast, linear};
+    // 1 + 2⁻¹⁰ is not a bf16 value: autocast rounds it to 1 before the product (f32 gives 2 + 2⁻¹⁰).
+    fn product() -> f32 {
+        let dev = candle_core::Device::Cpu;
+        let x = candle_core::Tensor::new(&[[1.0f32 + 2f32.powi(-10), 1.0]], &dev).unwrap();
+        let w = candle_core::Tensor::new(&[[1.0f32, 1.0]], &dev).unwrap();
+        linear::linear(&x, &w, None, linear::Activation::None).unwrap().to_vec2::<f32>().unwrap()[0][0]
+    }
+    assert!(!autocast::bf16_enabled());
     run_ranks(1, AcceleratorConfig { mixed_precision: MixedPrecision::Bf16, ..Default::default() }, |acc| {
         assert!(acc.grad_scaler().is_none(), "bf16 needs no loss scaling");
+        assert_eq!(acc.compute_dtype(), DType::F32);
         let (_m, varmap) = tiny_model(&acc, 1)?;
         let prepared = acc.prepare_model(&varmap)?;
-        assert!(prepared.parameters().iter().all(|v| v.dtype() == DType::BF16));
+        assert!(prepared.parameters().iter().all(|v| v.dtype() == DType::F32));
+        for (p, m) in prepared.parameters().iter().zip(prepared.master_weights()) {
+            assert_eq!(p.as_tensor().id(), m.as_tensor().id(), "the parameters are their own masters");
+        }
+        assert!(autocast::bf16_enabled());
+        assert_eq!(product(), 2.0);
         Ok(())
     });
+    assert!(!autocast::bf16_enabled(), "dropping the Accelerator turns autocast off again");
+    assert_eq!(product(), 2.0 + 2f32.powi(-10));
 }
 
 /// Steps 1–2 clean (the scale doubles after 2), step 3 overflows on rank 1 only (its loss × 1e9): both ranks
