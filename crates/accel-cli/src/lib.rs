@@ -108,6 +108,10 @@ fn run_launch(args: &LaunchArgs) -> CliResult<()> {
         None => None,
     };
     let mut plan = LaunchPlan::resolve(args, file.as_ref().map(|l| &l.config))?;
+    if plan.num_machines > 1 {
+        // A malformed ACCEL_RUN_TOKEN is refused here, before the banner and before machine 0's store starts.
+        ddp_core::RunToken::from_env()?;
+    }
     // The file's warnings once the launch is sure to go ahead (a refused file gets its error only).
     for w in file.iter().flat_map(|l| &l.warnings) {
         eprintln!("accel: warning: {w}");

@@ -330,3 +330,23 @@ fn a_launcher_waiting_for_machine_0_reports_progress_and_stops_on_sigint() {
     assert!(stderr.contains(&format!("machine 1: waiting for machine 0's store at 127.0.0.1:{port}")), "{stderr}");
     assert!(stderr.contains("interrupted by SIGINT while waiting for machine 0's store"), "{stderr}");
 }
+
+/// A malformed ACCEL_RUN_TOKEN on a multi-machine launch is refused before the banner and before machine 0's
+/// store starts (the other machine is never refused by a store that then fails itself).
+#[test]
+fn a_malformed_run_token_is_refused_before_anything_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_accel"))
+        .env("HF_HOME", dir.path().join("hf"))
+        .env("ACCEL_RUN_TOKEN", "not-hex")
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .args(["launch", "-n", "2", "--num-machines", "2", "--machine-rank", "0"])
+        .args(["--main-process-ip", "127.0.0.1", "--main-process-port", "29671", "sh", "-c", "true"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.starts_with("accel: error: environment variable ACCEL_RUN_TOKEN"), "{stderr}");
+    assert!(stderr.contains("32 hex digits") && !stderr.contains("accel launch: config"), "{stderr}");
+}

@@ -3,7 +3,7 @@
 //!
 //! - [`schedule`] — the schedules (GPipe, 1F1B, interleaved 1F1B) as data: each rank's list of forwards,
 //!   backwards, sends and receives, printable and readable in torch.distributed.pipelining's text form.
-//! - [`simulate`] — runs the lists against each other on paper: no deadlock, receives in their peers' sending
+//! - [`mod@simulate`] — runs the lists against each other on paper: no deadlock, receives in their peers' sending
 //!   order, each rank's bubble and the activations it holds.
 //! - [`stages`] — which blocks each stage holds (even, or as listed).
 //! - [`links`] — the point-to-point groups between neighbouring pp ranks, one per direction.

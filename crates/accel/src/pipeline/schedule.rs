@@ -1,6 +1,6 @@
 //! Pipeline schedules as data: for each pp rank, the ordered list of [`Action`]s one optimizer step runs — the
 //! forwards and backwards of its stages' micro-batches and the sends and receives between stages — so that a
-//! schedule can be printed, read back, checked ([`super::simulate`]) and drawn before anything runs.
+//! schedule can be printed, read back, checked ([`super::simulate::simulate`]) and drawn before anything runs.
 //!
 //! Stages: the model is cut into `pp · v` stages (`v` = virtual stages per rank, 1 except for interleaved 1F1B);
 //! stage `s` lives on pp rank `s mod pp` (Megatron's looped placement: rank `r` holds stages `r, r + pp, …`).

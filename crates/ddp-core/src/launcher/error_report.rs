@@ -35,7 +35,7 @@ pub fn error_report(e: &(dyn Error + 'static)) -> String {
 }
 
 /// The exit status a program should end with after `e`: 128 + the signal number when a launcher in the chain
-/// was interrupted by SIGINT / SIGTERM ([`DdpError::Interrupted`]: 130 for Ctrl-C, as a shell reports a process
+/// was interrupted by SIGINT / SIGTERM ([`crate::DdpError::Interrupted`]: 130 for Ctrl-C, as a shell reports a process
 /// the signal ended), else 1.
 pub fn exit_code(e: &(dyn Error + 'static)) -> u8 {
     let mut next: Option<&(dyn Error + 'static)> = Some(e);
