@@ -1,7 +1,8 @@
 //! Pipeline schedules on the char-GPT, measured: 2 processes (one pp stage each, pp 2), for each schedule and
 //! micro-batch count, the step time, tokens/s and each rank's **measured** idle (bubble) fraction beside the model
-//! `(pp − 1) / (v·m + pp − 1)`, and the measured timeline of one step drawn as text (forwards as the micro-batch's
-//! digit, backwards as its letter, idle as `.`).
+//! `(pp − 1) / (v·m + pp − 1)`, the measured timeline of one step drawn as text (forwards as the micro-batch's
+//! digit, backwards as its letter, idle as `.`), and each rank's peak resident memory over the run (one schedule
+//! and micro-batch count per run to compare the activations they hold).
 //!
 //! ```text
 //! cargo run -p accel-benches --bin pipeline                               # GPipe, 1F1B, interleaved; m 2, 4, 8
