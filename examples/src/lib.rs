@@ -311,12 +311,24 @@ pub fn keep_freed_memory() {
 /// under a launcher, into the report file it prints once ([`ddp_core::launcher::report_error`]) — not once per
 /// rank — else to stderr.
 pub fn exit_on_bad_command_line(text: String, code: i32, is_error: bool) -> ! {
-    match std::env::var_os(ddp_core::launcher::ERROR_FILE_ENV).filter(|_| is_error) {
-        Some(path) if std::fs::write(&path, &text).is_ok() => {}
-        _ if is_error => eprint!("{text}"),
-        _ => print!("{text}"),
+    if is_error {
+        ddp_core::launcher::report_text(&text);
+    } else {
+        print!("{text}");
     }
     std::process::exit(code)
+}
+
+/// This process's peak resident set size (`VmHWM` of `/proc/self/status`) in MiB; NaN where it cannot be read
+/// (not Linux).
+pub fn peak_rss_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("VmHWM:"))?.to_string();
+            line.split_whitespace().nth(1)?.parse::<f64>().ok()
+        })
+        .map_or(f64::NAN, |kib| kib / 1024.0)
 }
 
 /// `Cli::parse()` for the examples' binaries (the parser trait in scope at the call site), a bad command line

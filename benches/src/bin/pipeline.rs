@@ -130,22 +130,11 @@ fn run() -> anyhow::Result<()> {
     // The process's peak resident memory: run one schedule and micro-batch count per invocation to compare the
     // activations each holds (GPipe all m micro-batches', 1F1B at most pp − rank).
     let mut rss = [0f64; PP];
-    pg.all_gather(&[peak_rss_mib()], &mut rss)?;
+    pg.all_gather(&[accel_examples::peak_rss_mib()], &mut rss)?;
     if pg.rank() == 0 {
         println!("peak RSS (MiB, VmHWM, the whole run): rank 0 {:.0}, rank 1 {:.0}", rss[0], rss[1]);
     }
     Ok(())
-}
-
-/// This process's peak resident set size (`VmHWM` of `/proc/self/status`) in MiB; NaN where it cannot be read.
-fn peak_rss_mib() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            let line = s.lines().find(|l| l.starts_with("VmHWM:"))?.to_string();
-            line.split_whitespace().nth(1)?.parse::<f64>().ok()
-        })
-        .map_or(f64::NAN, |kib| kib / 1024.0)
 }
 
 /// This rank's row of the last timed step's timeline (forwards and backwards against the step's own clock),

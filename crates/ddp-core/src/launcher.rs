@@ -30,7 +30,7 @@ mod signals;
 mod status;
 
 pub use banner::{RunBanner, CONFIG_SOURCE_ENV, LAUNCH_BANNER_ENV, NO_CONFIG};
-pub use error_report::{error_report, exit_code, report_error, ERROR_FILE_ENV};
+pub use error_report::{error_report, exit_code, report_error, report_text, ERROR_FILE_ENV};
 pub use output::log_path;
 pub use status::{signal_name, WorkerExit};
 
@@ -339,10 +339,10 @@ impl Drop for ErrorFiles {
 /// ends the wait), since they may start minutes later. No token is ever sent, and nothing a peer learns from a
 /// throw-away token's proof is of use.
 fn fail_the_other_machines(cfg: &LaunchConfig, error: &DdpError) {
-    let Ok(throw_away) = RunToken::generate() else { return };
     if cfg.nnodes <= 1 || cfg.master_port == 0 {
         return;
     }
+    let Ok(throw_away) = RunToken::generate() else { return };
     let addr = host_port(&cfg.master_addr, cfg.master_port);
     eprintln!(
         "[launcher] machine {}: {error}\n[launcher] machine {}: waiting up to {:.0} s to tell the other machines, so \
@@ -371,9 +371,8 @@ fn fail_the_other_machines(cfg: &LaunchConfig, error: &DdpError) {
 /// [`DdpError::Rendezvous`] on several machines when they disagree about the job, claim the same machine
 /// rank, a peer is refused by machine 0's store, or a machine does not join within `rdzv_timeout`
 /// ([`DdpError::Connect`] / [`DdpError::TokenRejected`] when this machine cannot reach machine 0's store),
-/// [`DdpError::Interrupted`] when SIGINT/SIGTERM interrupted the launch, [`DdpError::Io`] when a worker cannot be
-/// started (naming the program) or when SIGINT/SIGTERM interrupted the
-/// launch (after the workers were stopped; the message names the signal).
+/// [`DdpError::Interrupted`] when SIGINT/SIGTERM interrupted the launch (after the workers were stopped; the
+/// message names the signal), [`DdpError::Io`] when a worker cannot be started (naming the program).
 ///
 /// ```no_run
 /// use ddp_core::{launch, LaunchConfig};

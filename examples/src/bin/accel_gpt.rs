@@ -318,7 +318,7 @@ fn train(args: &Args) -> anyhow::Result<()> {
         acc.rank(),
         acc.data_parallel_rank(),
         tp.rank(),
-        peak_rss_mib()
+        accel_examples::peak_rss_mib()
     );
     acc.wait_for_everyone()?;
 
@@ -330,16 +330,4 @@ fn train(args: &Args) -> anyhow::Result<()> {
         acc.print(format!("sample (temperature {}):\n{}{}", args.temperature, args.prompt, vocab.decode(&out)));
     }
     Ok(())
-}
-
-/// This process's peak resident set size (`VmHWM` of `/proc/self/status`) in MiB; NaN where it cannot be read
-/// (not Linux).
-fn peak_rss_mib() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            let line = s.lines().find(|l| l.starts_with("VmHWM:"))?.to_string();
-            line.split_whitespace().nth(1)?.parse::<f64>().ok()
-        })
-        .map_or(f64::NAN, |kib| kib / 1024.0)
 }

@@ -71,13 +71,10 @@ impl RunBanner {
     /// The line a worker's rank 0 prints, `{program}: {banner}`, or `None` when its launcher printed the same
     /// settings already. A banner that differs from its launcher's says so.
     pub fn worker_line(&self, program: &str) -> Option<String> {
-        if self.announced_by_launcher() {
-            return None;
-        }
-        let note = if std::env::var_os(LAUNCH_BANNER_ENV).is_some() {
-            " (the program changed what its launcher printed)"
-        } else {
-            ""
+        let note = match std::env::var(LAUNCH_BANNER_ENV) {
+            Ok(announced) if announced == self.settings() => return None,
+            Ok(_) => " (the program changed what its launcher printed)",
+            Err(_) => "",
         };
         Some(format!("{program}: {self}{note}"))
     }

@@ -51,13 +51,19 @@ pub fn exit_code(e: &(dyn Error + 'static)) -> u8 {
 /// Reports a program's final error: into the file named by [`ERROR_FILE_ENV`] when a launcher set it (the
 /// launcher prints it once), else to stderr. Falls back to stderr when the file cannot be written.
 pub fn report_error(e: &(dyn Error + 'static)) {
-    let report = error_report(e);
+    report_text(&error_report(e));
+}
+
+/// Reports a program's final words (an error report, a rejected command line): into the file named by
+/// [`ERROR_FILE_ENV`] when a launcher set it, else (or when the file cannot be written) to stderr.
+pub fn report_text(text: &str) {
+    let text = text.trim_end();
     if let Some(path) = std::env::var_os(ERROR_FILE_ENV).filter(|p| !p.is_empty()) {
-        if std::fs::write(Path::new(&path), format!("{report}\n")).is_ok() {
+        if std::fs::write(Path::new(&path), format!("{text}\n")).is_ok() {
             return;
         }
     }
-    eprintln!("{report}");
+    eprintln!("{text}");
 }
 
 /// `text` without the frames of a `std::backtrace::Backtrace` rendered into it (candle's `WithBacktrace`
