@@ -28,6 +28,7 @@
 //! The default model for the examples ([`GptConfig::small`], Shakespeare's 76 characters): d_model 128, 4 heads,
 //! 4 layers, context 64, d_ff 512 — 820 992 parameters ([`GptConfig::num_parameters`]).
 
+use accel::pipeline::{Stage, StagedModel};
 use accel::tensor_parallel::{
     vocab_parallel_cross_entropy, ColumnParallelLinear, ParallelLinearConfig, ParamBuilder, ParamInit,
     RowParallelLinear, TensorParallel, VocabParallelEmbedding,
@@ -51,13 +52,16 @@ pub struct GptConfig {
     pub d_model: usize,
     /// Hidden width of the MLP (GPT-2 uses `4 · d_model`).
     pub d_ff: usize,
+    /// The head reads its weight from the token embedding (`wte.weight`; GPT-2's weight tying): no
+    /// `lm_head.weight`. Under pipeline parallelism the first and the last stage each hold a copy, kept equal.
+    pub tie_embeddings: bool,
 }
 
 impl GptConfig {
     /// The examples' default: d_model 128, 4 heads, 4 layers, context 64, d_ff 512 (820 992 parameters for the
     /// 76-character Shakespeare vocabulary).
     pub fn small(vocab_size: usize) -> Self {
-        GptConfig { vocab_size, block_size: 64, n_layer: 4, n_head: 4, d_model: 128, d_ff: 512 }
+        GptConfig { vocab_size, block_size: 64, n_layer: 4, n_head: 4, d_model: 128, d_ff: 512, tie_embeddings: false }
     }
 
     /// Size of one attention head, `d_model / n_head`.
@@ -70,7 +74,8 @@ impl GptConfig {
         let (v, d, f) = (self.vocab_size, self.d_model, self.d_ff);
         let ln = 2 * d;
         let block = ln + 3 * (d * d + d) + (d * d + d) + ln + (d * f + f) + (f * d + d);
-        v * d + self.block_size * d + self.n_layer * block + ln + v * d
+        let head = if self.tie_embeddings { 0 } else { v * d };
+        v * d + self.block_size * d + self.n_layer * block + ln + head
     }
 
     /// The tensor-parallel sizes this model can be split over: the common divisors of `n_head`, `d_model` and
@@ -316,8 +321,23 @@ impl CharGpt {
             .collect::<Result<Vec<_>>>()?;
         let head = if part.last {
             let ln_f = LayerNorm::new(&pb.pp("ln_f"), cfg.d_model)?;
-            let head = ParallelLinearConfig { bias: false, pad_output: true, ..Default::default() };
-            Some((ln_f, ColumnParallelLinear::new(&pb.pp("lm_head"), cfg.d_model, cfg.vocab_size, head)?))
+            let lm_head = match (cfg.tie_embeddings, &embed) {
+                // Tied: the embedding's weight; on a last stage without the embedding, its own copy of
+                // `wte.weight` (same name, same per-name stream: the same values; the Accelerator sums the two
+                // copies' gradients).
+                (true, Some((wte, _))) => ColumnParallelLinear::tied(wte),
+                (true, None) => ColumnParallelLinear::tied(&VocabParallelEmbedding::new(
+                    &pb.pp("wte"),
+                    cfg.vocab_size,
+                    cfg.d_model,
+                    emb,
+                )?),
+                (false, _) => {
+                    let head = ParallelLinearConfig { bias: false, pad_output: true, ..Default::default() };
+                    ColumnParallelLinear::new(&pb.pp("lm_head"), cfg.d_model, cfg.vocab_size, head)?
+                }
+            };
+            Some((ln_f, lm_head))
         } else {
             None
         };
@@ -444,6 +464,116 @@ impl CharGpt {
     }
 }
 
+/// The char-GPT cut into pipeline stages, as one rank holds it: a [`CharGpt`] part for each of the rank's
+/// [`Stage`]s (one, or `v` under interleaved 1F1B), what [`accel::Accelerator::pipeline_backward`] runs. Without
+/// pipeline parallelism it is one part holding the whole model.
+pub struct GptStages {
+    /// `(stage index, part)`, in stage order.
+    parts: Vec<(usize, CharGpt)>,
+}
+
+impl GptStages {
+    /// Builds the parts of `stages` (from [`accel::Accelerator::pipeline_stages`] for `cfg.n_layer` blocks)
+    /// through `pb`: only their parameters, under the single-process names.
+    ///
+    /// Errors: [`CharGpt::new_stage`]'s; no stage.
+    pub fn new(cfg: GptConfig, pb: &ParamBuilder, stages: &[Stage]) -> Result<Self> {
+        if stages.is_empty() {
+            return Err(AccelError::InvalidArgument("GptStages::new: no stage to build".into()));
+        }
+        let parts = stages
+            .iter()
+            .map(|s| {
+                let part = StagePart { layers: s.layers.clone(), first: s.is_first(), last: s.is_last() };
+                Ok((s.index, CharGpt::new_stage(cfg, pb, part)?))
+            })
+            .collect::<Result<_>>()?;
+        Ok(GptStages { parts })
+    }
+
+    /// The part of stage `stage`, if this rank holds it.
+    pub fn part(&self, stage: usize) -> Option<&CharGpt> {
+        self.parts.iter().find(|(s, _)| *s == stage).map(|(_, p)| p)
+    }
+
+    /// The whole model, when this rank holds every stage (no pipeline parallelism).
+    pub fn whole(&self) -> Option<&CharGpt> {
+        match &self.parts[..] {
+            [(_, p)] if p.embed.is_some() && p.head.is_some() => Some(p),
+            _ => None,
+        }
+    }
+
+    /// The mean next-character cross entropy of the last stage's `logits` against `targets` (the loss function
+    /// to give `pipeline_backward`; it only reads the sizes and the tp group, so any part computes it).
+    pub fn loss_of(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        Ok(self.parts[0].1.token_losses_of(logits, targets)?.mean_all()?)
+    }
+}
+
+impl GptStages {
+    /// Samples `n` characters after `prompt` at any layout (as [`CharGpt::generate`]): with the whole model on
+    /// this rank, every rank samples (the tp peers in step, `rng` seeded alike); under pipeline parallelism the
+    /// whole model is gathered from the stages (`prepared.state_dict()`, collective: every rank calls this) and
+    /// only `main` samples. Returns `None` on the ranks that did not sample.
+    pub fn sample(
+        &self,
+        prepared: &accel::PreparedModel,
+        main: bool,
+        prompt: &[u32],
+        n: usize,
+        temperature: f64,
+        rng: &mut impl Rng,
+    ) -> Result<Option<Vec<u32>>> {
+        if let Some(whole) = self.whole() {
+            return whole.generate(prompt, n, temperature, rng).map(Some);
+        }
+        let weights = prepared.state_dict()?;
+        if !main {
+            return Ok(None);
+        }
+        whole_model(*self.parts[0].1.config(), &weights)?.generate(prompt, n, temperature, rng).map(Some)
+    }
+}
+
+/// The whole model as a candle module (the Trainer's `ModuleT`): `forward(ids)` = [`CharGpt::logits`]; an
+/// error on a rank that holds only some stages (the Trainer drives those through [`StagedModel`]).
+impl candle_core::Module for GptStages {
+    fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        match self.whole() {
+            Some(whole) => whole.logits(ids).map_err(to_candle),
+            None => Err(candle_core::Error::Msg(
+                "GptStages::forward on a rank holding only some pipeline stages; run them with stage_forward".into(),
+            )),
+        }
+    }
+}
+
+impl StagedModel for GptStages {
+    fn stage_forward(&self, stage: usize, input: &Tensor) -> Result<Tensor> {
+        self.part(stage)
+            .ok_or_else(|| AccelError::InvalidArgument(format!("GptStages: this rank does not hold stage {stage}")))?
+            .stage_forward(input)
+    }
+}
+
+/// A single-process model holding `weights` (single-process names, as `PreparedModel::state_dict` gives under
+/// any layout): what a pipeline run samples from on one rank. f32 on the CPU, no tensor parallelism.
+///
+/// Errors: a missing or mis-shaped tensor; the model's.
+pub fn whole_model(cfg: GptConfig, weights: &std::collections::BTreeMap<String, Tensor>) -> Result<CharGpt> {
+    let varmap = candle_nn::VarMap::new();
+    let tp = TensorParallel::new(ddp_core::ProcessGroup::single_process()?);
+    let model = CharGpt::new(cfg, &ParamBuilder::new(&varmap, &tp, 0, DType::F32, &Device::Cpu))?;
+    for (name, var) in accel::lock(varmap.data()).iter() {
+        let t = weights
+            .get(name)
+            .ok_or_else(|| AccelError::InvalidArgument(format!("whole_model: no tensor for {name:?}")))?;
+        var.set(&t.to_dtype(DType::F32)?.to_device(&Device::Cpu)?)?;
+    }
+    Ok(model)
+}
+
 /// An index drawn from `softmax(logits / temperature)` (inverse CDF of one uniform draw), or the arg-max when
 /// `temperature ≤ 0`.
 fn sample(logits: &[f32], temperature: f64, rng: &mut impl Rng) -> u32 {
@@ -486,7 +616,7 @@ mod tests {
     use ddp_core::ProcessGroup;
 
     fn tiny() -> GptConfig {
-        GptConfig { vocab_size: 11, block_size: 8, n_layer: 2, n_head: 4, d_model: 16, d_ff: 32 }
+        GptConfig { vocab_size: 11, block_size: 8, n_layer: 2, n_head: 4, d_model: 16, d_ff: 32, tie_embeddings: false }
     }
 
     fn build(cfg: GptConfig, seed: u64) -> (CharGpt, VarMap) {

@@ -180,56 +180,121 @@ pub fn default_data_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("data").join("mnist")
 }
 
-/// The `PARALLELISM_CONFIG_*` variables (Accelerate's, read by `AcceleratorConfig::from_env`) that lay `nproc`
-/// processes out as `dp × tp` with `dp = nproc / tp`: what the GPT examples hand the workers they launch.
-pub fn parallel_env(nproc: usize, tp: usize) -> Vec<(String, String)> {
-    accel::ParallelismConfig::default().with_tp_size(tp).with_dp_replicate_size(nproc / tp.max(1)).env_vars()
+/// The model-parallel sizes the GPT examples take on their command line (`--tp-size`, `--pp-size`,
+/// `--pp-schedule`, `--microbatches`): the processes are laid out as `pp × dp × tp` with `dp = nproc / (tp · pp)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelLayout {
+    /// Tensor-parallel size.
+    pub tp: usize,
+    /// Pipeline stages (pp ranks).
+    pub pp: usize,
+    /// The pipeline schedule (`None`: the config's default, 1F1B).
+    pub schedule: Option<accel::pipeline::ScheduleKind>,
+    /// Micro-batches per pipeline step (`None`: one per stage).
+    pub microbatches: Option<usize>,
 }
 
-/// Checks `--tp-size` against the process count before any worker starts (one message instead of one per rank):
-/// the processes are laid out as dp × tp, so tp must be at least 1 and divide them. The count is `--nproc`, or,
-/// in a worker of a launched job (`accel launch`, where `--nproc` is ignored), the job's `WORLD_SIZE`.
-pub fn check_tp_size(nproc: usize, tp: usize) -> anyhow::Result<()> {
+impl ModelLayout {
+    /// Tensor parallelism only.
+    pub fn tensor_parallel(tp: usize) -> Self {
+        ModelLayout { tp, pp: 1, schedule: None, microbatches: None }
+    }
+
+    /// The config of `nproc` processes in this layout.
+    pub fn config(&self, nproc: usize) -> accel::ParallelismConfig {
+        let mut p = accel::ParallelismConfig::default()
+            .with_tp_size(self.tp)
+            .with_pp_size(self.pp)
+            .with_dp_replicate_size(nproc / (self.tp * self.pp).max(1));
+        if let Some(kind) = self.schedule {
+            p = p.with_pp_schedule(kind);
+        }
+        if let Some(m) = self.microbatches {
+            p = p.with_pp_microbatches(m);
+        }
+        p
+    }
+}
+
+/// The `PARALLELISM_CONFIG_*` variables (Accelerate's, read by `AcceleratorConfig::from_env`) that lay `nproc`
+/// processes out as `layout`: what the GPT examples hand the workers they launch.
+pub fn parallel_env(nproc: usize, layout: &ModelLayout) -> Vec<(String, String)> {
+    layout.config(nproc).env_vars()
+}
+
+/// Checks `--tp-size` and `--pp-size` against the process count before any worker starts (one message instead
+/// of one per rank): the processes are laid out as pp × dp × tp, so tp · pp must divide them. The count is
+/// `--nproc`, or, in a worker of a launched job (`accel launch`, where `--nproc` is ignored), the job's
+/// `WORLD_SIZE`.
+pub fn check_layout(nproc: usize, layout: &ModelLayout) -> anyhow::Result<()> {
     let (n, what) = match ddp_core::env::DistEnv::detect_from_env() {
         Ok(Some(env)) if ddp_core::launcher::is_worker() => (env.world_size, "the job's WORLD_SIZE"),
         _ => (nproc, "--nproc"),
     };
     let fits: Vec<usize> = (1..=n).filter(|t| n.is_multiple_of(*t)).collect();
-    if tp == 0 {
-        anyhow::bail!("--tp-size 0: the tensor-parallel size is at least 1 (1 = no tensor parallelism); with {what} {n} it could be one of {fits:?}");
+    for (flag, size) in [("--tp-size", layout.tp), ("--pp-size", layout.pp)] {
+        if size == 0 {
+            let dim = if flag == "--tp-size" { "tensor-parallel" } else { "pipeline-parallel" };
+            anyhow::bail!(
+                "{flag} 0: the {dim} size is at least 1 (1 = off); with {what} {n} it could be one of {fits:?}"
+            );
+        }
     }
-    if !n.is_multiple_of(tp) {
+    if !n.is_multiple_of(layout.tp) {
         anyhow::bail!(
-            "--tp-size {tp} must divide {what} {n} (the processes are laid out as dp × tp); with {what} {n} it could \
-             be one of {fits:?}"
+            "--tp-size {} must divide {what} {n} (the processes are laid out as dp × tp); with {what} {n} it could \
+             be one of {fits:?}",
+            layout.tp
+        );
+    }
+    if !n.is_multiple_of(layout.tp * layout.pp) {
+        let pp_fits: Vec<usize> = (1..=n / layout.tp).filter(|p| (n / layout.tp).is_multiple_of(*p)).collect();
+        anyhow::bail!(
+            "--pp-size {} × --tp-size {} must divide {what} {n} (the processes are laid out as pp × dp × tp); with \
+             tp {} the pp size could be one of {pp_fits:?}",
+            layout.pp,
+            layout.tp,
+            layout.tp
         );
     }
     Ok(())
 }
 
-/// In a worker of the GPT examples: makes the Accelerator's layout follow `--tp-size`. A launcher that already
-/// set `PARALLELISM_CONFIG_TP_SIZE` (this program's own, or `accel launch --parallelism-config-tp-size`) wins;
-/// a `--tp-size` other than 1 that disagrees with it is an error. Otherwise the variables of
-/// [`parallel_env`] for `WORLD_SIZE` (1 when unset) are set. Call it before anything starts a thread.
-pub fn apply_tp_size(tp: usize) -> anyhow::Result<()> {
-    if let Ok(v) = std::env::var(accel::parallelism::TP_SIZE_ENV) {
-        if tp != 1 && v.trim() != tp.to_string() {
-            bail!(
-                "--tp-size {tp} disagrees with {}={v} set by the launcher; give one of them",
-                accel::parallelism::TP_SIZE_ENV
-            );
+/// In a worker of the GPT examples: makes the Accelerator's layout follow the flags. A launcher that already set
+/// `PARALLELISM_CONFIG_TP_SIZE` / `PARALLELISM_CONFIG_PP_SIZE` (this program's own, or `accel launch
+/// --parallelism-config-tp-size`) wins; a flag other than 1 that disagrees with it is an error. Otherwise the
+/// variables of [`parallel_env`] for `WORLD_SIZE` (1 when unset) are set. Call it before anything starts a
+/// thread.
+pub fn apply_layout(layout: &ModelLayout) -> anyhow::Result<()> {
+    let mut launcher_set = false;
+    for (flag, var, size) in [
+        ("--tp-size", accel::parallelism::TP_SIZE_ENV, layout.tp),
+        ("--pp-size", accel::parallelism::PP_SIZE_ENV, layout.pp),
+    ] {
+        if let Ok(v) = std::env::var(var) {
+            launcher_set = true;
+            if size != 1 && v.trim() != size.to_string() {
+                bail!("{flag} {size} disagrees with {var}={v} set by the launcher; give one of them");
+            }
         }
+    }
+    if launcher_set {
         return Ok(());
     }
     let world = match ddp_core::env::DistEnv::detect_from_env() {
         Ok(Some(env)) => env.world_size,
         _ => 1,
     };
-    if tp == 0 || !world.is_multiple_of(tp) {
-        bail!("--tp-size {tp} must divide the {world} processes of this job (laid out as dp × tp)");
+    let model = layout.tp * layout.pp;
+    if model == 0 || !world.is_multiple_of(model) {
+        bail!(
+            "--tp-size {} × --pp-size {} must divide the {world} processes of this job (laid out as pp × dp × tp)",
+            layout.tp,
+            layout.pp
+        );
     }
-    if tp > 1 {
-        for (k, v) in parallel_env(world, tp) {
+    if model > 1 || layout.schedule.is_some() || layout.microbatches.is_some() {
+        for (k, v) in parallel_env(world, layout) {
             // Before the Accelerator (or anything else) starts a thread: setting the environment is sound here.
             std::env::set_var(k, v);
         }

@@ -4,8 +4,14 @@
 //! (`--num_processes`) and torchrun's names (`--nnodes`, `--node-rank`, `--master-addr`, `--master-port`,
 //! `--nproc-per-node`) are accepted as aliases so existing launch scripts migrate by changing the program name.
 
+use accel::pipeline::ScheduleKind;
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
+
+/// `--pipeline-parallel-schedule`: [`ScheduleKind`]'s spellings, case-insensitive.
+fn parse_schedule(s: &str) -> Result<ScheduleKind, String> {
+    s.parse().map_err(|_| format!("expected one of {}", ScheduleKind::CHOICES))
+}
 
 /// `accel`: configure, launch and check distributed candle training (like `accelerate` / `torchrun`).
 #[derive(Debug, Parser)]
@@ -148,11 +154,26 @@ pub struct LaunchArgs {
     #[arg(long, alias = "parallelism_config_tp_size", value_name = "N",
           value_parser = clap::value_parser!(u64).range(1..))]
     pub parallelism_config_tp_size: Option<u64>,
-    /// Pipeline-parallel size (PARALLELISM_CONFIG_PP_SIZE; accel's own). The Accelerator cannot train pp > 1 yet;
-    /// programs that lay out a ddp_core::DeviceMesh themselves can.
+    /// Pipeline-parallel size (PARALLELISM_CONFIG_PP_SIZE; accel's own): pipeline ranks, each running its stages
+    /// of the model. The program must split its model into stages (as accel_gpt does); see
+    /// --pipeline-parallel-schedule and --pipeline-parallel-microbatches.
     #[arg(long, alias = "parallelism_config_pp_size", value_name = "N",
           value_parser = clap::value_parser!(u64).range(1..))]
     pub parallelism_config_pp_size: Option<u64>,
+    /// Pipeline schedule with pp > 1 (PARALLELISM_CONFIG_PP_SCHEDULE; torchtitan's `pipeline_parallel_schedule`):
+    /// GPipe, 1F1B (default) or Interleaved1F1B, any case.
+    #[arg(long, alias = "pipeline_parallel_schedule", value_name = "SCHEDULE", value_parser = parse_schedule)]
+    pub pipeline_parallel_schedule: Option<ScheduleKind>,
+    /// Micro-batches per optimizer step with pp > 1 (PARALLELISM_CONFIG_PP_MICROBATCHES; default one per stage, pp
+    /// × virtual stages): at least the number of stages, a multiple of pp for Interleaved1F1B.
+    #[arg(long, alias = "pipeline_parallel_microbatches", value_name = "M",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub pipeline_parallel_microbatches: Option<u64>,
+    /// Model stages per pipeline rank with pp > 1 (PARALLELISM_CONFIG_PP_VIRTUAL_STAGES; Megatron's virtual
+    /// pipeline size): 2 or more for Interleaved1F1B (its default 2), 1 for GPipe and 1F1B.
+    #[arg(long, alias = "pipeline_parallel_virtual_stages", value_name = "V",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub pipeline_parallel_virtual_stages: Option<u64>,
     /// Context-parallel size (PARALLELISM_CONFIG_CP_SIZE): only 1, context parallelism is not implemented.
     #[arg(long, alias = "parallelism_config_cp_size", value_name = "N",
           value_parser = clap::value_parser!(u64).range(1..))]
@@ -298,5 +319,46 @@ mod tests {
         }
         let e = Cli::try_parse_from(["accel", "launch", "--parallelism-config-tp-size", "0", "prog"]).unwrap_err();
         assert!(e.to_string().contains("0 is not in 1.."), "{e}");
+    }
+
+    #[test]
+    fn pipeline_flags_are_accepted_in_both_spellings() {
+        for (schedule, microbatches, stages, value) in [
+            (
+                "--pipeline-parallel-schedule",
+                "--pipeline-parallel-microbatches",
+                "--pipeline-parallel-virtual-stages",
+                "interleaved1f1b",
+            ),
+            (
+                "--pipeline_parallel_schedule",
+                "--pipeline_parallel_microbatches",
+                "--pipeline_parallel_virtual_stages",
+                "Interleaved1F1B",
+            ),
+        ] {
+            let cli = Cli::parse_from(["accel", "launch", schedule, value, microbatches, "8", stages, "2", "prog"]);
+            let Command::Launch(a) = cli.command else { panic!("not launch") };
+            assert_eq!(
+                (a.pipeline_parallel_schedule, a.pipeline_parallel_microbatches, a.pipeline_parallel_virtual_stages),
+                (Some(ScheduleKind::Interleaved1F1B), Some(8), Some(2)),
+                "{schedule}"
+            );
+        }
+        let cli = Cli::parse_from(["accel", "launch", "--pipeline-parallel-schedule", "gpipe", "prog"]);
+        let Command::Launch(a) = cli.command else { panic!("not launch") };
+        assert_eq!(a.pipeline_parallel_schedule, Some(ScheduleKind::GPipe));
+        let e = Cli::try_parse_from(["accel", "launch", "--pipeline-parallel-schedule", "zigzag", "prog"]).unwrap_err();
+        assert!(
+            e.to_string().contains(
+                "invalid value 'zigzag' for '--pipeline-parallel-schedule <SCHEDULE>': expected one of GPipe, 1F1B, \
+                 Interleaved1F1B"
+            ),
+            "{e}"
+        );
+        for flag in ["--pipeline-parallel-microbatches", "--pipeline-parallel-virtual-stages"] {
+            let e = Cli::try_parse_from(["accel", "launch", flag, "0", "prog"]).unwrap_err();
+            assert!(e.to_string().contains("0 is not in 1.."), "{flag}: {e}");
+        }
     }
 }

@@ -18,6 +18,7 @@
 use crate::error::{CliError, CliResult};
 use accel::config::MixedPrecision;
 use accel::config_errors::{clean_parser_message, key_position, unclosed_bracket_hint, unknown_key};
+use accel::pipeline::ScheduleKind;
 use serde::de::{self, Deserializer, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
 use std::fmt;
@@ -270,9 +271,10 @@ pub const TYPED_KEYS: &[&str] = &[
     "use_cpu",
 ];
 
-/// Keys of the `parallelism_config` block ([`ParallelismConfig`]): Accelerate's, our `parallelism_config_pp_size`,
-/// and the aliases `data_parallel_size`, `pipeline_parallel_size`, `tensor_parallel_size` (kept equal to
-/// [`accel::parallelism::YAML_KEYS`] + [`accel::parallelism::ALIAS_KEYS`] by a unit test).
+/// Keys of the `parallelism_config` block ([`ParallelismConfig`]): Accelerate's, our `parallelism_config_pp_size`
+/// and `pipeline_parallel_{microbatches,schedule,virtual_stages}`, and the aliases `data_parallel_size`,
+/// `pipeline_parallel_size`, `tensor_parallel_size` (kept equal to [`accel::parallelism::YAML_KEYS`] +
+/// [`accel::parallelism::ALIAS_KEYS`] by a unit test).
 pub const PARALLELISM_KEYS: &[&str] = &[
     "parallelism_config_cp_comm_strategy",
     "parallelism_config_cp_size",
@@ -280,6 +282,9 @@ pub const PARALLELISM_KEYS: &[&str] = &[
     "parallelism_config_dp_shard_size",
     "parallelism_config_pp_size",
     "parallelism_config_tp_size",
+    "pipeline_parallel_microbatches",
+    "pipeline_parallel_schedule",
+    "pipeline_parallel_virtual_stages",
     "data_parallel_size",
     "pipeline_parallel_size",
     "tensor_parallel_size",
@@ -523,10 +528,20 @@ fn check_value(key: &str, value: &serde_json::Value) -> Result<(), String> {
                     for (k, v) in block {
                         let ok = match k.as_str() {
                             "parallelism_config_cp_comm_strategy" => v.is_string() || v.is_null(),
+                            "pipeline_parallel_schedule" => {
+                                v.as_str().is_some_and(|s| s.parse::<ScheduleKind>().is_ok())
+                            }
+                            "pipeline_parallel_microbatches" | "pipeline_parallel_virtual_stages" => {
+                                v.is_null() || whole(v, 1)
+                            }
                             _ => whole(v, 1),
                         };
                         if !ok {
-                            let what = if k.ends_with("_size") { "a whole number ≥ 1" } else { "a string" };
+                            let what = match k.as_str() {
+                                "pipeline_parallel_schedule" => format!("one of {}", ScheduleKind::CHOICES),
+                                "parallelism_config_cp_comm_strategy" => "a string".to_string(),
+                                _ => "a whole number ≥ 1".to_string(),
+                            };
                             return Err(format!("{what} for `{k}`, got {}", describe(v)));
                         }
                     }
@@ -801,6 +816,75 @@ mod tests {
                 .to_yaml()
                 .unwrap();
         assert!(yaml.contains("parallelism_config_tp_size: 1") && !yaml.contains("pp_size"), "{yaml}");
+        assert!(!yaml.contains("pipeline_parallel"), "no pipeline keys without a pipeline: {yaml}");
+    }
+
+    #[test]
+    fn the_parallelism_block_reads_and_writes_the_pipeline_keys() {
+        let text = "num_processes: 4\nparallelism_config:\n  parallelism_config_dp_replicate_size: 2\n  \
+                    parallelism_config_pp_size: 2\n  pipeline_parallel_schedule: gpipe\n  \
+                    pipeline_parallel_microbatches: 8\n  pipeline_parallel_virtual_stages: 1\n";
+        let c = AccelerateConfig::parse(text, Path::new("x.yaml")).unwrap().config;
+        let want = ParallelismConfig::data_parallel(2)
+            .with_pp_size(2)
+            .with_pp_schedule(ScheduleKind::GPipe)
+            .with_pp_microbatches(8)
+            .with_pp_virtual_stages(1);
+        assert_eq!(c.parallelism_config, Some(want.clone()));
+        // Written in alphabetical order, the schedule in torchtitan's spelling, and read back the same.
+        let yaml = c.to_yaml().unwrap();
+        let block: Vec<&str> = yaml
+            .lines()
+            .skip_while(|l| !l.starts_with("parallelism_config:"))
+            .skip(1)
+            .take_while(|l| l.starts_with("  "))
+            .collect();
+        assert_eq!(
+            block,
+            [
+                "  parallelism_config_cp_size: 1",
+                "  parallelism_config_dp_replicate_size: 2",
+                "  parallelism_config_dp_shard_size: 1",
+                "  parallelism_config_pp_size: 2",
+                "  parallelism_config_tp_size: 1",
+                "  pipeline_parallel_microbatches: 8",
+                "  pipeline_parallel_schedule: GPipe",
+                "  pipeline_parallel_virtual_stages: 1",
+            ],
+            "{yaml}"
+        );
+        assert_eq!(AccelerateConfig::parse(&yaml, Path::new("y.yaml")).unwrap().config.parallelism_config, Some(want));
+        // The default schedule, 1F1B, is left out (as pp 1 is).
+        let c = AccelerateConfig {
+            parallelism_config: Some(ParallelismConfig::default().with_pp_size(2)),
+            ..AccelerateConfig::default()
+        };
+        assert!(!c.to_yaml().unwrap().contains("pipeline_parallel"));
+        // Values of the wrong kind say what the key expects, at its line.
+        let e = AccelerateConfig::parse(
+            "parallelism_config:\n  parallelism_config_pp_size: 2\n  pipeline_parallel_schedule: zigzag\n",
+            Path::new("x.yaml"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.ends_with(
+                "parallelism_config: expected one of GPipe, 1F1B, Interleaved1F1B for `pipeline_parallel_schedule`, \
+                 got `zigzag`"
+            ),
+            "{e}"
+        );
+        for key in ["pipeline_parallel_microbatches", "pipeline_parallel_virtual_stages"] {
+            let e = AccelerateConfig::parse(&format!("parallelism_config:\n  {key}: 0\n"), Path::new("x.yaml"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.ends_with(&format!("expected a whole number ≥ 1 for `{key}`, got `0`")), "{e}");
+        }
+        let e =
+            AccelerateConfig::parse("parallelism_config:\n  pipeline_parallel_microbatch: 4\n", Path::new("x.yaml"))
+                .unwrap_err()
+                .to_string();
+        assert!(e.contains("(did you mean `pipeline_parallel_microbatches`?)"), "{e}");
     }
 
     #[test]

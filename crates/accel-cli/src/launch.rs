@@ -52,10 +52,11 @@ pub struct LaunchPlan {
     pub num_cpu_threads_per_process: Option<usize>,
     /// Things the launch accepted but will not honour as asked (printed before it starts).
     pub warnings: Vec<String>,
-    /// Parallelism layout from the config file's `parallelism_config` block and the `--parallelism-config-*`
-    /// flags (`None` when neither gives one: data parallelism over all processes). Validated against
-    /// `num_processes` with the library's rules ([`ParallelismConfig::resolve`]); passed to the workers as
-    /// `PARALLELISM_CONFIG_*_SIZE`.
+    /// Parallelism layout from the config file's `parallelism_config` block and the `--parallelism-config-*` and
+    /// `--pipeline-parallel-*` flags (`None` when neither gives one: data parallelism over all processes).
+    /// Validated against `num_processes` with the library's rules ([`ParallelismConfig::resolve`]); passed to the
+    /// workers as `PARALLELISM_CONFIG_*_SIZE` and, when set, `PARALLELISM_CONFIG_PP_{SCHEDULE,MICROBATCHES,
+    /// VIRTUAL_STAGES}` ([`ParallelismConfig::env_vars`]).
     pub parallelism: Option<ParallelismConfig>,
     /// Group restarts after a failure.
     pub max_restarts: usize,
@@ -77,9 +78,10 @@ pub struct LaunchPlan {
 impl LaunchPlan {
     /// Combines `flags` (highest precedence), `file` and the defaults, and checks the result: counts ≥ 1,
     /// `num_processes` divisible by `num_machines`, `machine_rank < num_machines`, an address and a fixed port for
-    /// several machines, parallel sizes whose product is `num_processes` (or all 1), cp = 1, and a layout the
-    /// Accelerator can train (pp and dp_shard 1 until pipeline and sharded data parallelism land: refused here, once,
-    /// rather than by every rank).
+    /// several machines, parallel sizes whose product is `num_processes` (or all 1), cp = 1, pipeline settings that
+    /// fit pp ([`ParallelismConfig::validate_pipeline`]), and a layout the Accelerator can train (dp_shard 1 until
+    /// sharded data parallelism lands: refused here, once, rather than by every rank). Pipeline settings given with
+    /// pp 1 get a warning (nothing reads them).
     pub fn resolve(flags: &LaunchArgs, file: Option<&AccelerateConfig>) -> CliResult<Self> {
         check_distributed_type(file)?;
         let Counts { num_processes, num_machines, machine_rank } = resolve_counts(flags, file)?;
@@ -88,10 +90,11 @@ impl LaunchPlan {
         let gradient_accumulation_steps = resolve_accumulation(flags, file)?;
         let use_cpu = resolve_use_cpu(flags, file, num_processes)?;
         let gpu_ids = resolve_gpu_ids(flags, file, use_cpu, num_processes / num_machines)?;
-        let warnings: Vec<String> = rdzv_warning(flags, file).into_iter().collect();
+        let mut warnings: Vec<String> = rdzv_warning(flags, file).into_iter().collect();
         let parallelism = resolve_parallelism(flags, file.and_then(|f| f.parallelism_config.as_ref()));
         if let Some(p) = &parallelism {
             check_parallelism(p, num_processes)?;
+            warnings.extend(unused_pipeline_warning(p));
         }
         Ok(LaunchPlan {
             num_processes,
@@ -201,6 +204,7 @@ impl LaunchPlan {
             processes: self.num_processes,
             machines: self.num_machines,
             layout,
+            pipeline: self.parallelism.as_ref().and_then(ParallelismConfig::pipeline_string),
             mixed_precision: self.mixed_precision.to_string(),
             gradient_accumulation_steps: self.gradient_accumulation_steps.unwrap_or(1),
             backend: backend.to_string(),
@@ -233,7 +237,8 @@ pub fn describe_config(path: &Path, default_location: bool, file: &AccelerateCon
     let mut note = |what: Option<String>, flag_given: bool| {
         if let Some(what) = what {
             if flag_given {
-                overridden.push(what)
+                // "flags overrode its layout …", not "its the layout …".
+                overridden.push(what.strip_prefix("the ").map(str::to_string).unwrap_or(what))
             } else {
                 set.push(what)
             }
@@ -252,21 +257,12 @@ pub fn describe_config(path: &Path, default_location: bool, file: &AccelerateCon
         file.gradient_accumulation_steps.filter(|k| *k > 1).map(|k| format!("gradient accumulation {k}")),
         flags.gradient_accumulation_steps.is_some(),
     );
-    let layout_flag = [
-        flags.parallelism_config_dp_replicate_size,
-        flags.parallelism_config_dp_shard_size,
-        flags.parallelism_config_tp_size,
-        flags.parallelism_config_pp_size,
-        flags.parallelism_config_cp_size,
-    ]
-    .iter()
-    .any(Option::is_some);
     note(
         file.parallelism_config
             .as_ref()
             .filter(|p| !p.is_default_layout())
-            .map(|p| format!("the layout {}", p.layout_string())),
-        layout_flag,
+            .map(|p| format!("the layout {}", p.layout_with_pipeline())),
+        parallelism_flags_given(flags),
     );
     let mut parts = Vec::new();
     if default_location {
@@ -446,8 +442,9 @@ fn rdzv_warning(flags: &LaunchArgs, file: Option<&AccelerateConfig>) -> Option<S
     })
 }
 
-/// Refuses, before any worker starts, a layout that does not fit `num_processes` and one the Accelerator cannot
-/// train yet (pp or dp_shard > 1): one message saying what would run, instead of every rank failing with it.
+/// Refuses, before any worker starts, a layout that does not fit `num_processes`, pipeline settings that do not fit
+/// pp, and a layout the Accelerator cannot train yet (dp_shard > 1): one message saying what would run, instead of
+/// every rank failing with it.
 fn check_parallelism(p: &ParallelismConfig, num_processes: usize) -> CliResult<()> {
     // The support check first: its message already says what fits the process count.
     p.check_accelerator_support_on(num_processes)?;
@@ -465,8 +462,52 @@ fn resolve_tee(flags: &LaunchArgs) -> bool {
     }
 }
 
+/// Whether any `--parallelism-config-*` or `--pipeline-parallel-*` flag was given.
+fn parallelism_flags_given(flags: &LaunchArgs) -> bool {
+    [
+        flags.parallelism_config_dp_replicate_size,
+        flags.parallelism_config_dp_shard_size,
+        flags.parallelism_config_tp_size,
+        flags.parallelism_config_pp_size,
+        flags.parallelism_config_cp_size,
+        flags.pipeline_parallel_microbatches,
+        flags.pipeline_parallel_virtual_stages,
+    ]
+    .iter()
+    .any(Option::is_some)
+        || flags.pipeline_parallel_schedule.is_some()
+}
+
+/// A warning for pipeline settings (schedule other than 1F1B, micro-batches, virtual stages) in a layout with pp 1,
+/// which nothing reads.
+fn unused_pipeline_warning(p: &ParallelismConfig) -> Option<String> {
+    if p.pp_size > 1 {
+        return None;
+    }
+    let default = ParallelismConfig::default();
+    let mut set = Vec::new();
+    if p.pp_schedule != default.pp_schedule {
+        set.push(format!("pipeline_parallel_schedule {}", p.pp_schedule));
+    }
+    if let Some(m) = p.pp_microbatches {
+        set.push(format!("pipeline_parallel_microbatches {m}"));
+    }
+    if let Some(v) = p.pp_virtual_stages {
+        set.push(format!("pipeline_parallel_virtual_stages {v}"));
+    }
+    (!set.is_empty()).then(|| {
+        format!(
+            "{} only {} to pipeline parallelism and pp_size is 1: ignored (set --parallelism-config-pp-size or \
+             parallelism_config_pp_size above 1 to use a pipeline)",
+            set.join(", "),
+            if set.len() == 1 { "applies" } else { "apply" }
+        )
+    })
+}
+
 /// The config file's `parallelism_config` block with each `--parallelism-config-*` flag given overriding its
-/// size; `None` when neither the file nor a flag names one.
+/// size and each `--pipeline-parallel-*` flag its pipeline setting; `None` when neither the file nor a flag names
+/// one.
 fn resolve_parallelism(flags: &LaunchArgs, file: Option<&ParallelismConfig>) -> Option<ParallelismConfig> {
     let given = [
         flags.parallelism_config_dp_replicate_size,
@@ -475,7 +516,7 @@ fn resolve_parallelism(flags: &LaunchArgs, file: Option<&ParallelismConfig>) -> 
         flags.parallelism_config_pp_size,
         flags.parallelism_config_cp_size,
     ];
-    if file.is_none() && given.iter().all(Option::is_none) {
+    if file.is_none() && !parallelism_flags_given(flags) {
         return None;
     }
     let mut p = file.cloned().unwrap_or_default();
@@ -489,6 +530,15 @@ fn resolve_parallelism(flags: &LaunchArgs, file: Option<&ParallelismConfig>) -> 
         if let Some(n) = flag {
             *slot = n as usize;
         }
+    }
+    if let Some(kind) = flags.pipeline_parallel_schedule {
+        p.pp_schedule = kind;
+    }
+    if let Some(m) = flags.pipeline_parallel_microbatches {
+        p.pp_microbatches = Some(m as usize);
+    }
+    if let Some(v) = flags.pipeline_parallel_virtual_stages {
+        p.pp_virtual_stages = Some(v as usize);
     }
     Some(p)
 }
@@ -701,18 +751,128 @@ mod tests {
         let p = LaunchPlan::resolve(&LaunchArgs { num_processes: Some(4), ..flags("p") }, None).unwrap();
         assert_eq!(p.parallelism, None);
         assert!(p.worker_env().iter().all(|(k, _)| !k.starts_with("PARALLELISM_CONFIG_")));
-        // cp, pp and dp_shard are refused before launch, saying what runs on the same processes.
+        // cp and dp_shard are refused before launch, saying what runs on the same processes.
         let e = LaunchPlan::resolve(&LaunchArgs { parallelism_config_cp_size: Some(2), ..tp2.clone() }, None)
             .unwrap_err()
             .to_string();
         assert!(e.ends_with("context parallelism is not implemented yet; set cp_size to 1"), "{e}");
-        let e = LaunchPlan::resolve(&LaunchArgs { parallelism_config_pp_size: Some(2), ..tp2 }, None).unwrap_err();
+        let e = LaunchPlan::resolve(&LaunchArgs { parallelism_config_dp_shard_size: Some(2), ..tp2.clone() }, None)
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid configuration parallelism_config_dp_shard_size = \"2\": the Accelerator cannot train with \
+             sharded data parallelism (ZeRO / FSDP: accel does not shard yet); on the same 4 processes set \
+             dp_shard_size 1 and dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 2 × pp 1 runs)"
+        );
+        // pp 2 × tp 2 on 4 processes is launched: the layout reaches the workers, the default schedule as absence.
+        let p = LaunchPlan::resolve(&LaunchArgs { parallelism_config_pp_size: Some(2), ..tp2 }, None).unwrap();
+        assert_eq!(p.parallelism, Some(ParallelismConfig::default().with_tp_size(2).with_pp_size(2)));
+        let env = p.worker_env();
+        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        assert_eq!((get("PARALLELISM_CONFIG_PP_SIZE"), get("PARALLELISM_CONFIG_TP_SIZE")), (Some("2"), Some("2")));
+        assert_eq!(get("PARALLELISM_CONFIG_PP_SCHEDULE"), None);
+        assert_eq!(get("PARALLELISM_CONFIG_PP_MICROBATCHES"), None);
+        let back = accel::AcceleratorConfig::from_lookup(|k| get(k).map(str::to_string)).unwrap();
+        assert_eq!(back.parallelism.pp_microbatches_per_step(), 2, "one micro-batch per stage by default");
+    }
+
+    #[test]
+    fn pipeline_flags_override_the_file_and_reach_the_workers() {
+        use accel::pipeline::ScheduleKind;
+        let file = AccelerateConfig {
+            num_processes: Some(4),
+            parallelism_config: Some(
+                ParallelismConfig::data_parallel(2).with_pp_size(2).with_pp_schedule(ScheduleKind::GPipe),
+            ),
+            ..AccelerateConfig::default()
+        };
+        let p = LaunchPlan::resolve(&flags("p"), Some(&file)).unwrap();
+        assert_eq!(p.parallelism.as_ref().unwrap().pp_schedule, ScheduleKind::GPipe);
+        assert!(p.worker_env().contains(&("PARALLELISM_CONFIG_PP_SCHEDULE".to_string(), "GPipe".to_string())));
+        // Flags override the file's schedule and add micro-batches and virtual stages.
+        let f = LaunchArgs {
+            pipeline_parallel_schedule: Some(ScheduleKind::Interleaved1F1B),
+            pipeline_parallel_microbatches: Some(8),
+            pipeline_parallel_virtual_stages: Some(3),
+            ..flags("p")
+        };
+        let p = LaunchPlan::resolve(&f, Some(&file)).unwrap();
+        let want = ParallelismConfig::data_parallel(2)
+            .with_pp_size(2)
+            .with_pp_schedule(ScheduleKind::Interleaved1F1B)
+            .with_pp_microbatches(8)
+            .with_pp_virtual_stages(3);
+        assert_eq!(p.parallelism.as_ref(), Some(&want));
+        assert!(p.warnings.is_empty(), "{:?}", p.warnings);
+        let env = p.worker_env();
+        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        assert_eq!(get("PARALLELISM_CONFIG_PP_SCHEDULE"), Some("Interleaved1F1B"));
+        assert_eq!(get("PARALLELISM_CONFIG_PP_MICROBATCHES"), Some("8"));
+        assert_eq!(get("PARALLELISM_CONFIG_PP_VIRTUAL_STAGES"), Some("3"));
+        let back = accel::AcceleratorConfig::from_lookup(|k| get(k).map(str::to_string)).unwrap();
+        assert_eq!(back.parallelism, want);
+        // Pipeline settings that do not fit pp are refused before launch, with the key and what fits.
+        let f = LaunchArgs {
+            pipeline_parallel_schedule: Some(ScheduleKind::Interleaved1F1B),
+            pipeline_parallel_microbatches: Some(5),
+            ..flags("p")
+        };
+        let e = LaunchPlan::resolve(&f, Some(&file)).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "invalid configuration pipeline_parallel_microbatches = \"5\": Interleaved1F1B takes micro-batches in \
+             groups of pp = 2; use a multiple of 2: 4 or 6"
+        );
+        let f = LaunchArgs { pipeline_parallel_microbatches: Some(1), ..flags("p") };
+        let e = LaunchPlan::resolve(&f, Some(&file)).unwrap_err().to_string();
         assert!(
-            e.to_string().ends_with(
-                "on the same 4 processes set pp_size 1 and dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 2 \
-                 × pp 1 runs)"
+            e.ends_with(
+                "1 micro-batch cannot fill the 2 pipeline stages (pp 2 × 1 per rank): each stage would \
+                             idle most of the step; use at least 2"
             ),
             "{e}"
+        );
+        // Without pp they are passed along but warned about: nothing reads them.
+        let f = LaunchArgs {
+            num_processes: Some(2),
+            pipeline_parallel_schedule: Some(ScheduleKind::GPipe),
+            pipeline_parallel_microbatches: Some(4),
+            ..flags("p")
+        };
+        let p = LaunchPlan::resolve(&f, None).unwrap();
+        assert_eq!(
+            p.warnings,
+            ["pipeline_parallel_schedule GPipe, pipeline_parallel_microbatches 4 only apply to pipeline parallelism \
+              and pp_size is 1: ignored (set --parallelism-config-pp-size or parallelism_config_pp_size above 1 to \
+              use a pipeline)"]
+        );
+        let f = LaunchArgs { pipeline_parallel_virtual_stages: Some(1), ..flags("p") };
+        let p = LaunchPlan::resolve(&f, None).unwrap();
+        assert!(p.warnings[0].starts_with("pipeline_parallel_virtual_stages 1 only applies to"), "{:?}", p.warnings);
+    }
+
+    #[test]
+    fn the_config_description_names_the_pipeline() {
+        use accel::pipeline::ScheduleKind;
+        let file = AccelerateConfig {
+            num_processes: Some(4),
+            parallelism_config: Some(
+                ParallelismConfig::data_parallel(2).with_pp_size(2).with_pp_schedule(ScheduleKind::GPipe),
+            ),
+            ..AccelerateConfig::default()
+        };
+        let d = describe_config(Path::new("c.yaml"), false, &file, &flags("p"));
+        assert_eq!(
+            d,
+            "c.yaml (it set 4 processes, the layout dp_replicate 2 × dp_shard 1 × tp 1 × pp 2 (GPipe, 2 \
+             micro-batches))"
+        );
+        let f = LaunchArgs { pipeline_parallel_microbatches: Some(4), ..flags("p") };
+        let d = describe_config(Path::new("c.yaml"), false, &file, &f);
+        assert_eq!(
+            d,
+            "c.yaml (it set 4 processes; flags overrode its layout dp_replicate 2 × dp_shard 1 × tp 1 × pp 2 (GPipe, 2 \
+             micro-batches))"
         );
     }
 

@@ -8,6 +8,7 @@
 use crate::config_file::{AccelerateConfig, DistributedType, ParallelismConfig};
 use crate::error::{CliError, CliResult};
 use accel::config::MixedPrecision;
+use accel::pipeline::ScheduleKind;
 use std::io::{BufRead, Write};
 
 /// How many invalid answers to one question are tolerated before giving up.
@@ -26,9 +27,11 @@ pub struct MachineDefaults {
 ///
 /// Order: CPU or GPU; number of machines; for several machines this machine's rank, the main machine's address
 /// and port and whether all share a network; total number of processes; for more than one process the
-/// tensor-parallel and pipeline-parallel sizes (the data-parallel size is what remains: processes / (tp × pp)); GPU
-/// ids; mixed precision. A `parallelism_config` block is written only when tp or pp is above 1. Errors: [`CliError::Questionnaire`] when the input ends or a
-/// question got [`MAX_ATTEMPTS`] invalid answers.
+/// tensor-parallel and pipeline-parallel sizes (the data-parallel size is what remains: processes / (tp × pp)), and
+/// with pp above 1 the pipeline schedule (default 1F1B) and micro-batches per step (default one per stage); GPU
+/// ids; mixed precision. A `parallelism_config` block is written only when tp or pp is above 1.
+///
+/// Errors: [`CliError::Questionnaire`] when the input ends or a question got [`MAX_ATTEMPTS`] invalid answers.
 pub fn ask(input: &mut dyn BufRead, out: &mut dyn Write, machine: MachineDefaults) -> CliResult<AccelerateConfig> {
     let mut q = Asker { input, out };
     let default_device = if machine.gpus > 0 { "gpu" } else { "cpu" };
@@ -149,8 +152,10 @@ const CPU_PRECISION_COSTS: &str =
      costs about what no does (1.05x its step time, docs/benchmarks.md); fp16 keeps f16 tensors, which candle \
      computes about 7x slower than f32 on a CPU\n";
 
-/// The tensor-parallel and pipeline-parallel sizes (each must divide what is left of the processes); `None` when
-/// both are 1 (data parallelism over all processes needs no block).
+/// The tensor-parallel and pipeline-parallel sizes (each must divide what is left of the processes) and, with pp >
+/// 1, the pipeline schedule and micro-batches (checked with the library's rules,
+/// [`ParallelismConfig::validate_pipeline`]); `None` when tp and pp are 1 (data parallelism over all processes
+/// needs no block). The micro-batches are written only when they are not the default (one per stage).
 fn ask_parallelism(
     q: &mut Asker<'_>,
     num_processes: usize,
@@ -165,15 +170,35 @@ fn ask_parallelism(
              machines (keep tp within a machine when you can)\n"
         ))?;
     }
-    // The Accelerator cannot train pp > 1 yet: the answer is re-asked with the reason, so that the file written is
-    // one `accel launch` runs (never a config this command calls invalid).
+    // A layout the Accelerator cannot train would be re-asked with the reason, so that the file written is one
+    // `accel launch` runs (never a config this command calls invalid); every tp × pp layout asked here is one.
     let pp = q.ask("Pipeline-parallel size (pp: pipeline stages; 1 = off)?", Some("1"), |s| {
         let pp = dividing("pp", s, num_processes / tp)?;
         let p = ParallelismConfig::data_parallel(num_processes / (tp * pp)).with_tp_size(tp).with_pp_size(pp);
         p.check_accelerator_support().map_err(|e| e.to_string())?;
         Ok(pp)
     })?;
-    let p = ParallelismConfig::data_parallel(num_processes / (tp * pp)).with_tp_size(tp).with_pp_size(pp);
+    let mut p = ParallelismConfig::data_parallel(num_processes / (tp * pp)).with_tp_size(tp).with_pp_size(pp);
+    if pp > 1 {
+        q.say("  with pp above 1 the program must split its model into pipeline stages (as accel_gpt does)\n")?;
+        p.pp_schedule = q.ask(
+            &format!("Pipeline schedule? [{}]", ScheduleKind::CHOICES.replace(", ", "/")),
+            Some(ScheduleKind::default().as_str()),
+            |s| s.parse::<ScheduleKind>().map_err(|_| format!("choose one of {}", ScheduleKind::CHOICES)),
+        )?;
+        let stages = p.pp_size * p.pp_stages_per_rank();
+        let rule = match p.pp_schedule {
+            ScheduleKind::Interleaved1F1B => format!("at least the {stages} stages, a multiple of pp {pp}"),
+            _ => format!("at least the {stages} stages"),
+        };
+        let m =
+            q.ask(&format!("Pipeline micro-batches per optimizer step ({rule})?"), Some(&stages.to_string()), |s| {
+                let m = positive("micro-batches", s)?;
+                p.clone().with_pp_microbatches(m).validate_pipeline().map_err(|e| e.to_string())?;
+                Ok(m)
+            })?;
+        p.pp_microbatches = (m != stages).then_some(m);
+    }
     Ok((tp > 1 || pp > 1).then_some(p))
 }
 
@@ -361,15 +386,17 @@ mod tests {
             "{out}"
         );
         assert!(out.contains("invalid answer \"4\": pp 4 does not divide the 2 processes left for it"), "{out}");
-        // pp 2 is refused (the Accelerator cannot train it yet) with what runs instead, and re-asked: no config
-        // this command calls invalid is written.
-        let (cfg, out) = run("cpu\n1\n4\n2\n2\n1\nno\n", 0);
-        assert_eq!(cfg.unwrap().parallelism_config, Some(ParallelismConfig::data_parallel(2).with_tp_size(2)));
+        // pp 2 is accepted; the schedule and the micro-batches default to 1F1B and one per stage (not written).
+        let (cfg, out) = run("cpu\n1\n4\n2\n2\n\n\nno\n", 0);
+        let p = cfg.unwrap().parallelism_config.unwrap();
+        assert_eq!(p, ParallelismConfig::data_parallel(1).with_tp_size(2).with_pp_size(2));
+        assert_eq!((p.pp_schedule, p.pp_microbatches_per_step()), (ScheduleKind::OneFOneB, 2));
+        assert!(!out.contains("invalid answer"), "{out}");
+        assert!(out.contains("the program must split its model into pipeline stages"), "{out}");
         assert!(
             out.contains(
-                "invalid answer \"2\": invalid configuration parallelism_config_pp_size = \"2\": the Accelerator \
-                 cannot train with pipeline parallelism (accel has no pipeline schedule yet); on the same 4 processes \
-                 set pp_size 1 and dp_replicate_size 2"
+                "Pipeline schedule? [GPipe/1F1B/Interleaved1F1B] (default: 1F1B): Pipeline micro-batches per optimizer \
+                 step (at least the 2 stages)? (default: 2): "
             ),
             "{out}"
         );
@@ -377,6 +404,48 @@ mod tests {
         let (cfg, out) = run("cpu\n2\n0\n10.0.0.1\n\nyes\n4\n4\n\nno\n", 0);
         assert_eq!(cfg.unwrap().parallelism_config, Some(ParallelismConfig::data_parallel(1).with_tp_size(4)));
         assert!(out.contains("warning: tp 4 is more than the 2 processes of a machine"), "{out}");
+    }
+
+    #[test]
+    fn with_pp_the_schedule_and_micro_batches_are_asked_and_checked() {
+        // cpu; 1 machine; 4 processes; tp 1; pp 4; `zigzag` (refused) then interleaved; 4 micro-batches (refused:
+        // 8 stages), 10 (refused: not a multiple of 4), 12; no.
+        let (cfg, out) = run("cpu\n1\n4\n1\n4\nzigzag\ninterleaved1f1b\n4\n10\n12\nno\n", 0);
+        let want = ParallelismConfig::data_parallel(1)
+            .with_pp_size(4)
+            .with_pp_schedule(ScheduleKind::Interleaved1F1B)
+            .with_pp_microbatches(12);
+        assert_eq!(cfg.unwrap().parallelism_config, Some(want));
+        assert!(out.contains("invalid answer \"zigzag\": choose one of GPipe, 1F1B, Interleaved1F1B"), "{out}");
+        assert!(
+            out.contains(
+                "Pipeline micro-batches per optimizer step (at least the 8 stages, a multiple of pp 4)? \
+                          (default: 8): "
+            ),
+            "{out}"
+        );
+        assert!(
+            out.contains(
+                "invalid answer \"4\": invalid configuration pipeline_parallel_microbatches = \"4\": 4 micro-batches \
+                 cannot fill the 8 pipeline stages (pp 4 × 2 per rank): each stage would idle most of the step; use \
+                 at least 8"
+            ),
+            "{out}"
+        );
+        assert!(
+            out.contains(
+                "invalid answer \"10\": invalid configuration pipeline_parallel_microbatches = \"10\": \
+                 Interleaved1F1B takes micro-batches in groups of pp = 4; use a multiple of 4: 8 or 12"
+            ),
+            "{out}"
+        );
+        // GPipe with the default count: the default is not written.
+        let (cfg, _) = run("cpu\n1\n2\n1\n2\nGPipe\n\nno\n", 0);
+        let p = cfg.unwrap().parallelism_config.unwrap();
+        assert_eq!((p.pp_schedule, p.pp_microbatches), (ScheduleKind::GPipe, None));
+        // Five invalid counts end the questionnaire, as for every question.
+        let (r, _) = run("cpu\n1\n2\n1\n2\n\n1\n1\n0\nx\n1\n", 0);
+        assert!(r.unwrap_err().to_string().contains("5 invalid answers"));
     }
 
     #[test]

@@ -21,6 +21,8 @@ use crate::data::{BatchInfo, DataLoader, Dataset, LoaderStateHandle};
 use crate::mixed_precision::{GradScaler, GradScalerConfig};
 use crate::model::PreparedModel;
 use crate::optim::{AcceleratedOptimizer, Optimizer};
+use crate::pipeline::runtime::{Combine, PipelineRuntime};
+use crate::pipeline::{Stage, StagedModel};
 use crate::state::SharedStateful;
 use crate::step::{StepController, StepCounters};
 use crate::tensor_parallel::{ParamBuilder, TensorParallel};
@@ -50,6 +52,8 @@ struct Inner {
     mesh: DeviceMesh,
     /// Tensor parallelism over the mesh's tp group (and the layouts of the parameters built through it).
     tp: TensorParallel,
+    /// Pipeline parallelism (pp > 1): the links between stages, the schedule, the agreed activation shapes.
+    pipeline: Option<PipelineRuntime>,
     device: Device,
     /// The accumulation window, sync decision, gradient buffers, fp16 scaler and step counters (shared with the
     /// prepared optimizers, which take their gradients from it).
@@ -140,6 +144,15 @@ impl Accelerator {
         let device = pick_device(&cfg, pg.local_rank())?;
         let mesh = DeviceMesh::new(&pg, shape)?;
         let tp = TensorParallel::new(mesh.tp().clone());
+        let pipeline = match mesh.pp().world_size() {
+            1 => None,
+            _ => Some(PipelineRuntime::new(
+                &mesh,
+                parallelism.pp_schedule,
+                parallelism.pp_microbatches_per_step(),
+                parallelism.pp_stages_per_rank(),
+            )?),
+        };
         let scaler = match cfg.mixed_precision {
             MixedPrecision::Fp16 => Some(GradScaler::new(GradScalerConfig::default())?),
             _ => None,
@@ -158,6 +171,7 @@ impl Accelerator {
                 parallelism,
                 mesh,
                 tp,
+                pipeline,
                 device,
                 prepared: Mutex::new(Prepared::default()),
                 trackers: Mutex::new(Trackers::default()),
@@ -318,6 +332,17 @@ impl Accelerator {
         varmap: &VarMap,
         adjust: impl FnOnce(&mut PreparedModel),
     ) -> Result<PreparedModel> {
+        if let Some(p) = &self.inner.pipeline {
+            if !p.stages_asked() {
+                return Err(AccelError::Usage(format!(
+                    "prepare_model: this job has pp_size {} (pipeline parallelism) but the program did not ask \
+                     which stages this rank holds: every rank would hold the whole model and the pp ranks would \
+                     train copies that never meet. Build the model per stage from accelerator.pipeline_stages(..) \
+                     and train with accelerator.pipeline_backward(..) (accel_gpt does), or set pp_size 1",
+                    self.mesh().pp().world_size()
+                )));
+            }
+        }
         let num_params = {
             let vars = lock(varmap.data());
             let prepared = lock(&self.inner.prepared);
@@ -402,6 +427,7 @@ impl Accelerator {
     /// itself). Call it once per micro-batch. Errors: no prepared model, parameters without a gradient (unless
     /// `DdpOptions::find_unused_parameters`), collective failures.
     pub fn backward(&self, loss: &Tensor) -> Result<()> {
+        self.refuse_under_pipeline("backward")?;
         let models = self.require_models("backward")?;
         self.inner.step.backward(&models, loss)
     }
@@ -418,8 +444,130 @@ impl Accelerator {
     /// Errors: those of `backward`; a cut the loss does not depend on; ranks whose cuts differ; a parameter
     /// whose gradient arrives after its bucket went out (the model changed where it uses the parameter).
     pub fn backward_segments(&self, loss: &Tensor, segments: crate::segments::BackwardSegments) -> Result<()> {
+        self.refuse_under_pipeline("backward_segments")?;
         let models = self.require_models("backward_segments")?;
         self.inner.step.backward_segments(&models, loss, segments)
+    }
+
+    /// The stages of a model of `n_layers` blocks this rank holds: without pipeline parallelism one stage with
+    /// every block; with pp > 1 the stages `r, r + pp, …` of the `pp × virtual stages` the schedule runs (one per
+    /// rank except for interleaved 1F1B), the blocks spread evenly (the remainder to the middle stages first) or
+    /// as `layers_per_stage` lists them (torchtitan's `pipeline_parallel_layers_per_stage`; 0 allowed). Build
+    /// only these stages' parameters, with [`Accelerator::param_builder`] (the single-process names, so every
+    /// layout starts from the same weights and saves the same `model.safetensors`).
+    ///
+    /// Errors ([`AccelError::Config`]): more stages than blocks, a list whose length or sum does not fit.
+    pub fn pipeline_stages(&self, n_layers: usize, layers_per_stage: Option<&[usize]>) -> Result<Vec<Stage>> {
+        match &self.inner.pipeline {
+            Some(p) => p.stages(n_layers, layers_per_stage),
+            None => {
+                let ranges = crate::pipeline::split_layers(n_layers, 1, layers_per_stage)?;
+                Ok(vec![Stage { index: 0, num_stages: 1, layers: ranges[0].clone() }])
+            }
+        }
+    }
+
+    /// Forward and backward of one batch through the model's stages — the training step's `model.forward`,
+    /// loss and [`Accelerator::backward`] in one call, at any pp size, so the same loop trains every layout.
+    ///
+    /// - `inputs`, `targets`: the batch (every rank of a pp group reads the same one: the data loader shards by
+    ///   the data-parallel rank). `loss_fn(output of the last stage, targets)` returns the *mean* loss of its
+    ///   rows, a scalar (compute it in f32 under fp16).
+    /// - Without pipeline parallelism: the forward of the one stage, the loss, and
+    ///   [`Accelerator::backward_segments`] (the dp all-reduce overlapped with the backward at the model's cuts).
+    /// - With pp > 1: the batch is split along dim 0 into `pipeline_parallel_microbatches` micro-batches and run
+    ///   through the configured schedule (GPipe, 1F1B or interleaved 1F1B; see [`crate::pipeline`]); each
+    ///   micro-batch's loss is divided by the micro-batch count, the accumulation steps and multiplied by the fp16
+    ///   scale before its backward, so the step's gradients are those of the batch's mean loss, never rescaled
+    ///   after; they join the accumulation window like `backward`'s, and DDP's all-reduce over dp runs once, on the
+    ///   sync step, after the last micro-batch's backward.
+    ///
+    /// Returns the batch's mean loss (a scalar f32 on the Accelerator's device, the same on every rank of a pp
+    /// group). One pipeline step counts as one micro-step of the accumulation window.
+    ///
+    /// Errors: no prepared model or more than one under pp; a batch whose rows do not split into the
+    /// micro-batches (naming both counts); a loss that is not a scalar; a stage that died or stalls (naming the
+    /// stage, the micro-batch, the op and the peer's pp rank, within the collective timeout); `backward`'s.
+    pub fn pipeline_backward(
+        &self,
+        model: &dyn StagedModel,
+        inputs: &Tensor,
+        targets: &Tensor,
+        loss_fn: impl Fn(&Tensor, &Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        self.pipeline_step(model, inputs, targets, &loss_fn, Combine::Mean)
+    }
+
+    /// [`Accelerator::pipeline_backward`] for a loss normalised by its caller (the Trainer's sum over the items
+    /// divided by the global item count): `loss_fn` returns each micro-batch's *share* of the batch's loss, the
+    /// shares are summed (not averaged) for the backward, and the call returns their sum. Everything else is
+    /// `pipeline_backward`'s.
+    pub fn pipeline_backward_sum(
+        &self,
+        model: &dyn StagedModel,
+        inputs: &Tensor,
+        targets: &Tensor,
+        loss_fn: impl Fn(&Tensor, &Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        self.pipeline_step(model, inputs, targets, &loss_fn, Combine::Sum)
+    }
+
+    /// The forward of one batch through the model's stages and `loss_fn` of the last stage's output, with no
+    /// backward (evaluation): returns `loss_fn`'s value, the same on every rank of a pp group. The batch runs as
+    /// one micro-batch, so any batch size works. Without pipeline parallelism: the forward and the loss.
+    ///
+    /// Errors: a stage that died or stalls (named as in `pipeline_backward`); `loss_fn`'s.
+    pub fn pipeline_forward(
+        &self,
+        model: &dyn StagedModel,
+        inputs: &Tensor,
+        targets: &Tensor,
+        loss_fn: impl Fn(&Tensor, &Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let value = match &self.inner.pipeline {
+            None => return Ok(loss_fn(&model.stage_forward(0, inputs)?, targets)?.detach()),
+            Some(p) => p.forward(model, inputs, targets, &loss_fn)?,
+        };
+        Ok(Tensor::new(value as f32, self.device())?)
+    }
+
+    fn pipeline_step(
+        &self,
+        model: &dyn StagedModel,
+        inputs: &Tensor,
+        targets: &Tensor,
+        loss_fn: &dyn Fn(&Tensor, &Tensor) -> Result<Tensor>,
+        combine: Combine,
+    ) -> Result<Tensor> {
+        let Some(pipeline) = &self.inner.pipeline else {
+            let (loss, cuts) = crate::segments::record(|| -> Result<Tensor> {
+                let output = model.stage_forward(0, inputs)?;
+                loss_fn(&output, targets)
+            })?;
+            let models = self.require_models("pipeline_backward")?;
+            self.inner.step.backward_segments(&models, &loss, cuts)?;
+            return Ok(loss.to_dtype(DType::F32)?.detach());
+        };
+        let model_handle = match &self.require_models("pipeline_backward")?[..] {
+            [m] => m.clone(),
+            many => {
+                return Err(AccelError::Usage(format!(
+                    "pipeline_backward: {} prepared models; a pipeline runs one model cut into stages: prepare one",
+                    many.len()
+                )))
+            }
+        };
+        let (sync, factor) = self.inner.step.begin_pipeline_step();
+        let (grads, value) =
+            pipeline.step(model, model_handle.parameters().to_vec(), inputs, targets, loss_fn, factor, combine)?;
+        self.inner.step.add_pipeline_gradients(&model_handle, grads, sync)?;
+        Ok(Tensor::new(value as f32, self.device())?)
+    }
+
+    /// The pipeline schedule this job runs (`None` without pipeline parallelism): each pp rank's actions, to
+    /// print ([`crate::pipeline::PipelineSchedule::to_csv`]) or simulate.
+    pub fn pipeline_schedule(&self) -> Option<&crate::pipeline::PipelineSchedule> {
+        self.inner.pipeline.as_ref().map(PipelineRuntime::schedule)
     }
 
     /// Runs one micro-step (forward + `backward`) in `f`, Accelerate's `with accelerator.accumulate(model)`:
@@ -604,6 +752,7 @@ impl Accelerator {
             processes: self.world_size(),
             machines,
             layout: self.mesh().shape(),
+            pipeline: self.inner.parallelism.pipeline_string(),
             mixed_precision: self.mixed_precision().to_string(),
             gradient_accumulation_steps: self.gradient_accumulation_steps(),
             backend: self.inner.pg.backend_name().to_string(),
@@ -773,6 +922,19 @@ impl Accelerator {
     }
 
     /// The prepared models; errors unless `prepare_model` was called (backward, clipping).
+    /// `backward` and `backward_segments` take a whole model's loss, which no rank has under pp.
+    fn refuse_under_pipeline(&self, what: &str) -> Result<()> {
+        match &self.inner.pipeline {
+            Some(_) => Err(AccelError::Usage(format!(
+                "{what}: this job has pp_size {} (pipeline parallelism): each rank holds only its stages, so there is \
+                 no whole-model loss to call {what} on; train with accelerator.pipeline_backward(..), which runs \
+                 the stages' micro-batches through the schedule (it works at pp_size 1 too), or set pp_size 1",
+                self.mesh().pp().world_size()
+            ))),
+            None => Ok(()),
+        }
+    }
+
     fn require_models(&self, what: &str) -> Result<Vec<PreparedModel>> {
         let models = lock(&self.inner.prepared).models.clone();
         if models.is_empty() {

@@ -190,7 +190,8 @@ impl Default for AcceleratorConfig {
 impl AcceleratorConfig {
     /// Defaults overridden by the variables `accel launch` sets (`ACCELERATE_MIXED_PRECISION`,
     /// `ACCELERATE_GRADIENT_ACCUMULATION_STEPS`, `ACCELERATE_USE_CPU`, `ACCELERATE_SEED`, and the
-    /// `PARALLELISM_CONFIG_{DP_REPLICATE,DP_SHARD,TP,CP,PP}_SIZE` sizes). A malformed value is an error naming the
+    /// `PARALLELISM_CONFIG_{DP_REPLICATE,DP_SHARD,TP,CP,PP}_SIZE` sizes and the pipeline's
+    /// `PARALLELISM_CONFIG_PP_{SCHEDULE,MICROBATCHES,VIRTUAL_STAGES}`). A malformed value is an error naming the
     /// variable and the accepted values.
     pub fn from_env() -> Result<Self> {
         Self::from_lookup(|k| std::env::var(k).ok())

@@ -1,5 +1,5 @@
 //! [`ParallelismConfig`]: how many ways a job splits along each parallel dimension (Accelerate's
-//! `ParallelismConfig`, `src/accelerate/parallelism_config.py`, plus a pipeline size of our own).
+//! `ParallelismConfig`, `src/accelerate/parallelism_config.py`, plus a pipeline size and schedule of our own).
 //!
 //! The sizes are `dp_replicate` (data-parallel replicas, DDP), `dp_shard` (sharded data parallelism, ZeRO/FSDP),
 //! `tp` (tensor parallelism), `pp` (pipeline stages, not in Accelerate) and `cp` (context parallelism, refused
@@ -19,7 +19,30 @@
 //! is 1 the job is data parallel over all its processes (dp_replicate = world size); otherwise the product must be
 //! the world size. [`ParallelismConfig::mesh_shape`] applies them and gives the [`ddp_core::MeshShape`] the
 //! Accelerator lays its [`ddp_core::DeviceMesh`] out with (`[pp, dp_replicate, dp_shard, tp]`, tp innermost).
+//!
+//! ## Pipeline settings (read only when pp > 1)
+//!
+//! | YAML key (same block)              | variable                               | default                          |
+//! |------------------------------------|----------------------------------------|----------------------------------|
+//! | `pipeline_parallel_schedule`       | `PARALLELISM_CONFIG_PP_SCHEDULE`       | `1F1B`                           |
+//! | `pipeline_parallel_microbatches`   | `PARALLELISM_CONFIG_PP_MICROBATCHES`   | one per stage: pp × stages/rank  |
+//! | `pipeline_parallel_virtual_stages` | `PARALLELISM_CONFIG_PP_VIRTUAL_STAGES` | 2 for `Interleaved1F1B`, else 1  |
+//!
+//! - `pipeline_parallel_schedule` is torchtitan's key and spelling: `GPipe`, `1F1B` or `Interleaved1F1B`
+//!   ([`ScheduleKind`]; read case-insensitively, `-` and `_` ignored).
+//! - `pipeline_parallel_microbatches`: the micro-batches each optimizer step's batch is split into for the
+//!   pipeline (torchtitan's `num_pp_microbatches`, Megatron's `num_microbatches`).
+//! - `pipeline_parallel_virtual_stages`: model stages per pp rank (Megatron's virtual pipeline size,
+//!   `virtual_pipeline_model_parallel_size`); the model is cut into pp × this many stages.
+//!
+//! Rules ([`ParallelismConfig::validate_sizes`], the facts [`crate::pipeline::PipelineSchedule::new`] checks, named
+//! with these keys): micro-batches and virtual stages are at least 1; with pp > 1, `Interleaved1F1B` needs at least
+//! 2 stages per rank and `GPipe` / `1F1B` exactly 1; there are at least as many micro-batches as stages (pp ×
+//! stages per rank: fewer would leave stages idle most of the step); `Interleaved1F1B` takes the micro-batches in
+//! groups of pp, so their count is a multiple of pp (Megatron's rule). The variables are written by
+//! [`ParallelismConfig::env_vars`] only when set (the schedule: when not 1F1B), so the defaults travel as absence.
 
+use crate::pipeline::ScheduleKind;
 use crate::{AccelError, Result};
 use ddp_core::MeshShape;
 use serde::{Deserialize, Serialize};
@@ -36,8 +59,16 @@ pub const CP_SIZE_ENV: &str = "PARALLELISM_CONFIG_CP_SIZE";
 pub const PP_SIZE_ENV: &str = "PARALLELISM_CONFIG_PP_SIZE";
 /// Environment variable: context-parallel communication strategy (kept verbatim).
 pub const CP_COMM_STRATEGY_ENV: &str = "PARALLELISM_CONFIG_CP_COMM_STRATEGY";
+/// Environment variable: pipeline schedule, `GPipe`, `1F1B` or `Interleaved1F1B` (ours, in Accelerate's naming
+/// scheme; YAML `pipeline_parallel_schedule`).
+pub const PP_SCHEDULE_ENV: &str = "PARALLELISM_CONFIG_PP_SCHEDULE";
+/// Environment variable: pipeline micro-batches per optimizer step (ours; YAML `pipeline_parallel_microbatches`).
+pub const PP_MICROBATCHES_ENV: &str = "PARALLELISM_CONFIG_PP_MICROBATCHES";
+/// Environment variable: stages per pp rank (ours; YAML `pipeline_parallel_virtual_stages`).
+pub const PP_VIRTUAL_STAGES_ENV: &str = "PARALLELISM_CONFIG_PP_VIRTUAL_STAGES";
 
-/// Keys of the YAML `parallelism_config` block, Accelerate's and ours (the aliases are in [`ALIAS_KEYS`]).
+/// Keys of the YAML `parallelism_config` block, Accelerate's and ours (sorted; the aliases are in
+/// [`ALIAS_KEYS`]).
 pub const YAML_KEYS: &[&str] = &[
     "parallelism_config_cp_comm_strategy",
     "parallelism_config_cp_size",
@@ -45,6 +76,9 @@ pub const YAML_KEYS: &[&str] = &[
     "parallelism_config_dp_shard_size",
     "parallelism_config_pp_size",
     "parallelism_config_tp_size",
+    "pipeline_parallel_microbatches",
+    "pipeline_parallel_schedule",
+    "pipeline_parallel_virtual_stages",
 ];
 
 /// Other spellings accepted in the YAML block: `data_parallel_size` (= dp_replicate), `tensor_parallel_size`,
@@ -55,8 +89,8 @@ pub const ALIAS_KEYS: &[&str] = &["data_parallel_size", "pipeline_parallel_size"
 /// over all processes.
 ///
 /// Serialised as Accelerate's `parallelism_config` block (keys in alphabetical order, as PyYAML writes them;
-/// `parallelism_config_pp_size` only when it is not 1, so a file stays loadable by Python Accelerate). Unknown keys
-/// are refused.
+/// `parallelism_config_pp_size` only when it is not 1 and the `pipeline_parallel_*` keys only when set, so a file
+/// without pipeline stays loadable by Python Accelerate). Unknown keys are refused.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ParallelismConfig {
@@ -73,8 +107,9 @@ pub struct ParallelismConfig {
     /// it until sharded data parallelism is implemented.
     #[serde(rename = "parallelism_config_dp_shard_size", default = "one")]
     pub dp_shard_size: usize,
-    /// Pipeline stages (ours; Accelerate has none). A valid mesh layout; the Accelerator refuses it until
-    /// pipeline parallelism is implemented.
+    /// Pipeline ranks (ours; Accelerate has none): the model is cut into pp × [`Self::pp_stages_per_rank`]
+    /// stages, run in the schedule [`Self::pp_schedule`]. The program must split its model into stages (as
+    /// `accel_gpt` does).
     #[serde(
         rename = "parallelism_config_pp_size",
         alias = "pipeline_parallel_size",
@@ -85,6 +120,22 @@ pub struct ParallelismConfig {
     /// Tensor-parallel size (Megatron-style layers split over neighbouring ranks).
     #[serde(rename = "parallelism_config_tp_size", alias = "tensor_parallel_size", default = "one")]
     pub tp_size: usize,
+    /// Micro-batches each optimizer step's batch is split into for the pipeline (`pipeline_parallel_microbatches`,
+    /// torchtitan's `num_pp_microbatches`); `None`: one per stage (pp × virtual stages). Only read when pp > 1.
+    #[serde(rename = "pipeline_parallel_microbatches", default, skip_serializing_if = "Option::is_none")]
+    pub pp_microbatches: Option<usize>,
+    /// Pipeline schedule (`pipeline_parallel_schedule`, torchtitan's key): GPipe, 1F1B (default) or
+    /// Interleaved1F1B. Only read when pp > 1.
+    #[serde(rename = "pipeline_parallel_schedule", default, skip_serializing_if = "is_default_schedule")]
+    pub pp_schedule: ScheduleKind,
+    /// Stages per pp rank (`pipeline_parallel_virtual_stages`, Megatron's virtual pipeline size); `None`: 2 for
+    /// Interleaved1F1B, 1 otherwise. Only read when pp > 1.
+    #[serde(rename = "pipeline_parallel_virtual_stages", default, skip_serializing_if = "Option::is_none")]
+    pub pp_virtual_stages: Option<usize>,
+}
+
+fn is_default_schedule(s: &ScheduleKind) -> bool {
+    *s == ScheduleKind::default()
 }
 
 fn one() -> usize {
@@ -104,6 +155,9 @@ impl Default for ParallelismConfig {
             dp_shard_size: 1,
             pp_size: 1,
             tp_size: 1,
+            pp_microbatches: None,
+            pp_schedule: ScheduleKind::default(),
+            pp_virtual_stages: None,
         }
     }
 }
@@ -146,6 +200,37 @@ impl ParallelismConfig {
         self
     }
 
+    /// Builder: sets the pipeline schedule.
+    pub fn with_pp_schedule(mut self, kind: ScheduleKind) -> Self {
+        self.pp_schedule = kind;
+        self
+    }
+
+    /// Builder: sets the pipeline micro-batches per optimizer step.
+    pub fn with_pp_microbatches(mut self, m: usize) -> Self {
+        self.pp_microbatches = Some(m);
+        self
+    }
+
+    /// Builder: sets the stages per pp rank (interleaved schedules).
+    pub fn with_pp_virtual_stages(mut self, v: usize) -> Self {
+        self.pp_virtual_stages = Some(v);
+        self
+    }
+
+    /// Stages per pp rank: `pp_virtual_stages`, else 2 for Interleaved1F1B and 1 otherwise.
+    pub fn pp_stages_per_rank(&self) -> usize {
+        self.pp_virtual_stages.unwrap_or(match self.pp_schedule {
+            ScheduleKind::Interleaved1F1B => 2,
+            _ => 1,
+        })
+    }
+
+    /// Micro-batches per pipeline step: `pp_microbatches`, else one per stage (`pp_size × pp_stages_per_rank`).
+    pub fn pp_microbatches_per_step(&self) -> usize {
+        self.pp_microbatches.unwrap_or(self.pp_size * self.pp_stages_per_rank())
+    }
+
     /// Builder: sets the context-parallel size (only 1 validates).
     pub fn with_cp_size(mut self, n: usize) -> Self {
         self.cp_size = n;
@@ -158,10 +243,12 @@ impl ParallelismConfig {
     }
 
     /// Overrides the sizes with the variables present in `get` ([`DP_REPLICATE_SIZE_ENV`], [`DP_SHARD_SIZE_ENV`],
-    /// [`TP_SIZE_ENV`], [`CP_SIZE_ENV`], [`PP_SIZE_ENV`], and [`CP_COMM_STRATEGY_ENV`] verbatim); absent variables
-    /// keep the field.
+    /// [`TP_SIZE_ENV`], [`CP_SIZE_ENV`], [`PP_SIZE_ENV`], [`CP_COMM_STRATEGY_ENV`] verbatim) and the pipeline
+    /// settings ([`PP_SCHEDULE_ENV`], [`PP_MICROBATCHES_ENV`], [`PP_VIRTUAL_STAGES_ENV`]); absent variables keep
+    /// the field.
     ///
-    /// Errors: [`AccelError::Config`] naming the variable when a size is not a whole number ≥ 1.
+    /// Errors: [`AccelError::Config`] naming the variable and its value when a size, the micro-batches or the
+    /// virtual stages are not a whole number ≥ 1, or the schedule is none of `GPipe`, `1F1B`, `Interleaved1F1B`.
     pub fn with_overrides_from(mut self, get: impl Fn(&str) -> Option<String>) -> Result<Self> {
         for (var, slot) in [
             (DP_REPLICATE_SIZE_ENV, &mut self.dp_replicate_size),
@@ -171,26 +258,31 @@ impl ParallelismConfig {
             (PP_SIZE_ENV, &mut self.pp_size),
         ] {
             if let Some(v) = get(var) {
-                *slot = match v.trim().parse::<usize>() {
-                    Ok(n) if n >= 1 => n,
-                    _ => {
-                        return Err(AccelError::Config {
-                            key: var.into(),
-                            value: v,
-                            reason: "expected a whole number ≥ 1 (1 = that dimension is off)".into(),
-                        })
-                    }
-                };
+                *slot = whole_number(var, v, "1 = that dimension is off")?;
             }
         }
         if let Some(v) = get(CP_COMM_STRATEGY_ENV) {
             self.cp_comm_strategy = Some(v).filter(|s| !s.trim().is_empty());
         }
+        if let Some(v) = get(PP_SCHEDULE_ENV) {
+            self.pp_schedule = v.trim().parse().map_err(|_| AccelError::Config {
+                key: PP_SCHEDULE_ENV.into(),
+                value: v.clone(),
+                reason: format!("expected one of {} (the pipeline schedule)", ScheduleKind::CHOICES),
+            })?;
+        }
+        if let Some(v) = get(PP_MICROBATCHES_ENV) {
+            self.pp_microbatches = Some(whole_number(PP_MICROBATCHES_ENV, v, "micro-batches per optimizer step")?);
+        }
+        if let Some(v) = get(PP_VIRTUAL_STAGES_ENV) {
+            self.pp_virtual_stages = Some(whole_number(PP_VIRTUAL_STAGES_ENV, v, "model stages per pp rank")?);
+        }
         Ok(self)
     }
 
     /// The variables that carry this config to the workers of a launcher (`PARALLELISM_CONFIG_*`, what
-    /// [`Self::from_env`] reads): every size, and the cp strategy when set.
+    /// [`Self::from_env`] reads): every size, the cp strategy when set, and the pipeline settings when they are
+    /// not the defaults (the schedule when not 1F1B, the micro-batches and virtual stages when set).
     pub fn env_vars(&self) -> Vec<(String, String)> {
         let mut env: Vec<(String, String)> = [
             (DP_REPLICATE_SIZE_ENV, self.dp_replicate_size),
@@ -204,6 +296,15 @@ impl ParallelismConfig {
         .collect();
         if let Some(s) = &self.cp_comm_strategy {
             env.push((CP_COMM_STRATEGY_ENV.to_string(), s.clone()));
+        }
+        if !is_default_schedule(&self.pp_schedule) {
+            env.push((PP_SCHEDULE_ENV.to_string(), self.pp_schedule.to_string()));
+        }
+        if let Some(m) = self.pp_microbatches {
+            env.push((PP_MICROBATCHES_ENV.to_string(), m.to_string()));
+        }
+        if let Some(v) = self.pp_virtual_stages {
+            env.push((PP_VIRTUAL_STAGES_ENV.to_string(), v.to_string()));
         }
         env
     }
@@ -229,7 +330,8 @@ impl ParallelismConfig {
         self.sizes().iter().all(|&(_, n)| n == 1)
     }
 
-    /// Checks what does not depend on the world size: every size ≥ 1, cp = 1.
+    /// Checks what does not depend on the world size: every size ≥ 1, cp = 1, and the pipeline settings
+    /// ([`Self::validate_pipeline`]).
     ///
     /// Errors: [`AccelError::Config`] naming the key (`parallelism_config_tp_size`, ...), the value and the fix.
     pub fn validate_sizes(&self) -> Result<()> {
@@ -249,7 +351,77 @@ impl ParallelismConfig {
                 reason: "context parallelism is not implemented yet; set cp_size to 1".into(),
             });
         }
-        Ok(())
+        self.validate_pipeline()
+    }
+
+    /// Checks the pipeline settings, with the facts [`crate::pipeline::PipelineSchedule::new`] checks and the
+    /// config's key names. Always: `pipeline_parallel_microbatches` and `pipeline_parallel_virtual_stages` ≥ 1
+    /// when set. With pp > 1 (they are not read otherwise): Interleaved1F1B runs ≥ 2 stages per rank, GPipe and
+    /// 1F1B exactly 1; at least as many micro-batches as stages (pp × stages per rank); for Interleaved1F1B a
+    /// multiple of pp micro-batches (Megatron's rule: it takes them in groups of pp).
+    ///
+    /// Errors: [`AccelError::Config`] naming the key, its value (the effective one when it is a default) and what
+    /// fits.
+    pub fn validate_pipeline(&self) -> Result<()> {
+        let config = |key: &str, value: usize, reason: String| {
+            Err(AccelError::Config { key: key.into(), value: value.to_string(), reason })
+        };
+        if self.pp_microbatches == Some(0) {
+            return config(
+                "pipeline_parallel_microbatches",
+                0,
+                "at least 1 micro-batch per optimizer step (leave it unset for one per pipeline stage)".into(),
+            );
+        }
+        if self.pp_virtual_stages == Some(0) {
+            return config(
+                "pipeline_parallel_virtual_stages",
+                0,
+                "at least 1 stage per pp rank (leave it unset for 2 with Interleaved1F1B, 1 otherwise)".into(),
+            );
+        }
+        if self.pp_size <= 1 {
+            return Ok(());
+        }
+        let (pp, v, m, kind) =
+            (self.pp_size, self.pp_stages_per_rank(), self.pp_microbatches_per_step(), self.pp_schedule);
+        let stages = pp * v;
+        match kind {
+            ScheduleKind::Interleaved1F1B if v < 2 => config(
+                "pipeline_parallel_virtual_stages",
+                v,
+                "Interleaved1F1B runs at least 2 stages per pp rank; set pipeline_parallel_virtual_stages 2 or more, \
+                 or pipeline_parallel_schedule 1F1B for 1 stage per rank"
+                    .into(),
+            ),
+            ScheduleKind::GPipe | ScheduleKind::OneFOneB if v != 1 => config(
+                "pipeline_parallel_virtual_stages",
+                v,
+                format!(
+                    "the {kind} schedule runs 1 stage per pp rank; set pipeline_parallel_schedule Interleaved1F1B or \
+                     pipeline_parallel_virtual_stages 1"
+                ),
+            ),
+            _ if m < stages => config(
+                "pipeline_parallel_microbatches",
+                m,
+                format!(
+                    "{} cannot fill the {stages} pipeline stages (pp {pp} × {v} per rank): each stage would idle \
+                     most of the step; use at least {stages}",
+                    plural(m, "micro-batch", "micro-batches")
+                ),
+            ),
+            ScheduleKind::Interleaved1F1B if !m.is_multiple_of(pp) => config(
+                "pipeline_parallel_microbatches",
+                m,
+                format!(
+                    "Interleaved1F1B takes micro-batches in groups of pp = {pp}; use a multiple of {pp}: {} or {}",
+                    m / pp * pp,
+                    m.div_ceil(pp) * pp
+                ),
+            ),
+            _ => Ok(()),
+        }
     }
 
     /// The layout for a job of `world_size` processes: this config validated, with the all-ones rule applied
@@ -305,9 +477,10 @@ impl ParallelismConfig {
         Ok(MeshShape::new(r.pp_size, r.dp_replicate_size, r.dp_shard_size, r.tp_size)?)
     }
 
-    /// Checks that the [`crate::Accelerator`] can train this layout: pp > 1 and dp_shard > 1 are valid
-    /// [`ddp_core::DeviceMesh`] layouts (level-1 code may use them) but the Accelerator has neither pipeline
-    /// schedules nor sharded optimizer state yet.
+    /// Checks that the [`crate::Accelerator`] can train this layout: dp_shard > 1 is a valid
+    /// [`ddp_core::DeviceMesh`] layout (level-1 code may use it) but the Accelerator has no sharded optimizer state
+    /// yet. Pipeline parallelism (pp > 1) is trainable: the program splits its model into stages (as `accel_gpt`
+    /// does).
     ///
     /// Errors: [`AccelError::Config`] naming the size and what to use instead.
     pub fn check_accelerator_support(&self) -> Result<()> {
@@ -315,35 +488,30 @@ impl ParallelismConfig {
     }
 
     /// [`Self::check_accelerator_support`] for a job of `world_size` processes, checked before the sizes are
-    /// matched to it (so that a launcher refuses pp or dp_shard first, in one message): what would run on
-    /// `world_size` processes instead.
+    /// matched to it (so that a launcher refuses dp_shard first, in one message): what would run on
+    /// `world_size` processes instead, dp_shard folded into dp_replicate and the tp and pp sizes kept.
     pub fn check_accelerator_support_on(&self, world_size: usize) -> Result<()> {
-        let (key, size, what) = if self.pp_size > 1 {
-            ("pp", self.pp_size, "pipeline parallelism (accel has no pipeline schedule yet)")
-        } else if self.dp_shard_size > 1 {
-            ("dp_shard", self.dp_shard_size, "sharded data parallelism (ZeRO / FSDP: accel does not shard yet)")
-        } else {
+        if self.dp_shard_size <= 1 {
             return Ok(());
-        };
-        let mut set: Vec<String> = [("pp", self.pp_size), ("dp_shard", self.dp_shard_size)]
-            .iter()
-            .filter(|(_, n)| *n > 1)
-            .map(|(name, _)| format!("{name}_size 1"))
-            .collect();
-        // What runs on the same processes: the unsupported dimensions folded into replicated data parallelism.
-        let model = self.tp_size * self.cp_size;
-        let fix = if world_size.is_multiple_of(model) {
+        }
+        // What runs on the same processes: sharded data parallelism folded into replicated data parallelism.
+        let model = self.tp_size * self.pp_size * self.cp_size;
+        let fix = if model > 0 && world_size.is_multiple_of(model) {
             let dp = world_size / model;
-            set.push(format!("dp_replicate_size {dp}"));
-            let runnable = ParallelismConfig { dp_replicate_size: dp, dp_shard_size: 1, pp_size: 1, ..self.clone() };
-            format!("set {} ({} runs)", join_and(&set), runnable.layout_string())
+            let runnable = ParallelismConfig { dp_replicate_size: dp, dp_shard_size: 1, ..self.clone() };
+            format!("set dp_shard_size 1 and dp_replicate_size {dp} ({} runs)", runnable.layout_string())
+        } else if self.pp_size > 1 {
+            format!("set dp_shard_size 1, and tp_size and pp_size whose product divides {world_size}")
         } else {
-            format!("set {} and a tp_size that divides {world_size}", join_and(&set))
+            format!("set dp_shard_size 1 and a tp_size that divides {world_size}")
         };
         Err(AccelError::Config {
-            key: format!("parallelism_config_{key}_size"),
-            value: size.to_string(),
-            reason: format!("the Accelerator cannot train with {what}; on the same {world_size} processes {fix}"),
+            key: "parallelism_config_dp_shard_size".into(),
+            value: self.dp_shard_size.to_string(),
+            reason: format!(
+                "the Accelerator cannot train with sharded data parallelism (ZeRO / FSDP: accel does not shard yet); \
+                 on the same {world_size} processes {fix}"
+            ),
         })
     }
 
@@ -354,6 +522,49 @@ impl ParallelismConfig {
             self.dp_replicate_size, self.dp_shard_size, self.tp_size, self.pp_size
         )
     }
+
+    /// The pipeline schedule when pp > 1, as the run banner appends it to the layout: `1F1B, 4 micro-batches`,
+    /// `Interleaved1F1B, 2 stages per rank, 8 micro-batches` (stages per rank named when not 1). `None` when pp is
+    /// 1 (no pipeline).
+    pub fn pipeline_string(&self) -> Option<String> {
+        if self.pp_size <= 1 {
+            return None;
+        }
+        let v = self.pp_stages_per_rank();
+        let stages = (v != 1).then(|| format!(", {}", plural(v, "stage per rank", "stages per rank")));
+        Some(format!(
+            "{}{}, {}",
+            self.pp_schedule,
+            stages.unwrap_or_default(),
+            plural(self.pp_microbatches_per_step(), "micro-batch", "micro-batches")
+        ))
+    }
+
+    /// [`Self::layout_string`] followed by [`Self::pipeline_string`] in parentheses when pp > 1: `dp_replicate 1 ×
+    /// dp_shard 1 × tp 1 × pp 2 (1F1B, 4 micro-batches)`.
+    pub fn layout_with_pipeline(&self) -> String {
+        match self.pipeline_string() {
+            Some(p) => format!("{} ({p})", self.layout_string()),
+            None => self.layout_string(),
+        }
+    }
+}
+
+/// A whole number ≥ 1 from the variable `var`, or an error naming it, its value and what it is.
+fn whole_number(var: &str, v: String, what: &str) -> Result<usize> {
+    match v.trim().parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(AccelError::Config {
+            key: var.into(),
+            value: v,
+            reason: format!("expected a whole number ≥ 1 ({what})"),
+        }),
+    }
+}
+
+/// `1 micro-batch`, `4 micro-batches`.
+fn plural(n: usize, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
 }
 
 /// `a`, `a and b`, `a, b and c`.
@@ -468,27 +679,223 @@ mod tests {
     }
 
     #[test]
-    fn the_accelerator_refuses_pp_and_dp_shard_saying_what_to_use() {
+    fn the_accelerator_trains_pp_and_refuses_dp_shard_saying_what_to_use() {
         ParallelismConfig::default().with_tp_size(4).check_accelerator_support().unwrap();
-        // pp 2 × tp 2 on 4 processes: what runs there is dp_replicate 2 × tp 2.
-        let e = ParallelismConfig::default().with_pp_size(2).with_tp_size(2).check_accelerator_support().unwrap_err();
+        // Pipeline parallelism is trainable now, alone and with tp and dp.
+        ParallelismConfig::default().with_pp_size(2).with_tp_size(2).check_accelerator_support().unwrap();
+        ParallelismConfig::data_parallel(2).with_pp_size(4).check_accelerator_support_on(8).unwrap();
+        // dp_shard 2 × pp 2 on 4 processes: dp_shard folds into dp_replicate, pp is kept.
+        let e = ParallelismConfig::default().with_dp_shard_size(2).with_pp_size(2).check_accelerator_support();
         assert_eq!(
-            e.to_string(),
-            "invalid configuration parallelism_config_pp_size = \"2\": the Accelerator cannot train with pipeline \
-             parallelism (accel has no pipeline schedule yet); on the same 4 processes set pp_size 1 and \
-             dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 2 × pp 1 runs)"
+            e.unwrap_err().to_string(),
+            "invalid configuration parallelism_config_dp_shard_size = \"2\": the Accelerator cannot train with \
+             sharded data parallelism (ZeRO / FSDP: accel does not shard yet); on the same 4 processes set \
+             dp_shard_size 1 and dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 1 × pp 2 runs)"
         );
         let e = ParallelismConfig::data_parallel(2).with_dp_shard_size(2).with_pp_size(2).check_accelerator_support();
-        assert!(e.unwrap_err().to_string().ends_with(
-            "on the same 8 processes set pp_size 1, dp_shard_size 1 and dp_replicate_size 8 (dp_replicate 8 × \
-             dp_shard 1 × tp 1 × pp 1 runs)"
-        ));
+        assert!(
+            e.as_ref().unwrap_err().to_string().ends_with(
+                "on the same 8 processes set dp_shard_size 1 and dp_replicate_size 4 (dp_replicate 4 × dp_shard 1 × \
+                 tp 1 × pp 2 runs)"
+            ),
+            "{e:?}"
+        );
         let e = ParallelismConfig::default().with_dp_shard_size(2).check_accelerator_support().unwrap_err();
         assert_eq!(
             e.to_string(),
             "invalid configuration parallelism_config_dp_shard_size = \"2\": the Accelerator cannot train with \
              sharded data parallelism (ZeRO / FSDP: accel does not shard yet); on the same 2 processes set \
              dp_shard_size 1 and dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 1 × pp 1 runs)"
+        );
+        // tp × pp that does not divide the processes: no layout to name.
+        let e = ParallelismConfig::default().with_dp_shard_size(2).with_pp_size(3).check_accelerator_support_on(4);
+        assert!(
+            e.as_ref().unwrap_err().to_string().ends_with(
+                "on the same 4 processes set dp_shard_size 1, and tp_size and pp_size whose product divides 4"
+            ),
+            "{e:?}"
+        );
+        let e = ParallelismConfig::default().with_dp_shard_size(2).with_tp_size(3).check_accelerator_support_on(4);
+        assert!(
+            e.as_ref().unwrap_err().to_string().ends_with("set dp_shard_size 1 and a tp_size that divides 4"),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn pipeline_variables_are_read_and_written_only_when_set() {
+        // Defaults travel as absence: the variables of a config without pipeline settings are the sizes only.
+        let names: Vec<String> = ParallelismConfig::data_parallel(2).env_vars().into_iter().map(|(k, _)| k).collect();
+        assert_eq!(names, [DP_REPLICATE_SIZE_ENV, DP_SHARD_SIZE_ENV, TP_SIZE_ENV, CP_SIZE_ENV, PP_SIZE_ENV]);
+        let names: Vec<String> =
+            ParallelismConfig::default().with_pp_size(2).env_vars().into_iter().map(|(k, _)| k).collect();
+        assert_eq!(names.len(), 5, "1F1B and unset counts are not written: {names:?}");
+        // Set values are written and read back.
+        let p = ParallelismConfig::default()
+            .with_pp_size(2)
+            .with_pp_schedule(ScheduleKind::Interleaved1F1B)
+            .with_pp_microbatches(8)
+            .with_pp_virtual_stages(3);
+        let env = p.env_vars();
+        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+        assert_eq!(get("PARALLELISM_CONFIG_PP_SCHEDULE").as_deref(), Some("Interleaved1F1B"));
+        assert_eq!(get("PARALLELISM_CONFIG_PP_MICROBATCHES").as_deref(), Some("8"));
+        assert_eq!(get("PARALLELISM_CONFIG_PP_VIRTUAL_STAGES").as_deref(), Some("3"));
+        assert_eq!(ParallelismConfig::default().with_overrides_from(get).unwrap(), p);
+        // Spellings as torchtitan's and case-insensitively; a set variable overrides what code set.
+        let p = ParallelismConfig::default()
+            .with_pp_microbatches(4)
+            .with_overrides_from(lookup(&[
+                (PP_SCHEDULE_ENV, " gpipe "),
+                (PP_MICROBATCHES_ENV, "6"),
+                (PP_VIRTUAL_STAGES_ENV, "1"),
+            ]))
+            .unwrap();
+        assert_eq!((p.pp_schedule, p.pp_microbatches, p.pp_virtual_stages), (ScheduleKind::GPipe, Some(6), Some(1)));
+        let p = ParallelismConfig::default().with_overrides_from(lookup(&[(PP_SCHEDULE_ENV, "interleaved_1f1b")]));
+        assert_eq!(p.unwrap().pp_schedule, ScheduleKind::Interleaved1F1B);
+    }
+
+    #[test]
+    fn a_bad_pipeline_variable_is_named_with_what_it_expects() {
+        let err = |var: &str, value: &str| {
+            ParallelismConfig::default().with_overrides_from(lookup(&[(var, value)])).unwrap_err().to_string()
+        };
+        assert_eq!(
+            err(PP_SCHEDULE_ENV, "zigzag"),
+            "invalid configuration PARALLELISM_CONFIG_PP_SCHEDULE = \"zigzag\": expected one of GPipe, 1F1B, \
+             Interleaved1F1B (the pipeline schedule)"
+        );
+        for bad in ["0", "four", "-2", ""] {
+            assert_eq!(
+                err(PP_MICROBATCHES_ENV, bad),
+                format!(
+                    "invalid configuration PARALLELISM_CONFIG_PP_MICROBATCHES = {bad:?}: expected a whole number ≥ 1 \
+                     (micro-batches per optimizer step)"
+                )
+            );
+            assert_eq!(
+                err(PP_VIRTUAL_STAGES_ENV, bad),
+                format!(
+                    "invalid configuration PARALLELISM_CONFIG_PP_VIRTUAL_STAGES = {bad:?}: expected a whole number ≥ \
+                     1 (model stages per pp rank)"
+                )
+            );
+        }
+    }
+
+    fn pipeline(pp: usize, kind: ScheduleKind) -> ParallelismConfig {
+        ParallelismConfig::default().with_pp_size(pp).with_pp_schedule(kind)
+    }
+
+    #[test]
+    fn pipeline_settings_are_validated_with_their_keys() {
+        use ScheduleKind::{GPipe, Interleaved1F1B, OneFOneB};
+        let msg = |p: ParallelismConfig| p.validate_sizes().unwrap_err().to_string();
+        // The value checks apply with or without a pipeline.
+        assert_eq!(
+            msg(ParallelismConfig::default().with_pp_microbatches(0)),
+            "invalid configuration pipeline_parallel_microbatches = \"0\": at least 1 micro-batch per optimizer \
+             step (leave it unset for one per pipeline stage)"
+        );
+        assert_eq!(
+            msg(pipeline(2, OneFOneB).with_pp_virtual_stages(0)),
+            "invalid configuration pipeline_parallel_virtual_stages = \"0\": at least 1 stage per pp rank (leave it \
+             unset for 2 with Interleaved1F1B, 1 otherwise)"
+        );
+        // Stages per rank must fit the schedule.
+        assert_eq!(
+            msg(pipeline(2, Interleaved1F1B).with_pp_virtual_stages(1)),
+            "invalid configuration pipeline_parallel_virtual_stages = \"1\": Interleaved1F1B runs at least 2 stages \
+             per pp rank; set pipeline_parallel_virtual_stages 2 or more, or pipeline_parallel_schedule 1F1B for 1 \
+             stage per rank"
+        );
+        assert_eq!(
+            msg(pipeline(2, OneFOneB).with_pp_virtual_stages(2)),
+            "invalid configuration pipeline_parallel_virtual_stages = \"2\": the 1F1B schedule runs 1 stage per pp \
+             rank; set pipeline_parallel_schedule Interleaved1F1B or pipeline_parallel_virtual_stages 1"
+        );
+        assert!(msg(pipeline(2, GPipe).with_pp_virtual_stages(3)).contains("the GPipe schedule runs 1 stage"));
+        // Fewer micro-batches than stages, naming both and the smallest count that fits.
+        assert_eq!(
+            msg(pipeline(4, OneFOneB).with_pp_microbatches(3)),
+            "invalid configuration pipeline_parallel_microbatches = \"3\": 3 micro-batches cannot fill the 4 \
+             pipeline stages (pp 4 × 1 per rank): each stage would idle most of the step; use at least 4"
+        );
+        assert!(msg(pipeline(2, GPipe).with_pp_microbatches(1)).ends_with(
+            "\"1\": 1 micro-batch cannot fill the 2 pipeline stages (pp 2 × 1 per rank): each stage would idle \
+                 most of the step; use at least 2"
+        ));
+        // Interleaved: stages = pp × v (2 by default), and the count is a multiple of pp.
+        assert!(msg(pipeline(2, Interleaved1F1B).with_pp_microbatches(2)).ends_with(
+            "2 micro-batches cannot fill the 4 pipeline stages (pp 2 × 2 per rank): each stage would \
+                        idle most of the step; use at least 4"
+        ));
+        assert_eq!(
+            msg(pipeline(2, Interleaved1F1B).with_pp_microbatches(5)),
+            "invalid configuration pipeline_parallel_microbatches = \"5\": Interleaved1F1B takes micro-batches in \
+             groups of pp = 2; use a multiple of 2: 4 or 6"
+        );
+        assert!(msg(pipeline(4, Interleaved1F1B).with_pp_microbatches(10)).ends_with("use a multiple of 4: 8 or 12"));
+        // What fits; the defaults always fit; nothing is read at pp 1 but the values.
+        for ok in [
+            pipeline(2, OneFOneB),
+            pipeline(4, GPipe).with_pp_microbatches(4),
+            pipeline(2, Interleaved1F1B),
+            pipeline(4, Interleaved1F1B).with_pp_virtual_stages(3).with_pp_microbatches(16),
+            pipeline(1, Interleaved1F1B).with_pp_virtual_stages(1).with_pp_microbatches(1),
+        ] {
+            ok.validate_sizes().unwrap_or_else(|e| panic!("{ok:?}: {e}"));
+        }
+        // resolve() checks them too.
+        let e = pipeline(2, OneFOneB).with_pp_microbatches(1).with_dp_replicate_size(2).resolve(4).unwrap_err();
+        assert!(e.to_string().starts_with("invalid configuration pipeline_parallel_microbatches"), "{e}");
+    }
+
+    #[test]
+    fn the_config_accepts_only_schedules_that_build_and_refuses_more_only_for_idle_stages() {
+        for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB, ScheduleKind::Interleaved1F1B] {
+            for pp in 2..=4 {
+                for v in 1..=3 {
+                    for m in 1..=13 {
+                        let p = pipeline(pp, kind).with_pp_virtual_stages(v).with_pp_microbatches(m);
+                        let schedule = crate::pipeline::PipelineSchedule::new(kind, pp, m, v);
+                        match (p.validate_sizes(), schedule) {
+                            (Ok(()), Err(e)) => panic!("{p:?} validates but its schedule is refused: {e}"),
+                            // The one rule the schedule does not have: fewer micro-batches than stages.
+                            (Err(e), Ok(_)) => assert!(
+                                m < pp * v && e.to_string().contains("cannot fill the"),
+                                "{p:?}: refused with {e}"
+                            ),
+                            _ => {}
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_pipeline_string_describes_the_schedule() {
+        use ScheduleKind::{GPipe, Interleaved1F1B, OneFOneB};
+        assert_eq!(ParallelismConfig::default().pipeline_string(), None);
+        assert_eq!(pipeline(1, GPipe).with_pp_microbatches(8).pipeline_string(), None);
+        assert_eq!(pipeline(2, OneFOneB).pipeline_string().as_deref(), Some("1F1B, 2 micro-batches"));
+        assert_eq!(
+            pipeline(2, GPipe).with_pp_microbatches(4).pipeline_string().as_deref(),
+            Some("GPipe, 4 micro-batches")
+        );
+        assert_eq!(
+            pipeline(2, Interleaved1F1B).pipeline_string().as_deref(),
+            Some("Interleaved1F1B, 2 stages per rank, 4 micro-batches")
+        );
+        assert_eq!(
+            pipeline(2, OneFOneB).with_pp_microbatches(4).layout_with_pipeline(),
+            "dp_replicate 1 × dp_shard 1 × tp 1 × pp 2 (1F1B, 4 micro-batches)"
+        );
+        assert_eq!(
+            ParallelismConfig::data_parallel(2).layout_with_pipeline(),
+            "dp_replicate 2 × dp_shard 1 × tp 1 × pp 1"
         );
     }
 
@@ -516,5 +923,32 @@ mod tests {
         );
         let v = to_value(ParallelismConfig::default().with_pp_size(2)).unwrap();
         assert_eq!(v["parallelism_config_pp_size"], json!(2));
+        assert!(v.get("pipeline_parallel_schedule").is_none(), "the default 1F1B is not written: {v}");
+    }
+
+    #[test]
+    fn serde_reads_and_writes_the_pipeline_keys_in_alphabetical_order() {
+        use serde_json::{from_value, json};
+        let p: ParallelismConfig = from_value(json!({
+            "parallelism_config_pp_size": 2,
+            "pipeline_parallel_schedule": "interleaved1f1b",
+            "pipeline_parallel_microbatches": 8,
+            "pipeline_parallel_virtual_stages": 2,
+        }))
+        .unwrap();
+        assert_eq!(p, pipeline(2, ScheduleKind::Interleaved1F1B).with_pp_microbatches(8).with_pp_virtual_stages(2));
+        let text = serde_json::to_string(&p).unwrap();
+        assert_eq!(
+            text,
+            "{\"parallelism_config_cp_size\":1,\"parallelism_config_dp_replicate_size\":1,\
+             \"parallelism_config_dp_shard_size\":1,\"parallelism_config_pp_size\":2,\"parallelism_config_tp_size\":1,\
+             \"pipeline_parallel_microbatches\":8,\"pipeline_parallel_schedule\":\"Interleaved1F1B\",\
+             \"pipeline_parallel_virtual_stages\":2}"
+        );
+        let mut sorted = YAML_KEYS.to_vec();
+        sorted.sort_unstable();
+        assert_eq!(sorted, YAML_KEYS, "YAML_KEYS is kept sorted");
+        let e = from_value::<ParallelismConfig>(json!({"pipeline_parallel_schedule": "zigzag"})).unwrap_err();
+        assert!(e.to_string().contains("expected one of GPipe, 1F1B, Interleaved1F1B"), "{e}");
     }
 }

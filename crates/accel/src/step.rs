@@ -351,14 +351,7 @@ impl StepController {
     /// Advances the window for one micro-batch's backward and scales its loss (÷ GA, × fp16 loss scale); returns
     /// whether this micro-batch syncs, and the scaled loss.
     fn begin_micro_batch(&self, loss: &Tensor) -> Result<(bool, Tensor)> {
-        let sync = {
-            let mut st = lock(&self.state);
-            if !st.window.in_accumulate {
-                self.advance(&mut st, WindowEnd::Counted);
-            }
-            st.counters.total_micro_steps += 1;
-            st.window.sync_gradients && st.window.no_sync_depth == 0
-        };
+        let sync = self.advance_for_backward();
         let mut loss = loss.clone();
         if self.gradient_accumulation_steps > 1 {
             loss = loss.affine(1.0 / self.gradient_accumulation_steps as f64, 0.0)?;
@@ -368,6 +361,64 @@ impl StepController {
             loss = loss.to_dtype(candle_core::DType::F32)?.affine(scale, 0.0)?;
         }
         Ok((sync, loss))
+    }
+
+    /// Advances the window for one backward (unless `accumulate` did on entry) and counts it; returns whether
+    /// it syncs.
+    fn advance_for_backward(&self) -> bool {
+        let mut st = lock(&self.state);
+        if !st.window.in_accumulate {
+            self.advance(&mut st, WindowEnd::Counted);
+        }
+        st.counters.total_micro_steps += 1;
+        st.window.sync_gradients && st.window.no_sync_depth == 0
+    }
+
+    // ---- a pipeline step ----------------------------------------------------------------------------------------
+
+    /// One pipeline step as one micro-step of the accumulation window (its pipeline micro-batches are inside
+    /// it): advances the window as [`Self::backward`] does; returns whether it syncs and the factor each
+    /// micro-batch's loss is multiplied by before its backward (÷ GA, × the fp16 loss scale: the same scaling
+    /// `backward` applies, so gradients are never rescaled after).
+    pub(crate) fn begin_pipeline_step(&self) -> (bool, f64) {
+        let sync = self.advance_for_backward();
+        let mut factor = 1.0 / self.gradient_accumulation_steps as f64;
+        if let Some(scaler) = &self.scaler {
+            factor *= lock(scaler).scale();
+        }
+        (sync, factor)
+    }
+
+    /// Adds a pipeline step's gradients (summed over its micro-batches; `grads[i]` for `model.parameters()[i]`)
+    /// to `model`'s slots, with the unused-parameter check of `backward`, and on a sync step reduces them
+    /// (collective over the model's groups).
+    pub(crate) fn add_pipeline_gradients(
+        &self,
+        model: &PreparedModel,
+        grads: Vec<Option<Tensor>>,
+        sync: bool,
+    ) -> Result<()> {
+        let mut st = lock(&self.state);
+        let g = &mut st.grads[model.index()];
+        if g.synced {
+            g.clear();
+        }
+        let mut missing = Vec::new();
+        for (i, grad) in grads.into_iter().enumerate() {
+            match grad {
+                Some(grad) => g.add(i, grad)?,
+                None if model.find_unused_parameters() => {}
+                None => missing.push(model.names()[i].clone()),
+            }
+        }
+        if !missing.is_empty() {
+            return Err(ddp_core::DdpError::UnusedParameters { names: missing }.into());
+        }
+        if sync {
+            model.reduce_gradients(&mut g.slots)?;
+            g.synced = true;
+        }
+        Ok(())
     }
 
     // ---- clipping ---------------------------------------------------------------------------------------------

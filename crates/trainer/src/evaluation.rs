@@ -15,7 +15,7 @@ use candle_core::{DType, ModuleT, Tensor};
 
 use crate::error::{Result, TrainerError};
 use crate::metrics::{EvalPrediction, Metrics, IGNORE_INDEX};
-use crate::trainer::{cast_input, fire, outputs_f32, Event, Runtime, Trainer};
+use crate::trainer::{accel_error, cast_input, fire, outputs_f32, Event, Runtime, Trainer};
 
 /// What [`Trainer::predict`] returns (HF's `PredictionOutput`).
 #[derive(Debug, Clone)]
@@ -161,6 +161,14 @@ where
     /// Refuses what evaluation cannot do for a model split over tp > 1 ranks: gathering its outputs (they are
     /// shards, e.g. of the vocabulary) for `compute_metrics` or [`Trainer::predict`].
     pub(crate) fn check_tp_evaluation(&self, rt: &Runtime<M, D>, keep_predictions: bool) -> Result<()> {
+        if keep_predictions && rt.acc.pipeline_schedule().is_some() {
+            return Err(TrainerError::Usage(format!(
+                "the model is cut into {} pipeline stages: evaluation reports the loss only, its outputs exist on \
+                 the last stage alone, which compute_metrics / predict cannot use; drop compute_metrics (eval_loss \
+                 is still reported), or evaluate with pp_size 1",
+                rt.acc.mesh().pp().world_size()
+            )));
+        }
         if keep_predictions && rt.tp.size() > 1 {
             return Err(TrainerError::Usage(format!(
                 "the model is split over {} tensor-parallel ranks: evaluation reports the loss only, its outputs \
@@ -183,6 +191,28 @@ where
         for batch in loader.iter() {
             let batch = batch?;
             steps += 1;
+            if let Some(as_staged) = rt.staged {
+                // Through the stages (forward only); the loss is the last stage's, the same on every pp rank.
+                let rows = batch.len();
+                let keep = rows - acc.padding_in_batch().min(rows);
+                if keep > 0 {
+                    let (x, t) = (batch.inputs.narrow(0, 0, keep)?, batch.targets.narrow(0, 0, keep)?);
+                    let n = self.loss.count_items(&t)?.ok_or_else(|| {
+                        TrainerError::Usage(
+                            "a pipelined model is evaluated with a loss that counts its items from the targets \
+                             (Loss::count_items)"
+                                .into(),
+                        )
+                    })?;
+                    let tp = &rt.tp;
+                    let sum = acc.pipeline_forward(as_staged(&rt.model), &cast_input(&x, dtype)?, &t, |y, t| {
+                        Ok(self.loss.compute_parallel(&outputs_f32(y.clone()).map_err(accel_error)?, t, tp)?.loss_sum)
+                    })?;
+                    loss_sum += f64::from(sum.to_scalar::<f32>()?);
+                    items += n;
+                }
+                continue;
+            }
             let y = outputs_f32(rt.model.forward_t(&cast_input(&batch.inputs, dtype)?, false)?.detach())?;
             let rows = batch.len();
             let keep = rows - acc.padding_in_batch().min(rows);

@@ -31,6 +31,7 @@ use std::time::Instant;
 use accel::data::{Batch, DataLoader, DataLoaderConfig, Dataset};
 use accel::dist::ProcessGroup;
 use accel::optim::AcceleratedOptimizer;
+use accel::pipeline::{Stage, StagedModel};
 use accel::scheduler::{warmup_steps_from, LrScheduler, Scheduler};
 use accel::segments::{self, BackwardSegments};
 use accel::state::Stateful;
@@ -57,7 +58,21 @@ pub type ModelInit<M> = Box<dyn Fn(VarBuilder<'static>) -> candle_core::Result<M
 /// The one model builder the Trainer keeps: it is handed both the Accelerator's `ParamBuilder` and the trainer's
 /// seeded `VarBuilder` over the same VarMap ([`crate::init::seeded_var_builder`]: `Trainer::new`'s models keep
 /// their seeded candle-nn initialisation), and each constructor's wrapper uses the one its closure wants.
-type InitFn<M> = Box<dyn Fn(&ParamBuilder, VarBuilder<'static>) -> candle_core::Result<M> + Send>;
+/// Pipelined models ([`Trainer::new_pipelined`]) also get the stages this rank holds.
+type InitFn<M> = Box<dyn Fn(&ParamBuilder, VarBuilder<'static>, &[Stage]) -> candle_core::Result<M> + Send>;
+/// A pipelined model as a [`StagedModel`] (what [`Trainer::new_pipelined`] records, so the training step can drive
+/// the model's stages without a bound on every trainer's model type).
+type AsStaged<M> = for<'a> fn(&'a M) -> &'a dyn StagedModel;
+
+/// What [`Trainer::new_pipelined`] adds: the model's block count (to cut into stages) and how to see it as stages.
+struct Pipelined<M> {
+    layers: usize,
+    as_staged: AsStaged<M>,
+}
+
+fn as_staged<M: StagedModel>(m: &M) -> &dyn StagedModel {
+    m
+}
 /// Computes metrics from everything predicted on the evaluation set (gathered from all processes).
 pub type ComputeMetrics = Box<dyn Fn(&EvalPrediction) -> Result<Metrics> + Send>;
 
@@ -79,6 +94,9 @@ pub(crate) struct Runtime<M, D> {
     pub(crate) tp: TensorParallel,
     pub(crate) varmap: VarMap,
     pub(crate) model: M,
+    /// The model as stages, when built by [`Trainer::new_pipelined`]: training and evaluation then go through
+    /// the Accelerator's pipeline calls (at every pp size, pp 1 included).
+    pub(crate) staged: Option<AsStaged<M>>,
     pub(crate) prepared: PreparedModel,
     pub(crate) optimizer: AcceleratedOptimizer<TrainerOptimizer>,
     pub(crate) train_loader: DataLoader<D>,
@@ -103,6 +121,7 @@ pub(crate) struct Runtime<M, D> {
 pub struct Trainer<M, D> {
     pub(crate) args: TrainingArguments,
     model_init: InitFn<M>,
+    pipelined: Option<Pipelined<M>>,
     train_dataset: Arc<D>,
     pub(crate) eval_dataset: Option<Arc<D>>,
     pub(crate) loss: Arc<dyn Loss>,
@@ -158,6 +177,14 @@ pub(crate) fn fire(
     }
 }
 
+/// A Trainer error met inside an Accelerator callback, carried as an Accelerator error (its message kept).
+pub(crate) fn accel_error(e: TrainerError) -> accel::AccelError {
+    match e {
+        TrainerError::Accel(e) => e,
+        e => accel::AccelError::InvalidArgument(e.to_string()),
+    }
+}
+
 /// Casts floating-point inputs to the compute dtype (integer inputs such as token ids are left alone).
 pub(crate) fn cast_input(x: &Tensor, dtype: DType) -> Result<Tensor> {
     Ok(if x.dtype().is_float() && x.dtype() != dtype { x.to_dtype(dtype)? } else { x.clone() })
@@ -187,7 +214,7 @@ where
     where
         F: Fn(VarBuilder<'static>) -> candle_core::Result<M> + Send + 'static,
     {
-        let init: InitFn<M> = Box::new(move |_pb, vb| model_init(vb));
+        let init: InitFn<M> = Box::new(move |_pb, vb, _stages| model_init(vb));
         Self::with_init(args, init, train_dataset, eval_dataset, loss)
     }
 
@@ -233,8 +260,35 @@ where
     where
         F: Fn(&ParamBuilder) -> candle_core::Result<M> + Send + 'static,
     {
-        let init: InitFn<M> = Box::new(move |pb, _vb| model_init(pb));
+        let init: InitFn<M> = Box::new(move |pb, _vb, _stages| model_init(pb));
         Self::with_init(args, init, train_dataset, eval_dataset, loss)
+    }
+
+    /// Like [`Trainer::new_parallel`], for a model written as a sequence of `layers` blocks that can be cut into
+    /// pipeline stages: `model_init` builds the [`Stage`]s this rank holds (from
+    /// [`Accelerator::pipeline_stages`]: every block at pp 1; under `PARALLELISM_CONFIG_PP_SIZE` /
+    /// `accel launch --parallelism-config-pp-size` a share of them, the embedding on the first stage and the head
+    /// on the last), and the trainer drives each micro-batch window through the configured schedule
+    /// ([`Accelerator::pipeline_backward_sum`]): the loss of every pipeline micro-batch is normalised by the
+    /// window's global item count before its backward, exactly as without pp. The loss must count its items
+    /// from the targets ([`Loss::count_items`]); evaluation reports the loss only under pp (the outputs live on
+    /// the last stage), so `compute_metrics` and `predict` are refused there.
+    pub fn new_pipelined<F>(
+        args: TrainingArguments,
+        layers: usize,
+        model_init: F,
+        train_dataset: D,
+        eval_dataset: Option<D>,
+        loss: impl Loss + 'static,
+    ) -> Self
+    where
+        F: Fn(&ParamBuilder, &[Stage]) -> candle_core::Result<M> + Send + 'static,
+        M: StagedModel,
+    {
+        let init: InitFn<M> = Box::new(move |pb, _vb, stages| model_init(pb, stages));
+        let mut t = Self::with_init(args, init, train_dataset, eval_dataset, loss);
+        t.pipelined = Some(Pipelined { layers, as_staged: as_staged::<M> });
+        t
     }
 
     fn with_init(
@@ -247,6 +301,7 @@ where
         Trainer {
             args,
             model_init,
+            pipelined: None,
             train_dataset: Arc::new(train_dataset),
             eval_dataset: eval_dataset.map(Arc::new),
             loss: Arc::new(loss),
@@ -339,7 +394,19 @@ where
         // Parameters drawn from args.seed (the Accelerator's seed), split over the mesh's tp group.
         let pb = acc.param_builder(&varmap);
         let tp = pb.tp().clone();
-        let model = (self.model_init)(&pb, vb)?;
+        let stages = match &self.pipelined {
+            Some(p) => acc.pipeline_stages(p.layers, None)?,
+            None if acc.pipeline_schedule().is_some() => {
+                return Err(TrainerError::Usage(format!(
+                    "the processes are laid out with pp_size {} (pipeline parallelism) but this trainer's model is \
+                     not cut into stages: build the trainer with Trainer::new_pipelined (a model of blocks, each \
+                     rank building its stages), or set pp_size 1",
+                    acc.mesh().pp().world_size()
+                )))
+            }
+            None => Vec::new(),
+        };
+        let model = (self.model_init)(&pb, vb, &stages)?;
         let prepared = acc.prepare_model(&varmap)?;
         let optimizer = acc.prepare_optimizer(&prepared, TrainerOptimizer::from_args(&self.args)?)?;
         let cfg = DataLoaderConfig {
@@ -357,8 +424,19 @@ where
             std::fs::create_dir_all(&self.args.output_dir)
                 .map_err(|e| TrainerError::io(format!("creating output_dir {}", self.args.output_dir.display()), e))?;
         }
-        self.rt =
-            Some(Runtime { acc, tp, varmap, model, prepared, optimizer, train_loader, scheduler: None, callbacks });
+        let staged = self.pipelined.as_ref().map(|p| p.as_staged);
+        self.rt = Some(Runtime {
+            acc,
+            tp,
+            varmap,
+            model,
+            staged,
+            prepared,
+            optimizer,
+            train_loader,
+            scheduler: None,
+            callbacks,
+        });
         Ok(())
     }
 
@@ -821,6 +899,26 @@ where
         let rows: usize = window.iter().map(Batch::len).sum();
         let local_items: usize = counts.iter().sum();
         let scale = self.loss_scale(acc, local_items, rows)?;
+        if let Some(as_staged) = rt.staged {
+            // Each pipeline micro-batch's loss sum × the window's scale, summed; the call returns that sum (the
+            // same on every pp rank), so this rank's share of the window's loss sum is it ÷ scale.
+            let (dtype, tp) = (acc.compute_dtype(), &rt.tp);
+            acc.accumulate_window(window.len(), |i| {
+                let b = &window[i];
+                let scaled = acc.pipeline_backward_sum(
+                    as_staged(&rt.model),
+                    &cast_input(&b.inputs, dtype)?,
+                    &b.targets,
+                    |y, t| {
+                        let out = self.loss.compute_parallel(&outputs_f32(y.clone()).map_err(accel_error)?, t, tp)?;
+                        Ok(out.loss_sum.affine(scale, 0.0)?)
+                    },
+                )?;
+                let sum = if scale > 0.0 { scaled.affine(1.0 / scale, 0.0)? } else { scaled.zeros_like()? };
+                add_detached(local_sum, &sum)
+            })?;
+            return Ok(local_items);
+        }
         acc.accumulate_window(window.len(), |i| {
             let (out, cuts) = self.forward(rt, &window[i])?;
             if out.num_items != counts[i] {
@@ -845,6 +943,14 @@ where
         local_sum: &mut Option<Tensor>,
     ) -> Result<usize> {
         let acc = &rt.acc;
+        if rt.staged.is_some() {
+            return Err(TrainerError::Usage(
+                "a pipelined model (Trainer::new_pipelined) needs a loss that counts its items from the targets \
+                 (Loss::count_items): each micro-batch's backward runs before the pipeline's last stage could count \
+                 the window; use one of trainer::losses or implement count_items"
+                    .into(),
+            ));
+        }
         let rows: usize = window.iter().map(Batch::len).sum();
         let mut sums = Vec::with_capacity(window.len());
         let mut local_items = 0usize;

@@ -1,5 +1,5 @@
 //! Level 2: the char-level GPT ([`accel_examples::gpt`]) on the shipped Shakespeare text with the Accelerator, in
-//! any layout of data and tensor parallelism, with the same command plus the sizes:
+//! any layout of data, tensor and pipeline parallelism, with the same command plus the sizes:
 //!
 //! ```text
 //! cargo run -p accel-examples --bin accel_gpt                            # 1 process
@@ -7,15 +7,22 @@
 //! cargo run -p accel-examples --bin accel_gpt -- --nproc 2 --tp-size 2   # tp2
 //! cargo run -p accel-examples --bin accel_gpt -- --nproc 4 --tp-size 4   # tp4
 //! cargo run -p accel-examples --bin accel_gpt -- --nproc 4 --tp-size 2   # dp2 × tp2
+//! cargo run -p accel-examples --bin accel_gpt -- --nproc 2 --pp-size 2   # pp2, 1F1B over 2 micro-batches
+//! cargo run -p accel-examples --bin accel_gpt -- --nproc 4 --pp-size 2 --tp-size 2 --microbatches 4  # tp2 × pp2
+//! cargo run -p accel-examples --bin accel_gpt -- --nproc 2 --pp-size 2 --pp-schedule Interleaved1F1B --microbatches 4
 //! accel launch -n 4 --parallelism-config-dp-replicate-size 2 --parallelism-config-tp-size 2 target/debug/accel_gpt
 //! ```
 //!
 //! Without RANK in the environment and with `--nproc N > 1` the program launches N copies of itself with
 //! `PARALLELISM_CONFIG_TP_SIZE = --tp-size` and `PARALLELISM_CONFIG_DP_REPLICATE_SIZE = N / tp` (Accelerate's
 //! variables; under `accel launch` its flags set them); the Accelerator lays the N ranks out as
-//! `dp × tp` (tp innermost: ranks 0-1 are one tp group at dp2 × tp2) and `accelerator.param_builder` splits the
-//! model over the tp group. The data loader shards by the data-parallel rank only, so the tp peers read the same
-//! batches; `--batch-size` is per data-parallel replica, and the global batch is `batch · dp · GA`.
+//! `pp × dp × tp` (tp innermost: ranks 0-1 are one tp group at dp2 × tp2; pp outermost), `accelerator.
+//! pipeline_stages` tells each rank which blocks it builds (the embedding on the first stage, the head on the
+//! last), `accelerator.param_builder` splits them over the tp group, and `accelerator.pipeline_backward` runs each
+//! batch's micro-batches through the schedule (at pp 1 it is the plain forward, loss and overlapped backward). The
+//! data loader shards by the data-parallel rank only, so the tp and pp peers read the same batches;
+//! `--batch-size` is per data-parallel replica (a multiple of the micro-batches under pp), and the global batch is
+//! `batch · dp · GA`. Under pp the sample at the end comes from the whole model gathered on rank 0.
 //!
 //! It prints the loss every `--log-every` optimizer steps, the training throughput (tokens/s over all replicas,
 //! the first logged interval excluded as warm-up), the peak resident memory of every rank (`VmHWM` of
@@ -28,7 +35,7 @@
 use accel::data::{CharVocab, TextDataset};
 use accel::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, DataLoader, DataLoaderConfig, MixedPrecision};
 use accel::{Dataset, ReduceKind};
-use accel_examples::gpt::{CharGpt, GptConfig};
+use accel_examples::gpt::{GptConfig, GptStages};
 use anyhow::{bail, Context};
 use candle_core::Tensor;
 use candle_nn::VarMap;
@@ -43,16 +50,18 @@ use std::time::Instant;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// Char-level GPT on Shakespeare at level 2: the Accelerator, data × tensor parallel (--tp-size).
+#[path = "shared/layout_args.rs"]
+mod layout_args;
+
+/// Char-level GPT on Shakespeare at level 2: the Accelerator, data × tensor × pipeline parallel (--tp-size,
+/// --pp-size).
 #[derive(Parser, Debug)]
 struct Args {
     /// Processes to launch on this machine when not started by a launcher (RANK unset): dp × tp.
     #[arg(long, default_value_t = 1, value_parser = accel_examples::parse_nproc)]
     nproc: usize,
-    /// Tensor-parallel size: ranks each model is split over (must divide --nproc and the model's n_head, d_model
-    /// and d_ff). Passed to the workers as PARALLELISM_CONFIG_TP_SIZE; data parallelism takes the rest.
-    #[arg(long, default_value_t = 1)]
-    tp_size: usize,
+    #[command(flatten)]
+    layout: layout_args::LayoutArgs,
     /// Optimizer steps.
     #[arg(long, default_value_t = 300)]
     steps: u64,
@@ -96,6 +105,9 @@ struct Args {
     /// Hidden width of the MLP.
     #[arg(long, default_value_t = 512)]
     d_ff: usize,
+    /// Tie the head's weight to the token embedding (GPT-2): one `wte.weight`, no `lm_head.weight`.
+    #[arg(long)]
+    tie_embeddings: bool,
     /// Characters to generate at the end (0: none).
     #[arg(long, default_value_t = 300)]
     sample_len: usize,
@@ -118,6 +130,23 @@ fn text_path(args: &Args) -> PathBuf {
     }
 }
 
+/// `, 1F1B over 4 micro-batches of 4 sequences, this rank: stage 1 (blocks 2..4)` under pp; empty otherwise.
+fn pipeline_summary(acc: &Accelerator, stages: &[accel::pipeline::Stage]) -> String {
+    match acc.pipeline_schedule() {
+        None => String::new(),
+        Some(s) => {
+            let held: Vec<String> = stages.iter().map(|st| format!("{} (blocks {:?})", st.index, st.layers)).collect();
+            format!(
+                ", {} over {} micro-batches, rank {} holds stage {}",
+                acc.parallelism_config().pp_schedule,
+                s.microbatches,
+                acc.rank(),
+                held.join(" and ")
+            )
+        }
+    }
+}
+
 fn model_config(args: &Args, vocab_size: usize) -> GptConfig {
     GptConfig {
         vocab_size,
@@ -126,21 +155,22 @@ fn model_config(args: &Args, vocab_size: usize) -> GptConfig {
         n_head: args.n_head,
         d_model: args.d_model,
         d_ff: args.d_ff,
+        tie_embeddings: args.tie_embeddings,
     }
 }
 
 fn run() -> anyhow::Result<()> {
     let args = accel_examples::parse_args!(Args); // a bad command line is reported once under a launcher
-    accel_examples::check_tp_size(args.nproc, args.tp_size)?;
-    // Check the model against the tp size once, here, before any worker starts (76 = the shipped vocabulary;
-    // the vocabulary never constrains tp).
-    model_config(&args, 76).validate(args.tp_size)?;
+                                                  // Check the model against the sizes once, here, before any worker starts (76 = the shipped vocabulary; the
+                                                  // vocabulary never constrains tp).
+    args.layout.check(args.nproc, args.n_layer, args.batch_size)?;
+    model_config(&args, 76).validate(args.layout.tp_size)?;
     if !ddp_core::launcher::is_worker() && args.nproc > 1 {
         let path = text_path(&args);
         anyhow::ensure!(path.is_file(), "--data-dir: no text at {}", path.display());
         let exe = std::env::current_exe().context("locating this executable to launch its workers")?;
         let mut launch = ddp_core::LaunchConfig::local(args.nproc, exe, std::env::args().skip(1).collect());
-        launch.env.extend(accel_examples::parallel_env(args.nproc, args.tp_size)); // accel: the workers' mesh
+        launch.env.extend(accel_examples::parallel_env(args.nproc, &args.layout.layout())); // accel: the workers' mesh
         ddp_core::launch(&launch)?; // its error is the one-line summary naming the failing rank
         return Ok(());
     }
@@ -148,7 +178,7 @@ fn run() -> anyhow::Result<()> {
 }
 
 fn train(args: &Args) -> anyhow::Result<()> {
-    accel_examples::apply_tp_size(args.tp_size)?; // --tp-size, unless the launcher set PARALLELISM_CONFIG_*
+    accel_examples::apply_layout(&args.layout.layout())?; // the flags, unless the launcher set PARALLELISM_CONFIG_*
     let mut cfg = AcceleratorConfig::from_env()?; // accel: sizes from PARALLELISM_CONFIG_*
     if let Some(mp) = args.mixed_precision {
         cfg.mixed_precision = mp;
@@ -157,7 +187,7 @@ fn train(args: &Args) -> anyhow::Result<()> {
         cfg.gradient_accumulation_steps = ga;
     }
     cfg.seed = Some(args.seed);
-    let acc = Accelerator::new(cfg)?; // accel: process group, mesh (dp × tp), device, precision
+    let acc = Accelerator::new(cfg)?; // accel: process group, mesh (pp × dp × tp), device, precision
     let tp = acc.tensor_parallel().clone(); // accel: this rank's tp group
     let dp = acc.data_parallel_size();
 
@@ -175,7 +205,8 @@ fn train(args: &Args) -> anyhow::Result<()> {
     };
 
     let varmap = VarMap::new();
-    let model = CharGpt::new(gpt_cfg, &acc.param_builder(&varmap))?; // accel: parameters split over tp, from the seed
+    let stages = acc.pipeline_stages(gpt_cfg.n_layer, None)?; // accel: the blocks this rank holds (all at pp 1)
+    let model = GptStages::new(gpt_cfg, &acc.param_builder(&varmap), &stages)?; // accel: split over tp, from the seed
     let opt = AdamW::new(AdamWConfig { lr: args.lr, weight_decay: 0.1, ..Default::default() })?;
     let prepared = acc.prepare_model(&varmap)?; // accel: gradient sync over dp, fp32 masters
     let mut opt = acc.prepare_optimizer(&prepared, opt)?;
@@ -185,14 +216,17 @@ fn train(args: &Args) -> anyhow::Result<()> {
     }
 
     let ga = acc.gradient_accumulation_steps();
+    let pp = acc.mesh().pp().world_size();
+    let layers_here: usize = stages.iter().map(|s| s.layers.len()).sum();
     let tokens_per_step = (args.batch_size * args.block_size * dp * ga) as f64;
     acc.print_banner("accel_gpt"); // accel: config, processes, layout, precision, accumulation, backend (once)
     acc.print(format!(
-        "accel_gpt: {} process(es) = dp {dp} × tp {}, model {} parameters (d_model {}, {} heads, {} layers, context \
-         {}, d_ff {}, vocabulary {} padded to {}), mixed precision {}, gradient accumulation {ga}, global batch {} \
-         sequences = {} tokens per optimizer step, {} batches per replica per epoch",
+        "accel_gpt: {} process(es) = pp {pp} × dp {dp} × tp {}{}, model {} parameters (d_model {}, {} heads, {} \
+         layers, context {}, d_ff {}, vocabulary {} padded to {}), mixed precision {}, gradient accumulation {ga}, \
+         global batch {} sequences = {} tokens per optimizer step, {} batches per replica per epoch",
         acc.world_size(),
         tp.size(),
+        pipeline_summary(&acc, &stages),
         gpt_cfg.num_parameters(),
         gpt_cfg.d_model,
         gpt_cfg.n_head,
@@ -200,7 +234,7 @@ fn train(args: &Args) -> anyhow::Result<()> {
         gpt_cfg.block_size,
         gpt_cfg.d_ff,
         gpt_cfg.vocab_size,
-        model.padded_vocab(),
+        gpt_cfg.vocab_size.div_ceil(tp.size()) * tp.size(),
         acc.mixed_precision(),
         args.batch_size * dp * ga,
         tokens_per_step,
@@ -222,11 +256,10 @@ fn train(args: &Args) -> anyhow::Result<()> {
         for batch in &loader {
             let batch = batch?;
             let loss = acc.accumulate(|| -> anyhow::Result<Tensor> {
-                // Vocab-parallel cross entropy, f32; the forward pass recorded so the dp all-reduce can start
-                // during the backward pass at the cuts CharGpt marks before each block.
-                let (loss, cuts) = accel::segments::record(|| model.loss(&batch.inputs, &batch.targets))?;
-                acc.backward_segments(&loss, cuts)?; // accel: instead of loss.backward()
-                Ok(loss)
+                // accel: forward, vocab-parallel cross entropy (f32) and backward in one call, at any pp: at pp 1
+                // the dp all-reduce starts during the backward pass at the cuts CharGpt marks before each block;
+                // under pp the micro-batches run through the schedule.
+                Ok(acc.pipeline_backward(&model, &batch.inputs, &batch.targets, |logits, y| model.loss_of(logits, y))?)
             })?;
             loss_sum += f64::from(loss.to_scalar::<f32>()?);
             loss_count += 1;
@@ -287,7 +320,7 @@ fn train(args: &Args) -> anyhow::Result<()> {
     };
     acc.print(format!(
         "accel_gpt done: {step} steps in {elapsed:.1} s, final loss {last_loss:.4}, {throughput:.0} tokens/s \
-         (dp {dp} × tp {})",
+         (pp {pp} × dp {dp} × tp {})",
         tp.size()
     ));
     if tp.size() > 1 {
@@ -300,22 +333,23 @@ fn train(args: &Args) -> anyhow::Result<()> {
         acc.print(format!(
             "tp traffic per optimizer step (rank {}, over {window}): {} B of all-reduce payload in {} calls, {} B of \
              all-gather; \
-             formula 4·b·s·h·bytes per layer per micro-batch × {} layers × {ga} micro-batches = {} B, plus \
+             formula 4·b·s·h·bytes per layer per batch × {} layers (this rank's) × {ga} batches = {} B, plus \
              2·b·s·h·bytes for the embedding (forward) and the head (backward), 3·b·s·4 for the vocab-parallel \
              loss and 8 for the gradient norm",
             acc.rank(),
             tp_traffic.all_reduce.bytes / measured_steps,
             tp_traffic.all_reduce.calls / measured_steps,
             tp_traffic.all_gather.bytes / measured_steps,
-            gpt_cfg.n_layer,
-            per_layer * gpt_cfg.n_layer * ga
+            layers_here,
+            per_layer * layers_here * ga
         ));
     }
     acc.wait_for_everyone()?;
     // Every rank reports its own peak; the launcher prefixes the lines with [rank r].
     println!(
-        "rank {} (dp {} tp {}): peak RSS {:.1} MiB",
+        "rank {} (pp {} dp {} tp {}): peak RSS {:.1} MiB",
         acc.rank(),
+        acc.mesh().pp().rank(),
         acc.data_parallel_rank(),
         tp.rank(),
         accel_examples::peak_rss_mib()
@@ -326,8 +360,11 @@ fn train(args: &Args) -> anyhow::Result<()> {
         let prompt = vocab.encode(&args.prompt).context("--prompt")?;
         // The same seed on every rank: the tp peers draw the same characters and stay in step.
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed);
-        let out = model.generate(&prompt, args.sample_len, args.temperature, &mut rng)?;
-        acc.print(format!("sample (temperature {}):\n{}{}", args.temperature, args.prompt, vocab.decode(&out)));
+        let out =
+            model.sample(&prepared, acc.is_main_process(), &prompt, args.sample_len, args.temperature, &mut rng)?;
+        if let Some(out) = out {
+            acc.print(format!("sample (temperature {}):\n{}{}", args.temperature, args.prompt, vocab.decode(&out)));
+        }
     }
     Ok(())
 }

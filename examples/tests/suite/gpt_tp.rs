@@ -17,7 +17,7 @@ use std::time::Duration;
 const TOL: f32 = 2e-5;
 
 fn cfg() -> GptConfig {
-    GptConfig { vocab_size: 11, block_size: 8, n_layer: 2, n_head: 4, d_model: 16, d_ff: 32 }
+    GptConfig { vocab_size: 11, block_size: 8, n_layer: 2, n_head: 4, d_model: 16, d_ff: 32, tie_embeddings: false }
 }
 
 /// What one rank computed: full logits `[b, s, vocab]`, the loss, and per parameter (gradient, layout).
@@ -156,11 +156,12 @@ fn generation_agrees_across_tp_ranks() {
 }
 
 /// Runs an example binary (a fresh launch: RANK unset); returns stdout + stderr after asserting success.
-fn run_example(bin: &str, args: &[&str]) -> String {
+pub(super) fn run_example(bin: &str, args: &[&str]) -> String {
     let out = std::process::Command::new(bin)
         .args(args)
         .env_remove("RANK")
         .env_remove("PARALLELISM_CONFIG_TP_SIZE")
+        .env_remove("PARALLELISM_CONFIG_PP_SIZE")
         .env("RUST_BACKTRACE", "0")
         .output()
         .expect("running the example");
@@ -170,7 +171,7 @@ fn run_example(bin: &str, args: &[&str]) -> String {
 }
 
 /// The `step N/M: loss X` values rank 0 printed, in order.
-fn logged_losses(text: &str) -> Vec<String> {
+pub(super) fn logged_losses(text: &str) -> Vec<String> {
     text.lines()
         .filter(|l| !l.starts_with("[rank 1]") && !l.starts_with("[rank 2]") && !l.starts_with("[rank 3]"))
         .filter_map(|l| l.split(": loss ").nth(1))
@@ -217,7 +218,7 @@ fn accel_gpt_tp2_prints_the_single_process_losses() {
         "{tp2}"
     );
     for r in 0..2 {
-        assert!(tp2.contains(&format!("rank {r} (dp 0 tp {r}): peak RSS")), "rank {r}'s RSS:\n{tp2}");
+        assert!(tp2.contains(&format!("rank {r} (pp 0 dp 0 tp {r}): peak RSS")), "rank {r}'s RSS:\n{tp2}");
     }
     assert!(single.contains("sample (temperature 0.8):\nHAMLET:\n"), "{single}");
     // The tp traffic counter counts the steps it names: the 2 after warm-up here, and the whole run when the run
@@ -300,5 +301,5 @@ fn train_gpt_runs_at_tp2() {
     let banner = "[rank 0] train_gpt: config none: defaults | 2 processes × 1 machine | dp_replicate 1 × dp_shard 1 × \
                   tp 2 × pp 1 | mixed precision no | gradient accumulation 1 | backend cpu";
     assert_eq!(text.lines().filter(|l| l.contains("config none")).collect::<Vec<_>>(), [banner], "{text}");
-    assert!(text.contains(" parameters, 2 process(es) = dp 1 × tp 2; 4 optimizer steps"), "{text}");
+    assert!(text.contains(" parameters, 2 process(es) = pp 1 × dp 1 × tp 2; 4 optimizer steps"), "{text}");
 }

@@ -8,4 +8,5 @@ mod guide_diffs;
 mod hp_search;
 mod nd_equivalence;
 mod pipeline_gpt;
+mod pipeline_layouts;
 mod run_folders;

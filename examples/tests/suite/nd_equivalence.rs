@@ -18,14 +18,14 @@ use ddp_core::{GroupOptions, ProcessGroup, Store};
 use std::sync::Arc;
 use std::time::Duration;
 
-const GLOBAL_BATCH: usize = 8;
-const SEQ: usize = 16;
+pub(super) const GLOBAL_BATCH: usize = 8;
+pub(super) const SEQ: usize = 16;
 const STEPS: usize = 5;
-const SEED: u64 = 1234;
-const RTOL: f64 = 1e-5;
+pub(super) const SEED: u64 = 1234;
+pub(super) const RTOL: f64 = 1e-5;
 
 /// The first 20 000 characters of the shipped text and their vocabulary.
-fn corpus() -> (Vec<u32>, usize) {
+pub(super) fn corpus() -> (Vec<u32>, usize) {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../data/shakespeare/shakespeare8.txt");
     let text: String =
         std::fs::read_to_string(path).expect("the shipped Shakespeare text").chars().take(20_000).collect();
@@ -37,11 +37,11 @@ fn corpus() -> (Vec<u32>, usize) {
 }
 
 fn model_config(vocab_size: usize) -> GptConfig {
-    GptConfig { vocab_size, block_size: SEQ, n_layer: 2, n_head: 4, d_model: 32, d_ff: 64 }
+    GptConfig { vocab_size, block_size: SEQ, n_layer: 2, n_head: 4, d_model: 32, d_ff: 64, tie_embeddings: false }
 }
 
 /// The global batch of step `step`: `GLOBAL_BATCH` windows (inputs, next-character targets), deterministic.
-fn global_batch(ids: &[u32], step: usize) -> Vec<Window> {
+pub(super) fn global_batch(ids: &[u32], step: usize) -> Vec<Window> {
     (0..GLOBAL_BATCH)
         .map(|i| {
             let start = (step * 7919 + i * 1013) % (ids.len() - SEQ - 1);
@@ -51,9 +51,9 @@ fn global_batch(ids: &[u32], step: usize) -> Vec<Window> {
 }
 
 /// One training window: input ids and next-character targets.
-type Window = (Vec<u32>, Vec<u32>);
+pub(super) type Window = (Vec<u32>, Vec<u32>);
 
-fn to_tensors(rows: &[Window], device: &Device) -> (Tensor, Tensor) {
+pub(super) fn to_tensors(rows: &[Window], device: &Device) -> (Tensor, Tensor) {
     let inputs: Vec<u32> = rows.iter().flat_map(|r| r.0.clone()).collect();
     let targets: Vec<u32> = rows.iter().flat_map(|r| r.1.clone()).collect();
     let x = Tensor::from_vec(inputs, (rows.len(), SEQ), device).unwrap();
@@ -78,16 +78,25 @@ fn config(tp: usize, dp: usize, ga: usize) -> AcceleratorConfig {
 }
 
 /// Runs `f` on `world` ranks (threads over an in-memory store) with `cfg`, returning each rank's result.
-fn run<R: Send + 'static>(
+pub(super) fn run<R: Send + 'static>(
     world: usize,
     cfg: AcceleratorConfig,
     f: impl Fn(Accelerator) -> anyhow::Result<R> + Send + Sync + 'static,
+) -> Vec<R> {
+    run_groups(world, move |pg| f(Accelerator::with_process_group(cfg.clone(), pg)?))
+}
+
+/// Runs `f` on `world` ranks (threads over an in-memory store, one process group each), returning each rank's
+/// result; a rank's error or panic fails the test naming the rank.
+pub(super) fn run_groups<R: Send + 'static>(
+    world: usize,
+    f: impl Fn(ProcessGroup) -> anyhow::Result<R> + Send + Sync + 'static,
 ) -> Vec<R> {
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new(Duration::from_secs(120)));
     let f = Arc::new(f);
     let handles: Vec<_> = (0..world)
         .map(|rank| {
-            let (store, f, cfg) = (store.clone(), f.clone(), cfg.clone());
+            let (store, f) = (store.clone(), f.clone());
             std::thread::spawn(move || -> anyhow::Result<R> {
                 let pg = if world == 1 {
                     ProcessGroup::single_process()?
@@ -95,7 +104,7 @@ fn run<R: Send + 'static>(
                     let opts = GroupOptions { timeout: Duration::from_secs(120), ..Default::default() };
                     ProcessGroup::from_store(store, rank, world, opts)?
                 };
-                f(Accelerator::with_process_group(cfg, pg)?)
+                f(pg)
             })
         })
         .collect();
@@ -163,7 +172,7 @@ fn train(acc: &Accelerator, ids: &[u32], vocab_size: usize, steps: usize) -> any
     Ok(trace)
 }
 
-fn assert_close(what: &str, got: &[f64], want: &[f64]) {
+pub(super) fn assert_close(what: &str, got: &[f64], want: &[f64]) {
     assert_eq!(got.len(), want.len(), "{what}: lengths");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         let rel = (g - w).abs() / w.abs().max(1e-12);

@@ -4,10 +4,12 @@
 //! ops on the same values: each stage builds only its own parameters, from the same per-name streams), and the
 //! micro-batch losses are one process's. f32, no dropout; ranks are threads over loopback.
 
-use accel::pipeline::{run_schedule, split_layers, PipelineLinks, PipelineModel, PipelineSchedule, ScheduleKind};
+use accel::pipeline::{
+    run_schedule, split_layers, PipelineLinks, PipelineModel, PipelineSchedule, ScheduleKind, ShapeBook,
+};
 use accel::tensor_parallel::{ParamBuilder, TensorParallel};
 use accel_examples::gpt::{CharGpt, GptConfig, StagePart};
-use candle_core::{DType, Device, Shape, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
 use ddp_core::store::MemoryStore;
 use ddp_core::{GroupOptions, ProcessGroup, Store};
@@ -19,7 +21,7 @@ const BATCH: usize = 8;
 const SEQ: usize = 16;
 
 fn cfg() -> GptConfig {
-    GptConfig { vocab_size: 13, block_size: SEQ, n_layer: 4, n_head: 2, d_model: 16, d_ff: 32 }
+    GptConfig { vocab_size: 13, block_size: SEQ, n_layer: 4, n_head: 2, d_model: 16, d_ff: 32, tie_embeddings: false }
 }
 
 /// The step's batch: ids and next-id targets, deterministic.
@@ -70,9 +72,6 @@ impl PipelineModel for GptStages {
         let last = self.stages.last().unwrap().0;
         Ok(loss(self.part(last), output, &self.rows(&self.y, mb)))
     }
-    fn input_shape(&self, _stage: usize) -> (Shape, DType) {
-        (Shape::from((BATCH / self.m, SEQ, cfg().d_model)), DType::F32)
-    }
     fn parameters(&self) -> Vec<Var> {
         sorted_vars(&self.varmap).into_iter().map(|(_, v)| v).collect()
     }
@@ -112,7 +111,7 @@ fn pipelined(kind: ScheduleKind, pp: usize, v: usize, m: usize) -> (Grads, Vec<f
                     .collect();
                 let (x, y) = batch();
                 let mut model = GptStages { stages, varmap: varmap.clone(), m, x, y };
-                let step = run_schedule(&schedule, &links, &mut model).unwrap();
+                let step = run_schedule(&schedule, &links, &mut model, &mut ShapeBook::default()).unwrap();
                 let grads: Grads = sorted_vars(&varmap)
                     .into_iter()
                     .zip(&step.gradients)

@@ -46,6 +46,42 @@ fn interactive_config_with_piped_answers_round_trips() {
 }
 
 #[test]
+fn interactive_config_with_a_pipeline_writes_a_file_launch_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cfg.yaml");
+    // cpu; 1 machine; 4 processes; tp 1; pp 2; Interleaved1F1B; 3 micro-batches (refused: 4 stages) then 6; no.
+    accel(dir.path())
+        .args(["config", "--config-file"])
+        .arg(&path)
+        .write_stdin("cpu\n1\n4\n1\n2\nInterleaved1F1B\n3\n6\nno\n")
+        .assert()
+        .success()
+        .stdout(predicate::str::contains(
+            "invalid answer \"3\": invalid configuration pipeline_parallel_microbatches = \"3\": 3 micro-batches \
+             cannot fill the 4 pipeline stages (pp 2 × 2 per rank)",
+        ));
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(
+        text.contains(
+            "  parallelism_config_pp_size: 2\n  parallelism_config_tp_size: 1\n  pipeline_parallel_microbatches: 6\n  \
+             pipeline_parallel_schedule: Interleaved1F1B\n"
+        ),
+        "{text}"
+    );
+    let p = AccelerateConfig::load(&path).unwrap().config.parallelism_config.unwrap();
+    assert_eq!((p.dp_replicate_size, p.pp_size, p.pp_microbatches_per_step(), p.pp_stages_per_rank()), (2, 2, 6, 2));
+    // `accel launch` runs it: the workers get the pipeline settings.
+    let out = accel(dir.path())
+        .args(["launch", "--config-file"])
+        .arg(&path)
+        .args(["sh", "-c", "echo \"rank=$RANK $PARALLELISM_CONFIG_PP_SCHEDULE $PARALLELISM_CONFIG_PP_MICROBATCHES\""])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("rank=3 Interleaved1F1B 6"));
+}
+
+#[test]
 fn interactive_config_that_ends_early_writes_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("out/cfg.yaml");
@@ -161,11 +197,41 @@ fn launch_prints_one_banner_naming_the_default_config_that_changed_the_run() {
 }
 
 #[test]
-fn a_layout_the_accelerator_cannot_run_is_refused_before_any_worker_starts() {
-    // pp 2 × tp 2 on 4 processes: one message, naming what runs; no worker started (the script would print).
+fn a_pipeline_layout_is_launched_with_its_schedule_and_dp_shard_is_refused_before_any_worker_starts() {
+    // pp 2 × tp 2 on 4 processes with a schedule and micro-batches: every worker gets them.
     let dir = tempfile::tempdir().unwrap();
+    let script = "echo \"started pp=$PARALLELISM_CONFIG_PP_SIZE tp=$PARALLELISM_CONFIG_TP_SIZE \
+                  schedule=$PARALLELISM_CONFIG_PP_SCHEDULE m=$PARALLELISM_CONFIG_PP_MICROBATCHES\"";
     let out = accel(dir.path())
         .args(["launch", "-n", "4", "--parallelism-config-pp-size", "2", "--parallelism-config-tp-size", "2"])
+        .args(["--pipeline-parallel-schedule", "gpipe", "--pipeline_parallel_microbatches", "4"])
+        .args(["sh", "-c", script])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stderr}");
+    for r in 0..4 {
+        let want = format!("[rank {r}] started pp=2 tp=2 schedule=GPipe m=4");
+        assert!(stdout.contains(&want), "missing {want:?} in:\n{stdout}");
+    }
+    // The banner names the schedule after the layout.
+    assert!(
+        stderr.lines().any(|l| l
+            == "accel launch: config none: defaults | 4 processes × 1 machine | dp_replicate 1 × dp_shard 1 × tp 2 × \
+                pp 2 (GPipe, 4 micro-batches) | mixed precision no | gradient accumulation 1 | backend cpu"),
+        "{stderr}"
+    );
+    // The default schedule and count travel as absence (the workers' defaults: 1F1B, one per stage).
+    let out = accel(dir.path())
+        .args(["launch", "-n", "2", "--parallelism-config-pp-size", "2", "sh", "-c", script])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("[rank 1] started pp=2 tp=1 schedule= m="));
+
+    // dp_shard 2 × pp 2 on 4 processes: one message naming what runs (pp kept); no worker started.
+    let out = accel(dir.path())
+        .args(["launch", "-n", "4", "--parallelism-config-dp-shard-size", "2", "--parallelism-config-pp-size", "2"])
         .args(["sh", "-c", "echo started"])
         .output()
         .unwrap();
@@ -174,23 +240,31 @@ fn a_layout_the_accelerator_cannot_run_is_refused_before_any_worker_starts() {
     assert!(!stdout.contains("started"), "{stdout}");
     assert_eq!(
         stderr.trim(),
-        "accel: error: invalid configuration parallelism_config_pp_size = \"2\": the Accelerator cannot train with \
-         pipeline parallelism (accel has no pipeline schedule yet); on the same 4 processes set pp_size 1 and \
-         dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 2 × pp 1 runs)"
+        "accel: error: invalid configuration parallelism_config_dp_shard_size = \"2\": the Accelerator cannot train \
+         with sharded data parallelism (ZeRO / FSDP: accel does not shard yet); on the same 4 processes set \
+         dp_shard_size 1 and dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 1 × pp 2 runs)"
     );
-    // pp 2 alone on 4 processes: the same refusal first (not "set dp_replicate_size 2", then this).
+    // Pipeline settings that do not fit: refused before any worker starts, naming the key and what fits.
     let out = accel(dir.path())
-        .args(["launch", "-n", "4", "--parallelism-config-pp-size", "2", "sh", "-c", "echo started"])
+        .args(["launch", "-n", "2", "--parallelism-config-pp-size", "2", "--pipeline-parallel-microbatches", "1"])
+        .args(["sh", "-c", "echo started"])
         .output()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.trim().ends_with(
-            "on the same 4 processes set pp_size 1 and dp_replicate_size 4 (dp_replicate 4 × dp_shard 1 × tp 1 × pp 1 \
-             runs)"
-        ),
-        "{stderr}"
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(1));
+    assert!(!stdout.contains("started"), "{stdout}");
+    assert_eq!(
+        stderr.trim(),
+        "accel: error: invalid configuration pipeline_parallel_microbatches = \"1\": 1 micro-batch cannot fill the 2 \
+         pipeline stages (pp 2 × 1 per rank): each stage would idle most of the step; use at least 2"
     );
+    // A schedule clap does not know is a usage error (status 2) listing the choices.
+    accel(dir.path())
+        .args(["launch", "--pipeline-parallel-schedule", "zigzag", "true"])
+        .assert()
+        .failure()
+        .code(2)
+        .stderr(predicate::str::contains("expected one of GPipe, 1F1B, Interleaved1F1B"));
     // Accelerate's FSDP file is refused too, not run as DDP with warnings.
     let out = accel(dir.path())
         .args(["launch", "--config-file"])

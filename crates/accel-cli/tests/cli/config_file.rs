@@ -61,7 +61,10 @@ fn reads_a_two_machine_fsdp_file_and_warns_about_what_accel_ignores() {
             dp_replicate_size: 2,
             dp_shard_size: 2,
             pp_size: 1,
-            tp_size: 1
+            tp_size: 1,
+            pp_microbatches: None,
+            pp_schedule: Default::default(),
+            pp_virtual_stages: None,
         })
     );
     let all = loaded.warnings.join("\n");

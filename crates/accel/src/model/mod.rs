@@ -19,14 +19,14 @@ mod tests;
 
 #[cfg(test)]
 use strategy::AddSegment;
-pub(crate) use strategy::{GradientStrategy, ReplicatedDataParallel};
+pub(crate) use strategy::{GradientStrategy, PipelineStage, ReplicatedDataParallel, TiedWeights};
 
 use crate::state::StateDict;
 use crate::tensor_parallel::{ParamLayout, TensorParallel};
 use crate::{AccelError, Result};
 use candle_core::{DType, Tensor, Var};
 use candle_nn::VarMap;
-use ddp_core::{DeviceMesh, DistributedDataParallel};
+use ddp_core::{DeviceMesh, DistributedDataParallel, ProcessGroup, ReduceOp};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -53,7 +53,64 @@ struct ModelInner {
     tp: TensorParallel,
     /// Parameter groups: every parameter is in exactly one, whose strategy handles its gradients.
     groups: Vec<ParamGroup>,
+    /// Under pipeline parallelism: the pp group and every pp rank's parameters (names and single-process
+    /// shapes, by pp rank), so a state dict can be gathered from and loaded into the stages.
+    stages: Option<(ProcessGroup, StageParams)>,
     find_unused_parameters: bool,
+}
+
+/// Every pp rank's parameters, by pp rank: `(name, single-process shape)` in name order.
+type StageParams = Vec<Vec<(String, Vec<usize>)>>;
+
+/// The shape a parameter has in a single-process model (a tp shard's split dimension at its full size).
+fn full_shape(local: &Var, layout: ParamLayout) -> Vec<usize> {
+    let mut dims = local.dims().to_vec();
+    if let ParamLayout::Sharded { dim, full, .. } = layout {
+        dims[dim] = full;
+    }
+    dims
+}
+
+/// Every rank's `mine` (collective over `group`): one all-gather of the JSON text, padded to the longest.
+fn exchange(group: &ProcessGroup, mine: &[(String, Vec<usize>)]) -> Result<StageParams> {
+    let text = serde_json::to_vec(mine).map_err(|e| AccelError::json("encoding the stage's parameter names", e))?;
+    let mut len = [text.len() as i64];
+    group.all_reduce(&mut len, ReduceOp::Max)?;
+    let width = len[0] as usize;
+    let mut padded = text;
+    padded.resize(width, b' ');
+    let mut all = vec![0u8; width * group.world_size()];
+    group.all_gather(&padded, &mut all)?;
+    all.chunks(width.max(1))
+        .take(group.world_size())
+        .map(|c| serde_json::from_slice(c).map_err(|e| AccelError::json("reading another stage's parameter names", e)))
+        .collect()
+}
+
+/// The weights this rank shares with other pp ranks (a name held by several stages: GPT-2's token embedding,
+/// read by the first stage and, as the head, by the last), one group per set of pp ranks sharing names, created in
+/// the same order on every pp rank (collective over `pp`). The copies start equal: each is broadcast from the
+/// lowest pp rank holding it (Megatron-LM's embedding group; Megatron-LM#299 was copies that started apart).
+fn tied_weights(pp: &ProcessGroup, all: &StageParams, names: &[String], masters: &[Var]) -> Result<Vec<TiedWeights>> {
+    let mut holders: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+    for (rank, params) in all.iter().enumerate() {
+        for (name, _) in params {
+            holders.entry(name.as_str()).or_default().push(rank);
+        }
+    }
+    let sets: std::collections::BTreeSet<&Vec<usize>> = holders.values().filter(|r| r.len() > 1).collect();
+    let mut tied = Vec::new();
+    for set in sets {
+        let Some(group) = pp.new_group(set)? else { continue };
+        let params: Vec<usize> =
+            names.iter().enumerate().filter(|(_, n)| holders.get(n.as_str()) == Some(set)).map(|(i, _)| i).collect();
+        for &i in &params {
+            let t = group.broadcast_tensor(masters[i].as_tensor(), 0)?;
+            masters[i].set(&t)?;
+        }
+        tied.push(TiedWeights { group, params, counted_here: pp.rank() == set[0] });
+    }
+    Ok(tied)
 }
 
 /// Some of a model's parameters and the one strategy their gradients take.
@@ -127,11 +184,24 @@ impl PreparedModel {
             names.iter().cloned().zip(masters.iter().cloned()).collect(),
             ddp.clone(),
         )?;
-        let strategy = ReplicatedDataParallel::new(replicated, mesh.model_parallel().clone());
+        let replicated = ReplicatedDataParallel::new(replicated, mesh.model_parallel().clone());
+        // Under pp every stage's names and shapes are exchanged once (state dicts gather and load through them);
+        // a stage holds its own parameters, so norms and overflow cover every stage, and a weight held by several
+        // stages (tied) has its gradients summed over them (strategy.rs).
+        let (strategy, stages): (Box<dyn GradientStrategy>, _) = if mesh.pp().world_size() > 1 {
+            let mine: Vec<(String, Vec<usize>)> =
+                names.iter().enumerate().map(|(i, n)| (n.clone(), full_shape(&masters[i], layouts[i]))).collect();
+            let all = exchange(mesh.pp(), &mine)?;
+            let tied = tied_weights(mesh.pp(), &all, &names, &masters)?;
+            (Box::new(PipelineStage::new(replicated, mesh.pp().clone(), tied)), Some((mesh.pp().clone(), all)))
+        } else {
+            (Box::new(replicated), None)
+        };
         let model = PreparedModel {
             inner: Arc::new(ModelInner {
                 index,
-                groups: vec![ParamGroup { params: (0..params.len()).collect(), strategy: Box::new(strategy) }],
+                stages,
+                groups: vec![ParamGroup { params: (0..params.len()).collect(), strategy }],
                 names,
                 params,
                 masters,
@@ -177,11 +247,39 @@ impl PreparedModel {
     }
 
     /// The full fp32 weights by single-process name (what `model.safetensors` holds): tp shards are gathered and
-    /// their padding dropped, so the result is the same for every layout. Collective over the tp group when the
-    /// model has sharded parameters (every tp rank must call it); no communication otherwise.
+    /// their padding dropped, and under pipeline parallelism every stage's tensors are collected, so the result
+    /// is the same for every layout. Collective over the tp group when the model has sharded parameters and over
+    /// the pp group under pipeline parallelism (every rank must call it); no communication otherwise.
     pub fn state_dict(&self) -> Result<BTreeMap<String, Tensor>> {
-        self.full_tensors(self.inner.masters.iter().map(|v| Some(v.as_tensor().clone())).collect())
-            .map(|full| self.inner.names.iter().cloned().zip(full.into_iter().flatten()).collect())
+        let full = self.full_tensors(self.inner.masters.iter().map(|v| Some(v.as_tensor().clone())).collect())?;
+        let mut dict: BTreeMap<String, Tensor> =
+            self.inner.names.iter().cloned().zip(full.into_iter().flatten()).collect();
+        if let Some((pp, stages)) = &self.inner.stages {
+            // Every stage's tensors to every pp rank: one broadcast of each stage's flat fp32 values.
+            let device = self.inner.masters[0].device();
+            for (root, params) in stages.iter().enumerate() {
+                let numel: Vec<usize> = params.iter().map(|(_, dims)| dims.iter().product()).collect();
+                let mut flat: Vec<f32> = if root == pp.rank() {
+                    let mut v = Vec::with_capacity(numel.iter().sum());
+                    for (name, _) in params {
+                        v.extend(dict[name].flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+                    }
+                    v
+                } else {
+                    vec![0.0; numel.iter().sum()]
+                };
+                pp.broadcast(&mut flat, root)?;
+                if root != pp.rank() {
+                    let mut at = 0;
+                    for ((name, dims), n) in params.iter().zip(&numel) {
+                        let t = Tensor::from_slice(&flat[at..at + n], dims.as_slice(), device)?;
+                        dict.insert(name.clone(), t);
+                        at += n;
+                    }
+                }
+            }
+        }
+        Ok(dict)
     }
 
     /// Per-parameter tensors in this rank's layout → full tensors (see [`PreparedModel::state_dict`]); `None`
@@ -228,19 +326,19 @@ impl PreparedModel {
 
     /// The shape parameter `i` has in a single-process model.
     fn full_shape(&self, i: usize) -> Vec<usize> {
-        let mut dims = self.inner.masters[i].dims().to_vec();
-        if let ParamLayout::Sharded { dim, full, .. } = self.inner.layouts[i] {
-            dims[dim] = full;
-        }
-        dims
+        full_shape(&self.inner.masters[i], self.inner.layouts[i])
     }
 
     /// Loads full weights by single-process name (any layout's `model.safetensors`, or a single-process one)
     /// into the masters and the compute-dtype parameters (cast as needed; tp shards sliced out). No
     /// communication. Errors name a missing, unexpected or mis-shaped tensor.
     pub fn load_state_dict(&self, weights: &BTreeMap<String, Tensor>) -> Result<()> {
+        // Under pipeline parallelism the other stages' tensors are expected and skipped.
+        let elsewhere = |name: &String| {
+            self.inner.stages.as_ref().is_some_and(|(_, st)| st.iter().flatten().any(|(n, _)| n == name))
+        };
         for name in weights.keys() {
-            if !self.inner.names.contains(name) {
+            if !self.inner.names.contains(name) && !elsewhere(name) {
                 return Err(AccelError::InvalidArgument(format!(
                     "load_state_dict: tensor {name:?} is not a parameter of this model (the weights are another \
                      model's, or its names carry another prefix: rename the keys to this model's names())"

@@ -163,3 +163,90 @@ impl GradientStrategy for ReplicatedDataParallel {
         &self.model_parallel
     }
 }
+
+/// A pipeline stage's parameters: replicated data parallelism over `dp` as [`ReplicatedDataParallel`] (DDP's
+/// all-reduce once per optimizer step, after the last micro-batch's backward — the step owner reduces only on the
+/// sync step), but every pp rank holds different parameters, so the norm and the fp16 overflow flag always cover
+/// the whole model: tp shards' squares summed over pp × tp, replicated parameters' over pp only (each tp rank of
+/// a stage holds the same copy), overflow agreed over pp × tp (torchtitan's `clip_grad_norm_(…, pp_mesh)`,
+/// torchtitan#596; Megatron-LM's model-parallel norm). Every rank calls the same collectives whatever its stage
+/// holds, so a stage without shards never leaves its peers waiting.
+///
+/// A weight several stages hold (tied: the token embedding the first stage reads and the last stage's head
+/// reuses) is one parameter of the single-process model: after the dp reduction its copies' gradients are summed
+/// over the stages holding it (Megatron-LM's `_allreduce_word_embedding_grads` over the embedding group), so the
+/// copies take the same step and stay equal, and only the lowest of those stages counts it in the norm
+/// (Megatron's `param_is_not_shared`).
+#[derive(Debug)]
+pub(crate) struct PipelineStage {
+    replicated: ReplicatedDataParallel,
+    pp: ProcessGroup,
+    tied: Vec<TiedWeights>,
+}
+
+/// Parameters of this stage that other stages hold too, and the group of the pp ranks holding them.
+#[derive(Debug)]
+pub(crate) struct TiedWeights {
+    /// The pp ranks holding these weights (this one among them).
+    pub(crate) group: ProcessGroup,
+    /// Indices into the group's slots (the model's parameters).
+    pub(crate) params: Vec<usize>,
+    /// Whether this rank counts them in the norm (the lowest pp rank of the group).
+    pub(crate) counted_here: bool,
+}
+
+impl PipelineStage {
+    /// `replicated` over the mesh's dp group (norm group: the model-parallel group pp × tp); `pp` = the mesh's pp
+    /// group; `tied` = the weights shared with other stages.
+    pub(crate) fn new(replicated: ReplicatedDataParallel, pp: ProcessGroup, tied: Vec<TiedWeights>) -> Self {
+        PipelineStage { replicated, pp, tied }
+    }
+}
+
+impl GradientStrategy for PipelineStage {
+    fn reduce(&self, slots: &mut [Option<Tensor>]) -> Result<()> {
+        self.replicated.reduce(slots)?;
+        for t in &self.tied {
+            for &i in &t.params {
+                let g = slots[i].as_ref().ok_or_else(|| {
+                    crate::AccelError::InvalidArgument(format!(
+                        "parameter {i} is tied across pipeline stages but got no gradient on this stage: a shared \
+                         weight must be used by every stage that holds it"
+                    ))
+                })?;
+                slots[i] = Some(t.group.all_reduce_tensor(g, ReduceOp::Sum)?);
+            }
+        }
+        Ok(())
+    }
+
+    fn norm_group(&self) -> &ProcessGroup {
+        self.replicated.norm_group()
+    }
+
+    fn squared_norm(&self, per_param: &[f64], layouts: &[ParamLayout]) -> Result<f64> {
+        let not_counted: Vec<usize> =
+            self.tied.iter().filter(|t| !t.counted_here).flat_map(|t| t.params.iter().copied()).collect();
+        let (mut sharded, mut replicated) = (0.0, 0.0);
+        for (i, (sq, layout)) in per_param.iter().zip(layouts).enumerate() {
+            if not_counted.contains(&i) {
+                continue;
+            }
+            match layout {
+                ParamLayout::Replicated => replicated += sq,
+                ParamLayout::Sharded { .. } => sharded += sq,
+            }
+        }
+        let mut s = [sharded];
+        self.norm_group().all_reduce(&mut s, ReduceOp::Sum)?;
+        let mut r = [replicated];
+        self.pp.all_reduce(&mut r, ReduceOp::Sum)?;
+        Ok(s[0] + r[0])
+    }
+
+    fn any_rank(&self, local: bool, _layouts: &[ParamLayout]) -> Result<bool> {
+        let mut flag = [i32::from(local)];
+        self.norm_group().all_reduce(&mut flag, ReduceOp::Max)?;
+        Ok(flag[0] != 0)
+    }
+}

@@ -4,6 +4,10 @@
 //!
 //! - Receives block on this thread; sends are handed to a sender thread in schedule order (asynchronous, as the
 //!   schedules assume), which this call waits for before it returns.
+//! - Activation shapes are agreed over the links, not declared: the first activation a stage sends to the next
+//!   rank is preceded by an 8-number header (dtype, rank, dimensions), once per [`ShapeBook`]; the receiver keeps
+//!   it and allocates every later activation of that stage from it. Gradients travel back in their output's
+//!   shape, which the receiver holds.
 //! - A stage's input arrives as a fresh leaf variable, so the backward yields its gradient, which goes back to
 //!   the previous stage. On one rank holding two consecutive stages (interleaved, pp = 1) the tensor is handed over
 //!   in memory.
@@ -18,7 +22,7 @@ use super::links::PipelineLinks;
 use super::schedule::{Action, PipelineSchedule};
 use crate::{AccelError, Result};
 use candle_core::{DType, Shape, Tensor, Var};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 /// A model cut into stages, as one pipeline rank sees it (its own stages only).
@@ -31,18 +35,59 @@ pub trait PipelineModel {
     /// the module documentation). A scalar.
     fn loss(&mut self, microbatch: usize, output: &Tensor) -> Result<Tensor>;
 
-    /// The shape and dtype of the activation `stage` receives (`stage ≥ 1`); every micro-batch's is the same.
-    fn input_shape(&self, stage: usize) -> (Shape, DType);
-
     /// The parameters of this rank's stages, whose gradients the step sums.
     fn parameters(&self) -> Vec<Var>;
+}
+
+/// The activation shapes agreed over this rank's links (see the module documentation): keep one per run and pass
+/// it to every [`run_schedule`]; start a new one (on every rank alike) when the micro-batch shape changes.
+#[derive(Debug, Default, Clone)]
+pub struct ShapeBook {
+    /// Stages whose input this rank sent a header for.
+    sent: HashSet<usize>,
+    /// The input shape and dtype of each stage this rank receives activations for.
+    received: HashMap<usize, (Shape, DType)>,
+}
+
+/// The dtypes a header can name, by code.
+const HEADER_DTYPES: [DType; 7] = [DType::F32, DType::F16, DType::BF16, DType::F64, DType::U8, DType::U32, DType::I64];
+/// Header length: dtype code, rank, up to 6 dimensions.
+const HEADER_LEN: usize = 8;
+
+fn shape_header(t: &Tensor) -> Result<Tensor> {
+    let code = HEADER_DTYPES.iter().position(|d| *d == t.dtype()).ok_or_else(|| {
+        AccelError::InvalidArgument(format!("pipeline: activations of dtype {:?} cannot be sent", t.dtype()))
+    })?;
+    if t.rank() > HEADER_LEN - 2 {
+        return Err(AccelError::InvalidArgument(format!(
+            "pipeline: activations of rank {} cannot be sent (at most {} dimensions)",
+            t.rank(),
+            HEADER_LEN - 2
+        )));
+    }
+    let mut h = vec![0i64; HEADER_LEN];
+    h[0] = code as i64;
+    h[1] = t.rank() as i64;
+    for (slot, d) in h[2..].iter_mut().zip(t.dims()) {
+        *slot = *d as i64;
+    }
+    Ok(Tensor::from_vec(h, HEADER_LEN, &candle_core::Device::Cpu)?)
+}
+
+fn read_header(h: &Tensor) -> Result<(Shape, DType)> {
+    let h = h.to_vec1::<i64>()?;
+    let dtype = HEADER_DTYPES.get(h[0] as usize).copied().ok_or_else(|| {
+        AccelError::InvalidArgument(format!("pipeline: a shape header names dtype code {}: not a header", h[0]))
+    })?;
+    let rank = (h[1] as usize).min(HEADER_LEN - 2);
+    Ok((Shape::from(h[2..2 + rank].iter().map(|&d| d as usize).collect::<Vec<_>>()), dtype))
 }
 
 /// What one step of the schedule gave on this rank.
 pub struct PipelineStep {
     /// The loss of each micro-batch, on the rank holding the last stage (empty elsewhere).
     pub losses: Vec<f64>,
-    /// The gradient of each of [`PipelineModel::parameters`], summed over the micro-batches (`None`: no
+    /// The gradient of each of [`PipelineModel::parameters`], summed over the micro-batches in fp32 (`None`: no
     /// gradient reached it).
     pub gradients: Vec<Option<Tensor>>,
     /// Start and end (seconds since the step began) of each forward and backward, in order: the measured
@@ -66,6 +111,7 @@ pub fn run_schedule(
     schedule: &PipelineSchedule,
     links: &PipelineLinks,
     model: &mut dyn PipelineModel,
+    shapes: &mut ShapeBook,
 ) -> Result<PipelineStep> {
     if schedule.pp != links.pp() {
         return Err(AccelError::InvalidArgument(format!(
@@ -107,14 +153,24 @@ pub fn run_schedule(
                         let t = if peer == me {
                             local.remove(&sent).ok_or_else(|| missing(action))?
                         } else {
+                            let (group, src) = links.from(peer).ok_or_else(|| no_link("receive from", peer))?;
                             let (shape, dtype) = match action {
-                                Action::RecvActivation { .. } => model.input_shape(stage),
+                                Action::RecvActivation { .. } => match shapes.received.get(&stage) {
+                                    Some(known) => known.clone(),
+                                    None => {
+                                        let h = group
+                                            .recv_tensor(HEADER_LEN, DType::I64, src)
+                                            .map_err(|e| failed(action, me, peer, e))?;
+                                        let agreed = read_header(&h)?;
+                                        shapes.received.insert(stage, agreed.clone());
+                                        agreed
+                                    }
+                                },
                                 _ => {
                                     let out = &stash.get(&(stage, mb)).ok_or_else(|| missing(action))?.output;
                                     (out.shape().clone(), out.dtype())
                                 }
                             };
-                            let (group, src) = links.from(peer).ok_or_else(|| no_link("receive from", peer))?;
                             group.recv_tensor(shape, dtype, src).map_err(|e| failed(action, me, peer, e))?
                         };
                         inbox.insert(action, t);
@@ -152,9 +208,11 @@ pub fn run_schedule(
                         };
                         for (slot, p) in step.gradients.iter_mut().zip(&params) {
                             if let Some(g) = store.get(p.as_tensor()) {
+                                // Summed in fp32 whatever the compute dtype (as the step owner's slots).
+                                let g = g.to_dtype(DType::F32)?;
                                 *slot = Some(match slot.take() {
                                     Some(acc) => (acc + g)?,
-                                    None => g.clone(),
+                                    None => g,
                                 });
                             }
                         }
@@ -176,6 +234,9 @@ pub fn run_schedule(
                             local.insert(action, t);
                         } else {
                             // The sender thread is gone only if a send failed: its error is returned below.
+                            if matches!(action, Action::SendActivation { .. }) && shapes.sent.insert(to_stage) {
+                                let _ = tx.send((shape_header(&t)?, peer, action));
+                            }
                             let _ = tx.send((t.detach(), peer, action));
                         }
                     }

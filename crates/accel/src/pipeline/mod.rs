@@ -10,17 +10,20 @@
 //! - [`executor`] — runs one rank's list on its stages of a model ([`PipelineModel`]): activations forward,
 //!   gradients backward, a stage's backward from the gradient of its output, gradients summed over micro-batches.
 //!
-//! The Accelerator and the Trainer driving micro-batches through a schedule build on these; until they do, the
-//! Accelerator refuses pp > 1 ([`crate::ParallelismConfig::check_accelerator_support`]).
+//! - `runtime` — what the Accelerator keeps for pipeline steps; [`Stage`] and [`StagedModel`], what a program
+//!   sees: [`crate::Accelerator::pipeline_stages`] tells a rank which stages (blocks) to build, and
+//!   [`crate::Accelerator::pipeline_backward`] runs one step's micro-batches through the schedule.
 
 pub mod executor;
 pub mod links;
+pub(crate) mod runtime;
 pub mod schedule;
 pub mod simulate;
 pub mod stages;
 
-pub use executor::{run_schedule, PipelineModel, PipelineStep};
+pub use executor::{run_schedule, PipelineModel, PipelineStep, ShapeBook};
 pub use links::PipelineLinks;
+pub use runtime::{Stage, StagedModel};
 pub use schedule::{Action, PipelineSchedule, ScheduleKind};
 pub use simulate::{simulate, Costs, SimReport, Span};
 pub use stages::split_layers;

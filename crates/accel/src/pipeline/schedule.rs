@@ -32,12 +32,13 @@ use std::fmt;
 use std::str::FromStr;
 
 /// Which schedule (`pipeline_parallel_schedule` in the config: `GPipe`, `1F1B`, `Interleaved1F1B`, as torchtitan
-/// spells them).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// spells them). Default: 1F1B (torchtitan's default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum ScheduleKind {
     /// All forwards, then all backwards.
     GPipe,
     /// One forward, one backward (PipeDream-Flush).
+    #[default]
     OneFOneB,
     /// 1F1B over `v` virtual stages per rank.
     Interleaved1F1B,
@@ -78,6 +79,19 @@ impl FromStr for ScheduleKind {
                 reason: format!("expected one of {}", Self::CHOICES),
             }),
         }
+    }
+}
+
+impl serde::Serialize for ScheduleKind {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for ScheduleKind {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(|e: AccelError| serde::de::Error::custom(e.to_string()))
     }
 }
 
@@ -200,6 +214,28 @@ impl PipelineSchedule {
             })
             .collect();
         Ok(PipelineSchedule { pp, virtual_stages: v, microbatches: m, ranks })
+    }
+
+    /// One forward of a single micro-batch through every stage, in stage order, with no backward (evaluation):
+    /// rank `r` receives, runs and sends on each of its stages `r, r + pp, …`.
+    pub fn forward_only(pp: usize, v: usize) -> Self {
+        let stages = pp * v;
+        let ranks = (0..pp)
+            .map(|r| {
+                let mut actions = Vec::new();
+                for stage in (r..stages).step_by(pp) {
+                    if stage > 0 {
+                        actions.push(Action::RecvActivation { stage, microbatch: 0 });
+                    }
+                    actions.push(Action::Forward { stage, microbatch: 0 });
+                    if stage + 1 < stages {
+                        actions.push(Action::SendActivation { stage, microbatch: 0 });
+                    }
+                }
+                actions
+            })
+            .collect();
+        PipelineSchedule { pp, virtual_stages: v, microbatches: 1, ranks }
     }
 
     /// Number of stages, `pp · v`.

@@ -71,6 +71,22 @@ impl ColumnParallelLinear {
         Ok(ColumnParallelLinear { weight, bias, tp: pb.tp().clone(), gather_output: cfg.gather_output, out_dim })
     }
 
+    /// A head whose weight is a [`VocabParallelEmbedding`]'s (weight tying, as GPT-2 ties its token embedding
+    /// and its output projection; Press & Wolf 2017): `[vocab_padded/tp, d]` vocabulary-sharded, the same layout
+    /// as a column-parallel `d → vocab` weight with `pad_output`, no bias, outputs not gathered (feed
+    /// [`crate::tensor_parallel::vocab_parallel_cross_entropy`]). The gradient of the shared weight sums both
+    /// uses. Under pipeline parallelism the last stage builds its own copy of the embedding's parameter (same
+    /// name, same values) and the Accelerator sums the two copies' gradients (see `PipelineStage`).
+    pub fn tied(embedding: &VocabParallelEmbedding) -> Self {
+        ColumnParallelLinear {
+            weight: embedding.weight.clone(),
+            bias: None,
+            tp: embedding.tp.clone(),
+            gather_output: false,
+            out_dim: embedding.vocab_size,
+        }
+    }
+
     /// This rank's weight, `[out_padded/tp, in]`.
     pub fn weight(&self) -> &Tensor {
         &self.weight

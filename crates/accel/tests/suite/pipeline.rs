@@ -4,8 +4,8 @@
 //! on the same values, summed in the same order), and the full batch's gradient to f32 rounding; the
 //! micro-batch losses sum to the full batch's loss.
 
-use accel::pipeline::{run_schedule, PipelineLinks, PipelineModel, PipelineSchedule, ScheduleKind};
-use candle_core::{DType, Device, Shape, Tensor, Var};
+use accel::pipeline::{run_schedule, PipelineLinks, PipelineModel, PipelineSchedule, ScheduleKind, ShapeBook};
+use candle_core::{DType, Device, Tensor, Var};
 use ddp_core::store::MemoryStore;
 use ddp_core::{GroupOptions, ProcessGroup, Store};
 use std::sync::Arc;
@@ -66,9 +66,6 @@ impl PipelineModel for MlpStages {
     fn loss(&mut self, mb: usize, output: &Tensor) -> accel::Result<Tensor> {
         Ok(loss(output, &rows(&self.target, mb, self.m)))
     }
-    fn input_shape(&self, stage: usize) -> (Shape, DType) {
-        (Shape::from((ROWS / self.m, WIDTHS[stage * self.layers_per_stage])), DType::F32)
-    }
     fn parameters(&self) -> Vec<Var> {
         self.layers.iter().flat_map(|(w, b)| [w.clone(), b.clone()]).collect()
     }
@@ -111,7 +108,7 @@ fn pipelined(kind: ScheduleKind, pp: usize, v: usize, m: usize) -> Vec<RankGrads
         let mine: Vec<usize> =
             (rank..stages).step_by(pp).flat_map(|s| s * layers_per_stage..(s + 1) * layers_per_stage).collect();
         let mut model = mlp_stages(layers_per_stage, m);
-        let step = run_schedule(&schedule, &links, &mut model).unwrap();
+        let step = run_schedule(&schedule, &links, &mut model, &mut ShapeBook::default()).unwrap();
         let names = names();
         let grads = mine
             .iter()
@@ -221,9 +218,6 @@ impl PipelineModel for ScaleStages {
     fn loss(&mut self, _mb: usize, output: &Tensor) -> accel::Result<Tensor> {
         Ok((output.sqr()?.sum_all()? / (self.m * D) as f64)?)
     }
-    fn input_shape(&self, _stage: usize) -> (Shape, DType) {
-        (Shape::from((1, D)), DType::F32)
-    }
     fn parameters(&self) -> Vec<Var> {
         self.w.clone()
     }
@@ -237,7 +231,7 @@ fn large_activations_do_not_deadlock_any_schedule() {
         let per_rank = on_pp_ranks(pp, move |rank, links| {
             let w = (0..pp * v).map(|s| Var::from_tensor(&wave(10.0 + s as f32, &[D], 1.0)).unwrap()).collect();
             let mut model = ScaleStages { w, m };
-            let step = run_schedule(&schedule, &links, &mut model).unwrap();
+            let step = run_schedule(&schedule, &links, &mut model, &mut ShapeBook::default()).unwrap();
             let stages: Vec<usize> = (rank..pp * v).step_by(pp).collect();
             let sum = |s: usize| step.gradients[s].as_ref().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
             stages.iter().map(|&s| (s, sum(s))).collect::<Vec<_>>()
@@ -275,7 +269,9 @@ fn a_dead_stage_fails_the_waiting_rank_naming_stage_micro_batch_and_peer() {
             return None; // dies: its groups and connections go away
         }
         let mut model = mlp_stages(2, 2);
-        Some(ddp_core::launcher::error_report(&run_schedule(&schedule, &links, &mut model).err()?))
+        Some(ddp_core::launcher::error_report(
+            &run_schedule(&schedule, &links, &mut model, &mut ShapeBook::default()).err()?,
+        ))
     });
     let e = errs[0].as_ref().expect("rank 0 fails");
     assert!(

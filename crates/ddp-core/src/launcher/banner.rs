@@ -18,7 +18,8 @@ pub const CONFIG_SOURCE_ENV: &str = "ACCEL_CONFIG_SOURCE";
 pub const NO_CONFIG: &str = "none: defaults";
 
 /// What a run is. Rendered on one line, `config … | 4 processes × 1 machine | dp_replicate 2 × dp_shard 1 × tp 2
-/// × pp 1 | mixed precision bf16 | gradient accumulation 1 | backend cpu`.
+/// × pp 1 | mixed precision bf16 | gradient accumulation 1 | backend cpu` (with a pipeline, its schedule after the
+/// layout: `… × pp 2 (1F1B, 4 micro-batches) | …`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunBanner {
     /// The config file read (path, and what it changed) or [`NO_CONFIG`].
@@ -29,6 +30,9 @@ pub struct RunBanner {
     pub machines: usize,
     /// The device mesh: dp_replicate × dp_shard × tp × pp.
     pub layout: MeshShape,
+    /// The pipeline schedule when pp > 1, printed after the layout in parentheses (`1F1B, 4 micro-batches`:
+    /// accel's `ParallelismConfig::pipeline_string`); `None` without a pipeline.
+    pub pipeline: Option<String>,
     /// Compute precision: `no`, `fp16` or `bf16`.
     pub mixed_precision: String,
     /// Micro-batches per optimizer step.
@@ -43,9 +47,10 @@ impl RunBanner {
         let plural = |n: usize, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "es" });
         let machines = if self.machines == 1 { "1 machine".to_string() } else { format!("{} machines", self.machines) };
         let l = &self.layout;
+        let pipeline = self.pipeline.as_ref().map(|p| format!(" ({p})")).unwrap_or_default();
         format!(
-            "{} × {machines} | dp_replicate {} × dp_shard {} × tp {} × pp {} | mixed precision {} | gradient \
-             accumulation {} | backend {}",
+            "{} × {machines} | dp_replicate {} × dp_shard {} × tp {} × pp {}{pipeline} | mixed precision {} | \
+             gradient accumulation {} | backend {}",
             plural(self.processes, "process"),
             l.dp_replicate,
             l.dp_shard,
@@ -97,6 +102,7 @@ mod tests {
             processes: 4,
             machines: 2,
             layout: MeshShape::new(1, 2, 1, 2).unwrap(),
+            pipeline: None,
             mixed_precision: "bf16".into(),
             gradient_accumulation_steps: 2,
             backend: "cpu".into(),
@@ -106,7 +112,18 @@ mod tests {
             "config none: defaults | 4 processes × 2 machines | dp_replicate 2 × dp_shard 1 × tp 2 × pp 1 | mixed \
              precision bf16 | gradient accumulation 2 | backend cpu"
         );
-        let one = RunBanner { processes: 1, machines: 1, layout: MeshShape::new(1, 1, 1, 1).unwrap(), ..b };
+        let one = RunBanner { processes: 1, machines: 1, layout: MeshShape::new(1, 1, 1, 1).unwrap(), ..b.clone() };
         assert!(one.settings().starts_with("1 process × 1 machine | "), "{}", one.settings());
+        // A pipeline's schedule follows the layout.
+        let pp = RunBanner {
+            layout: MeshShape::new(2, 1, 1, 2).unwrap(),
+            pipeline: Some("1F1B, 4 micro-batches".into()),
+            ..b
+        };
+        assert_eq!(
+            pp.settings(),
+            "4 processes × 2 machines | dp_replicate 1 × dp_shard 1 × tp 2 × pp 2 (1F1B, 4 micro-batches) | mixed \
+             precision bf16 | gradient accumulation 2 | backend cpu"
+        );
     }
 }

@@ -1,0 +1,567 @@
+//! Pipeline parallelism through the Accelerator (issue "ND-parallel II"): the char-GPT trained with
+//! `Accelerator::pipeline_stages` + `pipeline_backward` at pp2 (GPipe, 1F1B, interleaved), pp4, dp2×pp2 and
+//! tp2×pp2, with and without gradient accumulation, gives the single-process losses and clipped-gradient norms
+//! step by step for 5 AdamW steps, and the same weights after them; a pp2 checkpoint loads into one process and
+//! resumes a pp2 run bit for bit, inside an accumulation window too; programs that do not split their model are
+//! refused.
+//!
+//! Method: as `nd_equivalence` (f32, no dropout, the same seed on the full model: each stage builds only its own
+//! parameters from the same per-name streams; the global batch fixed: each data-parallel rank takes its share and
+//! splits it into `ga` accumulation steps, each of which the pipeline splits into `m` micro-batches). The
+//! reference is one process calling the same `pipeline_backward` (at pp 1: forward, loss, backward on the whole
+//! accumulation step). Tolerance: relative 1e-5 on losses and norms (the summation order differs: micro-batch
+//! gradients are summed, tp sums partial matmuls, dp averages), absolute 1e-4 on the weights after 5 steps.
+
+use super::nd_equivalence::{assert_close, corpus, global_batch, run, run_groups, to_tensors, GLOBAL_BATCH, SEED, SEQ};
+use accel::pipeline::ScheduleKind;
+use accel::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, ParallelismConfig};
+use accel_examples::gpt::{GptConfig, GptStages};
+use candle_core::{Device, Tensor};
+use candle_nn::VarMap;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+const STEPS: usize = 5;
+
+fn model_config(vocab_size: usize) -> GptConfig {
+    GptConfig { vocab_size, block_size: SEQ, n_layer: 4, n_head: 4, d_model: 32, d_ff: 64, tie_embeddings: false }
+}
+
+/// A layout: `(pp, tp, dp, ga, schedule, micro-batches)`.
+type Layout = (usize, usize, usize, usize, ScheduleKind, usize);
+
+fn config((pp, tp, dp, ga, kind, m): Layout) -> AcceleratorConfig {
+    let mut cfg = AcceleratorConfig::default().with_seed(SEED).with_gradient_accumulation_steps(ga);
+    cfg.parallelism = ParallelismConfig::default()
+        .with_pp_size(pp)
+        .with_tp_size(tp)
+        .with_dp_replicate_size(dp)
+        .with_pp_schedule(kind)
+        .with_pp_microbatches(m);
+    cfg
+}
+
+struct Trained {
+    losses: Vec<f64>,
+    grad_norms: Vec<f64>,
+    weights: BTreeMap<String, Tensor>,
+    /// The bits of this rank's own copy of `wte.weight`, if it holds one (tied embeddings: the first and the
+    /// last stage both do).
+    wte: Option<Vec<u32>>,
+}
+
+/// The stages of this rank, prepared, with AdamW.
+fn build(
+    acc: &Accelerator,
+    cfg: GptConfig,
+) -> anyhow::Result<(GptStages, accel::PreparedModel, accel::AcceleratedOptimizer<AdamW>)> {
+    let stages = acc.pipeline_stages(cfg.n_layer, None)?;
+    let varmap = VarMap::new();
+    let gpt = GptStages::new(cfg, &acc.param_builder(&varmap), &stages)?;
+    let model = acc.prepare_model(&varmap)?;
+    let opt = acc.prepare_optimizer(&model, AdamW::new(AdamWConfig { lr: 3e-3, ..AdamWConfig::default() })?)?;
+    Ok((gpt, model, opt))
+}
+
+/// This data-parallel rank's accumulation steps of global step `step` (each split by the pipeline itself).
+fn accumulation_steps(acc: &Accelerator, ids: &[u32], step: usize) -> Vec<(Tensor, Tensor)> {
+    let (dp_rank, dp) = (acc.mesh().dp().rank(), acc.mesh().dp().world_size());
+    let ga = acc.gradient_accumulation_steps();
+    let batch = global_batch(ids, step);
+    let share = GLOBAL_BATCH / dp;
+    batch[dp_rank * share..(dp_rank + 1) * share].chunks(share / ga).map(|r| to_tensors(r, acc.device())).collect()
+}
+
+/// One optimizer step over `steps[from..]`; returns the mean loss of those and the gradient norm.
+fn one_step(
+    acc: &Accelerator,
+    gpt: &GptStages,
+    opt: &mut accel::AcceleratedOptimizer<AdamW>,
+    steps: &[(Tensor, Tensor)],
+) -> anyhow::Result<(f64, Option<f64>)> {
+    let (mut loss_sum, mut norm) = (0.0, None);
+    for (x, y) in steps {
+        let loss = acc.accumulate(|| acc.pipeline_backward(gpt, x, y, |logits, t| gpt.loss_of(logits, t)))?;
+        loss_sum += loss.to_scalar::<f32>()? as f64;
+        if acc.sync_gradients() {
+            norm = acc.clip_grad_norm(1.0)?;
+            opt.step()?;
+            opt.zero_grad();
+        }
+    }
+    Ok((loss_sum / steps.len() as f64, norm))
+}
+
+fn train(acc: &Accelerator, ids: &[u32], cfg: GptConfig) -> anyhow::Result<Trained> {
+    let (gpt, model, mut opt) = build(acc, cfg)?;
+    let mut t = Trained { losses: Vec::new(), grad_norms: Vec::new(), weights: BTreeMap::new(), wte: None };
+    for step in 0..STEPS {
+        let (local, norm) = one_step(acc, &gpt, &mut opt, &accumulation_steps(acc, ids, step))?;
+        let mean = acc.reduce(&Tensor::new(local, &Device::Cpu)?, accel::ReduceKind::Mean)?;
+        t.losses.push(mean.to_scalar::<f64>()?);
+        t.grad_norms.push(norm.expect("the window's last step syncs"));
+    }
+    t.weights = model.state_dict()?; // every stage's, gathered
+    if let Some(i) = model.names().iter().position(|n| n == "wte.weight") {
+        let w = model.master_weights()[i].flatten_all()?.to_vec1::<f32>()?;
+        t.wte = Some(w.into_iter().map(f32::to_bits).collect());
+    }
+    Ok(t)
+}
+
+fn max_abs_diff(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f32 {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "the gathered names differ");
+    a.iter()
+        .map(|(k, t)| {
+            let d = (t - &b[k]).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+            d.to_scalar::<f32>().unwrap()
+        })
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn every_pipeline_layout_trains_like_one_process() {
+    use ScheduleKind::{GPipe, Interleaved1F1B, OneFOneB};
+    let (ids, vocab) = corpus();
+    let ids = Arc::new(ids);
+    let mut wants: BTreeMap<usize, Trained> = BTreeMap::new();
+    let layouts: [Layout; 7] = [
+        (2, 1, 1, 1, OneFOneB, 2),
+        (2, 1, 1, 2, GPipe, 4),
+        (2, 1, 1, 1, Interleaved1F1B, 4),
+        (4, 1, 1, 1, OneFOneB, 4),
+        (4, 1, 1, 2, GPipe, 4),
+        (2, 1, 2, 1, OneFOneB, 2),
+        (2, 2, 1, 2, OneFOneB, 2),
+    ];
+    for layout in layouts {
+        let (pp, tp, dp, ga, kind, m) = layout;
+        // The reference: one process, the same accumulation.
+        let want = wants.entry(ga).or_insert_with(|| {
+            let i = ids.clone();
+            run(1, config((1, 1, 1, ga, OneFOneB, 1)), move |acc| train(&acc, &i, model_config(vocab))).remove(0)
+        });
+        assert!(want.losses[STEPS - 1] < want.losses[0] - 0.05, "single-process losses {:?}", want.losses);
+        let i = ids.clone();
+        let got = run(pp * tp * dp, config(layout), move |acc| train(&acc, &i, model_config(vocab)));
+        for (rank, t) in got.iter().enumerate() {
+            let what = format!("pp{pp} tp{tp} dp{dp} ga{ga} {kind} m{m} rank {rank}");
+            assert_close(&format!("{what} loss"), &t.losses, &want.losses);
+            assert_close(&format!("{what} grad norm"), &t.grad_norms, &want.grad_norms);
+            let d = max_abs_diff(&t.weights, &want.weights);
+            assert!(d <= 1e-4, "{what}: weights after {STEPS} steps differ from one process's by {d:e}");
+        }
+    }
+}
+
+/// GPT-2's tied embedding across stages (`tie_embeddings`: the first stage's `wte.weight` is the last stage's
+/// head): pp2, interleaved pp2 (first stage on pp rank 0, last on pp rank 1), dp2 × pp2 and tp2 × pp2 train like
+/// one process holding a single tied weight, and the two copies stay bit-identical.
+#[test]
+fn tied_embeddings_across_stages_train_like_one_process_and_stay_equal() {
+    use ScheduleKind::{Interleaved1F1B, OneFOneB};
+    let (ids, vocab) = corpus();
+    let ids = Arc::new(ids);
+    let tied = GptConfig { tie_embeddings: true, ..model_config(vocab) };
+    let i = ids.clone();
+    let want = run(1, config((1, 1, 1, 1, OneFOneB, 1)), move |acc| train(&acc, &i, tied)).remove(0);
+    assert!(!want.weights.contains_key("lm_head.weight") && want.weights.contains_key("wte.weight"));
+    assert!(want.losses[STEPS - 1] < want.losses[0] - 0.05, "single-process losses {:?}", want.losses);
+    for layout in [
+        (2, 1, 1, 1, OneFOneB, 2),
+        (2, 1, 1, 1, Interleaved1F1B, 4),
+        (2, 1, 2, 1, OneFOneB, 2),
+        (2, 2, 1, 1, OneFOneB, 2),
+    ] {
+        let (pp, tp, dp, ..) = layout;
+        let i = ids.clone();
+        let got = run(pp * tp * dp, config(layout), move |acc| train(&acc, &i, tied));
+        for (rank, t) in got.iter().enumerate() {
+            let what = format!("tied {layout:?} rank {rank}");
+            assert_close(&format!("{what} loss"), &t.losses, &want.losses);
+            assert_close(&format!("{what} grad norm"), &t.grad_norms, &want.grad_norms);
+            let d = max_abs_diff(&t.weights, &want.weights);
+            assert!(d <= 1e-4, "{what}: weights after {STEPS} steps differ from one process's by {d:e}");
+        }
+        // Both stages hold a copy (rank r and its pp peer r + world / pp: pp is outermost): the same bits.
+        let peer = tp * dp;
+        for r in 0..peer {
+            let (a, b) = (got[r].wte.as_ref(), got[r + peer].wte.as_ref());
+            assert!(a.is_some() && a == b, "tied {layout:?}: rank {r}'s and rank {}'s wte.weight differ", r + peer);
+        }
+    }
+}
+
+/// A pp2 run saved inside an accumulation window (after the first of two accumulation steps) resumes bit for bit
+/// in a fresh pp2 run, and its `model.safetensors` (every stage's tensors, single-process names) loads into one
+/// process, which computes the same loss.
+#[test]
+fn a_pp2_checkpoint_resumes_exactly_and_loads_into_one_process() {
+    let (ids, vocab) = corpus();
+    let ids = Arc::new(ids);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = Arc::new(tmp.path().join("ckpt"));
+    let layout = (2, 1, 1, 2, ScheduleKind::OneFOneB, 2);
+    // Two optimizer steps, the first accumulation step of the third, save, then the rest of the third step.
+    let (i, d) = (ids.clone(), dir.clone());
+    let saved = run(2, config(layout), move |acc| {
+        let (gpt, _model, mut opt) = build(&acc, model_config(vocab))?;
+        for step in 0..2 {
+            one_step(&acc, &gpt, &mut opt, &accumulation_steps(&acc, &i, step))?;
+        }
+        let third = accumulation_steps(&acc, &i, 2);
+        one_step(&acc, &gpt, &mut opt, &third[..1])?;
+        acc.save_state(Some(&d))?;
+        let (loss, norm) = one_step(&acc, &gpt, &mut opt, &third[1..])?;
+        Ok((loss, norm.expect("syncs")))
+    });
+    let (i, d) = (ids.clone(), dir.clone());
+    let resumed = run(2, config(layout), move |acc| {
+        let (gpt, _model, mut opt) = build(&acc, model_config(vocab))?;
+        acc.load_state(Some(&d))?;
+        let third = accumulation_steps(&acc, &i, 2);
+        let (loss, norm) = one_step(&acc, &gpt, &mut opt, &third[1..])?;
+        Ok((loss, norm.expect("syncs")))
+    });
+    for rank in 0..2 {
+        assert_eq!(resumed[rank].0.to_bits(), saved[rank].0.to_bits(), "rank {rank}: resumed loss");
+        assert_eq!(resumed[rank].1.to_bits(), saved[rank].1.to_bits(), "rank {rank}: resumed gradient norm");
+    }
+    // The single-process model from the pp2 file: the loss of the saved run's next batch.
+    let file = dir.join("model.safetensors");
+    let (i, d) = (ids.clone(), dir.clone());
+    let pp_loss = run(2, config(layout), move |acc| {
+        let (gpt, _model, _opt) = build(&acc, model_config(vocab))?;
+        acc.load_state(Some(&d))?;
+        let (x, y) = &accumulation_steps(&acc, &i, 2)[0];
+        Ok(acc.no_sync(|| acc.pipeline_backward(&gpt, x, y, |l, t| gpt.loss_of(l, t)))?.to_scalar::<f32>()?)
+    });
+    let i = ids.clone();
+    let one = run(1, config((1, 1, 1, 2, ScheduleKind::OneFOneB, 1)), move |acc| {
+        let (gpt, model, _opt) = build(&acc, model_config(vocab))?;
+        model.load_state_dict(&accel::state::load_safetensors(&file, acc.device())?)?;
+        let (x, y) = &accumulation_steps(&acc, &i, 2)[0];
+        Ok(gpt.whole().expect("one process holds the whole model").loss(x, y)?.to_scalar::<f32>()?)
+    })
+    .remove(0);
+    let rel = ((one - pp_loss[0]) / pp_loss[0]).abs();
+    assert!(rel <= 1e-5, "one process from the pp2 checkpoint: loss {one} vs pp2's {} ({rel:.2e})", pp_loss[0]);
+}
+
+/// Programs without pipeline support are refused, with what to do; a batch that does not split into the
+/// micro-batches is named.
+#[test]
+fn programs_that_do_not_split_their_model_are_refused() {
+    let (_, vocab) = corpus();
+    let layout = (2, 1, 1, 1, ScheduleKind::OneFOneB, 2);
+    let errors = run(2, config(layout), move |acc| {
+        // The whole model on every rank, never asking for stages.
+        let varmap = VarMap::new();
+        let _gpt = accel_examples::gpt::CharGpt::new(model_config(vocab), &acc.param_builder(&varmap))?;
+        let not_split = acc.prepare_model(&varmap).unwrap_err().to_string();
+        // Asked, built, prepared: backward on a loss is refused, an odd batch named.
+        let (gpt, _model, _opt) = build(&acc, model_config(vocab))?;
+        let x = Tensor::zeros((3, SEQ), candle_core::DType::U32, &Device::Cpu)?;
+        let backward = acc.backward(&x.sum_all()?.to_dtype(candle_core::DType::F32)?).unwrap_err().to_string();
+        let odd = acc.pipeline_backward(&gpt, &x, &x, |l, t| gpt.loss_of(l, t)).unwrap_err().to_string();
+        Ok((not_split, backward, odd))
+    });
+    let (not_split, backward, odd) = &errors[0];
+    assert!(
+        not_split.contains("pp_size 2 (pipeline parallelism) but the program did not ask which stages this rank holds")
+            && not_split.contains("accelerator.pipeline_stages"),
+        "{not_split}"
+    );
+    assert!(
+        backward.contains("backward: this job has pp_size 2") && backward.contains("pipeline_backward"),
+        "{backward}"
+    );
+    assert!(
+        odd.contains("the inputs have 3 rows (dim 0), which do not split into the 2 micro-batches")
+            && odd.contains("a multiple of 2 (e.g. 4)"),
+        "{odd}"
+    );
+}
+
+/// `n` windows of the corpus (from `start`) as a data set.
+fn windows(ids: &[u32], start: usize, n: usize) -> accel::TensorDataset {
+    let rows: Vec<_> = (0..n)
+        .map(|i| {
+            let s = start + i * 37;
+            (ids[s..s + SEQ].to_vec(), ids[s + 1..s + SEQ + 1].to_vec())
+        })
+        .collect();
+    let (x, y) = to_tensors(&rows, &Device::Cpu);
+    accel::TensorDataset::new(x, y).unwrap()
+}
+
+/// What a Trainer run logged: the training losses, the gradient norms and the final eval loss.
+type Logged = (Vec<f64>, Vec<f64>, f64);
+
+/// The Trainer on `world` ranks laid out as `layout` (None: the classic `Trainer::new_parallel`), 6 steps of
+/// a global batch of 16 sequences (`16 / dp` per replica), logging every 2, evaluating every 3.
+fn trainer_run(world: usize, layout: Option<Layout>, ids: Arc<Vec<u32>>, vocab: usize) -> Vec<Logged> {
+    run_groups(world, move |pg| {
+        let dir = tempfile::tempdir()?;
+        let (pp, tp, dp, ga, kind, m) = layout.unwrap_or((1, 1, 1, 1, ScheduleKind::OneFOneB, 1));
+        let args = trainer::TrainingArguments {
+            output_dir: dir.path().to_path_buf(),
+            max_steps: 6,
+            per_device_train_batch_size: 16 / dp / ga,
+            gradient_accumulation_steps: ga,
+            per_device_eval_batch_size: 12,
+            learning_rate: 3e-3,
+            max_grad_norm: 1.0,
+            eval_strategy: trainer::IntervalStrategy::Steps,
+            eval_steps: Some(3.0),
+            save_strategy: trainer::SaveStrategy::No,
+            logging_steps: 2.0,
+            report_to: trainer::ReportTo(vec!["none".into()]),
+            save_plots: false,
+            disable_tqdm: true,
+            seed: SEED,
+            ..Default::default()
+        };
+        let cfg = model_config(vocab);
+        let (train, eval) = (windows(&ids, 0, 64), windows(&ids, 5000, 20));
+        let loss = trainer::losses::VocabParallelCrossEntropy { vocab_size: vocab };
+        let to_candle = accel_examples::gpt::to_candle;
+        let parallelism = ParallelismConfig::default()
+            .with_pp_size(pp)
+            .with_tp_size(tp)
+            .with_dp_replicate_size(dp)
+            .with_pp_schedule(kind)
+            .with_pp_microbatches(m.max(pp));
+        let state = match layout {
+            None => {
+                let mut t = trainer::Trainer::new_parallel(
+                    args,
+                    move |pb| accel_examples::gpt::CharGpt::new(cfg, pb).map_err(to_candle),
+                    train,
+                    Some(eval),
+                    loss,
+                )
+                .process_group(pg);
+                t.train()?;
+                t.state().clone()
+            }
+            Some(_) => {
+                let mut t = trainer::Trainer::new_pipelined(
+                    args,
+                    cfg.n_layer,
+                    move |pb, stages| GptStages::new(cfg, pb, stages).map_err(to_candle),
+                    train,
+                    Some(eval),
+                    loss,
+                )
+                .process_group(pg)
+                .parallelism_config(parallelism);
+                t.train()?;
+                t.state().clone()
+            }
+        };
+        let get = |k: &str| -> Vec<f64> { state.log_history.iter().filter_map(|e| e.get(k)).collect() };
+        let evals = get("eval_loss");
+        Ok((get("loss"), get("grad_norm"), *evals.last().expect("evaluated")))
+    })
+}
+
+/// The Trainer drives the pipeline (`Trainer::new_pipelined`): at pp 1 it logs exactly what the classic
+/// `new_parallel` trainer logs, and pp2 (1F1B, interleaved), dp2 × pp2 and tp2 × pp2 with accumulation log the
+/// single process's training losses, gradient norms and eval loss (relative 1e-5).
+#[test]
+fn the_trainer_trains_every_pipeline_layout_like_one_process() {
+    use ScheduleKind::{Interleaved1F1B, OneFOneB};
+    let (ids, vocab) = corpus();
+    let ids = Arc::new(ids);
+    let classic = trainer_run(1, None, ids.clone(), vocab).remove(0);
+    let one = trainer_run(1, Some((1, 1, 1, 1, OneFOneB, 1)), ids.clone(), vocab).remove(0);
+    assert_eq!((classic.0.len(), classic.1.len()), (3, 3), "{classic:?}");
+    assert!(classic.0[2] < classic.0[0], "the model learns: {:?}", classic.0);
+    assert_eq!(one, classic, "new_pipelined at pp 1 vs new_parallel");
+    for layout in [
+        (2, 1, 1, 1, OneFOneB, 2),
+        (2, 1, 1, 2, Interleaved1F1B, 4),
+        (2, 1, 2, 1, OneFOneB, 4),
+        (2, 2, 1, 2, OneFOneB, 2),
+    ] {
+        let (pp, tp, dp, ..) = layout;
+        for (rank, got) in trainer_run(pp * tp * dp, Some(layout), ids.clone(), vocab).iter().enumerate() {
+            let what = format!("{layout:?} rank {rank}");
+            assert_close(&format!("{what} loss"), &got.0, &one.0);
+            assert_close(&format!("{what} grad norm"), &got.1, &one.1);
+            assert_close(&format!("{what} eval loss"), &[got.2], &[one.2]);
+        }
+    }
+}
+
+/// A trainer whose model is not cut into stages is refused under pp, and so is compute_metrics (the outputs
+/// live on the last stage).
+#[test]
+fn the_trainer_refuses_what_a_pipeline_cannot_do() {
+    let (ids, vocab) = corpus();
+    let ids = Arc::new(ids);
+    let errors = run_groups(2, move |pg| {
+        let dir = tempfile::tempdir()?;
+        let args = || trainer::TrainingArguments {
+            output_dir: dir.path().to_path_buf(),
+            max_steps: 1,
+            per_device_train_batch_size: 4,
+            report_to: trainer::ReportTo(vec!["none".into()]),
+            save_plots: false,
+            disable_tqdm: true,
+            eval_strategy: trainer::IntervalStrategy::Steps,
+            eval_steps: Some(1.0),
+            ..Default::default()
+        };
+        let cfg = model_config(vocab);
+        let to_candle = accel_examples::gpt::to_candle;
+        let pp2 = ParallelismConfig::default().with_pp_size(2);
+        let loss = trainer::losses::VocabParallelCrossEntropy { vocab_size: vocab };
+        let mut whole = trainer::Trainer::new_parallel(
+            args(),
+            move |pb| accel_examples::gpt::CharGpt::new(cfg, pb).map_err(to_candle),
+            windows(&ids, 0, 8),
+            None,
+            loss,
+        )
+        .process_group(pg)
+        .parallelism_config(pp2.clone());
+        Ok(whole.train().unwrap_err().to_string())
+    });
+    for e in errors {
+        assert!(e.contains("pp_size 2 (pipeline parallelism) but this trainer's model is not cut into stages"), "{e}");
+        assert!(e.contains("Trainer::new_pipelined"), "{e}");
+    }
+    let (ids2, _) = corpus();
+    let ids2 = Arc::new(ids2);
+    let errors = run_groups(2, move |pg| {
+        let dir = tempfile::tempdir()?;
+        let args = trainer::TrainingArguments {
+            output_dir: dir.path().to_path_buf(),
+            max_steps: 1,
+            per_device_train_batch_size: 4,
+            report_to: trainer::ReportTo(vec!["none".into()]),
+            save_plots: false,
+            disable_tqdm: true,
+            eval_strategy: trainer::IntervalStrategy::Steps,
+            eval_steps: Some(1.0),
+            ..Default::default()
+        };
+        let cfg = model_config(vocab);
+        let to_candle = accel_examples::gpt::to_candle;
+        let mut t = trainer::Trainer::new_pipelined(
+            args,
+            cfg.n_layer,
+            move |pb, stages| GptStages::new(cfg, pb, stages).map_err(to_candle),
+            windows(&ids2, 0, 8),
+            Some(windows(&ids2, 100, 4)),
+            trainer::losses::VocabParallelCrossEntropy { vocab_size: vocab },
+        )
+        .process_group(pg)
+        .parallelism_config(ParallelismConfig::default().with_pp_size(2))
+        .compute_metrics(trainer::metrics::classification);
+        Ok(t.train().unwrap_err().to_string())
+    });
+    for e in errors {
+        assert!(e.contains("cut into 2 pipeline stages: evaluation reports the loss only"), "{e}");
+    }
+}
+
+/// The examples as a user runs them: `accel_gpt --pp-size 2` (1F1B) and `--pp-size 2 --tp-size 2` on 4 processes
+/// print the single process's losses (4 decimals) and a sample from the gathered model; `train_gpt --pp-size 2`
+/// trains and evaluates; sizes that cannot run are refused before any worker starts, naming what fits.
+#[test]
+fn the_gpt_examples_run_pipelined_from_the_command_line() {
+    use super::gpt_tp::{logged_losses, run_example};
+    let small = [
+        "--steps",
+        "4",
+        "--log-every",
+        "2",
+        "--batch-size",
+        "4",
+        "--block-size",
+        "16",
+        "--d-model",
+        "32",
+        "--n-layer",
+        "2",
+        "--d-ff",
+        "64",
+        "--sample-len",
+        "20",
+        "--lr",
+        "1e-2",
+    ];
+    let bin = env!("CARGO_BIN_EXE_accel_gpt");
+    let single = run_example(bin, &[&["--nproc", "1"], &small[..]].concat());
+    let pp2 = run_example(bin, &[&["--nproc", "2", "--pp-size", "2"], &small[..]].concat());
+    let tp2pp2 = run_example(
+        bin,
+        &[&["--nproc", "4", "--pp-size", "2", "--tp-size", "2", "--microbatches", "4"], &small[..]].concat(),
+    );
+    let want = logged_losses(&single);
+    assert_eq!(want.len(), 2, "{single}");
+    assert_eq!(logged_losses(&pp2), want, "pp2:\n{pp2}");
+    assert_eq!(logged_losses(&tp2pp2), want, "tp2 × pp2:\n{tp2pp2}");
+    assert!(pp2.contains("× pp 2 (1F1B, 2 micro-batches) |"), "the banner names the schedule:\n{pp2}");
+    assert!(
+        pp2.contains("rank 1 holds stage 1 (blocks 1..2)") || pp2.contains("rank 0 holds stage 0 (blocks 0..1)"),
+        "{pp2}"
+    );
+    assert!(pp2.contains("[rank 0] sample (temperature 0.8):\n[rank 0] HAMLET:"), "{pp2}");
+    assert!(tp2pp2.contains("rank 3 (pp 1 dp 0 tp 1): peak RSS"), "{tp2pp2}");
+
+    let out_dir = tempfile::tempdir().unwrap();
+    let text = run_example(
+        env!("CARGO_BIN_EXE_train_gpt"),
+        &[
+            "--nproc",
+            "2",
+            "--pp-size",
+            "2",
+            "--max-steps",
+            "4",
+            "--logging-steps",
+            "2",
+            "--eval-steps",
+            "4",
+            "--per-device-train-batch-size",
+            "4",
+            "--block-size",
+            "16",
+            "--sample-len",
+            "10",
+            "--save-plots",
+            "false",
+            "--disable-tqdm",
+            "true",
+            "--output-dir",
+            out_dir.path().to_str().unwrap(),
+        ],
+    );
+    assert!(
+        text.contains("process(es) = pp 2 × dp 1 × tp 1; 4 optimizer steps") && text.contains("validation loss"),
+        "{text}"
+    );
+    assert!(text.contains("sample (temperature 0.8)"), "{text}");
+
+    for (args, expect) in [
+        (&["--nproc", "4", "--pp-size", "3"][..], "--pp-size 3 × --tp-size 1 must divide --nproc 4"),
+        (
+            &["--nproc", "2", "--pp-size", "2", "--batch-size", "6", "--microbatches", "4"][..],
+            "the batch size 6 does not split into the 4 micro-batches",
+        ),
+        (&["--nproc", "2", "--pp-size", "2", "--microbatches", "1"][..], "pipeline_parallel_microbatches"),
+        (
+            &["--nproc", "4", "--pp-size", "4", "--n-layer", "2"][..],
+            "4 pipeline stages (pp × virtual stages) but the model has 2 layers",
+        ),
+    ] {
+        let out = std::process::Command::new(bin).args(args).env_remove("RANK").output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(!out.status.success() && text.contains(expect), "{args:?}:\n{text}");
+        assert!(!text.contains("[rank"), "refused before any worker starts: {args:?}\n{text}");
+    }
+}
