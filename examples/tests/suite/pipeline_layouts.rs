@@ -248,6 +248,60 @@ fn a_pp2_checkpoint_resumes_exactly_and_loads_into_one_process() {
     assert!(rel <= 1e-5, "one process from the pp2 checkpoint: loss {one} vs pp2's {} ({rel:.2e})", pp_loss[0]);
 }
 
+/// The optimizer state is saved as one process holds it (each stage's AdamW moments renumbered to the whole
+/// model's parameters): a pp2 checkpoint taken at an optimizer step resumes at tp2 and at dp2 (the same 2
+/// processes, another layout), whose next step gives the pp2 run's loss and gradient norm, and whose weights
+/// after it are pp2's (relative 1e-5; 1e-5 absolute: the moments steer that step).
+#[test]
+fn a_pp2_checkpoint_resumes_at_another_layout() {
+    let (ids, vocab) = corpus();
+    let ids = Arc::new(ids);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = Arc::new(tmp.path().join("ckpt"));
+    let pp2 = (2, 1, 1, 1, ScheduleKind::OneFOneB, 2);
+    let next_step = move |acc: &Accelerator,
+                          ids: &[u32],
+                          load: Option<&std::path::Path>|
+          -> anyhow::Result<(f64, f64, BTreeMap<String, Tensor>)> {
+        let (gpt, model, mut opt) = build(acc, model_config(vocab))?;
+        match load {
+            Some(d) => {
+                acc.load_state(Some(d))?;
+            }
+            None => {
+                for step in 0..3 {
+                    one_step(acc, &gpt, &mut opt, &accumulation_steps(acc, ids, step))?;
+                }
+            }
+        }
+        let (loss, norm) = one_step(acc, &gpt, &mut opt, &accumulation_steps(acc, ids, 3))?;
+        let mean = acc.reduce(&Tensor::new(loss, &Device::Cpu)?, accel::ReduceKind::Mean)?.to_scalar::<f64>()?;
+        Ok((mean, norm.expect("syncs"), model.state_dict()?))
+    };
+    // The pp2 run: 3 steps, save, the 4th.
+    let (i, d) = (ids.clone(), dir.clone());
+    run(2, config(pp2), move |acc| {
+        let (gpt, _model, mut opt) = build(&acc, model_config(vocab))?;
+        for step in 0..3 {
+            one_step(&acc, &gpt, &mut opt, &accumulation_steps(&acc, &i, step))?;
+        }
+        Ok(acc.save_state(Some(&d))?)
+    });
+    let i = ids.clone();
+    let reference = run(2, config(pp2), move |acc| next_step(&acc, &i, None)).remove(0);
+    for layout in [(1, 2, 1, 1, ScheduleKind::OneFOneB, 1), (1, 1, 2, 1, ScheduleKind::OneFOneB, 1), pp2] {
+        let (i, d) = (ids.clone(), dir.clone());
+        let got = run(2, config(layout), move |acc| next_step(&acc, &i, Some(&d)));
+        for (rank, (loss, norm, weights)) in got.iter().enumerate() {
+            let what = format!("pp2 checkpoint resumed at {layout:?}, rank {rank}");
+            assert_close(&format!("{what}: loss"), &[*loss], &[reference.0]);
+            assert_close(&format!("{what}: grad norm"), &[*norm], &[reference.1]);
+            let d = max_abs_diff(weights, &reference.2);
+            assert!(d <= 1e-5, "{what}: weights after the resumed step differ from pp2's by {d:e}");
+        }
+    }
+}
+
 /// Programs without pipeline support are refused, with what to do; a batch that does not split into the
 /// micro-batches is named.
 #[test]

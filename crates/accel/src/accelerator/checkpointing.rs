@@ -119,8 +119,6 @@ pub(crate) fn save_state(acc: &Accelerator, dir: Option<&Path>) -> Result<PathBu
     let written = create_dir(&partial).and_then(|()| write_random_states(acc, &partial)).and_then(|()| {
         if main {
             write_shared_files(acc, &partial, full?)
-        } else if leads_a_later_stage(acc) {
-            write_stage_optimizers(acc, &partial, full?)
         } else {
             full.map(drop)
         }
@@ -163,7 +161,7 @@ pub(crate) fn load_state(acc: &Accelerator, dir: Option<&Path>) -> Result<(PathB
     let device = acc.device().clone();
     let prepared = acc.prepared();
     restore_models(&dir, &prepared, &device)?;
-    restore_optimizers(acc, &dir, &prepared, &device)?;
+    restore_optimizers(&dir, &prepared, &device)?;
     restore_scaler(acc, &dir, meta.contents.scaler, &device)?;
     restore_registered(&dir, prepared, &device)?;
     restore_rng(acc, &dir)?;
@@ -229,19 +227,6 @@ fn check_layout(acc: &Accelerator, dir: &Path, meta: &CheckpointMeta) -> Result<
         ));
     }
     let saved_mesh = meta.mesh.unwrap_or([1, meta.world_size, 1, 1]);
-    if saved_mesh[0] != mesh_sizes(acc)[0] && meta.contents.optimizers > 0 {
-        return Err(checkpoint_err(
-            dir,
-            format!(
-                "written with pp_size {} but this run has pp_size {}: the optimizer state is saved per pipeline \
-                 stage; resume with pp_size {} (the model weights alone load at any layout: \
-                 PreparedModel::load_state_dict of its model.safetensors)",
-                saved_mesh[0],
-                mesh_sizes(acc)[0],
-                saved_mesh[0]
-            ),
-        ));
-    }
     if saved_mesh != mesh_sizes(acc) {
         // Weights and optimizer states are full tensors and load into any layout; what is per rank is not.
         tracing::warn!(
@@ -297,11 +282,10 @@ fn restore_models(dir: &Path, prepared: &Prepared, device: &Device) -> Result<()
     Ok(())
 }
 
-/// Loads each optimizer's state, laid out for its model's local shards (under pipeline parallelism, this
-/// rank's stage's file).
-fn restore_optimizers(acc: &Accelerator, dir: &Path, prepared: &Prepared, device: &Device) -> Result<()> {
+/// Loads each optimizer's state, laid out for its model's local shards.
+fn restore_optimizers(dir: &Path, prepared: &Prepared, device: &Device) -> Result<()> {
     for (i, (opt, model)) in prepared.optimizers.iter().enumerate() {
-        let s = optimizer_stem(acc, i);
+        let s = stem("optimizer", i);
         let restoring_it = || restoring(&dir.join(format!("{s}.json")), "optimizer state");
         let sd = model.optimizer_state_to_local(StateDict::load(dir, &s, device)?).map_err(restoring_it())?;
         lock(opt).load_state_dict(&sd).map_err(AccelError::from).map_err(restoring_it())?;
@@ -459,37 +443,15 @@ impl FullState {
     }
 }
 
-/// `optimizer`, `optimizer_1`, …; under pipeline parallelism each stage's own, `optimizer.pp{stage rank}`: the
-/// optimizer state is laid out by parameter index, which only the stage's model knows.
-fn optimizer_stem(acc: &Accelerator, i: usize) -> String {
-    match acc.mesh().pp().world_size() {
-        1 => stem("optimizer", i),
-        _ => format!("{}.pp{}", stem("optimizer", i), acc.mesh().pp().rank()),
-    }
-}
-
-/// Under pipeline parallelism, whether this rank writes its stage's optimizer files: the first rank of a later
-/// stage (data-parallel and tp rank 0; rank 0 writes stage 0's with the shared files).
-fn leads_a_later_stage(acc: &Accelerator) -> bool {
-    let mesh = acc.mesh();
-    mesh.pp().rank() > 0 && mesh.dp().rank() == 0 && mesh.tp().rank() == 0
-}
-
-/// This rank's (stage's) optimizer states.
-fn write_stage_optimizers(acc: &Accelerator, dir: &Path, full: FullState) -> Result<()> {
-    for (i, sd) in full.optimizers.iter().enumerate() {
-        sd.save(dir, &optimizer_stem(acc, i))?;
-    }
-    Ok(())
-}
-
 /// Everything but the per-rank RNG files (rank 0 only).
 fn write_shared_files(acc: &Accelerator, dir: &Path, full: FullState) -> Result<()> {
     let prepared = acc.prepared();
     for (i, weights) in full.models.iter().enumerate() {
         save_safetensors(weights, &dir.join(format!("{}.safetensors", stem("model", i))))?;
     }
-    write_stage_optimizers(acc, dir, FullState { models: Vec::new(), optimizers: full.optimizers })?;
+    for (i, sd) in full.optimizers.iter().enumerate() {
+        sd.save(dir, &stem("optimizer", i))?;
+    }
     if let Some(scaler) = acc.grad_scaler() {
         let sd = lock(&scaler).state_dict()?;
         sd.save(dir, "scaler")?;

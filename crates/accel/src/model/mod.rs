@@ -12,11 +12,13 @@
 //! layout reads any other's `model.safetensors`.
 
 mod registration;
+mod stages;
 mod strategy;
 
 #[cfg(test)]
 mod tests;
 
+use stages::{full_shape, Stages};
 #[cfg(test)]
 use strategy::AddSegment;
 pub(crate) use strategy::{GradientStrategy, PipelineStage, ReplicatedDataParallel, TiedWeights};
@@ -26,7 +28,7 @@ use crate::tensor_parallel::{ParamLayout, TensorParallel};
 use crate::{AccelError, Result};
 use candle_core::{DType, Tensor, Var};
 use candle_nn::VarMap;
-use ddp_core::{DeviceMesh, DistributedDataParallel, ProcessGroup, ReduceOp};
+use ddp_core::{DeviceMesh, DistributedDataParallel};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -55,62 +57,8 @@ struct ModelInner {
     groups: Vec<ParamGroup>,
     /// Under pipeline parallelism: the pp group and every pp rank's parameters (names and single-process
     /// shapes, by pp rank), so a state dict can be gathered from and loaded into the stages.
-    stages: Option<(ProcessGroup, StageParams)>,
+    stages: Option<Stages>,
     find_unused_parameters: bool,
-}
-
-/// Every pp rank's parameters, by pp rank: `(name, single-process shape)` in name order.
-type StageParams = Vec<Vec<(String, Vec<usize>)>>;
-
-/// The shape a parameter has in a single-process model (a tp shard's split dimension at its full size).
-fn full_shape(local: &Var, layout: ParamLayout) -> Vec<usize> {
-    let mut dims = local.dims().to_vec();
-    if let ParamLayout::Sharded { dim, full, .. } = layout {
-        dims[dim] = full;
-    }
-    dims
-}
-
-/// Every rank's `mine` (collective over `group`): one all-gather of the JSON text, padded to the longest.
-fn exchange(group: &ProcessGroup, mine: &[(String, Vec<usize>)]) -> Result<StageParams> {
-    let text = serde_json::to_vec(mine).map_err(|e| AccelError::json("encoding the stage's parameter names", e))?;
-    let mut len = [text.len() as i64];
-    group.all_reduce(&mut len, ReduceOp::Max)?;
-    let width = len[0] as usize;
-    let mut padded = text;
-    padded.resize(width, b' ');
-    let mut all = vec![0u8; width * group.world_size()];
-    group.all_gather(&padded, &mut all)?;
-    all.chunks(width.max(1))
-        .take(group.world_size())
-        .map(|c| serde_json::from_slice(c).map_err(|e| AccelError::json("reading another stage's parameter names", e)))
-        .collect()
-}
-
-/// The weights this rank shares with other pp ranks (a name held by several stages: GPT-2's token embedding,
-/// read by the first stage and, as the head, by the last), one group per set of pp ranks sharing names, created in
-/// the same order on every pp rank (collective over `pp`). The copies start equal: each is broadcast from the
-/// lowest pp rank holding it (Megatron-LM's embedding group; Megatron-LM#299 was copies that started apart).
-fn tied_weights(pp: &ProcessGroup, all: &StageParams, names: &[String], masters: &[Var]) -> Result<Vec<TiedWeights>> {
-    let mut holders: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
-    for (rank, params) in all.iter().enumerate() {
-        for (name, _) in params {
-            holders.entry(name.as_str()).or_default().push(rank);
-        }
-    }
-    let sets: std::collections::BTreeSet<&Vec<usize>> = holders.values().filter(|r| r.len() > 1).collect();
-    let mut tied = Vec::new();
-    for set in sets {
-        let Some(group) = pp.new_group(set)? else { continue };
-        let params: Vec<usize> =
-            names.iter().enumerate().filter(|(_, n)| holders.get(n.as_str()) == Some(set)).map(|(i, _)| i).collect();
-        for &i in &params {
-            let t = group.broadcast_tensor(masters[i].as_tensor(), 0)?;
-            masters[i].set(&t)?;
-        }
-        tied.push(TiedWeights { group, params, counted_here: pp.rank() == set[0] });
-    }
-    Ok(tied)
 }
 
 /// Some of a model's parameters and the one strategy their gradients take.
@@ -191,9 +139,9 @@ impl PreparedModel {
         let (strategy, stages): (Box<dyn GradientStrategy>, _) = if mesh.pp().world_size() > 1 {
             let mine: Vec<(String, Vec<usize>)> =
                 names.iter().enumerate().map(|(i, n)| (n.clone(), full_shape(&masters[i], layouts[i]))).collect();
-            let all = exchange(mesh.pp(), &mine)?;
-            let tied = tied_weights(mesh.pp(), &all, &names, &masters)?;
-            (Box::new(PipelineStage::new(replicated, mesh.pp().clone(), tied)), Some((mesh.pp().clone(), all)))
+            let stages = Stages::exchange(mesh.pp(), mine)?;
+            let tied = stages.tied_weights(&masters)?;
+            (Box::new(PipelineStage::new(replicated, mesh.pp().clone(), tied)), Some(stages))
         } else {
             (Box::new(replicated), None)
         };
@@ -254,30 +202,8 @@ impl PreparedModel {
         let full = self.full_tensors(self.inner.masters.iter().map(|v| Some(v.as_tensor().clone())).collect())?;
         let mut dict: BTreeMap<String, Tensor> =
             self.inner.names.iter().cloned().zip(full.into_iter().flatten()).collect();
-        if let Some((pp, stages)) = &self.inner.stages {
-            // Every stage's tensors to every pp rank: one broadcast of each stage's flat fp32 values.
-            let device = self.inner.masters[0].device();
-            for (root, params) in stages.iter().enumerate() {
-                let numel: Vec<usize> = params.iter().map(|(_, dims)| dims.iter().product()).collect();
-                let mut flat: Vec<f32> = if root == pp.rank() {
-                    let mut v = Vec::with_capacity(numel.iter().sum());
-                    for (name, _) in params {
-                        v.extend(dict[name].flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
-                    }
-                    v
-                } else {
-                    vec![0.0; numel.iter().sum()]
-                };
-                pp.broadcast(&mut flat, root)?;
-                if root != pp.rank() {
-                    let mut at = 0;
-                    for ((name, dims), n) in params.iter().zip(&numel) {
-                        let t = Tensor::from_slice(&flat[at..at + n], dims.as_slice(), device)?;
-                        dict.insert(name.clone(), t);
-                        at += n;
-                    }
-                }
-            }
+        if let Some(stages) = &self.inner.stages {
+            dict = stages.gather(dict, self.inner.masters[0].device())?;
         }
         Ok(dict)
     }
@@ -305,11 +231,20 @@ impl PreparedModel {
     /// (collective over the tp group when the model has sharded parameters).
     pub(crate) fn optimizer_state_to_full(&self, sd: StateDict) -> Result<StateDict> {
         let tp = &self.inner.tp;
-        accel_nn::optim::map_param_tensors(sd, |i, t| self.layout_of(i)?.gather(&t, tp))
+        let sd = accel_nn::optim::map_param_tensors(sd, |i, t| self.layout_of(i)?.gather(&t, tp))?;
+        match &self.inner.stages {
+            Some(stages) => stages.gather_optimizer_state(sd, self.inner.masters[0].device()),
+            None => Ok(sd),
+        }
     }
 
-    /// The inverse of [`PreparedModel::optimizer_state_to_full`]: this rank's pieces of a full optimizer state.
+    /// The inverse of [`PreparedModel::optimizer_state_to_full`]: this rank's pieces of a full optimizer state
+    /// (no communication).
     pub(crate) fn optimizer_state_to_local(&self, sd: StateDict) -> Result<StateDict> {
+        let sd = match &self.inner.stages {
+            Some(stages) => stages.own_optimizer_state(sd)?,
+            None => sd,
+        };
         let (rank, size) = (self.inner.tp.rank(), self.inner.tp.size());
         accel_nn::optim::map_param_tensors(sd, |i, t| self.layout_of(i)?.slice(&t, rank, size))
     }
@@ -334,9 +269,7 @@ impl PreparedModel {
     /// communication. Errors name a missing, unexpected or mis-shaped tensor.
     pub fn load_state_dict(&self, weights: &BTreeMap<String, Tensor>) -> Result<()> {
         // Under pipeline parallelism the other stages' tensors are expected and skipped.
-        let elsewhere = |name: &String| {
-            self.inner.stages.as_ref().is_some_and(|(_, st)| st.iter().flatten().any(|(n, _)| n == name))
-        };
+        let elsewhere = |name: &String| self.inner.stages.as_ref().is_some_and(|st| st.holds(name));
         for name in weights.keys() {
             if !self.inner.names.contains(name) && !elsewhere(name) {
                 return Err(AccelError::InvalidArgument(format!(
