@@ -347,14 +347,14 @@ impl ProcessGroup {
     /// In place: `buf` becomes `op` over every rank's `buf`. All ranks pass the same length.
     pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         self.inner.traffic.add(Op::AllReduce, std::mem::size_of_val(buf));
-        self.inner.backend.all_reduce(bytemuck::cast_slice_mut(buf), T::DTYPE, op)
+        self.globally_named(self.inner.backend.all_reduce(bytemuck::cast_slice_mut(buf), T::DTYPE, op))
     }
 
     /// In place: every rank's `buf` becomes `root`'s.
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
         self.check_rank(root, "broadcast root")?;
         self.inner.traffic.add(Op::Broadcast, std::mem::size_of_val(buf));
-        self.inner.backend.broadcast(bytemuck::cast_slice_mut(buf), root)
+        self.globally_named(self.inner.backend.broadcast(bytemuck::cast_slice_mut(buf), root))
     }
 
     /// `output[r·n .. (r+1)·n]` receives rank r's `input` (n = input.len(); output.len() must be world_size·n).
@@ -369,7 +369,9 @@ impl ProcessGroup {
             )));
         }
         self.inner.traffic.add(Op::AllGather, std::mem::size_of_val(input));
-        self.inner.backend.all_gather(bytemuck::cast_slice(input), bytemuck::cast_slice_mut(output))
+        self.globally_named(
+            self.inner.backend.all_gather(bytemuck::cast_slice(input), bytemuck::cast_slice_mut(output)),
+        )
     }
 
     /// `input` (len world_size·n) is reduced with `op` across ranks; rank r gets block r in `output` (len n).
@@ -384,21 +386,26 @@ impl ProcessGroup {
             )));
         }
         self.inner.traffic.add(Op::ReduceScatter, std::mem::size_of_val(input));
-        self.inner.backend.reduce_scatter(bytemuck::cast_slice(input), bytemuck::cast_slice_mut(output), T::DTYPE, op)
+        self.globally_named(self.inner.backend.reduce_scatter(
+            bytemuck::cast_slice(input),
+            bytemuck::cast_slice_mut(output),
+            T::DTYPE,
+            op,
+        ))
     }
 
     /// Sends `buf` to group rank `dst`.
     pub fn send<T: Element>(&self, buf: &[T], dst: usize) -> Result<()> {
         self.check_peer(dst, "send destination")?;
         self.inner.traffic.add(Op::Send, std::mem::size_of_val(buf));
-        self.inner.backend.send(bytemuck::cast_slice(buf), dst)
+        self.globally_named(self.inner.backend.send(bytemuck::cast_slice(buf), dst))
     }
 
     /// Receives `buf.len()` elements from group rank `src`.
     pub fn recv<T: Element>(&self, buf: &mut [T], src: usize) -> Result<()> {
         self.check_peer(src, "recv source")?;
         self.inner.traffic.add(Op::Recv, std::mem::size_of_val(buf));
-        self.inner.backend.recv(bytemuck::cast_slice_mut(buf), src)
+        self.globally_named(self.inner.backend.recv(bytemuck::cast_slice_mut(buf), src))
     }
 
     /// This group's collective calls and payload bytes so far, per operation (see [`crate::traffic`]). Sub-groups
@@ -409,13 +416,13 @@ impl ProcessGroup {
 
     /// Returns when every rank of the group has reached the barrier.
     pub fn barrier(&self) -> Result<()> {
-        self.inner.backend.barrier()
+        self.globally_named(self.inner.backend.barrier())
     }
 
     /// Raw byte all_reduce (used by tensor helpers and DDP buckets).
     pub fn all_reduce_bytes(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         self.inner.traffic.add(Op::AllReduce, buf.len());
-        self.inner.backend.all_reduce(buf, dtype, op)
+        self.globally_named(self.inner.backend.all_reduce(buf, dtype, op))
     }
 
     /// [`Self::all_reduce_bytes`] of a buffer held in pieces (read before, written after; see
@@ -426,7 +433,29 @@ impl ProcessGroup {
     pub fn all_reduce_piecewise(&self, buf: &mut dyn PiecewiseBuffer, dtype: DType, op: ReduceOp) -> Result<()> {
         self.inner.traffic.add(Op::AllReduce, buf.len());
         let mut scratch = crate::sync::lock(&self.inner.piecewise_scratch);
-        self.inner.backend.all_reduce_piecewise(buf, &mut scratch, dtype, op)
+        self.globally_named(self.inner.backend.all_reduce_piecewise(buf, &mut scratch, dtype, op))
+    }
+
+    /// A sub-group's collective errors name its group ranks (the backend's numbering); when those are not the
+    /// job's ranks, the error says which processes they are, so a message read next to other groups' names the
+    /// process that failed (under a device mesh the dp group of ranks 2 and 3 calls them 0 and 1).
+    fn globally_named<R>(&self, r: Result<R>) -> Result<R> {
+        let members = &self.inner.members;
+        if members.iter().enumerate().all(|(i, &g)| i == g) {
+            return r;
+        }
+        r.map_err(|e| match e {
+            DdpError::Collective { op, seq, rank, world_size, peer, reason } => {
+                let list = |v: &mut dyn Iterator<Item = String>| v.collect::<Vec<_>>().join(", ");
+                let reason = format!(
+                    "{reason} (this group's ranks {} are the job's ranks {})",
+                    list(&mut (0..members.len()).map(|i| i.to_string())),
+                    list(&mut members.iter().map(|g| g.to_string()))
+                );
+                DdpError::Collective { op, seq, rank, world_size, peer, reason }
+            }
+            e => e,
+        })
     }
 
     /// Creates a sub-group of the given *group* ranks (like `torch.distributed.new_group`). Every rank of this

@@ -92,6 +92,15 @@ pub(super) fn run_groups<R: Send + 'static>(
     world: usize,
     f: impl Fn(ProcessGroup) -> anyhow::Result<R> + Send + Sync + 'static,
 ) -> Vec<R> {
+    run_groups_with_timeout(world, Duration::from_secs(120), f)
+}
+
+/// [`run_groups`] with the groups' collective timeout.
+pub(super) fn run_groups_with_timeout<R: Send + 'static>(
+    world: usize,
+    timeout: Duration,
+    f: impl Fn(ProcessGroup) -> anyhow::Result<R> + Send + Sync + 'static,
+) -> Vec<R> {
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new(Duration::from_secs(120)));
     let f = Arc::new(f);
     let handles: Vec<_> = (0..world)
@@ -101,7 +110,7 @@ pub(super) fn run_groups<R: Send + 'static>(
                 let pg = if world == 1 {
                     ProcessGroup::single_process()?
                 } else {
-                    let opts = GroupOptions { timeout: Duration::from_secs(120), ..Default::default() };
+                    let opts = GroupOptions { timeout, ..Default::default() };
                     ProcessGroup::from_store(store, rank, world, opts)?
                 };
                 f(pg)

@@ -12,7 +12,9 @@
 //! accumulation step). Tolerance: relative 1e-5 on losses and norms (the summation order differs: micro-batch
 //! gradients are summed, tp sums partial matmuls, dp averages), absolute 1e-4 on the weights after 5 steps.
 
-use super::nd_equivalence::{assert_close, corpus, global_batch, run, run_groups, to_tensors, GLOBAL_BATCH, SEED, SEQ};
+use super::nd_equivalence::{
+    assert_close, corpus, global_batch, run, run_groups, run_groups_with_timeout, to_tensors, GLOBAL_BATCH, SEED, SEQ,
+};
 use accel::pipeline::ScheduleKind;
 use accel::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, ParallelismConfig};
 use accel_examples::gpt::{GptConfig, GptStages};
@@ -299,6 +301,58 @@ fn a_pp2_checkpoint_resumes_at_another_layout() {
             let d = max_abs_diff(weights, &reference.2);
             assert!(d <= 1e-5, "{what}: weights after the resumed step differ from pp2's by {d:e}");
         }
+    }
+}
+
+/// A stage that dies or stalls in its second step fails every other rank of a dp2 × pp2 job with an error, never
+/// a hang: the waiting stage names the stage, the micro-batch, the op and the peer's pp rank; the data-parallel
+/// peers name the collective that broke. A dead peer is noticed at once, a stalled one within the collective
+/// timeout (3 s here).
+#[test]
+fn a_dead_or_stalled_stage_fails_every_rank_naming_stage_micro_batch_and_op() {
+    let (ids, vocab) = corpus();
+    let ids = Arc::new(ids);
+    for stall in [false, true] {
+        let i = ids.clone();
+        let started = std::time::Instant::now();
+        let timeout = std::time::Duration::from_secs(3);
+        let outcomes = run_groups_with_timeout(4, timeout, move |pg| {
+            let acc = Accelerator::with_process_group(config((2, 1, 2, 1, ScheduleKind::OneFOneB, 2)), pg)?;
+            let (gpt, _model, mut opt) = build(&acc, model_config(vocab))?;
+            one_step(&acc, &gpt, &mut opt, &accumulation_steps(&acc, &i, 0))?;
+            if acc.rank() == 3 {
+                // pp rank 1 of dp replica 1: gone (its connections close), or stuck past the timeout.
+                if stall {
+                    std::thread::sleep(timeout + std::time::Duration::from_secs(2));
+                }
+                return Ok(None);
+            }
+            let e = one_step(&acc, &gpt, &mut opt, &accumulation_steps(&acc, &i, 1)).err();
+            Ok(Some(e.map(|e| ddp_core::launcher::error_report(e.as_ref())).unwrap_or_default()))
+        });
+        let what = if stall { "stalled" } else { "dead" };
+        for (rank, e) in outcomes.iter().enumerate().take(3) {
+            let e = e.as_ref().expect("a survivor");
+            assert!(!e.is_empty(), "{what}: rank {rank} finished a step its peer never took part in");
+        }
+        // Rank 1 (pp rank 0 of replica 1) waits for the gradient of its micro-batch 0 from pp rank 1.
+        let e1 = outcomes[1].as_ref().unwrap();
+        assert!(
+            e1.contains(
+                "pipeline stage 0, micro-batch 0 (0RECV_B0) on pp rank 0 (rank 1): receiving the output gradient from \
+                 pp rank 1 (rank 3)"
+            ),
+            "{what}: {e1}"
+        );
+        // Rank 2 (pp rank 1 of replica 0) waits in the dp all-reduce for rank 3.
+        let e2 = outcomes[2].as_ref().unwrap();
+        // Its dp group holds ranks 2 and 3, which the backend calls 0 and 1: the error says so.
+        assert!(
+            e2.contains("all_reduce") && e2.contains("(this group's ranks 0, 1 are the job's ranks 2, 3)"),
+            "{what}: {e2}"
+        );
+        let limit = if stall { timeout * 3 } else { timeout };
+        assert!(started.elapsed() < limit + std::time::Duration::from_secs(10), "{what}: took {:?}", started.elapsed());
     }
 }
 

@@ -129,7 +129,7 @@ pub fn run_schedule(
         let sender = scope.spawn(move || -> Result<()> {
             for (t, peer, action) in rx {
                 let (group, dst) = links.to(peer).ok_or_else(|| no_link("send to", peer))?;
-                group.send_tensor(&t, dst).map_err(|e| failed(action, me, peer, e))?;
+                group.send_tensor(&t, dst).map_err(|e| failed(links, action, me, peer, e))?;
             }
             Ok(())
         });
@@ -160,7 +160,7 @@ pub fn run_schedule(
                                     None => {
                                         let h = group
                                             .recv_tensor(HEADER_LEN, DType::I64, src)
-                                            .map_err(|e| failed(action, me, peer, e))?;
+                                            .map_err(|e| failed(links, action, me, peer, e))?;
                                         let agreed = read_header(&h)?;
                                         shapes.received.insert(stage, agreed.clone());
                                         agreed
@@ -171,7 +171,7 @@ pub fn run_schedule(
                                     (out.shape().clone(), out.dtype())
                                 }
                             };
-                            group.recv_tensor(shape, dtype, src).map_err(|e| failed(action, me, peer, e))?
+                            group.recv_tensor(shape, dtype, src).map_err(|e| failed(links, action, me, peer, e))?
                         };
                         inbox.insert(action, t);
                     }
@@ -255,7 +255,7 @@ pub fn run_schedule(
 
 /// A send or receive that failed (a dead or stuck peer: the backend names it and the collective), with the
 /// stage, the micro-batch, this rank and the peer.
-fn failed(action: Action, me: usize, peer: usize, e: ddp_core::DdpError) -> AccelError {
+fn failed(links: &PipelineLinks, action: Action, me: usize, peer: usize, e: ddp_core::DdpError) -> AccelError {
     let (stage, mb) = action.at();
     let what = match action {
         Action::SendActivation { .. } => "sending the activation to",
@@ -264,7 +264,12 @@ fn failed(action: Action, me: usize, peer: usize, e: ddp_core::DdpError) -> Acce
         _ => "receiving the output gradient from",
     };
     AccelError::Pipeline {
-        context: format!("pipeline stage {stage}, micro-batch {mb} ({action}) on pp rank {me}: {what} pp rank {peer}"),
+        context: format!(
+            "pipeline stage {stage}, micro-batch {mb} ({action}) on pp rank {me} (rank {}): {what} pp rank {peer} (rank \
+             {})",
+            links.global_rank(me),
+            links.global_rank(peer)
+        ),
         source: Box::new(e),
     }
 }

@@ -15,6 +15,8 @@ use ddp_core::ProcessGroup;
 pub struct PipelineLinks {
     pp: usize,
     rank: usize,
+    /// The job's rank of each pp rank (for messages).
+    global: Vec<usize>,
     /// `(peer, group)`: groups this rank sends on.
     outgoing: Vec<(usize, ProcessGroup)>,
     /// `(peer, group)`: groups this rank receives on.
@@ -28,7 +30,8 @@ impl PipelineLinks {
     /// Errors: the backend's, creating the groups.
     pub fn new(pp_group: &ProcessGroup) -> Result<Self> {
         let (pp, rank) = (pp_group.world_size(), pp_group.rank());
-        let mut links = PipelineLinks { pp, rank, outgoing: Vec::new(), incoming: Vec::new() };
+        let global = pp_group.members().to_vec();
+        let mut links = PipelineLinks { pp, rank, global, outgoing: Vec::new(), incoming: Vec::new() };
         // Every ordered neighbour pair, in the same order on every rank (new_group is collective).
         let mut pairs: Vec<(usize, usize)> = Vec::new();
         for a in 0..pp {
@@ -62,6 +65,11 @@ impl PipelineLinks {
     /// This rank in the pp group.
     pub fn rank(&self) -> usize {
         self.rank
+    }
+
+    /// The job's rank of pp rank `pp_rank` (`pp_rank` itself if out of range).
+    pub fn global_rank(&self, pp_rank: usize) -> usize {
+        self.global.get(pp_rank).copied().unwrap_or(pp_rank)
     }
 
     /// The group to send to `peer` on, and the peer's rank in it.

@@ -275,7 +275,10 @@ fn a_dead_stage_fails_the_waiting_rank_naming_stage_micro_batch_and_peer() {
     });
     let e = errs[0].as_ref().expect("rank 0 fails");
     assert!(
-        e.starts_with("Error: pipeline stage 0, micro-batch 0 (0RECV_B0) on pp rank 0: receiving the output gradient from pp rank 1: "),
+        e.starts_with(
+            "Error: pipeline stage 0, micro-batch 0 (0RECV_B0) on pp rank 0 (rank 0): receiving the output gradient \
+             from pp rank 1 (rank 1): "
+        ),
         "{e}"
     );
     assert!(e.contains("rank 1"), "{e}");
