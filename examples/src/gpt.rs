@@ -30,15 +30,15 @@
 
 use accel::pipeline::{Stage, StagedModel};
 use accel::tensor_parallel::{
-    vocab_parallel_cross_entropy, ColumnParallelLinear, ParallelLinearConfig, ParamBuilder, ParamInit,
-    RowParallelLinear, TensorParallel, VocabParallelEmbedding,
+    dropout, vocab_parallel_cross_entropy, ColumnParallelLinear, ParallelLinearConfig, ParamBuilder, ParamInit,
+    RowParallelLinear, ShardedDim, TensorParallel, VocabParallelEmbedding,
 };
 use accel::{AccelError, Result};
 use candle_core::{DType, Device, IndexOp, Tensor};
 use rand::Rng;
 
 /// The sizes of a [`CharGpt`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GptConfig {
     /// Number of tokens (characters); the embedding and the head are padded to a multiple of tp.
     pub vocab_size: usize,
@@ -55,13 +55,27 @@ pub struct GptConfig {
     /// The head reads its weight from the token embedding (`wte.weight`; GPT-2's weight tying): no
     /// `lm_head.weight`. Under pipeline parallelism the first and the last stage each hold a copy, kept equal.
     pub tie_embeddings: bool,
+    /// Dropout probability in training (nanoGPT's Shakespeare config uses 0.2; 0: off): after the embedding, on
+    /// both residual branches (nanoGPT's places) and on the MLP's hidden activation, which is sharded over tp (in
+    /// place of nanoGPT's attention-probability dropout, which the fused attention kernel does not do). Masks from
+    /// [`accel::tensor_parallel::dropout`]: the single-process mask at every layout.
+    pub dropout: f64,
 }
 
 impl GptConfig {
     /// The examples' default: d_model 128, 4 heads, 4 layers, context 64, d_ff 512 (820 992 parameters for the
     /// 76-character Shakespeare vocabulary).
     pub fn small(vocab_size: usize) -> Self {
-        GptConfig { vocab_size, block_size: 64, n_layer: 4, n_head: 4, d_model: 128, d_ff: 512, tie_embeddings: false }
+        GptConfig {
+            vocab_size,
+            block_size: 64,
+            n_layer: 4,
+            n_head: 4,
+            d_model: 128,
+            d_ff: 512,
+            tie_embeddings: false,
+            dropout: 0.0,
+        }
     }
 
     /// Size of one attention head, `d_model / n_head`.
@@ -103,6 +117,13 @@ impl GptConfig {
         ];
         if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
             return Err(config_error(name, 0, "must be at least 1".into()));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(AccelError::Config {
+                key: "GptConfig.dropout".into(),
+                value: self.dropout.to_string(),
+                reason: "a probability in [0, 1) (0 turns dropout off; nanoGPT's Shakespeare config uses 0.2)".into(),
+            });
         }
         if !self.d_model.is_multiple_of(self.n_head) {
             let heads: Vec<usize> = (1..=self.d_model).filter(|h| self.d_model.is_multiple_of(*h)).collect();
@@ -176,10 +197,12 @@ struct Attention {
     tp: TensorParallel,
     local_heads: usize,
     head_dim: usize,
+    /// Dropout on the output (the residual branch): probability and site.
+    dropout: (f64, u64),
 }
 
 impl Attention {
-    fn new(pb: &ParamBuilder, cfg: &GptConfig) -> Result<Self> {
+    fn new(pb: &ParamBuilder, cfg: &GptConfig, layer: usize) -> Result<Self> {
         let d = cfg.d_model;
         let col = ParallelLinearConfig::default();
         let proj = ParallelLinearConfig { init: residual_init(cfg), ..Default::default() };
@@ -191,6 +214,7 @@ impl Attention {
             tp: pb.tp().clone(),
             local_heads: cfg.n_head / pb.tp().size(),
             head_dim: cfg.head_dim(),
+            dropout: (cfg.dropout, site(layer, 0)),
         })
     }
 
@@ -203,7 +227,7 @@ impl Attention {
         // dimension, where the projections put them and c_proj reads them.
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let y = accel_nn::ops::attention::causal_self_attention(&q, &k, &v, self.local_heads, scale)?;
-        self.c_proj.forward(&y)
+        dropout(&self.c_proj.forward(&y)?, self.dropout.0, self.dropout.1, None)
     }
 }
 
@@ -211,20 +235,35 @@ impl Attention {
 struct Mlp {
     c_fc: ColumnParallelLinear,
     c_proj: RowParallelLinear,
+    p: f64,
+    /// Dropout sites: the hidden activation (this rank's `d_ff / tp` features of `d_ff`) and the output.
+    hidden: (u64, ShardedDim),
+    output: u64,
 }
 
 impl Mlp {
-    fn new(pb: &ParamBuilder, cfg: &GptConfig) -> Result<Self> {
+    fn new(pb: &ParamBuilder, cfg: &GptConfig, layer: usize) -> Result<Self> {
         let proj = ParallelLinearConfig { init: residual_init(cfg), ..Default::default() };
+        let local = cfg.d_ff / pb.tp().size();
         Ok(Mlp {
             c_fc: ColumnParallelLinear::new(&pb.pp("c_fc"), cfg.d_model, cfg.d_ff, ParallelLinearConfig::default())?,
             c_proj: RowParallelLinear::new(&pb.pp("c_proj"), cfg.d_ff, cfg.d_model, proj)?,
+            p: cfg.dropout,
+            hidden: (site(layer, 1), ShardedDim { dim: 2, full: cfg.d_ff, start: pb.tp().rank() * local }),
+            output: site(layer, 2),
         })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.c_proj.forward(&accel_nn::ops::activation::gelu(&self.c_fc.forward(x)?)?)
+        let h = accel_nn::ops::activation::gelu(&self.c_fc.forward(x)?)?;
+        let h = dropout(&h, self.p, self.hidden.0, Some(self.hidden.1))?;
+        dropout(&self.c_proj.forward(&h)?, self.p, self.output, None)
     }
+}
+
+/// The dropout site of place `k` of block `layer` (site 0 is the embedding).
+fn site(layer: usize, k: u64) -> u64 {
+    16 * (layer as u64 + 1) + k
 }
 
 /// GPT-2's scaled initialisation of the projections that write into the residual stream.
@@ -313,9 +352,9 @@ impl CharGpt {
                 let pb = pb.pp("h").pp(i);
                 Ok(Block {
                     ln_1: LayerNorm::new(&pb.pp("ln_1"), cfg.d_model)?,
-                    attn: Attention::new(&pb.pp("attn"), &cfg)?,
+                    attn: Attention::new(&pb.pp("attn"), &cfg, i)?,
                     ln_2: LayerNorm::new(&pb.pp("ln_2"), cfg.d_model)?,
-                    mlp: Mlp::new(&pb.pp("mlp"), &cfg)?,
+                    mlp: Mlp::new(&pb.pp("mlp"), &cfg, i)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -391,7 +430,7 @@ impl CharGpt {
                         self.cfg.block_size
                     )));
                 }
-                wte.forward(input)?.broadcast_add(&wpe.narrow(0, 0, s)?)?
+                dropout(&wte.forward(input)?.broadcast_add(&wpe.narrow(0, 0, s)?)?, self.cfg.dropout, 0, None)?
             }
             None => input.clone(),
         };
@@ -616,7 +655,16 @@ mod tests {
     use ddp_core::ProcessGroup;
 
     fn tiny() -> GptConfig {
-        GptConfig { vocab_size: 11, block_size: 8, n_layer: 2, n_head: 4, d_model: 16, d_ff: 32, tie_embeddings: false }
+        GptConfig {
+            vocab_size: 11,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 4,
+            d_model: 16,
+            d_ff: 32,
+            tie_embeddings: false,
+            dropout: 0.0,
+        }
     }
 
     fn build(cfg: GptConfig, seed: u64) -> (CharGpt, VarMap) {

@@ -25,7 +25,7 @@ use crate::pipeline::runtime::{Combine, PipelineRuntime};
 use crate::pipeline::{Stage, StagedModel};
 use crate::state::SharedStateful;
 use crate::step::{StepController, StepCounters};
-use crate::tensor_parallel::{ParamBuilder, TensorParallel};
+use crate::tensor_parallel::{with_dropout_context, DropoutContext, ParamBuilder, TensorParallel};
 use crate::tracking::{TrackerKind, Trackers};
 use crate::{lock, AccelError, AcceleratorConfig, MixedPrecision, ParallelismConfig, Result};
 use candle_core::{DType, Device, Tensor};
@@ -539,9 +539,10 @@ impl Accelerator {
         loss_fn: &dyn Fn(&Tensor, &Tensor) -> Result<Tensor>,
         combine: Combine,
     ) -> Result<Tensor> {
+        let dropout = self.dropout_context(inputs.dims().first().copied().unwrap_or(0));
         let Some(pipeline) = &self.inner.pipeline else {
             let (loss, cuts) = crate::segments::record(|| -> Result<Tensor> {
-                let output = model.stage_forward(0, inputs)?;
+                let output = with_dropout_context(dropout, || model.stage_forward(0, inputs))?;
                 loss_fn(&output, targets)
             })?;
             let models = self.require_models("pipeline_backward")?;
@@ -558,10 +559,33 @@ impl Accelerator {
             }
         };
         let (sync, factor) = self.inner.step.begin_pipeline_step();
-        let (grads, value) =
-            pipeline.step(model, model_handle.parameters().to_vec(), inputs, targets, loss_fn, factor, combine)?;
+        let (grads, value) = pipeline.step(
+            model,
+            model_handle.parameters().to_vec(),
+            inputs,
+            targets,
+            loss_fn,
+            factor,
+            combine,
+            dropout,
+        )?;
         self.inner.step.add_pipeline_gradients(&model_handle, grads, sync)?;
         Ok(Tensor::new(value as f32, self.device())?)
+    }
+
+    /// Where the next micro-step's forward sits in the single-process run, for
+    /// [`crate::tensor_parallel::dropout`]: the run's seed, the micro-step (backward calls so far, restored on
+    /// resume) and this data-parallel replica's first row in the micro-step's global batch (`dp rank × rows`, with
+    /// `rows` the replica's batch rows: replicas hold consecutive shares of the global batch). `pipeline_backward`
+    /// and the Trainer set it around their forward passes; a loop calling `backward` itself wraps its training
+    /// forward in `accel::tensor_parallel::with_dropout_context(accelerator.dropout_context(rows), || …)`, or its
+    /// dropout stays off.
+    pub fn dropout_context(&self, rows: usize) -> DropoutContext {
+        DropoutContext {
+            seed: self.inner.config.seed.unwrap_or(0),
+            step: self.inner.step.counters().total_micro_steps,
+            row_offset: (self.data_parallel_rank() * rows) as u64,
+        }
     }
 
     /// The pipeline schedule this job runs (`None` without pipeline parallelism): each pp rank's actions, to

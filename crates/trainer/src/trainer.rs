@@ -920,7 +920,7 @@ where
             return Ok(local_items);
         }
         acc.accumulate_window(window.len(), |i| {
-            let (out, cuts) = self.forward(rt, &window[i])?;
+            let (out, cuts) = self.forward(rt, &window[i], 0)?;
             if out.num_items != counts[i] {
                 return Err(TrainerError::Usage(format!(
                     "the loss counted {} items from the targets (count_items) but computed {} (compute); make \
@@ -954,8 +954,9 @@ where
         let rows: usize = window.iter().map(Batch::len).sum();
         let mut sums = Vec::with_capacity(window.len());
         let mut local_items = 0usize;
-        for batch in window {
-            let (out, cuts) = self.forward(rt, batch)?;
+        for (ahead, batch) in window.iter().enumerate() {
+            // The backward passes come after every forward: the micro-step of this one is `ahead` further on.
+            let (out, cuts) = self.forward(rt, batch, ahead as u64)?;
             add_detached(local_sum, &out.loss_sum)?;
             local_items += out.num_items;
             sums.push((out.loss_sum, Some(cuts)));
@@ -968,13 +969,24 @@ where
         Ok(local_items)
     }
 
-    /// One micro-batch's forward pass and loss. The pass is recorded: where the model marks backward-segment cuts
+    /// One micro-batch's forward pass and loss (`ahead`: see the dropout context below). The pass is recorded: where the model marks backward-segment cuts
     /// (`accel::segments::cut`), the gradient all-reduce starts during the backward pass
     /// (Accelerator::backward_segments).
-    fn forward(&self, rt: &Runtime<M, D>, batch: &Batch) -> Result<(crate::losses::LossOutput, BackwardSegments)> {
+    fn forward(
+        &self,
+        rt: &Runtime<M, D>,
+        batch: &Batch,
+        ahead: u64,
+    ) -> Result<(crate::losses::LossOutput, BackwardSegments)> {
         let dtype = rt.acc.compute_dtype();
+        // Dropout (accel::tensor_parallel::dropout) is on in the training forward only, its masks those of the
+        // micro-step whose backward this forward feeds (`ahead` micro-steps after the next one).
+        let mut dropout = rt.acc.dropout_context(batch.len());
+        dropout.step += ahead;
         segments::record(|| {
-            let y = outputs_f32(rt.model.forward_t(&cast_input(&batch.inputs, dtype)?, true)?)?;
+            let x = cast_input(&batch.inputs, dtype)?;
+            let y = accel::tensor_parallel::with_dropout_context(dropout, || rt.model.forward_t(&x, true))?;
+            let y = outputs_f32(y)?;
             Ok(self.loss.compute_parallel(&y, &batch.targets, &rt.tp)?)
         })
     }

@@ -105,6 +105,9 @@ struct Args {
     /// Hidden width of the MLP.
     #[arg(long, default_value_t = 512)]
     d_ff: usize,
+    /// Dropout probability in training (nanoGPT's Shakespeare config: 0.2); the same masks at every layout.
+    #[arg(long, default_value_t = 0.0)]
+    dropout: f64,
     /// Tie the head's weight to the token embedding (GPT-2): one `wte.weight`, no `lm_head.weight`.
     #[arg(long)]
     tie_embeddings: bool,
@@ -156,6 +159,7 @@ fn model_config(args: &Args, vocab_size: usize) -> GptConfig {
         d_model: args.d_model,
         d_ff: args.d_ff,
         tie_embeddings: args.tie_embeddings,
+        dropout: args.dropout,
     }
 }
 

@@ -52,6 +52,9 @@ struct Cli {
     /// Context length (characters per training sequence).
     #[arg(long, default_value_t = 64)]
     block_size: usize,
+    /// Dropout probability in training (nanoGPT's Shakespeare config: 0.2); the same masks at every layout.
+    #[arg(long, default_value_t = 0.0)]
+    dropout: f64,
     /// Characters to generate at the end (0: none).
     #[arg(long, default_value_t = 300)]
     sample_len: usize,
@@ -91,7 +94,7 @@ fn text_path(cli: &Cli) -> PathBuf {
 }
 
 fn model_config(cli: &Cli, vocab_size: usize) -> GptConfig {
-    GptConfig { block_size: cli.block_size, ..GptConfig::small(vocab_size) }
+    GptConfig { block_size: cli.block_size, dropout: cli.dropout, ..GptConfig::small(vocab_size) }
 }
 
 fn run() -> anyhow::Result<()> {

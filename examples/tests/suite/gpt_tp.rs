@@ -17,7 +17,16 @@ use std::time::Duration;
 const TOL: f32 = 2e-5;
 
 fn cfg() -> GptConfig {
-    GptConfig { vocab_size: 11, block_size: 8, n_layer: 2, n_head: 4, d_model: 16, d_ff: 32, tie_embeddings: false }
+    GptConfig {
+        vocab_size: 11,
+        block_size: 8,
+        n_layer: 2,
+        n_head: 4,
+        d_model: 16,
+        d_ff: 32,
+        tie_embeddings: false,
+        dropout: 0.0,
+    }
 }
 
 /// What one rank computed: full logits `[b, s, vocab]`, the loss, and per parameter (gradient, layout).

@@ -37,7 +37,16 @@ pub(super) fn corpus() -> (Vec<u32>, usize) {
 }
 
 fn model_config(vocab_size: usize) -> GptConfig {
-    GptConfig { vocab_size, block_size: SEQ, n_layer: 2, n_head: 4, d_model: 32, d_ff: 64, tie_embeddings: false }
+    GptConfig {
+        vocab_size,
+        block_size: SEQ,
+        n_layer: 2,
+        n_head: 4,
+        d_model: 32,
+        d_ff: 64,
+        tie_embeddings: false,
+        dropout: 0.0,
+    }
 }
 
 /// The global batch of step `step`: `GLOBAL_BATCH` windows (inputs, next-character targets), deterministic.

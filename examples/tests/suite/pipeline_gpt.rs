@@ -21,7 +21,16 @@ const BATCH: usize = 8;
 const SEQ: usize = 16;
 
 fn cfg() -> GptConfig {
-    GptConfig { vocab_size: 13, block_size: SEQ, n_layer: 4, n_head: 2, d_model: 16, d_ff: 32, tie_embeddings: false }
+    GptConfig {
+        vocab_size: 13,
+        block_size: SEQ,
+        n_layer: 4,
+        n_head: 2,
+        d_model: 16,
+        d_ff: 32,
+        tie_embeddings: false,
+        dropout: 0.0,
+    }
 }
 
 /// The step's batch: ids and next-id targets, deterministic.

@@ -26,7 +26,16 @@ use std::sync::Arc;
 const STEPS: usize = 5;
 
 fn model_config(vocab_size: usize) -> GptConfig {
-    GptConfig { vocab_size, block_size: SEQ, n_layer: 4, n_head: 4, d_model: 32, d_ff: 64, tie_embeddings: false }
+    GptConfig {
+        vocab_size,
+        block_size: SEQ,
+        n_layer: 4,
+        n_head: 4,
+        d_model: 32,
+        d_ff: 64,
+        tie_embeddings: false,
+        dropout: 0.0,
+    }
 }
 
 /// A layout: `(pp, tp, dp, ga, schedule, micro-batches)`.
@@ -194,6 +203,90 @@ fn tied_embeddings_across_stages_train_like_one_process_and_stay_equal() {
     }
 }
 
+/// Dropout (p 0.2, nanoGPT's Shakespeare setting) draws the single-process masks at every layout — the same
+/// coordinates hashed: tp peers alike in replicated regions and each its own part of the MLP's sharded hidden
+/// activation, each dp replica its rows, each pipeline micro-batch its rows — so tp2, dp2, pp2 (also with
+/// accumulation), tp2 × pp2 and dp2 × pp2 give one process's losses, norms and weights with dropout on (the
+/// tolerance of the runs without it: the arithmetic, not the masks, differs). Not bit for bit: the micro-batches'
+/// gradients are summed where one process computes the batch at once, and tp / dp add partial sums in another
+/// order. Not with dp × accumulation: replicas take contiguous shares of the global batch and split *them* into
+/// accumulation steps, so a sample sits at another micro-step than in one process (the gradient sum does not
+/// mind; a mask addressed by micro-step does). The masks matter: the losses differ from the run without dropout.
+#[test]
+fn dropout_draws_the_single_process_masks_at_every_layout() {
+    use ScheduleKind::{GPipe, OneFOneB};
+    let (ids, vocab) = corpus();
+    let ids = Arc::new(ids);
+    let with_dropout = GptConfig { dropout: 0.2, ..model_config(vocab) };
+    for ga in [1, 2] {
+        let i = ids.clone();
+        let want = run(1, config((1, 1, 1, ga, OneFOneB, 1)), move |acc| train(&acc, &i, with_dropout)).remove(0);
+        let i = ids.clone();
+        let off = run(1, config((1, 1, 1, ga, OneFOneB, 1)), move |acc| train(&acc, &i, model_config(vocab))).remove(0);
+        assert!(
+            want.losses.iter().zip(&off.losses).skip(1).all(|(a, b)| (a - b).abs() > 1e-3),
+            "dropout changes the losses: {:?} vs {:?}",
+            want.losses,
+            off.losses
+        );
+        let layouts: &[Layout] = if ga == 1 {
+            &[
+                (1, 2, 1, 1, OneFOneB, 1),
+                (1, 1, 2, 1, OneFOneB, 1),
+                (2, 1, 1, 1, OneFOneB, 2),
+                (2, 2, 1, 1, OneFOneB, 2),
+                (2, 1, 2, 1, OneFOneB, 2),
+            ]
+        } else {
+            &[(2, 1, 1, 2, GPipe, 2), (1, 2, 1, 2, OneFOneB, 1)]
+        };
+        for &layout in layouts {
+            let (pp, tp, dp, ..) = layout;
+            let i = ids.clone();
+            let got = run(pp * tp * dp, config(layout), move |acc| train(&acc, &i, with_dropout));
+            for (rank, t) in got.iter().enumerate() {
+                let what = format!("dropout {layout:?} rank {rank}");
+                assert_close(&format!("{what} loss"), &t.losses, &want.losses);
+                assert_close(&format!("{what} grad norm"), &t.grad_norms, &want.grad_norms);
+                let d = max_abs_diff(&t.weights, &want.weights);
+                assert!(d <= 1e-4, "{what}: weights after {STEPS} steps differ from one process's by {d:e}");
+            }
+        }
+    }
+}
+
+/// bf16 (autocast on the CPU) and fp16 (fp16 parameters and activations between the stages, fp32 masters, the
+/// loss scaler whose overflow verdict the stages share) train at pp2 and tp2 × pp2 as in one process, within the
+/// half-precision tolerance of the tp tests (relative 2e-2), and the loss goes down.
+#[test]
+fn mixed_precision_trains_through_the_pipeline_like_one_process() {
+    let (ids, vocab) = corpus();
+    let ids = Arc::new(ids);
+    for mp in [accel::MixedPrecision::Bf16, accel::MixedPrecision::Fp16] {
+        let with_mp = move |layout: Layout| config(layout).with_mixed_precision(mp);
+        let i = ids.clone();
+        let want =
+            run(1, with_mp((1, 1, 1, 1, ScheduleKind::OneFOneB, 1)), move |acc| train(&acc, &i, model_config(vocab)))
+                .remove(0);
+        for layout in [(2, 1, 1, 1, ScheduleKind::OneFOneB, 2), (2, 2, 1, 2, ScheduleKind::GPipe, 2)] {
+            let (pp, tp, dp, ..) = layout;
+            let i = ids.clone();
+            let got = run(pp * tp * dp, with_mp(layout), move |acc| train(&acc, &i, model_config(vocab)));
+            for (rank, t) in got.iter().enumerate() {
+                for (step, (g, w)) in t.losses.iter().zip(&want.losses).enumerate() {
+                    let rel = (g - w).abs() / w.abs();
+                    assert!(rel <= 2e-2, "{mp:?} {layout:?} rank {rank} step {step}: loss {g} vs {w} ({rel:.2e})");
+                }
+                assert!(
+                    t.losses[STEPS - 1] < t.losses[0],
+                    "{mp:?} {layout:?}: the loss does not go down: {:?}",
+                    t.losses
+                );
+            }
+        }
+    }
+}
+
 /// A pp2 run saved inside an accumulation window (after the first of two accumulation steps) resumes bit for bit
 /// in a fresh pp2 run, and its `model.safetensors` (every stage's tensors, single-process names) loads into one
 /// process, which computes the same loss.
@@ -204,31 +297,38 @@ fn a_pp2_checkpoint_resumes_exactly_and_loads_into_one_process() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = Arc::new(tmp.path().join("ckpt"));
     let layout = (2, 1, 1, 2, ScheduleKind::OneFOneB, 2);
-    // Two optimizer steps, the first accumulation step of the third, save, then the rest of the third step.
-    let (i, d) = (ids.clone(), dir.clone());
-    let saved = run(2, config(layout), move |acc| {
-        let (gpt, _model, mut opt) = build(&acc, model_config(vocab))?;
-        for step in 0..2 {
-            one_step(&acc, &gpt, &mut opt, &accumulation_steps(&acc, &i, step))?;
+    // With dropout too: a resumed run draws the masks the original would have (they are addressed by the
+    // micro-step, which the checkpoint restores).
+    for p in [0.0, 0.2] {
+        let cfg = GptConfig { dropout: p, ..model_config(vocab) };
+        let sub = Arc::new(dir.join(format!("p{p}")));
+        // Two optimizer steps, the first accumulation step of the third, save, then the rest of the third step.
+        let (i, d) = (ids.clone(), sub.clone());
+        let saved = run(2, config(layout), move |acc| {
+            let (gpt, _model, mut opt) = build(&acc, cfg)?;
+            for step in 0..2 {
+                one_step(&acc, &gpt, &mut opt, &accumulation_steps(&acc, &i, step))?;
+            }
+            let third = accumulation_steps(&acc, &i, 2);
+            one_step(&acc, &gpt, &mut opt, &third[..1])?;
+            acc.save_state(Some(&d))?;
+            let (loss, norm) = one_step(&acc, &gpt, &mut opt, &third[1..])?;
+            Ok((loss, norm.expect("syncs")))
+        });
+        let (i, d) = (ids.clone(), sub.clone());
+        let resumed = run(2, config(layout), move |acc| {
+            let (gpt, _model, mut opt) = build(&acc, cfg)?;
+            acc.load_state(Some(&d))?;
+            let third = accumulation_steps(&acc, &i, 2);
+            let (loss, norm) = one_step(&acc, &gpt, &mut opt, &third[1..])?;
+            Ok((loss, norm.expect("syncs")))
+        });
+        for rank in 0..2 {
+            assert_eq!(resumed[rank].0.to_bits(), saved[rank].0.to_bits(), "dropout {p}, rank {rank}: resumed loss");
+            assert_eq!(resumed[rank].1.to_bits(), saved[rank].1.to_bits(), "dropout {p}, rank {rank}: resumed norm");
         }
-        let third = accumulation_steps(&acc, &i, 2);
-        one_step(&acc, &gpt, &mut opt, &third[..1])?;
-        acc.save_state(Some(&d))?;
-        let (loss, norm) = one_step(&acc, &gpt, &mut opt, &third[1..])?;
-        Ok((loss, norm.expect("syncs")))
-    });
-    let (i, d) = (ids.clone(), dir.clone());
-    let resumed = run(2, config(layout), move |acc| {
-        let (gpt, _model, mut opt) = build(&acc, model_config(vocab))?;
-        acc.load_state(Some(&d))?;
-        let third = accumulation_steps(&acc, &i, 2);
-        let (loss, norm) = one_step(&acc, &gpt, &mut opt, &third[1..])?;
-        Ok((loss, norm.expect("syncs")))
-    });
-    for rank in 0..2 {
-        assert_eq!(resumed[rank].0.to_bits(), saved[rank].0.to_bits(), "rank {rank}: resumed loss");
-        assert_eq!(resumed[rank].1.to_bits(), saved[rank].1.to_bits(), "rank {rank}: resumed gradient norm");
     }
+    let dir = Arc::new(dir.join("p0"));
     // The single-process model from the pp2 file: the loss of the saved run's next batch.
     let file = dir.join("model.safetensors");
     let (i, d) = (ids.clone(), dir.clone());

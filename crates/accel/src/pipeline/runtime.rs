@@ -18,6 +18,7 @@ use super::links::PipelineLinks;
 use super::schedule::PipelineSchedule;
 use super::schedule::ScheduleKind;
 use super::stages::split_layers;
+use crate::tensor_parallel::{with_dropout_context, DropoutContext};
 use crate::{lock, AccelError, Result};
 use candle_core::{DType, Tensor, Var};
 use ddp_core::DeviceMesh;
@@ -134,8 +135,9 @@ impl PipelineRuntime {
         loss_fn: &dyn Fn(&Tensor, &Tensor) -> Result<Tensor>,
         factor: f64,
         combine: Combine,
+        dropout: DropoutContext,
     ) -> Result<(Vec<Option<Tensor>>, f64)> {
-        self.run(&self.schedule, model, params, inputs, targets, loss_fn, factor, combine)
+        self.run(&self.schedule, model, params, inputs, targets, loss_fn, factor, combine, Some(dropout))
     }
 
     /// The forward of the whole batch through the stages (no backward, no gradients; one micro-batch, so any
@@ -148,7 +150,7 @@ impl PipelineRuntime {
         loss_fn: &dyn Fn(&Tensor, &Tensor) -> Result<Tensor>,
     ) -> Result<f64> {
         let forward_only = PipelineSchedule::forward_only(self.schedule.pp, self.schedule.virtual_stages);
-        Ok(self.run(&forward_only, model, Vec::new(), inputs, targets, loss_fn, 1.0, Combine::Sum)?.1)
+        Ok(self.run(&forward_only, model, Vec::new(), inputs, targets, loss_fn, 1.0, Combine::Sum, None)?.1)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -162,6 +164,7 @@ impl PipelineRuntime {
         loss_fn: &dyn Fn(&Tensor, &Tensor) -> Result<Tensor>,
         factor: f64,
         combine: Combine,
+        dropout: Option<DropoutContext>,
     ) -> Result<(Vec<Option<Tensor>>, f64)> {
         let m = schedule.microbatches;
         let split = |t: &Tensor, what: &str| -> Result<Vec<Tensor>> {
@@ -187,6 +190,7 @@ impl PipelineRuntime {
                 Combine::Sum => factor,
             },
             losses: Vec::new(),
+            dropout,
         };
         let mut shapes = lock(&self.shapes);
         let dims = adapter.inputs[0].dims().to_vec();
@@ -227,11 +231,22 @@ struct Adapter<'a> {
     factor: f64,
     /// Each micro-batch's loss as the loss function returned it.
     losses: Vec<f64>,
+    /// The step's dropout context (its first row's offset; `None`: no dropout, evaluation).
+    dropout: Option<DropoutContext>,
 }
 
 impl PipelineModel for Adapter<'_> {
     fn forward(&mut self, stage: usize, microbatch: usize, input: Option<&Tensor>) -> Result<Tensor> {
-        self.model.stage_forward(stage, input.unwrap_or(&self.inputs[microbatch]))
+        let input = input.unwrap_or(&self.inputs[microbatch]);
+        match self.dropout {
+            // Each micro-batch's rows sit after the previous ones' in the step's batch.
+            Some(ctx) => {
+                let rows = self.inputs[0].dims().first().copied().unwrap_or(0) as u64;
+                let ctx = DropoutContext { row_offset: ctx.row_offset + microbatch as u64 * rows, ..ctx };
+                with_dropout_context(ctx, || self.model.stage_forward(stage, input))
+            }
+            None => self.model.stage_forward(stage, input),
+        }
     }
 
     fn loss(&mut self, microbatch: usize, output: &Tensor) -> Result<Tensor> {

@@ -9,14 +9,18 @@
 //!   its own stream named after it), keeping this rank's slice, so every layout starts from the same weights.
 //! - Layers: [`ColumnParallelLinear`], [`RowParallelLinear`], [`VocabParallelEmbedding`], and
 //!   [`vocab_parallel_cross_entropy`].
+//! - [`dropout`]: masks addressed by an element's single-process coordinates, so every layout draws the
+//!   single-process mask (replicated regions alike on every tp rank, sharded regions per shard).
 //!
 //! At tp = 1 everything reduces to the dense computation (no communication).
 
 mod cross_entropy;
+mod dropout;
 mod init;
 mod layers;
 
 pub use cross_entropy::vocab_parallel_cross_entropy;
+pub use dropout::{dropout, dropout_context, dropout_mask, with_dropout_context, DropoutContext, ShardedDim};
 pub use init::{ParamBuilder, ParamInit};
 pub use layers::{ColumnParallelLinear, ParallelLinearConfig, RowParallelLinear, VocabParallelEmbedding};
 
