@@ -91,7 +91,7 @@ struct Cli {
 
 enum Model {
     Mlp(Mlp),
-    Gpt(CharGpt),
+    Gpt(Box<CharGpt>),
 }
 
 impl Model {
@@ -143,7 +143,7 @@ impl Variant {
             ModelKind::Gpt => {
                 let tp = TensorParallel::new(ProcessGroup::single_process()?);
                 let pb = ParamBuilder::new(&varmap, &tp, cli.seed, DType::F32, &Device::Cpu);
-                Model::Gpt(CharGpt::new(GptConfig::small(GPT_VOCAB), &pb)?)
+                Model::Gpt(Box::new(CharGpt::new(GptConfig::small(GPT_VOCAB), &pb)?))
             }
         };
         let opt = AdamW::new(AdamWConfig::new(1e-3))?;

@@ -30,12 +30,15 @@ pub(super) fn full_shape(local: &Var, layout: ParamLayout) -> Vec<usize> {
     dims
 }
 
+/// Named tensors' single-process shapes, `(name, dims)`.
+type Shaped = Vec<(String, Vec<usize>)>;
+
 /// Every pp rank's parameters and the pp group (see the module documentation).
 #[derive(Debug)]
 pub(super) struct Stages {
     pp: ProcessGroup,
     /// By pp rank: `(name, single-process shape)`, in name order.
-    params: Vec<Vec<(String, Vec<usize>)>>,
+    params: Vec<Shaped>,
     /// The single-process model's parameter names: the union of the stages', sorted (a parameter's index in the
     /// single-process model, which optimizer states are keyed by).
     whole: Vec<String>,
@@ -45,7 +48,7 @@ impl Stages {
     /// Exchanges `mine` (this stage's `(name, single-process shape)`, name order) over the pp group
     /// (collective).
     pub(super) fn exchange(pp: &ProcessGroup, mine: Vec<(String, Vec<usize>)>) -> Result<Self> {
-        let params: Vec<Vec<(String, Vec<usize>)>> = all_gather_json(pp, &mine)?;
+        let params: Vec<Shaped> = all_gather_json(pp, &mine)?;
         let whole: BTreeSet<String> = params.iter().flatten().map(|(n, _)| n.clone()).collect();
         Ok(Stages { pp: pp.clone(), params, whole: whole.into_iter().collect() })
     }
@@ -102,8 +105,7 @@ impl Stages {
         device: &Device,
     ) -> Result<BTreeMap<String, Tensor>> {
         for (root, params) in self.params.iter().enumerate() {
-            let shaped: Vec<(String, Vec<usize>)> = params.clone();
-            for (name, t) in self.broadcast_tensors(root, &shaped, |name| local[name].clone(), device)? {
+            for (name, t) in self.broadcast_tensors(root, params, |name| local[name].clone(), device)? {
                 local.entry(name).or_insert(t);
             }
         }
@@ -124,7 +126,7 @@ impl Stages {
             .collect::<Result<_>>()?;
         let steps: Vec<u64> = local.meta_field("param_steps").unwrap_or_default();
         let mine = (renamed, steps);
-        let all: Vec<(Vec<(String, Vec<usize>)>, Vec<u64>)> = all_gather_json(&self.pp, &mine)?;
+        let all: Vec<(Shaped, Vec<u64>)> = all_gather_json(&self.pp, &mine)?;
         let by_new_key: BTreeMap<String, Tensor> = local
             .tensors
             .iter()
