@@ -227,10 +227,7 @@ pub fn parallel_env(nproc: usize, layout: &ModelLayout) -> Vec<(String, String)>
 /// `--nproc`, or, in a worker of a launched job (`accel launch`, where `--nproc` is ignored), the job's
 /// `WORLD_SIZE`.
 pub fn check_layout(nproc: usize, layout: &ModelLayout) -> anyhow::Result<()> {
-    let (n, what) = match ddp_core::env::DistEnv::detect_from_env() {
-        Ok(Some(env)) if ddp_core::launcher::is_worker() => (env.world_size, "the job's WORLD_SIZE"),
-        _ => (nproc, "--nproc"),
-    };
+    let (n, what) = job_size(nproc);
     let fits: Vec<usize> = (1..=n).filter(|t| n.is_multiple_of(*t)).collect();
     for (flag, size) in [("--tp-size", layout.tp), ("--pp-size", layout.pp)] {
         if size == 0 {
@@ -260,31 +257,65 @@ pub fn check_layout(nproc: usize, layout: &ModelLayout) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// In a worker of the GPT examples: makes the Accelerator's layout follow the flags. A launcher that already set
-/// `PARALLELISM_CONFIG_TP_SIZE` / `PARALLELISM_CONFIG_PP_SIZE` (this program's own, or `accel launch
-/// --parallelism-config-tp-size`) wins; a flag other than 1 that disagrees with it is an error. Otherwise the
-/// variables of [`parallel_env`] for `WORLD_SIZE` (1 when unset) are set. Call it before anything starts a
-/// thread.
-pub fn apply_layout(layout: &ModelLayout) -> anyhow::Result<()> {
-    let mut launcher_set = false;
-    for (flag, var, size) in [
-        ("--tp-size", accel::parallelism::TP_SIZE_ENV, layout.tp),
-        ("--pp-size", accel::parallelism::PP_SIZE_ENV, layout.pp),
+/// The parallel layout a GPT example runs on `world` processes: the launcher's `PARALLELISM_CONFIG_*` when it set
+/// the tp or pp size (`accel launch --parallelism-config-pp-size …`, or this program's own launch), else the
+/// flags'. A flag given explicitly that disagrees with what the launcher set — a size other than 1, a schedule, a
+/// micro-batch count — is an error naming both, never silently dropped.
+pub fn effective_layout(world: usize, layout: &ModelLayout) -> anyhow::Result<accel::ParallelismConfig> {
+    use accel::parallelism::{PP_MICROBATCHES_ENV, PP_SCHEDULE_ENV, PP_SIZE_ENV, TP_SIZE_ENV};
+    let set = |var: &str| std::env::var(var).ok();
+    if set(TP_SIZE_ENV).is_none() && set(PP_SIZE_ENV).is_none() {
+        return Ok(layout.config(world));
+    }
+    let launched = accel::ParallelismConfig::from_env()?;
+    let disagree = |flag: &str, mine: String, var: &str, theirs: String| {
+        anyhow::anyhow!(
+            "{flag} {mine} disagrees with {var}={theirs} set by the launcher; give the setting once (the flag, or \
+             the launcher's)"
+        )
+    };
+    for (flag, var, size, theirs) in [
+        ("--tp-size", TP_SIZE_ENV, layout.tp, launched.tp_size),
+        ("--pp-size", PP_SIZE_ENV, layout.pp, launched.pp_size),
     ] {
-        if let Ok(v) = std::env::var(var) {
-            launcher_set = true;
-            if size != 1 && v.trim() != size.to_string() {
-                bail!("{flag} {size} disagrees with {var}={v} set by the launcher; give one of them");
-            }
+        if size != 1 && size != theirs {
+            return Err(disagree(flag, size.to_string(), var, theirs.to_string()));
         }
     }
-    if launcher_set {
-        return Ok(());
+    if let Some(kind) = layout.schedule.filter(|k| *k != launched.pp_schedule) {
+        let theirs = set(PP_SCHEDULE_ENV).unwrap_or_else(|| format!("unset (the default, {})", launched.pp_schedule));
+        return Err(disagree("--pp-schedule", kind.to_string(), PP_SCHEDULE_ENV, theirs));
     }
+    if let Some(m) = layout.microbatches.filter(|m| *m != launched.pp_microbatches_per_step()) {
+        let theirs = set(PP_MICROBATCHES_ENV)
+            .unwrap_or_else(|| format!("unset (one per stage: {})", launched.pp_microbatches_per_step()));
+        return Err(disagree("--microbatches", m.to_string(), PP_MICROBATCHES_ENV, theirs));
+    }
+    Ok(launched)
+}
+
+/// The number of processes the layout is checked against: the job's `WORLD_SIZE` in a worker of a launched job
+/// (`accel launch`, where `--nproc` is ignored), else `--nproc`; and how to name it.
+pub fn job_size(nproc: usize) -> (usize, &'static str) {
+    match ddp_core::env::DistEnv::detect_from_env() {
+        Ok(Some(env)) if ddp_core::launcher::is_worker() => (env.world_size, "the job's WORLD_SIZE"),
+        _ => (nproc, "--nproc"),
+    }
+}
+
+/// In a worker of the GPT examples: makes the Accelerator's layout follow the flags, unless the launcher set it
+/// ([`effective_layout`]'s rules and errors): the variables of [`parallel_env`] for `WORLD_SIZE` (1 when unset).
+/// Call it before anything starts a thread.
+pub fn apply_layout(layout: &ModelLayout) -> anyhow::Result<()> {
     let world = match ddp_core::env::DistEnv::detect_from_env() {
         Ok(Some(env)) => env.world_size,
         _ => 1,
     };
+    if std::env::var(accel::parallelism::TP_SIZE_ENV).is_ok() || std::env::var(accel::parallelism::PP_SIZE_ENV).is_ok()
+    {
+        effective_layout(world, layout)?; // the launcher's wins; a disagreeing flag is an error
+        return Ok(());
+    }
     let model = layout.tp * layout.pp;
     if model == 0 || !world.is_multiple_of(model) {
         bail!(

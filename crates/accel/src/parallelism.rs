@@ -458,9 +458,11 @@ impl ParallelismConfig {
         } else {
             format!(
                 "the model layout ({}) needs a multiple of {model} processes and {world_size} is not one: launch {} \
-                 processes (dp replicas × {model}), or choose sizes whose product divides {world_size}",
+                 processes with dp_replicate_size {} (dp replicas × {model}), or choose sizes whose product divides \
+                 {world_size}",
                 named.join(", "),
-                model * world_size.div_ceil(model)
+                model * world_size.div_ceil(model),
+                world_size.div_ceil(model)
             )
         };
         Err(AccelError::Config {
@@ -651,8 +653,8 @@ mod tests {
         assert!(
             e.ends_with(
                 "the sizes multiply to 3 but the job has 4 processes; the model layout (tp 3) needs a multiple of 3 \
-                 processes and 4 is not one: launch 6 processes (dp replicas × 3), or choose sizes whose product \
-                 divides 4"
+                 processes and 4 is not one: launch 6 processes with dp_replicate_size 2 (dp replicas × 3), or \
+                 choose sizes whose product divides 4"
             ),
             "{e}"
         );

@@ -121,6 +121,11 @@ pub struct TrainerState {
     /// run totals, so a resumed run logs and reports `train_loss` exactly as the uninterrupted one.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub loss_tally: Vec<LossTallyState>,
+    /// Ranks holding pieces of one model replica (pp × tp) in the run that saved `loss_tally` (ours): their
+    /// tallies are copies of one another, so a resume at another layout rescales the tallies rather than reading
+    /// them by rank.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_parallel_size: Option<u64>,
 }
 
 /// One rank's training-loss tally (see [`TrainerState::loss_tally`]). Sums are this rank's per-item loss sums,
@@ -169,6 +174,7 @@ impl Default for TrainerState {
             world_size: None,
             gradient_accumulation_steps: None,
             loss_tally: Vec::new(),
+            model_parallel_size: None,
         }
     }
 }

@@ -639,6 +639,7 @@ where
             num_train_epochs: plan.num_epochs,
             world_size: Some(plan.world as u64),
             gradient_accumulation_steps: Some(plan.ga as u64),
+            model_parallel_size: Some(rt.acc.mesh().model_parallel().world_size() as u64),
             is_local_process_zero: rt.acc.is_local_main_process(),
             is_world_process_zero: rt.acc.is_main_process(),
             ..TrainerState::default()
@@ -669,7 +670,9 @@ where
         let loaded = rt.acc.load_state(Some(&dir)).map(|_| ()).map_err(TrainerError::from);
         agree(&rt.acc, loaded, "loading the checkpoint")?;
         self.restore_state(rt, &dir, &saved)?;
-        let since_log = saved.loss_tally.get(rt.acc.rank()).map(LossTally::restored).unwrap_or_default();
+        let since_log = restored_tally(&saved, &rt.acc).map(|t| LossTally::restored(&t)).unwrap_or_default();
+        // From here the state describes this run's layout (its tallies are this layout's).
+        self.state.model_parallel_size = Some(rt.acc.mesh().model_parallel().world_size() as u64);
         let mut epochs_trained = saved.global_step / plan.upe;
         let skip_micro = ((saved.global_step % plan.upe) as usize) * plan.ga;
         if let Some(why) = already_ended(&saved, plan.max_steps) {
@@ -1204,6 +1207,7 @@ where
             }
         }
         self.state.loss_tally = since_log.gather(&rt.acc)?;
+        self.state.model_parallel_size = Some(rt.acc.mesh().model_parallel().world_size() as u64);
         let mut callbacks: std::collections::BTreeMap<_, _> = rt.callbacks.states().into_iter().collect();
         callbacks.insert("TrainerControl".to_string(), self.control.to_state());
         self.state.stateful_callbacks = callbacks;
@@ -1362,6 +1366,30 @@ fn next_window(iter: &mut impl Iterator<Item = accel::Result<Batch>>, ga: usize)
         }
     }
     Ok((!window.is_empty()).then_some(window))
+}
+
+/// This rank's training-loss tally from a checkpoint's: its own, by rank, when the saving run had this layout
+/// (the sums continue bit for bit); otherwise the saved run's totals shared out for this layout — each replica's
+/// sums counted once (÷ the saved pp × tp), then spread so that this run's ranks add up to them × its pp × tp, the
+/// weight its own steps' tallies carry (the train loss is Σ sums ÷ Σ items over all ranks).
+fn restored_tally(saved: &TrainerState, acc: &Accelerator) -> Option<LossTallyState> {
+    let (world, here) = (acc.world_size(), acc.mesh().model_parallel().world_size() as f64);
+    let same_layout = saved.loss_tally.len() == world
+        && saved.model_parallel_size.is_none_or(|r| r as f64 == here)
+        && saved.world_size.is_none_or(|w| w as usize == world);
+    if same_layout {
+        return saved.loss_tally.get(acc.rank()).copied();
+    }
+    let there = saved.model_parallel_size.unwrap_or(1).max(1) as f64;
+    let share = here / (there * world as f64);
+    let total = |f: fn(&LossTallyState) -> f64| saved.loss_tally.iter().map(f).sum::<f64>() * share;
+    Some(LossTallyState {
+        sum: total(|t| t.sum),
+        items: total(|t| t.items),
+        steps: saved.loss_tally.first()?.steps,
+        run_sum: total(|t| t.run_sum),
+        run_items: total(|t| t.run_items),
+    })
 }
 
 /// Training-loss sums: on the device between logs (one small add per step, no host sync), on the host for the

@@ -57,7 +57,7 @@ mod layout_args;
 /// --pp-size).
 #[derive(Parser, Debug)]
 struct Args {
-    /// Processes to launch on this machine when not started by a launcher (RANK unset): dp × tp.
+    /// Processes to launch on this machine when not started by a launcher (RANK unset): pp × dp × tp.
     #[arg(long, default_value_t = 1, value_parser = accel_examples::parse_nproc)]
     nproc: usize,
     #[command(flatten)]
@@ -133,12 +133,17 @@ fn text_path(args: &Args) -> PathBuf {
     }
 }
 
-/// `, 1F1B over 4 micro-batches of 4 sequences, this rank: stage 1 (blocks 2..4)` under pp; empty otherwise.
+/// `, 1F1B over 4 micro-batches, rank 0 holds stage 0 (blocks 0-1)` under pp; empty otherwise.
 fn pipeline_summary(acc: &Accelerator, stages: &[accel::pipeline::Stage]) -> String {
     match acc.pipeline_schedule() {
         None => String::new(),
         Some(s) => {
-            let held: Vec<String> = stages.iter().map(|st| format!("{} (blocks {:?})", st.index, st.layers)).collect();
+            let blocks = |r: &std::ops::Range<usize>| match r.len() {
+                0 => "no blocks".to_string(),
+                1 => format!("block {}", r.start),
+                _ => format!("blocks {}-{}", r.start, r.end - 1),
+            };
+            let held: Vec<String> = stages.iter().map(|st| format!("{} ({})", st.index, blocks(&st.layers))).collect();
             format!(
                 ", {} over {} micro-batches, rank {} holds stage {}",
                 acc.parallelism_config().pp_schedule,
@@ -167,7 +172,7 @@ fn run() -> anyhow::Result<()> {
     let args = accel_examples::parse_args!(Args); // a bad command line is reported once under a launcher
                                                   // Check the model against the sizes once, here, before any worker starts (76 = the shipped vocabulary; the
                                                   // vocabulary never constrains tp).
-    args.layout.check(args.nproc, args.n_layer, args.batch_size)?;
+    args.layout.check(args.nproc, args.n_layer, "--batch-size", args.batch_size)?;
     model_config(&args, 76).validate(args.layout.tp_size)?;
     if !ddp_core::launcher::is_worker() && args.nproc > 1 {
         let path = text_path(&args);

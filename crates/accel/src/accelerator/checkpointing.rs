@@ -229,13 +229,18 @@ fn check_layout(acc: &Accelerator, dir: &Path, meta: &CheckpointMeta) -> Result<
     let saved_mesh = meta.mesh.unwrap_or([1, meta.world_size, 1, 1]);
     if saved_mesh != mesh_sizes(acc) {
         // Weights and optimizer states are full tensors and load into any layout; what is per rank is not.
-        tracing::warn!(
-            "checkpoint {} was written by the layout [pp, dp_replicate, dp_shard, tp] = {saved_mesh:?}, this run \
-             uses {:?}: the model and optimizer load exactly, but data-loader positions and RNG states are per \
-             rank, so the batches after the resume will differ from the original run's",
-            dir.display(),
-            mesh_sizes(acc)
-        );
+        // Once (the main process), and what it means: weights, optimizer state and the data position are
+        // layout-free (the loader refuses a position whose global batch differs); only the per-rank RNG is not.
+        if acc.is_main_process() {
+            tracing::warn!(
+                "checkpoint {} was written by the layout [pp, dp_replicate, dp_shard, tp] = {saved_mesh:?}, this \
+                 run uses {:?}: the weights, the optimizer state and the data position load as saved, but each \
+                 rank's Accelerator::rng state goes to the rank of the same number, which now plays another part: \
+                 a program drawing from it draws other numbers than the original run",
+                dir.display(),
+                mesh_sizes(acc)
+            );
+        }
     }
     if meta.gradient_accumulation_steps != acc.gradient_accumulation_steps() {
         tracing::warn!(

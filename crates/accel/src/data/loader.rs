@@ -525,11 +525,34 @@ impl Stateful for LoaderStateHandle {
         let batches_consumed: usize = sd.meta_field("batches_consumed")?;
         let layout: LoaderLayout = sd.meta_field("layout")?;
         if layout != self.layout {
+            let (saved, here) = (&layout, &self.layout);
+            // Name what differs; the global batch first (a change of data-parallel size changes it).
+            let what = if saved.dataset_len != here.dataset_len {
+                format!(
+                    "the data set had {} samples, this one has {}: resume with the same data set",
+                    saved.dataset_len, here.dataset_len
+                )
+            } else if saved.total_batch_size != here.total_batch_size {
+                format!(
+                    "the global batch was {} samples per step, this run's is {} (the per-process batch × the \
+                     data-parallel size): keep the global batch, e.g. a per-process batch of {} ÷ the data-parallel \
+                     size",
+                    saved.total_batch_size, here.total_batch_size, saved.total_batch_size
+                )
+            } else if (saved.shuffle, saved.seed) != (here.shuffle, here.seed) {
+                format!(
+                    "the data order differs (shuffle {} seed {} then, shuffle {} seed {} now): resume with the same \
+                     shuffle and seed",
+                    saved.shuffle, saved.seed, here.shuffle, here.seed
+                )
+            } else {
+                format!(
+                    "the epoch had {} batches, this run's has {} (drop_last or the number of processes changed)",
+                    saved.num_batches, here.num_batches
+                )
+            };
             return Err(AccelError::Data(format!(
-                "the saved data-loader position was taken with a different layout ({layout:?}) than this loader's \
-                 ({:?}); resuming would yield different batches — use the same data set, batch size, seed and \
-                 number of processes",
-                self.layout
+                "the saved data-loader position cannot continue here, resuming would yield other batches: {what}"
             )));
         }
         let mut st = lock(&self.state);

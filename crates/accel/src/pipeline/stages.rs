@@ -40,11 +40,13 @@ pub fn split_layers(n_layers: usize, stages: usize, layers_per_stage: Option<&[u
         None => {
             if stages > n_layers {
                 return Err(AccelError::Config {
-                    key: "parallelism_config_pp_size".into(),
+                    key: "pipeline stages (parallelism_config_pp_size × pipeline_parallel_virtual_stages)".into(),
                     value: stages.to_string(),
                     reason: format!(
-                        "{stages} pipeline stages (pp × virtual stages) but the model has {n_layers} layers: every \
-                         stage needs at least one; use at most {n_layers} stages, or list the layers per stage"
+                        "the model has {n_layers} layers and every stage needs at least one; use at most {n_layers} \
+                         stages (a smaller pp size, or 1F1B's one stage per rank instead of interleaving), a model \
+                         with more layers, or list the layers per stage (pipeline_stages(n, Some(&[…])), where a \
+                         stage may hold 0)"
                     ),
                 });
             }
@@ -85,10 +87,12 @@ mod tests {
         assert_eq!(split_layers(4, 2, Some(&[1, 3])).unwrap(), [0..1, 1..4]);
         assert_eq!(split_layers(4, 3, Some(&[0, 2, 2])).unwrap(), [0..0, 0..2, 2..4]);
         let e = split_layers(2, 4, None).unwrap_err().to_string();
-        assert_eq!(
-            e,
-            "invalid configuration parallelism_config_pp_size = \"4\": 4 pipeline stages (pp × virtual stages) but \
-             the model has 2 layers: every stage needs at least one; use at most 2 stages, or list the layers per stage"
+        assert!(
+            e.starts_with(
+                "invalid configuration pipeline stages (parallelism_config_pp_size × pipeline_parallel_virtual_stages) \
+                 = \"4\": the model has 2 layers and every stage needs at least one; use at most 2 stages"
+            ),
+            "{e}"
         );
         let e = split_layers(4, 2, Some(&[1, 2])).unwrap_err().to_string();
         assert!(e.ends_with("the counts add up to 3 but the model has 4 layers"), "{e}");

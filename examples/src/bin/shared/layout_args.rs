@@ -32,26 +32,49 @@ impl LayoutArgs {
     }
 
     /// Checks the flags before any worker starts (one message instead of one per rank): the sizes against the
-    /// process count (`accel_examples::check_layout`), and under pp the schedule (micro-batches against the stages), the stages
-    /// against `n_layer` and the micro-batches against `batch_size` (the rows each pipeline step splits).
-    pub fn check(&self, nproc: usize, n_layer: usize, batch_size: usize) -> anyhow::Result<()> {
+    /// process count (`accel_examples::check_layout`), the flags against what a launcher set
+    /// (`accel_examples::effective_layout`), and under pp the schedule (micro-batches against the stages), the
+    /// stages against `n_layer` and the micro-batches against the batch size (`batch_flag` = `batch_size`, the
+    /// rows each pipeline step splits). Pipeline flags without pipeline parallelism are ignored with a warning.
+    pub fn check(&self, nproc: usize, n_layer: usize, batch_flag: &str, batch_size: usize) -> anyhow::Result<()> {
         let layout = self.layout();
         accel_examples::check_layout(nproc, &layout)?;
-        if layout.pp > 1 {
-            let p = layout.config(nproc);
-            p.validate_sizes()?;
-            accel::pipeline::PipelineSchedule::new(
-                p.pp_schedule,
+        let (n, _) = accel_examples::job_size(nproc);
+        let p = accel_examples::effective_layout(n, &layout)?;
+        if p.pp_size <= 1 {
+            let first = !ddp_core::launcher::is_worker() || std::env::var("RANK").as_deref() == Ok("0");
+            if first && (layout.schedule.is_some() || layout.microbatches.is_some()) {
+                eprintln!("warning: --pp-schedule and --microbatches only apply with --pp-size above 1: ignored");
+            }
+            return Ok(());
+        }
+        p.validate_sizes()?;
+        let stages = p.pp_size * p.pp_stages_per_rank();
+        accel::pipeline::PipelineSchedule::new(
+            p.pp_schedule,
+            p.pp_size,
+            p.pp_microbatches_per_step(),
+            p.pp_stages_per_rank(),
+        )?;
+        if n_layer < stages {
+            anyhow::bail!(
+                "the model has {n_layer} layers but the pipeline cuts it into {stages} stages (--pp-size {} × {} per \
+                 rank{}): every stage needs a layer; use more layers (--n-layer {stages}) or fewer stages",
                 p.pp_size,
-                p.pp_microbatches_per_step(),
                 p.pp_stages_per_rank(),
-            )?;
-            accel::pipeline::split_layers(n_layer, p.pp_size * p.pp_stages_per_rank(), None)?;
-            let m = p.pp_microbatches_per_step();
-            anyhow::ensure!(
-                batch_size.is_multiple_of(m),
-                "the batch size {batch_size} does not split into the {m} micro-batches of a pipeline step; use a \
-                 multiple of {m}, or --microbatches dividing {batch_size}"
+                if p.pp_stages_per_rank() > 1 { ", interleaved; 1F1B runs 1 per rank" } else { "" }
+            );
+        }
+        let m = p.pp_microbatches_per_step();
+        if !batch_size.is_multiple_of(m) {
+            let fits: Vec<usize> = (stages..=batch_size).filter(|d| batch_size.is_multiple_of(*d)).collect();
+            let fix = match fits.first() {
+                Some(_) => format!("or --microbatches dividing it and at least {stages}: {fits:?}"),
+                None => format!("the pipeline needs at least {stages} micro-batches, so at least {stages} rows"),
+            };
+            anyhow::bail!(
+                "{batch_flag} {batch_size} does not split into the {m} micro-batches of a pipeline step; use a \
+                 multiple of {m}, {fix}"
             );
         }
         Ok(())
