@@ -164,6 +164,31 @@ fn generation_agrees_across_tp_ranks() {
     }
 }
 
+/// A small, quick `accel_gpt` run: 4 steps logged every 2, batch 4 × 16 characters, d_model 32, `n_layer` blocks,
+/// d_ff 64, a 20-character sample.
+pub(super) fn small_accel_gpt_args(n_layer: &'static str) -> [&'static str; 18] {
+    [
+        "--steps",
+        "4",
+        "--log-every",
+        "2",
+        "--batch-size",
+        "4",
+        "--block-size",
+        "16",
+        "--d-model",
+        "32",
+        "--n-layer",
+        n_layer,
+        "--d-ff",
+        "64",
+        "--sample-len",
+        "20",
+        "--lr",
+        "1e-2",
+    ]
+}
+
 /// Runs an example binary (a fresh launch: RANK unset); returns stdout + stderr after asserting success.
 pub(super) fn run_example(bin: &str, args: &[&str]) -> String {
     let out = std::process::Command::new(bin)
@@ -192,26 +217,7 @@ pub(super) fn logged_losses(text: &str) -> Vec<String> {
 /// sample; tp2 reports both ranks' peak RSS.
 #[test]
 fn accel_gpt_tp2_prints_the_single_process_losses() {
-    let small = [
-        "--steps",
-        "4",
-        "--log-every",
-        "2",
-        "--batch-size",
-        "4",
-        "--block-size",
-        "16",
-        "--d-model",
-        "32",
-        "--n-layer",
-        "1",
-        "--d-ff",
-        "64",
-        "--sample-len",
-        "20",
-        "--lr",
-        "1e-2",
-    ];
+    let small = small_accel_gpt_args("1");
     let bin = env!("CARGO_BIN_EXE_accel_gpt");
     let single = run_example(bin, &[&["--nproc", "1"], &small[..]].concat());
     let tp2 = run_example(bin, &[&["--nproc", "2", "--tp-size", "2"], &small[..]].concat());

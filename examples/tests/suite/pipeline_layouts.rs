@@ -131,6 +131,18 @@ fn max_abs_diff(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f
         .fold(0.0, f32::max)
 }
 
+/// Every rank of a layout's run against one process: the losses and gradient norms step by step (relative 1e-5)
+/// and the weights after them (1e-4 absolute).
+fn assert_trains_like(what: &str, got: &[Trained], want: &Trained) {
+    for (rank, t) in got.iter().enumerate() {
+        let what = format!("{what} rank {rank}");
+        assert_close(&format!("{what} loss"), &t.losses, &want.losses);
+        assert_close(&format!("{what} grad norm"), &t.grad_norms, &want.grad_norms);
+        let d = max_abs_diff(&t.weights, &want.weights);
+        assert!(d <= 1e-4, "{what}: weights after {STEPS} steps differ from one process's by {d:e}");
+    }
+}
+
 #[test]
 fn every_pipeline_layout_trains_like_one_process() {
     use ScheduleKind::{GPipe, Interleaved1F1B, OneFOneB};
@@ -156,13 +168,7 @@ fn every_pipeline_layout_trains_like_one_process() {
         assert!(want.losses[STEPS - 1] < want.losses[0] - 0.05, "single-process losses {:?}", want.losses);
         let i = ids.clone();
         let got = run(pp * tp * dp, config(layout), move |acc| train(&acc, &i, model_config(vocab)));
-        for (rank, t) in got.iter().enumerate() {
-            let what = format!("pp{pp} tp{tp} dp{dp} ga{ga} {kind} m{m} rank {rank}");
-            assert_close(&format!("{what} loss"), &t.losses, &want.losses);
-            assert_close(&format!("{what} grad norm"), &t.grad_norms, &want.grad_norms);
-            let d = max_abs_diff(&t.weights, &want.weights);
-            assert!(d <= 1e-4, "{what}: weights after {STEPS} steps differ from one process's by {d:e}");
-        }
+        assert_trains_like(&format!("pp{pp} tp{tp} dp{dp} ga{ga} {kind} m{m}"), &got, &*want);
     }
 }
 
@@ -188,13 +194,7 @@ fn tied_embeddings_across_stages_train_like_one_process_and_stay_equal() {
         let (pp, tp, dp, ..) = layout;
         let i = ids.clone();
         let got = run(pp * tp * dp, config(layout), move |acc| train(&acc, &i, tied));
-        for (rank, t) in got.iter().enumerate() {
-            let what = format!("tied {layout:?} rank {rank}");
-            assert_close(&format!("{what} loss"), &t.losses, &want.losses);
-            assert_close(&format!("{what} grad norm"), &t.grad_norms, &want.grad_norms);
-            let d = max_abs_diff(&t.weights, &want.weights);
-            assert!(d <= 1e-4, "{what}: weights after {STEPS} steps differ from one process's by {d:e}");
-        }
+        assert_trains_like(&format!("tied {layout:?}"), &got, &want);
         // Both stages hold a copy (rank r and its pp peer r + world / pp: pp is outermost): the same bits.
         let peer = tp * dp;
         for r in 0..peer {
@@ -245,13 +245,7 @@ fn dropout_draws_the_single_process_masks_at_every_layout() {
             let (pp, tp, dp, ..) = layout;
             let i = ids.clone();
             let got = run(pp * tp * dp, config(layout), move |acc| train(&acc, &i, with_dropout));
-            for (rank, t) in got.iter().enumerate() {
-                let what = format!("dropout {layout:?} rank {rank}");
-                assert_close(&format!("{what} loss"), &t.losses, &want.losses);
-                assert_close(&format!("{what} grad norm"), &t.grad_norms, &want.grad_norms);
-                let d = max_abs_diff(&t.weights, &want.weights);
-                assert!(d <= 1e-4, "{what}: weights after {STEPS} steps differ from one process's by {d:e}");
-            }
+            assert_trains_like(&format!("dropout {layout:?}"), &got, &want);
         }
     }
 }
@@ -755,27 +749,8 @@ fn the_trainer_refuses_what_a_pipeline_cannot_do() {
 /// trains and evaluates; sizes that cannot run are refused before any worker starts, naming what fits.
 #[test]
 fn the_gpt_examples_run_pipelined_from_the_command_line() {
-    use super::gpt_tp::{logged_losses, run_example};
-    let small = [
-        "--steps",
-        "4",
-        "--log-every",
-        "2",
-        "--batch-size",
-        "4",
-        "--block-size",
-        "16",
-        "--d-model",
-        "32",
-        "--n-layer",
-        "2",
-        "--d-ff",
-        "64",
-        "--sample-len",
-        "20",
-        "--lr",
-        "1e-2",
-    ];
+    use super::gpt_tp::{logged_losses, run_example, small_accel_gpt_args};
+    let small = small_accel_gpt_args("2");
     let bin = env!("CARGO_BIN_EXE_accel_gpt");
     let single = run_example(bin, &[&["--nproc", "1"], &small[..]].concat());
     let pp2 = run_example(bin, &[&["--nproc", "2", "--pp-size", "2"], &small[..]].concat());
