@@ -673,69 +673,59 @@ fn a_trainer_checkpoint_resumes_at_another_layout_with_the_whole_runs_train_loss
 
 /// A trainer whose model is not cut into stages is refused under pp, and so is compute_metrics (the outputs
 /// live on the last stage).
+/// One quick Trainer step's arguments in `dir` (evaluating after it).
+fn one_step_args(dir: &std::path::Path) -> trainer::TrainingArguments {
+    trainer::TrainingArguments {
+        output_dir: dir.to_path_buf(),
+        max_steps: 1,
+        per_device_train_batch_size: 4,
+        report_to: trainer::ReportTo(vec!["none".into()]),
+        save_plots: false,
+        disable_tqdm: true,
+        eval_strategy: trainer::IntervalStrategy::Steps,
+        eval_steps: Some(1.0),
+        ..Default::default()
+    }
+}
+
 #[test]
 fn the_trainer_refuses_what_a_pipeline_cannot_do() {
     let (ids, vocab) = corpus();
     let ids = Arc::new(ids);
+    let to_candle = accel_examples::gpt::to_candle;
+    let pp2 = ParallelismConfig::default().with_pp_size(2);
+    let (i, p) = (ids.clone(), pp2.clone());
     let errors = run_groups(2, move |pg| {
         let dir = tempfile::tempdir()?;
-        let args = || trainer::TrainingArguments {
-            output_dir: dir.path().to_path_buf(),
-            max_steps: 1,
-            per_device_train_batch_size: 4,
-            report_to: trainer::ReportTo(vec!["none".into()]),
-            save_plots: false,
-            disable_tqdm: true,
-            eval_strategy: trainer::IntervalStrategy::Steps,
-            eval_steps: Some(1.0),
-            ..Default::default()
-        };
         let cfg = model_config(vocab);
-        let to_candle = accel_examples::gpt::to_candle;
-        let pp2 = ParallelismConfig::default().with_pp_size(2);
-        let loss = trainer::losses::VocabParallelCrossEntropy { vocab_size: vocab };
         let mut whole = trainer::Trainer::new_parallel(
-            args(),
+            one_step_args(dir.path()),
             move |pb| accel_examples::gpt::CharGpt::new(cfg, pb).map_err(to_candle),
-            windows(&ids, 0, 8),
+            windows(&i, 0, 8),
             None,
-            loss,
+            trainer::losses::VocabParallelCrossEntropy { vocab_size: vocab },
         )
         .process_group(pg)
-        .parallelism_config(pp2.clone());
+        .parallelism_config(p.clone());
         Ok(whole.train().unwrap_err().to_string())
     });
     for e in errors {
         assert!(e.contains("pp_size 2 (pipeline parallelism) but this trainer's model is not cut into stages"), "{e}");
         assert!(e.contains("Trainer::new_pipelined"), "{e}");
     }
-    let (ids2, _) = corpus();
-    let ids2 = Arc::new(ids2);
     let errors = run_groups(2, move |pg| {
         let dir = tempfile::tempdir()?;
-        let args = trainer::TrainingArguments {
-            output_dir: dir.path().to_path_buf(),
-            max_steps: 1,
-            per_device_train_batch_size: 4,
-            report_to: trainer::ReportTo(vec!["none".into()]),
-            save_plots: false,
-            disable_tqdm: true,
-            eval_strategy: trainer::IntervalStrategy::Steps,
-            eval_steps: Some(1.0),
-            ..Default::default()
-        };
         let cfg = model_config(vocab);
-        let to_candle = accel_examples::gpt::to_candle;
         let mut t = trainer::Trainer::new_pipelined(
-            args,
+            one_step_args(dir.path()),
             cfg.n_layer,
             move |pb, stages| GptStages::new(cfg, pb, stages).map_err(to_candle),
-            windows(&ids2, 0, 8),
-            Some(windows(&ids2, 100, 4)),
+            windows(&ids, 0, 8),
+            Some(windows(&ids, 100, 4)),
             trainer::losses::VocabParallelCrossEntropy { vocab_size: vocab },
         )
         .process_group(pg)
-        .parallelism_config(ParallelismConfig::default().with_pp_size(2))
+        .parallelism_config(pp2.clone())
         .compute_metrics(trainer::metrics::classification);
         Ok(t.train().unwrap_err().to_string())
     });
