@@ -435,7 +435,7 @@ impl FullState {
     /// Collective over each model's tp group when it has sharded parameters.
     fn collect(acc: &Accelerator) -> Result<Self> {
         let prepared = acc.prepared();
-        let models = prepared.models.iter().map(|m| m.state_dict()).collect::<Result<_>>()?;
+        let models = prepared.models.iter().map(|m| m.checkpoint_state_dict()).collect::<Result<_>>()?;
         let optimizers = prepared
             .optimizers
             .iter()

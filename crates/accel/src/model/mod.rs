@@ -18,7 +18,7 @@ mod strategy;
 #[cfg(test)]
 mod tests;
 
-use stages::{full_shape, Stages};
+use stages::{full_shape, Gather, Stages};
 #[cfg(test)]
 use strategy::AddSegment;
 pub(crate) use strategy::{GradientStrategy, PipelineStage, ReplicatedDataParallel, TiedWeights};
@@ -199,11 +199,22 @@ impl PreparedModel {
     /// is the same for every layout. Collective over the tp group when the model has sharded parameters and over
     /// the pp group under pipeline parallelism (every rank must call it); no communication otherwise.
     pub fn state_dict(&self) -> Result<BTreeMap<String, Tensor>> {
+        self.gathered_state_dict(Gather::Everyone)
+    }
+
+    /// [`PreparedModel::state_dict`] for a checkpoint: under pipeline parallelism only pp rank 0 receives the
+    /// other stages' tensors (the job's rank 0 writes the file; no other rank holds the whole model); the others
+    /// return their own.
+    pub(crate) fn checkpoint_state_dict(&self) -> Result<BTreeMap<String, Tensor>> {
+        self.gathered_state_dict(Gather::FirstStage)
+    }
+
+    fn gathered_state_dict(&self, to: Gather) -> Result<BTreeMap<String, Tensor>> {
         let full = self.full_tensors(self.inner.masters.iter().map(|v| Some(v.as_tensor().clone())).collect())?;
         let mut dict: BTreeMap<String, Tensor> =
             self.inner.names.iter().cloned().zip(full.into_iter().flatten()).collect();
         if let Some(stages) = &self.inner.stages {
-            dict = stages.gather(dict, self.inner.masters[0].device())?;
+            dict = stages.gather(dict, self.inner.masters[0].device(), to)?;
         }
         Ok(dict)
     }
@@ -228,12 +239,14 @@ impl PreparedModel {
     }
 
     /// An optimizer state for this model's parameters with the buffers of tp shards gathered into full tensors
-    /// (collective over the tp group when the model has sharded parameters).
+    /// (collective over the tp group when the model has sharded parameters) and, under pipeline parallelism, every
+    /// stage's renumbered to the whole model's parameters on pp rank 0 (collective over pp; the others return
+    /// their own, renumbered): what a checkpoint holds.
     pub(crate) fn optimizer_state_to_full(&self, sd: StateDict) -> Result<StateDict> {
         let tp = &self.inner.tp;
         let sd = accel_nn::optim::map_param_tensors(sd, |i, t| self.layout_of(i)?.gather(&t, tp))?;
         match &self.inner.stages {
-            Some(stages) => stages.gather_optimizer_state(sd, self.inner.masters[0].device()),
+            Some(stages) => stages.gather_optimizer_state(sd, self.inner.masters[0].device(), Gather::FirstStage),
             None => Ok(sd),
         }
     }

@@ -2,7 +2,8 @@
 //! single-process shapes, exchanged once at `prepare_model` — so that
 //!
 //! - `state_dict` gathers the whole model from the stages (`model.safetensors` holds the single-process tensors
-//!   under the single-process names, whatever the layout),
+//!   under the single-process names, whatever the layout; for a checkpoint only onto pp rank 0, so no other rank
+//!   ever holds the whole model),
 //! - `load_state_dict` takes the other stages' tensors as expected, not as strangers,
 //! - the optimizer state is saved as one process would hold it (parameters renumbered from each stage's sorted
 //!   names to the whole model's) and split back by any layout, so a checkpoint's optimizer state loads at another
@@ -28,6 +29,14 @@ pub(super) fn full_shape(local: &Var, layout: ParamLayout) -> Vec<usize> {
         dims[dim] = full;
     }
     dims
+}
+
+/// Who receives the stages' tensors: every pp rank (a state dict a program reads), or only pp rank 0 (a checkpoint,
+/// which the job's rank 0 writes: no other rank ever holds the whole model).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Gather {
+    Everyone,
+    FirstStage,
 }
 
 /// Named tensors' single-process shapes, `(name, dims)`.
@@ -103,9 +112,10 @@ impl Stages {
         &self,
         mut local: BTreeMap<String, Tensor>,
         device: &Device,
+        to: Gather,
     ) -> Result<BTreeMap<String, Tensor>> {
         for (root, params) in self.params.iter().enumerate() {
-            for (name, t) in self.broadcast_tensors(root, params, |name| local[name].clone(), device)? {
+            for (name, t) in self.send_tensors(root, params, |name| local[name].clone(), device, to)? {
                 local.entry(name).or_insert(t);
             }
         }
@@ -116,7 +126,7 @@ impl Stages {
     /// every stage's buffers renumbered to single-process indices and gathered, each parameter's update count
     /// taken from the lowest stage holding it (collective over pp). Every stage steps once per optimizer step, so
     /// the step counts agree.
-    pub(super) fn gather_optimizer_state(&self, local: StateDict, device: &Device) -> Result<StateDict> {
+    pub(super) fn gather_optimizer_state(&self, local: StateDict, device: &Device, to: Gather) -> Result<StateDict> {
         let me = self.pp.rank();
         let index = self.whole_indices(me);
         let renamed: Vec<(String, Vec<usize>)> = local
@@ -135,7 +145,7 @@ impl Stages {
         let mut full = StateDict { tensors: BTreeMap::new(), meta: local.meta.clone() };
         let mut param_steps: Vec<Option<u64>> = vec![None; self.whole.len()];
         for (root, (keys, steps)) in all.iter().enumerate() {
-            for (name, t) in self.broadcast_tensors(root, keys, |k| by_new_key[k].clone(), device)? {
+            for (name, t) in self.send_tensors(root, keys, |k| by_new_key[k].clone(), device, to)? {
                 full.tensors.entry(name).or_insert(t);
             }
             for (g, s) in self.whole_indices(root).into_iter().zip(steps) {
@@ -180,17 +190,27 @@ impl Stages {
         Ok(own)
     }
 
-    /// The tensors `keys` (name, shape) of pp rank `root`, which `get` reads on that rank, sent to every pp rank as
-    /// one flat fp32 broadcast; returns them by name.
-    fn broadcast_tensors(
+    /// The tensors `keys` (name, shape) of pp rank `root`, which `get` reads on that rank, sent as one flat fp32
+    /// buffer to every pp rank (a broadcast) or to pp rank 0 only (point to point); returns them by name where they
+    /// arrived (and on `root`), nothing elsewhere.
+    fn send_tensors(
         &self,
         root: usize,
         keys: &[(String, Vec<usize>)],
         get: impl Fn(&str) -> Tensor,
         device: &Device,
+        to: Gather,
     ) -> Result<Vec<(String, Tensor)>> {
+        let me = self.pp.rank();
+        let receives = match to {
+            Gather::Everyone => true,
+            Gather::FirstStage => me == root || me == 0,
+        };
+        if !receives {
+            return Ok(Vec::new());
+        }
         let numel: Vec<usize> = keys.iter().map(|(_, dims)| dims.iter().product()).collect();
-        let mut flat: Vec<f32> = if root == self.pp.rank() {
+        let mut flat: Vec<f32> = if root == me {
             let mut v = Vec::with_capacity(numel.iter().sum());
             for (name, _) in keys {
                 v.extend(get(name).flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
@@ -199,7 +219,12 @@ impl Stages {
         } else {
             vec![0.0; numel.iter().sum()]
         };
-        self.pp.broadcast(&mut flat, root)?;
+        match to {
+            Gather::Everyone => self.pp.broadcast(&mut flat, root)?,
+            Gather::FirstStage if root == 0 => {}
+            Gather::FirstStage if me == root => self.pp.send(&flat, 0)?,
+            Gather::FirstStage => self.pp.recv(&mut flat, root)?,
+        }
         let mut at = 0;
         let mut out = Vec::with_capacity(keys.len());
         for ((name, dims), n) in keys.iter().zip(&numel) {
