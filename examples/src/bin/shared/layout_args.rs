@@ -42,7 +42,8 @@ impl LayoutArgs {
         let (n, _) = accel_examples::job_size(nproc);
         let p = accel_examples::effective_layout(n, &layout)?;
         if p.pp_size <= 1 {
-            let first = !ddp_core::launcher::is_worker() || std::env::var("RANK").as_deref() == Ok("0");
+            let first = !ddp_core::launcher::is_worker()
+                || matches!(ddp_core::env::DistEnv::detect_from_env(), Ok(Some(env)) if env.rank == 0);
             if first && (layout.schedule.is_some() || layout.microbatches.is_some()) {
                 eprintln!("warning: --pp-schedule and --microbatches only apply with --pp-size above 1: ignored");
             }
