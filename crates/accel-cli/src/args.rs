@@ -145,8 +145,8 @@ pub struct LaunchArgs {
     #[arg(long, alias = "parallelism_config_dp_replicate_size", value_name = "N",
           value_parser = clap::value_parser!(u64).range(1..))]
     pub parallelism_config_dp_replicate_size: Option<u64>,
-    /// Sharded data-parallel size (PARALLELISM_CONFIG_DP_SHARD_SIZE). The Accelerator cannot train dp_shard > 1
-    /// yet; programs that lay out a ddp_core::DeviceMesh themselves can.
+    /// Sharded data-parallel size (PARALLELISM_CONFIG_DP_SHARD_SIZE): the optimizer state split over this many
+    /// ranks (ZeRO-1), alone, with dp_replicate (HSDP) or tp; not with pp yet.
     #[arg(long, alias = "parallelism_config_dp_shard_size", value_name = "N",
           value_parser = clap::value_parser!(u64).range(1..))]
     pub parallelism_config_dp_shard_size: Option<u64>,

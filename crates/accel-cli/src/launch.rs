@@ -79,8 +79,8 @@ impl LaunchPlan {
     /// Combines `flags` (highest precedence), `file` and the defaults, and checks the result: counts ≥ 1,
     /// `num_processes` divisible by `num_machines`, `machine_rank < num_machines`, an address and a fixed port for
     /// several machines, parallel sizes whose product is `num_processes` (or all 1), cp = 1, pipeline settings that
-    /// fit pp ([`ParallelismConfig::validate_pipeline`]), and a layout the Accelerator can train (dp_shard 1 until
-    /// sharded data parallelism lands: refused here, once, rather than by every rank). Pipeline settings given with
+    /// fit pp ([`ParallelismConfig::validate_pipeline`]), and a layout the Accelerator can train (not dp_shard × pp
+    /// yet: refused here, once, rather than by every rank). Pipeline settings given with
     /// pp 1 get a warning (nothing reads them).
     pub fn resolve(flags: &LaunchArgs, file: Option<&AccelerateConfig>) -> CliResult<Self> {
         check_distributed_type(file)?;
@@ -285,7 +285,11 @@ pub fn describe_config(path: &Path, default_location: bool, file: &AccelerateCon
 fn check_distributed_type(file: Option<&AccelerateConfig>) -> CliResult<()> {
     let Some(DistributedType::Other(t)) = file.map(|f| &f.distributed_type) else { return Ok(()) };
     let (why, block) = match t.as_str() {
-        "FSDP" => ("sharded data parallelism (FSDP / ZeRO) is not implemented yet", " (and remove fsdp_config)"),
+        "FSDP" => (
+            "accel has no FSDP (parameters sharded between steps); it shards the optimizer state (ZeRO-1) with \
+             parallelism_config_dp_shard_size",
+            " (and remove fsdp_config)",
+        ),
         "DEEPSPEED" => ("accel has no DeepSpeed engine", " (and remove deepspeed_config)"),
         "MEGATRON_LM" => (
             "accel has no Megatron-LM plugin (its tensor parallelism is parallelism_config_tp_size)",
@@ -443,7 +447,7 @@ fn rdzv_warning(flags: &LaunchArgs, file: Option<&AccelerateConfig>) -> Option<S
 }
 
 /// Refuses, before any worker starts, a layout that does not fit `num_processes`, pipeline settings that do not fit
-/// pp, and a layout the Accelerator cannot train yet (dp_shard > 1): one message saying what would run, instead of
+/// pp, and a layout the Accelerator cannot train yet (dp_shard × pp): one message saying what would run, instead of
 /// every rank failing with it.
 fn check_parallelism(p: &ParallelismConfig, num_processes: usize) -> CliResult<()> {
     // The support check first: its message already says what fits the process count.
@@ -751,19 +755,15 @@ mod tests {
         let p = LaunchPlan::resolve(&LaunchArgs { num_processes: Some(4), ..flags("p") }, None).unwrap();
         assert_eq!(p.parallelism, None);
         assert!(p.worker_env().iter().all(|(k, _)| !k.starts_with("PARALLELISM_CONFIG_")));
-        // cp and dp_shard are refused before launch, saying what runs on the same processes.
+        // cp is refused before launch.
         let e = LaunchPlan::resolve(&LaunchArgs { parallelism_config_cp_size: Some(2), ..tp2.clone() }, None)
             .unwrap_err()
             .to_string();
         assert!(e.ends_with("context parallelism is not implemented yet; set cp_size to 1"), "{e}");
-        let e = LaunchPlan::resolve(&LaunchArgs { parallelism_config_dp_shard_size: Some(2), ..tp2.clone() }, None)
-            .unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "invalid configuration parallelism_config_dp_shard_size = \"2\": the Accelerator cannot train with \
-             sharded data parallelism (ZeRO / FSDP: accel does not shard yet); on the same 4 processes set \
-             dp_shard_size 1 and dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 2 × pp 1 runs)"
-        );
+        // dp_shard 2 × tp 2 (sharded data parallelism with tp) reaches the workers.
+        let p = LaunchPlan::resolve(&LaunchArgs { parallelism_config_dp_shard_size: Some(2), ..tp2.clone() }, None)
+            .unwrap();
+        assert_eq!(p.parallelism, Some(ParallelismConfig::default().with_tp_size(2).with_dp_shard_size(2)));
         // pp 2 × tp 2 on 4 processes is launched: the layout reaches the workers, the default schedule as absence.
         let p = LaunchPlan::resolve(&LaunchArgs { parallelism_config_pp_size: Some(2), ..tp2 }, None).unwrap();
         assert_eq!(p.parallelism, Some(ParallelismConfig::default().with_tp_size(2).with_pp_size(2)));

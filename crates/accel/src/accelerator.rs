@@ -668,7 +668,9 @@ impl Accelerator {
 
     /// `model`'s current fp32 gradients (one slot per parameter, [`PreparedModel::names`] order; `None` where no
     /// micro-batch produced one yet) and whether they have been reduced across ranks (the optimizer step will
-    /// apply them). Under fp16 they stay loss-scaled until clipping or the optimizer step unscales them.
+    /// apply them). Under fp16 they stay loss-scaled until clipping or the optimizer step unscales them. Under
+    /// sharded data parallelism (`dp_shard_size > 1`) the reduced ones are this rank's 1-D chunks of each
+    /// parameter's flattened gradient (ZeRO-1: what its optimizer steps), not whole gradients.
     pub fn gradients(&self, model: &PreparedModel) -> (Vec<Option<Tensor>>, bool) {
         self.inner.step.gradients(model)
     }

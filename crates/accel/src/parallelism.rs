@@ -479,10 +479,10 @@ impl ParallelismConfig {
         Ok(MeshShape::new(r.pp_size, r.dp_replicate_size, r.dp_shard_size, r.tp_size)?)
     }
 
-    /// Checks that the [`crate::Accelerator`] can train this layout: dp_shard > 1 is a valid
-    /// [`ddp_core::DeviceMesh`] layout (level-1 code may use it) but the Accelerator has no sharded optimizer state
-    /// yet. Pipeline parallelism (pp > 1) is trainable: the program splits its model into stages (as `accel_gpt`
-    /// does).
+    /// Checks that the [`crate::Accelerator`] can train this layout. Sharded data parallelism (dp_shard > 1:
+    /// ZeRO-1, sharded optimizer state) trains alone, with dp_replicate (HSDP) and with tp; pipeline parallelism
+    /// (pp > 1) trains when the program splits its model into stages (as `accel_gpt` does); the two together are
+    /// not implemented yet.
     ///
     /// Errors: [`AccelError::Config`] naming the size and what to use instead.
     pub fn check_accelerator_support(&self) -> Result<()> {
@@ -493,7 +493,7 @@ impl ParallelismConfig {
     /// matched to it (so that a launcher refuses dp_shard first, in one message): what would run on
     /// `world_size` processes instead, dp_shard folded into dp_replicate and the tp and pp sizes kept.
     pub fn check_accelerator_support_on(&self, world_size: usize) -> Result<()> {
-        if self.dp_shard_size <= 1 {
+        if self.dp_shard_size <= 1 || self.pp_size <= 1 {
             return Ok(());
         }
         // What runs on the same processes: sharded data parallelism folded into replicated data parallelism.
@@ -511,8 +511,8 @@ impl ParallelismConfig {
             key: "parallelism_config_dp_shard_size".into(),
             value: self.dp_shard_size.to_string(),
             reason: format!(
-                "the Accelerator cannot train with sharded data parallelism (ZeRO / FSDP: accel does not shard yet); \
-                 on the same {world_size} processes {fix}"
+                "the Accelerator cannot combine sharded data parallelism with pipeline stages yet (dp_shard runs with \
+                 dp_replicate and tp); on the same {world_size} processes {fix}"
             ),
         })
     }
@@ -681,7 +681,7 @@ mod tests {
     }
 
     #[test]
-    fn the_accelerator_trains_pp_and_refuses_dp_shard_saying_what_to_use() {
+    fn the_accelerator_trains_pp_and_dp_shard_and_refuses_them_together_saying_what_to_use() {
         ParallelismConfig::default().with_tp_size(4).check_accelerator_support().unwrap();
         // Pipeline parallelism is trainable now, alone and with tp and dp.
         ParallelismConfig::default().with_pp_size(2).with_tp_size(2).check_accelerator_support().unwrap();
@@ -690,9 +690,9 @@ mod tests {
         let e = ParallelismConfig::default().with_dp_shard_size(2).with_pp_size(2).check_accelerator_support();
         assert_eq!(
             e.unwrap_err().to_string(),
-            "invalid configuration parallelism_config_dp_shard_size = \"2\": the Accelerator cannot train with \
-             sharded data parallelism (ZeRO / FSDP: accel does not shard yet); on the same 4 processes set \
-             dp_shard_size 1 and dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 1 × pp 2 runs)"
+            "invalid configuration parallelism_config_dp_shard_size = \"2\": the Accelerator cannot combine sharded \
+             data parallelism with pipeline stages yet (dp_shard runs with dp_replicate and tp); on the same 4 \
+             processes set dp_shard_size 1 and dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 1 × pp 2 runs)"
         );
         let e = ParallelismConfig::data_parallel(2).with_dp_shard_size(2).with_pp_size(2).check_accelerator_support();
         assert!(
@@ -702,13 +702,9 @@ mod tests {
             ),
             "{e:?}"
         );
-        let e = ParallelismConfig::default().with_dp_shard_size(2).check_accelerator_support().unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "invalid configuration parallelism_config_dp_shard_size = \"2\": the Accelerator cannot train with \
-             sharded data parallelism (ZeRO / FSDP: accel does not shard yet); on the same 2 processes set \
-             dp_shard_size 1 and dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 1 × pp 1 runs)"
-        );
+        // Sharded data parallelism alone, with dp_replicate (HSDP) and with tp: trainable (ZeRO-1).
+        ParallelismConfig::default().with_dp_shard_size(2).check_accelerator_support().unwrap();
+        ParallelismConfig::data_parallel(2).with_dp_shard_size(2).with_tp_size(2).check_accelerator_support().unwrap();
         // tp × pp that does not divide the processes: no layout to name.
         let e = ParallelismConfig::default().with_dp_shard_size(2).with_pp_size(3).check_accelerator_support_on(4);
         assert!(
@@ -717,9 +713,12 @@ mod tests {
             ),
             "{e:?}"
         );
-        let e = ParallelismConfig::default().with_dp_shard_size(2).with_tp_size(3).check_accelerator_support_on(4);
+        let e = ParallelismConfig::default().with_dp_shard_size(2).with_pp_size(2).check_accelerator_support_on(3);
         assert!(
-            e.as_ref().unwrap_err().to_string().ends_with("set dp_shard_size 1 and a tp_size that divides 4"),
+            e.as_ref()
+                .unwrap_err()
+                .to_string()
+                .ends_with("set dp_shard_size 1, and tp_size and pp_size whose product divides 3"),
             "{e:?}"
         );
     }

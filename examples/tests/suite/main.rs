@@ -10,3 +10,4 @@ mod nd_equivalence;
 mod pipeline_gpt;
 mod pipeline_layouts;
 mod run_folders;
+mod sharded_layouts;

@@ -197,7 +197,7 @@ fn launch_prints_one_banner_naming_the_default_config_that_changed_the_run() {
 }
 
 #[test]
-fn a_pipeline_layout_is_launched_with_its_schedule_and_dp_shard_is_refused_before_any_worker_starts() {
+fn a_pipeline_layout_is_launched_with_its_schedule_and_dp_shard_with_pp_is_refused_before_any_worker_starts() {
     // pp 2 × tp 2 on 4 processes with a schedule and micro-batches: every worker gets them.
     let dir = tempfile::tempdir().unwrap();
     let script = "echo \"started pp=$PARALLELISM_CONFIG_PP_SIZE tp=$PARALLELISM_CONFIG_TP_SIZE \
@@ -240,9 +240,9 @@ fn a_pipeline_layout_is_launched_with_its_schedule_and_dp_shard_is_refused_befor
     assert!(!stdout.contains("started"), "{stdout}");
     assert_eq!(
         stderr.trim(),
-        "accel: error: invalid configuration parallelism_config_dp_shard_size = \"2\": the Accelerator cannot train \
-         with sharded data parallelism (ZeRO / FSDP: accel does not shard yet); on the same 4 processes set \
-         dp_shard_size 1 and dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 1 × pp 2 runs)"
+        "accel: error: invalid configuration parallelism_config_dp_shard_size = \"2\": the Accelerator cannot \
+         combine sharded data parallelism with pipeline stages yet (dp_shard runs with dp_replicate and tp); on the \
+         same 4 processes set dp_shard_size 1 and dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 1 × pp 2 runs)"
     );
     // Pipeline settings that do not fit: refused before any worker starts, naming the key and what fits.
     let out = accel(dir.path())
@@ -276,8 +276,7 @@ fn a_pipeline_layout_is_launched_with_its_schedule_and_dp_shard_is_refused_befor
     assert!(!String::from_utf8_lossy(&out.stdout).contains("started"));
     assert!(
         stderr.contains(
-            "accel: error: invalid distributed_type \"FSDP\": sharded data parallelism (FSDP / ZeRO) is \
-                         not implemented yet"
+            "accel: error: invalid distributed_type \"FSDP\": accel has no FSDP (parameters sharded between steps)"
         ),
         "{stderr}"
     );

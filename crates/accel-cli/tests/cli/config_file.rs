@@ -69,30 +69,23 @@ fn reads_a_two_machine_fsdp_file_and_warns_about_what_accel_ignores() {
     );
     let all = loaded.warnings.join("\n");
     assert!(all.contains("fsdp_config"), "{all}");
-    // accel cannot shard yet: the launch is refused before any worker starts, naming the fix (not run as DDP).
+    // accel has no FSDP: the launch is refused before any worker starts, naming the fix (not run as DDP).
     let flags = LaunchArgs { program: "prog".into(), ..LaunchArgs::default() };
     let e = LaunchPlan::resolve(&flags, Some(c)).unwrap_err().to_string();
     assert_eq!(
         e,
-        "invalid distributed_type \"FSDP\": sharded data parallelism (FSDP / ZeRO) is not implemented yet; for data \
-         parallelism set distributed_type to MULTI_CPU or MULTI_GPU (and remove fsdp_config), or run `accel config` \
-         again"
+        "invalid distributed_type \"FSDP\": accel has no FSDP (parameters sharded between steps); it shards the \
+         optimizer state (ZeRO-1) with parallelism_config_dp_shard_size; for data parallelism set distributed_type \
+         to MULTI_CPU or MULTI_GPU (and remove fsdp_config), or run `accel config` again"
     );
-    // As MULTI_GPU, its dp_shard layout is a valid mesh (2 × 2 = 4 processes) that the Accelerator cannot train
-    // yet: refused too, saying what runs on the same processes.
+    // As MULTI_GPU, its dp_replicate 2 × dp_shard 2 layout (HSDP with a sharded optimizer state) is launched.
     let c = &AccelerateConfig { distributed_type: DistributedType::MultiGpu, ..c.clone() };
-    let e = LaunchPlan::resolve(&flags, Some(c)).unwrap_err().to_string();
-    assert!(
-        e.ends_with("set dp_shard_size 1 and dp_replicate_size 4 (dp_replicate 4 × dp_shard 1 × tp 1 × pp 1 runs)"),
-        "{e}"
-    );
-    // With tp 2 from a flag: still refused first for dp_shard, with what runs on the 4 processes.
+    let plan = LaunchPlan::resolve(&flags, Some(c)).unwrap();
+    assert_eq!(plan.parallelism, Some(ParallelismConfig::data_parallel(2).with_dp_shard_size(2)));
+    // With tp 2 from a flag: 2 × 2 × 2 = 8 sizes for 4 processes, refused naming what fits.
     let flags = LaunchArgs { program: "prog".into(), parallelism_config_tp_size: Some(2), ..LaunchArgs::default() };
     let e = LaunchPlan::resolve(&flags, Some(c)).unwrap_err().to_string();
-    assert!(
-        e.ends_with("set dp_shard_size 1 and dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 2 × pp 1 runs)"),
-        "{e}"
-    );
+    assert!(e.contains("the sizes multiply to 8 but the job has 4 processes"), "{e}");
     // A layout the Accelerator runs whose product is not the process count is refused, naming what fits.
     let flags = LaunchArgs {
         program: "prog".into(),

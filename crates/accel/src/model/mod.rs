@@ -12,12 +12,14 @@
 //! layout reads any other's `model.safetensors`.
 
 mod registration;
+mod sharded;
 mod stages;
 mod strategy;
 
 #[cfg(test)]
 mod tests;
 
+use sharded::{FlatChunk, ShardedDataParallel};
 use stages::{full_shape, Gather, Stages};
 #[cfg(test)]
 use strategy::AddSegment;
@@ -28,7 +30,7 @@ use crate::tensor_parallel::{ParamLayout, TensorParallel};
 use crate::{AccelError, Result};
 use candle_core::{DType, Tensor, Var};
 use candle_nn::VarMap;
-use ddp_core::{DeviceMesh, DistributedDataParallel};
+use ddp_core::{DeviceMesh, DistributedDataParallel, MeshDim, ProcessGroup};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -49,6 +51,10 @@ struct ModelInner {
     masters: Vec<Var>,
     /// Whether `masters` are separate copies (bf16 / fp16 compute).
     has_masters: bool,
+    /// What the optimizer steps: the very `masters`, or under sharded data parallelism this rank's chunks of
+    /// them (fp32, 1-D), with how each parameter is cut and the dp_shard group.
+    optimized: Vec<Var>,
+    sharding: Option<(ProcessGroup, Vec<FlatChunk>)>,
     /// Each parameter's layout over `tp` (in `names` order).
     layouts: Vec<ParamLayout>,
     /// The tensor-parallel group the sharded parameters are split over.
@@ -133,6 +139,21 @@ impl PreparedModel {
             ddp.clone(),
         )?;
         let replicated = ReplicatedDataParallel::new(replicated, mesh.model_parallel().clone());
+        // dp_shard > 1: ZeRO-1 (sharded.rs); the DDP above only checked the names and broadcast rank 0's values.
+        let shard_group = mesh.group(MeshDim::DpShard).clone();
+        let sharding = (shard_group.world_size() > 1).then(|| {
+            let chunks: Vec<FlatChunk> =
+                masters.iter().map(|m| FlatChunk::of(m.elem_count(), shard_group.world_size())).collect();
+            (shard_group.clone(), chunks)
+        });
+        let optimized: Vec<Var> = match &sharding {
+            Some((g, chunks)) => masters
+                .iter()
+                .zip(chunks)
+                .map(|(m, c)| Ok(Var::from_tensor(&c.slice(m.as_tensor(), g.rank())?)?))
+                .collect::<Result<_>>()?,
+            None => masters.clone(),
+        };
         // Under pp every stage's names and shapes are exchanged once (state dicts gather and load through them);
         // a stage holds its own parameters, so norms and overflow cover every stage, and a weight held by several
         // stages (tied) has its gradients summed over them (strategy.rs).
@@ -142,6 +163,15 @@ impl PreparedModel {
             let stages = Stages::exchange(mesh.pp(), mine)?;
             let tied = stages.tied_weights(&masters)?;
             (Box::new(PipelineStage::new(replicated, mesh.pp().clone(), tied)), Some(stages))
+        } else if let Some((g, chunks)) = &sharding {
+            let sharded = ShardedDataParallel::new(
+                g.clone(),
+                mesh.group(MeshDim::DpReplicate).clone(),
+                mesh.model_parallel().clone(),
+                chunks.clone(),
+                device.clone(),
+            );
+            (Box::new(sharded), None)
         } else {
             (Box::new(replicated), None)
         };
@@ -154,6 +184,8 @@ impl PreparedModel {
                 params,
                 masters,
                 has_masters,
+                optimized,
+                sharding,
                 layouts,
                 tp: tp.clone(),
                 find_unused_parameters: ddp.find_unused_parameters,
@@ -177,6 +209,12 @@ impl PreparedModel {
     /// The fp32 master weights the optimizer updates (the same `Var`s as [`PreparedModel::parameters`] in fp32).
     pub fn master_weights(&self) -> &[Var] {
         &self.inner.masters
+    }
+
+    /// What the optimizer steps, one per parameter: the fp32 masters, or under sharded data parallelism
+    /// (`dp_shard_size > 1`) this rank's 1-D chunks of them (ZeRO-1; `sharded.rs`).
+    pub(crate) fn optimizer_params(&self) -> &[Var] {
+        &self.inner.optimized
     }
 
     /// Number of scalar parameters.
@@ -244,6 +282,15 @@ impl PreparedModel {
     /// their own, renumbered): what a checkpoint holds.
     pub(crate) fn optimizer_state_to_full(&self, sd: StateDict) -> Result<StateDict> {
         let tp = &self.inner.tp;
+        // Sharded: each buffer is this rank's chunk; all-gathered over dp_shard into the whole (tp-local) shape.
+        let sd = match &self.inner.sharding {
+            Some((g, chunks)) => accel_nn::optim::map_param_tensors(sd, |i, t| -> Result<Tensor> {
+                self.layout_of(i)?; // names a parameter the model does not have
+                let all = g.all_gather_tensor(&t.to_dtype(DType::F32)?)?;
+                chunks[i].unslice(&all, self.inner.masters[i].dims())
+            })?,
+            None => sd,
+        };
         let sd = accel_nn::optim::map_param_tensors(sd, |i, t| self.layout_of(i)?.gather(&t, tp))?;
         match &self.inner.stages {
             Some(stages) => stages.gather_optimizer_state(sd, self.inner.masters[0].device(), Gather::FirstStage),
@@ -259,7 +306,11 @@ impl PreparedModel {
             None => sd,
         };
         let (rank, size) = (self.inner.tp.rank(), self.inner.tp.size());
-        accel_nn::optim::map_param_tensors(sd, |i, t| self.layout_of(i)?.slice(&t, rank, size))
+        let sd = accel_nn::optim::map_param_tensors(sd, |i, t| self.layout_of(i)?.slice(&t, rank, size))?;
+        match &self.inner.sharding {
+            Some((g, chunks)) => accel_nn::optim::map_param_tensors(sd, |i, t| chunks[i].slice(&t, g.rank())),
+            None => Ok(sd),
+        }
     }
 
     fn layout_of(&self, i: usize) -> Result<ParamLayout> {
@@ -310,6 +361,11 @@ impl PreparedModel {
         }
         for (master, t) in self.inner.masters.iter().zip(self.local_tensors(full)?) {
             master.set(&t.expect("every parameter has a tensor"))?;
+        }
+        if let Some((g, chunks)) = &self.inner.sharding {
+            for ((opt, master), c) in self.inner.optimized.iter().zip(&self.inner.masters).zip(chunks) {
+                opt.set(&c.slice(master.as_tensor(), g.rank())?)?;
+            }
         }
         self.copy_masters_to_params()
     }
@@ -387,7 +443,8 @@ impl PreparedModel {
     pub(crate) fn after_optimizer_step(&self) -> Result<()> {
         for g in &self.inner.groups {
             let masters: Vec<Var> = g.params.iter().map(|&i| self.inner.masters[i].clone()).collect();
-            g.strategy.after_optimizer_step(&masters)?;
+            let optimized: Vec<Var> = g.params.iter().map(|&i| self.inner.optimized[i].clone()).collect();
+            g.strategy.after_optimizer_step(&optimized, &masters)?;
         }
         self.copy_masters_to_params()
     }

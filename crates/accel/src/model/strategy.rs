@@ -12,24 +12,22 @@
 //!   or agreed over the group the strategy names ([`GradientStrategy::norm_group`]);
 //! - **after the optimizer step**: [`GradientStrategy::after_optimizer_step`].
 //!
-//! Today there is one strategy, [`ReplicatedDataParallel`]: DDP's bucketed all-reduce over the mesh's `dp` group
-//! (Li et al., "PyTorch Distributed", VLDB 2020), under tensor parallelism too — a tp shard is averaged with its
-//! data-parallel replicas only, never with its tp peers, which hold different pieces (Megatron-LM, Shoeybi et al.
-//! 2019). The variants to come change only this file's neighbours: a sharded group (ZeRO / FSDP, Rajbhandari et
-//! al. 2020: reduce-scatter over `dp_shard`, each rank stepping its slice, all-gather in `after_optimizer_step`)
-//! and a pipeline stage (norm and overflow over the model-parallel group pp × tp, a tied weight reduced over the
-//! first-and-last-stage group; Narayanan et al. 2021).
+//! The strategies: [`ReplicatedDataParallel`], DDP's bucketed all-reduce over the mesh's `dp` group (Li et al.,
+//! "PyTorch Distributed", VLDB 2020), under tensor parallelism too — a tp shard is averaged with its data-parallel
+//! replicas only, never with its tp peers, which hold different pieces (Megatron-LM, Shoeybi et al. 2019);
+//! [`PipelineStage`] (below: norm and overflow over pp × tp, tied weights; Narayanan et al. 2021); and
+//! `ShardedDataParallel` (`sharded.rs`: ZeRO-1, Rajbhandari et al. 2020 — reduce-scatter over `dp_shard`, each rank
+//! stepping its chunks, all-gather in `after_optimizer_step`).
 //!
-//! How those variants fit, so that the step owner does not change: the step owner hands each group's strategy the
-//! group's slots and asks it to reduce them; what a slot holds afterwards is the strategy's business. A sharded
-//! group's `reduce` reduce-scatters and leaves each slot holding this rank's slice; its fp32 masters are then the
-//! rank's slices (what the optimizer steps, so the moments are the size of the shard), which means
-//! `PreparedModel` keeps masters per group — today one list, the very `Var`s of the parameters in fp32 — and
-//! leaves the copy back into the compute-dtype parameters to the group's `after_optimizer_step` (an all-gather of
-//! the updated slices) instead of copying every master itself. Its `squared_norm` sums the slices' squares over
-//! `dp_shard` too, each element counted once. A pipeline stage's `squared_norm` and `any_rank` reduce over the
-//! model-parallel group whatever the layouts (every stage holds different parameters), and its `reduce` adds one
-//! all-reduce of a tied weight's gradient over the first-and-last-stage group.
+//! How the variants fit without the step owner changing: the step owner hands each group's strategy the group's
+//! slots and asks it to reduce them; what a slot holds afterwards is the strategy's business. A sharded group's
+//! `reduce` reduce-scatters and leaves each slot holding this rank's chunk; the optimizer steps the model's
+//! *optimized* weights (`PreparedModel::optimizer_params`: the fp32 masters, or a sharded model's chunks of them,
+//! so the moments are the size of the chunks), and the group's `after_optimizer_step` all-gathers the updated
+//! chunks into the whole masters before they are copied into the compute-dtype parameters. Its `squared_norm` sums
+//! the chunks' squares over `dp_shard`, each element counted once. A pipeline stage's `squared_norm` and `any_rank`
+//! reduce over the model-parallel group whatever the layouts (every stage holds different parameters), and its
+//! `reduce` adds one all-reduce of a tied weight's gradient over the stages holding it.
 
 use crate::tensor_parallel::ParamLayout;
 use crate::Result;
@@ -108,9 +106,10 @@ pub(crate) trait GradientStrategy: Send + Sync + std::fmt::Debug {
         Ok(flag[0] != 0)
     }
 
-    /// After the optimizer updated the group's fp32 master weights (`masters`, group order). Nothing for
-    /// replicated data parallelism; a sharded group all-gathers its slices here.
-    fn after_optimizer_step(&self, _masters: &[Var]) -> Result<()> {
+    /// After the optimizer updated `optimized` (what it steps, group order: the fp32 masters themselves, or a
+    /// sharded group's chunks of them); `full` are the group's whole fp32 masters. Nothing for replicated data
+    /// parallelism; a sharded group all-gathers its chunks into `full` here.
+    fn after_optimizer_step(&self, _optimized: &[Var], _full: &[Var]) -> Result<()> {
         Ok(())
     }
 }

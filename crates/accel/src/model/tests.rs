@@ -68,9 +68,9 @@ impl GradientStrategy for Counting {
         self.counts.any_rank.fetch_add(1, Ordering::SeqCst);
         self.inner.any_rank(local, layouts)
     }
-    fn after_optimizer_step(&self, masters: &[Var]) -> crate::Result<()> {
+    fn after_optimizer_step(&self, optimized: &[Var], full: &[Var]) -> crate::Result<()> {
         self.counts.after_step.fetch_add(1, Ordering::SeqCst);
-        self.inner.after_optimizer_step(masters)
+        self.inner.after_optimizer_step(optimized, full)
     }
 }
 

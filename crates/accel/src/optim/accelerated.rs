@@ -41,7 +41,7 @@ impl<O: Optimizer> AcceleratedOptimizer<O> {
     /// then).
     pub fn step(&mut self) -> Result<bool> {
         let (opt, model) = (&self.opt, &self.model);
-        let outcome = self.step.optimizer_step(model, |grads| Ok(lock(opt).step(model.master_weights(), grads)?))?;
+        let outcome = self.step.optimizer_step(model, |grads| Ok(lock(opt).step(model.optimizer_params(), grads)?))?;
         match outcome {
             StepOutcome::NotSynced => Ok(false),
             StepOutcome::Overflow => {
