@@ -19,6 +19,9 @@ pub const GRADIENT_ACCUMULATION_STEPS_ENV: &str = "ACCELERATE_GRADIENT_ACCUMULAT
 pub const USE_CPU_ENV: &str = "ACCELERATE_USE_CPU";
 /// Environment variable: global seed (u64).
 pub const SEED_ENV: &str = "ACCELERATE_SEED";
+/// Environment variable: DDP's gradient compression hook, `no`, `fp16` or `bf16` (ours; Accelerate sets it in code
+/// with `DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.BF16)`).
+pub const DDP_COMM_HOOK_ENV: &str = "ACCEL_DDP_COMM_HOOK";
 
 /// Compute precision of the model (Accelerate's `mixed_precision`).
 ///
@@ -189,7 +192,7 @@ impl Default for AcceleratorConfig {
 
 impl AcceleratorConfig {
     /// Defaults overridden by the variables `accel launch` sets (`ACCELERATE_MIXED_PRECISION`,
-    /// `ACCELERATE_GRADIENT_ACCUMULATION_STEPS`, `ACCELERATE_USE_CPU`, `ACCELERATE_SEED`, and the
+    /// `ACCELERATE_GRADIENT_ACCUMULATION_STEPS`, `ACCELERATE_USE_CPU`, `ACCELERATE_SEED`, our `ACCEL_DDP_COMM_HOOK`, and the
     /// `PARALLELISM_CONFIG_{DP_REPLICATE,DP_SHARD,TP,CP,PP}_SIZE` sizes and the pipeline's
     /// `PARALLELISM_CONFIG_PP_{SCHEDULE,MICROBATCHES,VIRTUAL_STAGES}`). A malformed value is an error naming the
     /// variable and the accepted values.
@@ -232,6 +235,13 @@ impl AcceleratorConfig {
                 value: v.clone(),
                 reason: "expected an unsigned 64-bit integer".into(),
             })?);
+        }
+        if let Some(v) = get(DDP_COMM_HOOK_ENV) {
+            self.ddp.comm_hook = v.parse().map_err(|_| AccelError::Config {
+                key: DDP_COMM_HOOK_ENV.into(),
+                value: v.clone(),
+                reason: format!("expected one of {}", ddp_core::CommHook::CHOICES),
+            })?;
         }
         self.parallelism = self.parallelism.with_overrides_from(&get)?;
         Ok(self)
@@ -336,8 +346,10 @@ mod tests {
             (GRADIENT_ACCUMULATION_STEPS_ENV, "4"),
             (USE_CPU_ENV, "true"),
             (SEED_ENV, "42"),
+            (DDP_COMM_HOOK_ENV, "BF16"),
         ]))
         .unwrap();
+        assert_eq!(cfg.ddp.comm_hook, ddp_core::CommHook::Bf16);
         assert_eq!(cfg.mixed_precision, MixedPrecision::Bf16);
         assert_eq!(cfg.gradient_accumulation_steps, 4);
         assert!(cfg.cpu);
@@ -376,6 +388,11 @@ mod tests {
         assert!(e.to_string().contains(GRADIENT_ACCUMULATION_STEPS_ENV), "{e}");
         let e = AcceleratorConfig::from_lookup(lookup(&[(MIXED_PRECISION_ENV, "int8")])).unwrap_err();
         assert!(e.to_string().contains(MIXED_PRECISION_ENV) && e.to_string().contains("int8"), "{e}");
+        let e = AcceleratorConfig::from_lookup(lookup(&[(DDP_COMM_HOOK_ENV, "power_sgd")])).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid configuration ACCEL_DDP_COMM_HOOK = \"power_sgd\": expected one of no, fp16, bf16"
+        );
     }
 
     #[test]

@@ -64,6 +64,46 @@ pub struct DdpOptions {
     /// Whether [`DistributedDataParallel::backward`] all-reduces buckets while the backward pass goes on
     /// (default [`Overlap::Auto`]).
     pub overlap: Overlap,
+    /// Gradient compression for the all-reduce (default [`CommHook::None`]; PyTorch's `register_comm_hook` with
+    /// `fp16_compress_hook` / `bf16_compress_hook`, Accelerate's `DistributedDataParallelKwargs(comm_hook=…)`).
+    pub comm_hook: CommHook,
+}
+
+/// Gradient compression of DDP's all-reduce (PyTorch's `torch.distributed.algorithms.ddp_comm_hooks.default_hooks`):
+/// the gradients are cast to a 16-bit type, averaged in it, and cast back — half the bytes on the wire for a
+/// rounding of each gradient to 8 (bf16) or 11 (fp16) significant bits. With a hook the reduction runs after the
+/// backward pass over one flat buffer (no overlap).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CommHook {
+    /// Gradients reduced in their own dtype.
+    #[default]
+    None,
+    /// `fp16_compress_hook`: divided by the world size in fp32, then cast to fp16 (so the sum cannot overflow
+    /// fp16's range), summed, cast back.
+    Fp16,
+    /// `bf16_compress_hook`: cast to bf16, averaged, cast back (bf16 has fp32's range).
+    Bf16,
+}
+
+impl CommHook {
+    /// The accepted spellings, for messages.
+    pub const CHOICES: &'static str = "no, fp16, bf16";
+}
+
+impl std::str::FromStr for CommHook {
+    type Err = DdpError;
+    /// `no` / `none`, `fp16`, `bf16` (case-insensitive; Accelerate's `DDPCommunicationHookType` values).
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "no" | "none" => Ok(CommHook::None),
+            "fp16" => Ok(CommHook::Fp16),
+            "bf16" => Ok(CommHook::Bf16),
+            other => Err(DdpError::InvalidArgument(format!(
+                "comm hook {other:?}: expected one of {} (power_sgd is not implemented)",
+                Self::CHOICES
+            ))),
+        }
+    }
 }
 
 /// When [`DistributedDataParallel::backward`] overlaps the gradient all-reduce with the backward pass.
@@ -95,6 +135,7 @@ impl Default for DdpOptions {
             find_unused_parameters: false,
             broadcast_parameters: true,
             overlap: Overlap::Auto,
+            comm_hook: CommHook::None,
         }
     }
 }
@@ -251,6 +292,9 @@ impl DistributedDataParallel {
     /// [`DdpOptions::overlap`], with [`Overlap::Auto`] decided from the backend and this machine's cores (see
     /// [`Overlap`]).
     pub fn overlaps(&self) -> bool {
+        if self.opts.comm_hook != CommHook::None {
+            return false; // a compressed reduction runs after the backward pass, over one flat buffer
+        }
         match self.opts.overlap {
             Overlap::On => true,
             Overlap::Off => false,
@@ -424,6 +468,9 @@ impl DistributedDataParallel {
             vec![true; grads.len()]
         };
 
+        if self.opts.comm_hook != CommHook::None {
+            return self.reduce_compressed(grads, &globally_used);
+        }
         let layout = self.layout();
         if layout.buckets.len() == 1 || !self.overlaps() {
             // One bucket, or no spare core for a communication thread (see `Overlap`): bucket by bucket on this
@@ -443,6 +490,52 @@ impl DistributedDataParallel {
             Ok(())
         })?
         .put_back_into(grads)
+    }
+
+    /// [`Self::reduce_gradients`] with a [`CommHook`]: every gradient cast to the hook's 16-bit type into one flat
+    /// buffer (zeros for a parameter this rank did not use), one all-reduce of it, cast back into new tensors of
+    /// each gradient's dtype. `used`: per parameter, whether some rank has a gradient.
+    fn reduce_compressed(&self, grads: &mut [Option<Tensor>], used: &[bool]) -> Result<()> {
+        let world = self.pg.world_size() as f64;
+        let half = match self.opts.comm_hook {
+            CommHook::Fp16 => candle_core::DType::F16,
+            _ => candle_core::DType::BF16,
+        };
+        let mut parts = Vec::with_capacity(grads.len());
+        for ((_, var), g) in self.vars.iter().zip(grads.iter()) {
+            let g = match g {
+                Some(g) => g.clone(),
+                None => var.as_tensor().zeros_like()?,
+            };
+            // fp16 divides first (PyTorch's fp16_compress_hook), so the sum of world_size values stays in range.
+            let g = if self.opts.comm_hook == CommHook::Fp16 { g.affine(1.0 / world, 0.0)? } else { g };
+            parts.push(g.flatten_all()?.to_dtype(half)?);
+        }
+        let flat = Tensor::cat(&parts, 0)?;
+        let (op, dtype) = match self.opts.comm_hook {
+            CommHook::Fp16 => (ReduceOp::Sum, DType::F16),
+            _ => (ReduceOp::Avg, DType::BF16),
+        };
+        let reduced = match half {
+            candle_core::DType::F16 => {
+                let mut v = flat.to_vec1::<half::f16>()?;
+                self.pg.all_reduce_bytes(bytemuck::cast_slice_mut(&mut v), dtype, op)?;
+                Tensor::from_vec(v, flat.dims(), flat.device())?
+            }
+            _ => {
+                let mut v = flat.to_vec1::<half::bf16>()?;
+                self.pg.all_reduce_bytes(bytemuck::cast_slice_mut(&mut v), dtype, op)?;
+                Tensor::from_vec(v, flat.dims(), flat.device())?
+            }
+        };
+        let mut at = 0;
+        for ((slot, (_, var)), used) in grads.iter_mut().zip(&self.vars).zip(used) {
+            let n = var.as_tensor().elem_count();
+            let g = reduced.narrow(0, at, n)?.reshape(var.as_tensor().dims())?.to_dtype(var.as_tensor().dtype())?;
+            *slot = used.then_some(g);
+            at += n;
+        }
+        Ok(())
     }
 
     /// Bucket `plan`'s gradients as the all_reduce's input and output (`pieces`): the all_reduce reads them from

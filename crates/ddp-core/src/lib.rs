@@ -55,7 +55,7 @@ pub mod token;
 pub mod traffic;
 
 pub use backend::{Backend, BackendKind, PiecewiseBuffer};
-pub use ddp::{DdpOptions, DistributedDataParallel, Overlap};
+pub use ddp::{CommHook, DdpOptions, DistributedDataParallel, Overlap};
 pub use dtype::{DType, Element, ReduceOp};
 pub use env::{DistEnv, EnvSource};
 pub use error::{DdpError, Result};

@@ -170,6 +170,7 @@ impl PreparedModel {
                 mesh.model_parallel().clone(),
                 chunks.clone(),
                 device.clone(),
+                ddp.comm_hook,
             );
             (Box::new(sharded), None)
         } else {

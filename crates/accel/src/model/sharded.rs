@@ -24,7 +24,7 @@ use super::strategy::GradientStrategy;
 use crate::tensor_parallel::ParamLayout;
 use crate::Result;
 use candle_core::{DType, Device, Tensor, Var};
-use ddp_core::{ProcessGroup, ReduceOp};
+use ddp_core::{CommHook, ProcessGroup, ReduceOp};
 
 /// How one parameter's flattened elements are cut into the dp_shard group's chunks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,6 +68,8 @@ pub(crate) struct ShardedDataParallel {
     model_parallel: ProcessGroup,
     chunks: Vec<FlatChunk>,
     device: Device,
+    /// Gradient compression of the reduce-scatter (DDP's hook, the same semantics: half the bytes).
+    hook: CommHook,
 }
 
 impl ShardedDataParallel {
@@ -77,8 +79,9 @@ impl ShardedDataParallel {
         model_parallel: ProcessGroup,
         chunks: Vec<FlatChunk>,
         device: Device,
+        hook: CommHook,
     ) -> Self {
-        ShardedDataParallel { shard, replicate, model_parallel, chunks, device }
+        ShardedDataParallel { shard, replicate, model_parallel, chunks, device, hook }
     }
 
     /// Chunks per parameter, in rank-major order of a buffer: rank `r`'s chunks of every parameter, then rank
@@ -113,13 +116,37 @@ impl GradientStrategy for ShardedDataParallel {
             }
         }
         drop(flats);
-        let mut mine = vec![0f32; per_rank];
-        self.shard.reduce_scatter(&input, &mut mine, ReduceOp::Sum)?;
+        let ranks = (n * self.replicate.world_size()) as f32;
+        let (mine, scale) = match self.hook {
+            CommHook::None => {
+                let mut mine = vec![0f32; per_rank];
+                self.shard.reduce_scatter(&input, &mut mine, ReduceOp::Sum)?;
+                if self.replicate.world_size() > 1 {
+                    self.replicate.all_reduce(&mut mine, ReduceOp::Sum)?;
+                }
+                (mine, 1.0 / ranks)
+            }
+            // fp16 divides first (its range); bf16 after, as PyTorch's compress hooks.
+            CommHook::Fp16 => {
+                let input: Vec<half::f16> = input.iter().map(|v| half::f16::from_f32(v / ranks)).collect();
+                let mut mine = vec![half::f16::ZERO; per_rank];
+                self.shard.reduce_scatter(&input, &mut mine, ReduceOp::Sum)?;
+                if self.replicate.world_size() > 1 {
+                    self.replicate.all_reduce(&mut mine, ReduceOp::Sum)?;
+                }
+                (mine.iter().map(|v| v.to_f32()).collect(), 1.0)
+            }
+            CommHook::Bf16 => {
+                let input: Vec<half::bf16> = input.iter().map(|v| half::bf16::from_f32(*v)).collect();
+                let mut mine = vec![half::bf16::ZERO; per_rank];
+                self.shard.reduce_scatter(&input, &mut mine, ReduceOp::Sum)?;
+                if self.replicate.world_size() > 1 {
+                    self.replicate.all_reduce(&mut mine, ReduceOp::Sum)?;
+                }
+                (mine.iter().map(|v| v.to_f32()).collect(), 1.0 / ranks)
+            }
+        };
         drop(input);
-        if self.replicate.world_size() > 1 {
-            self.replicate.all_reduce(&mut mine, ReduceOp::Sum)?;
-        }
-        let scale = 1.0 / (n * self.replicate.world_size()) as f32;
         let mut at = 0;
         for (slot, c) in slots.iter_mut().zip(&self.chunks) {
             let chunk: Vec<f32> = mine[at..at + c.chunk].iter().map(|v| v * scale).collect();

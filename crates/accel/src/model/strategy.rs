@@ -141,8 +141,8 @@ impl GradientStrategy for ReplicatedDataParallel {
         Ok(self.ddp.reduce_gradients(slots)?)
     }
 
-    /// DDP decides per step whether a bucket can go out early (with `find_unused_parameters` it reduces after
-    /// the pass, inside the same call).
+    /// DDP decides per step whether a bucket can go out early (with `find_unused_parameters` or a compression
+    /// hook it reduces after the pass, inside the same call).
     fn overlaps(&self) -> bool {
         true
     }
