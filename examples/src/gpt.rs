@@ -170,6 +170,7 @@ fn config_error(key: &str, value: usize, reason: String) -> AccelError {
 /// `LayerNorm(d)` with replicated `weight` (ones) and `bias` (zeros), eps 1e-5 (PyTorch's default), computed by
 /// [`accel_nn::ops::layer_norm::layer_norm`] (fused on the CPU in f32; candle-nn's `layer_norm_slow` elsewhere, in
 /// f32 for bf16/f16 inputs).
+#[derive(Clone)]
 struct LayerNorm {
     weight: Tensor,
     bias: Tensor,
@@ -189,6 +190,7 @@ impl LayerNorm {
 }
 
 /// Causal self-attention with this rank's `n_head / tp` heads.
+#[derive(Clone)]
 struct Attention {
     q: ColumnParallelLinear,
     k: ColumnParallelLinear,
@@ -232,6 +234,7 @@ impl Attention {
 }
 
 /// `c_proj(GELU(c_fc(x)))`: d → d_ff/tp per rank → d (summed by g).
+#[derive(Clone)]
 struct Mlp {
     c_fc: ColumnParallelLinear,
     c_proj: RowParallelLinear,
@@ -271,6 +274,7 @@ fn residual_init(cfg: &GptConfig) -> ParamInit {
     ParamInit::Normal { std: 0.02 / ((2 * cfg.n_layer) as f64).sqrt() }
 }
 
+#[derive(Clone)]
 struct Block {
     ln_1: LayerNorm,
     attn: Attention,
@@ -435,6 +439,13 @@ impl CharGpt {
             None => input.clone(),
         };
         for block in &self.blocks {
+            if accel::activation_checkpoint::enabled() {
+                // Activation checkpointing: the block keeps no activations and is recomputed in the backward pass
+                // (its own cuts before and after it, as the cut below).
+                let block = block.clone();
+                x = accel::activation_checkpoint::block(&x, move |x| block.forward(x).map_err(to_candle))?;
+                continue;
+            }
             // A backward-segment cut before each block (the identity unless the forward pass is recorded): the
             // gradient all-reduce of the blocks after it starts while the backward pass computes this one.
             x = ddp_core::segments::cut(&x)?;

@@ -541,8 +541,11 @@ impl Accelerator {
     ) -> Result<Tensor> {
         let dropout = self.dropout_context(inputs.dims().first().copied().unwrap_or(0));
         let Some(pipeline) = &self.inner.pipeline else {
+            let checkpointing = self.inner.config.activation_checkpointing;
             let (loss, cuts) = crate::segments::record(|| -> Result<Tensor> {
-                let output = with_dropout_context(dropout, || model.stage_forward(0, inputs))?;
+                let output = crate::activation_checkpoint::with_activation_checkpointing(checkpointing, || {
+                    with_dropout_context(dropout, || model.stage_forward(0, inputs))
+                })?;
                 loss_fn(&output, targets)
             })?;
             let models = self.require_models("pipeline_backward")?;

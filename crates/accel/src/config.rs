@@ -22,6 +22,8 @@ pub const SEED_ENV: &str = "ACCELERATE_SEED";
 /// Environment variable: DDP's gradient compression hook, `no`, `fp16` or `bf16` (ours; Accelerate sets it in code
 /// with `DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.BF16)`).
 pub const DDP_COMM_HOOK_ENV: &str = "ACCEL_DDP_COMM_HOOK";
+/// Environment variable: activation checkpointing per block, `true` / `false` (ours).
+pub const ACTIVATION_CHECKPOINTING_ENV: &str = "ACCEL_ACTIVATION_CHECKPOINTING";
 
 /// Compute precision of the model (Accelerate's `mixed_precision`).
 ///
@@ -170,6 +172,9 @@ pub struct AcceleratorConfig {
     /// The parallel sizes (default every size 1: data parallelism over all processes). The Accelerator lays its
     /// [`ddp_core::DeviceMesh`] out from them; see [`ParallelismConfig`].
     pub parallelism: ParallelismConfig,
+    /// Recompute each model block's activations in the backward pass instead of keeping them (default false;
+    /// blocks the model wraps in [`crate::activation_checkpoint::block`]; HF's `gradient_checkpointing`).
+    pub activation_checkpointing: bool,
 }
 
 impl Default for AcceleratorConfig {
@@ -186,6 +191,7 @@ impl Default for AcceleratorConfig {
             total_limit: None,
             ddp: ddp_core::DdpOptions::default(),
             parallelism: ParallelismConfig::default(),
+            activation_checkpointing: false,
         }
     }
 }
@@ -235,6 +241,9 @@ impl AcceleratorConfig {
                 value: v.clone(),
                 reason: "expected an unsigned 64-bit integer".into(),
             })?);
+        }
+        if let Some(v) = get(ACTIVATION_CHECKPOINTING_ENV) {
+            self.activation_checkpointing = parse_bool(ACTIVATION_CHECKPOINTING_ENV, &v)?;
         }
         if let Some(v) = get(DDP_COMM_HOOK_ENV) {
             self.ddp.comm_hook = v.parse().map_err(|_| AccelError::Config {
@@ -347,8 +356,10 @@ mod tests {
             (USE_CPU_ENV, "true"),
             (SEED_ENV, "42"),
             (DDP_COMM_HOOK_ENV, "BF16"),
+            (ACTIVATION_CHECKPOINTING_ENV, "true"),
         ]))
         .unwrap();
+        assert!(cfg.activation_checkpointing);
         assert_eq!(cfg.ddp.comm_hook, ddp_core::CommHook::Bf16);
         assert_eq!(cfg.mixed_precision, MixedPrecision::Bf16);
         assert_eq!(cfg.gradient_accumulation_steps, 4);

@@ -32,6 +32,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod accelerator;
+pub mod activation_checkpoint;
 pub mod config;
 pub mod config_errors;
 pub mod error;

@@ -33,6 +33,9 @@
 //! propagated into `x`: the parameter gradients are the same values computed by the same ops (the one
 //! difference: a gradient that is exactly −0.0 at a cut arrives as +0.0).
 //!
+//! [`checkpoint`] builds activation checkpointing on the same cuts: a block whose forward ran without keeping its
+//! activations is recomputed when the backward pass reaches it.
+//!
 //! Rules: cuts are recorded only inside [`record`] (on the calling thread) and only on tensors that carry a
 //! gradient (an input or a detached tensor is returned unchanged). Recording scopes nest; a cut goes to the
 //! innermost. Outside a recording, [`cut`] is the identity and costs nothing, so a model that marks cuts runs
@@ -46,9 +49,21 @@ use std::cell::RefCell;
 
 /// One cut: the tensor the forward pass produced and the leaf the rest of the graph was built on.
 struct Cut {
-    source: Tensor,
+    source: Source,
     leaf: Var,
 }
+
+/// Where a cut's backward continues from.
+enum Source {
+    /// The tensor the forward pass produced (its graph kept).
+    Kept(Tensor),
+    /// A checkpointed block's output, recomputed at the backward pass from its input (a leaf of the previous cut)
+    /// by the block's forward ([`checkpoint`]).
+    Recompute { input: Tensor, forward: Box<Recompute> },
+}
+
+/// A checkpointed block's forward, run again during the backward pass.
+type Recompute = dyn Fn(&Tensor) -> candle_core::Result<Tensor>;
 
 /// The cut points of one recorded forward pass, in forward order (what [`record`] returns).
 ///
@@ -119,11 +134,52 @@ pub fn cut(x: &Tensor) -> candle_core::Result<Tensor> {
     }
     let leaf = Var::from_tensor(x)?;
     let out = leaf.as_tensor().clone();
+    push(Cut { source: Source::Kept(x.clone()), leaf });
+    Ok(out)
+}
+
+fn push(cut: Cut) {
     RECORDING.with(|r| {
         if let Some(open) = r.borrow_mut().last_mut() {
-            open.push(Cut { source: x.clone(), leaf });
+            open.push(cut);
         }
     });
+}
+
+/// Activation checkpointing (PyTorch's `torch.utils.checkpoint`; Chen et al. 2016, "Training Deep Nets with
+/// Sublinear Memory Cost"): `forward(x)` — a block of the model — runs without keeping its activations; the
+/// backward pass runs it again from `x` when it reaches the block, then goes through it. Inside [`record`] and
+/// when `x` carries a gradient: a cut before the block (at `x`) and one after it (at its output), the segment
+/// between them rebuilt at the backward pass; returns the block's output (a new leaf) for the rest of the forward.
+/// Otherwise (no recording: evaluation, a plain `loss.backward()`) `forward(x)` as it is.
+///
+/// `forward` must compute the same values when run again (the same ops on the same inputs; randomness drawn from
+/// the step, not from a generator that advanced: accel's dropout masks are addressed, so they repeat). Gradients
+/// are those of the run without checkpointing; the cost is one more forward of the block.
+///
+/// Errors: `forward`'s; candle's.
+pub fn checkpoint(
+    x: &Tensor,
+    forward: impl Fn(&Tensor) -> candle_core::Result<Tensor> + 'static,
+) -> candle_core::Result<Tensor> {
+    let recording = RECORDING.with(|r| !r.borrow().is_empty());
+    if !recording || !x.track_op() {
+        return forward(x);
+    }
+    // The block's input as a leaf: `x` itself when it is one already (the output of the block before, checkpointed
+    // too), else a cut at `x`.
+    let input = if x.is_variable() {
+        x.clone()
+    } else {
+        let leaf = Var::from_tensor(x)?;
+        push(Cut { source: Source::Kept(x.clone()), leaf: leaf.clone() });
+        leaf.as_tensor().clone()
+    };
+    // The block's output without its graph: the activations inside are freed when `y` goes.
+    let y = forward(&input)?.detach();
+    let leaf = Var::from_tensor(&y)?;
+    let out = leaf.as_tensor().clone();
+    push(Cut { source: Source::Recompute { input, forward: Box::new(forward) }, leaf });
     Ok(out)
 }
 
@@ -167,9 +223,14 @@ impl BackwardSegments {
                 ))
                 .into());
             };
-            // The next segment's backward starts at the cut's source with the leaf's gradient coming in.
-            let seeded = cut.source.apply_op1(SeedGradient { grad }).map_err(DdpError::from)?;
-            drop(cut);
+            // The next segment's backward starts at the cut's source with the leaf's gradient coming in; a
+            // checkpointed block's source is computed again first (its graph built from its input leaf).
+            let source = match &cut.source {
+                Source::Kept(t) => t.clone(),
+                Source::Recompute { input, forward } => forward(input).map_err(DdpError::from)?,
+            };
+            let seeded = source.apply_op1(SeedGradient { grad }).map_err(DdpError::from)?;
+            drop((cut, source));
             store = seeded.backward().map_err(DdpError::from)?;
         }
         Ok(())

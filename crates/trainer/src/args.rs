@@ -320,6 +320,9 @@ training_arguments! {
     per_device_eval_batch_size: usize = 8;
     /// Micro-batches per optimizer step.
     gradient_accumulation_steps: usize = 1;
+    /// Recompute each model block's activations in the backward pass instead of keeping them (the blocks the
+    /// model wraps in accel::activation_checkpoint::block; HF's gradient_checkpointing).
+    gradient_checkpointing: bool = false;
     /// Peak learning rate (after warmup).
     learning_rate: f64 = 5e-5;
     /// Weight decay (decoupled for AdamW, L2 for SGD).

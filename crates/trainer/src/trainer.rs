@@ -450,6 +450,7 @@ where
         if self.args.gradient_accumulation_steps != 1 {
             cfg.gradient_accumulation_steps = self.args.gradient_accumulation_steps;
         }
+        cfg.activation_checkpointing |= self.args.gradient_checkpointing;
         cfg.seed = Some(self.args.seed);
         if let Some(p) = &self.parallelism {
             cfg.parallelism = p.clone();
@@ -988,7 +989,10 @@ where
         dropout.step += ahead;
         segments::record(|| {
             let x = cast_input(&batch.inputs, dtype)?;
-            let y = accel::tensor_parallel::with_dropout_context(dropout, || rt.model.forward_t(&x, true))?;
+            let checkpointing = rt.acc.config().activation_checkpointing;
+            let y = accel::activation_checkpoint::with_activation_checkpointing(checkpointing, || {
+                accel::tensor_parallel::with_dropout_context(dropout, || rt.model.forward_t(&x, true))
+            })?;
             let y = outputs_f32(y)?;
             Ok(self.loss.compute_parallel(&y, &batch.targets, &rt.tp)?)
         })

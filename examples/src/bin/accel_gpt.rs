@@ -108,6 +108,10 @@ struct Args {
     /// Dropout probability in training (nanoGPT's Shakespeare config: 0.2); the same masks at every layout.
     #[arg(long, default_value_t = 0.0)]
     dropout: f64,
+    /// Recompute each block's activations in the backward pass instead of keeping them (activation
+    /// checkpointing; pp 1 only: pipeline stages keep theirs).
+    #[arg(long)]
+    activation_checkpointing: bool,
     /// Tie the head's weight to the token embedding (GPT-2): one `wte.weight`, no `lm_head.weight`.
     #[arg(long)]
     tie_embeddings: bool,
@@ -196,6 +200,7 @@ fn train(args: &Args) -> anyhow::Result<()> {
         cfg.gradient_accumulation_steps = ga;
     }
     cfg.seed = Some(args.seed);
+    cfg.activation_checkpointing |= args.activation_checkpointing;
     let acc = Accelerator::new(cfg)?; // accel: process group, mesh (pp × dp × tp), device, precision
     let tp = acc.tensor_parallel().clone(); // accel: this rank's tp group
     let dp = acc.data_parallel_size();

@@ -43,6 +43,7 @@ impl Default for ParallelLinearConfig {
 /// with `gather_output`. With `pad_output`, `out` reads `out_padded` (the next multiple of tp) in these shapes,
 /// except the gathered output, whose padding columns are cut off (`[.., out]`). Any float dtype (the parameters').
 /// Megatron-LM's `ColumnParallelLinear`.
+#[derive(Clone)]
 pub struct ColumnParallelLinear {
     weight: Tensor,
     bias: Option<Tensor>,
@@ -122,6 +123,7 @@ impl ColumnParallelLinear {
 /// rank). Input `[.., in/tp]` (a column-parallel layer's output); the partial products are summed by *g*
 /// (`reduce_from_group`), then the replicated bias `[out]` is added once. Output `[.., out]` replicated.
 /// Megatron-LM's `RowParallelLinear` (with `input_is_parallel=True`).
+#[derive(Clone)]
 pub struct RowParallelLinear {
     weight: Tensor,
     bias: Option<Tensor>,
@@ -167,6 +169,7 @@ impl RowParallelLinear {
 /// A token embedding (`weight` `[vocab, dim]`) split by vocabulary rows over the tp group (padded to a multiple
 /// of tp). Each rank looks up the ids in its range, zeros the others, and *g* sums the pieces. Input ids `[..]`
 /// (u32); output `[.., dim]` replicated. Megatron-LM's `VocabParallelEmbedding`.
+#[derive(Clone)]
 pub struct VocabParallelEmbedding {
     weight: Tensor,
     tp: TensorParallel,

@@ -17,5 +17,6 @@ mod nccl_unavailable;
 mod overlap;
 mod p2p_shm;
 mod sampler;
+mod segments;
 mod store;
 mod subgroups;
