@@ -587,7 +587,8 @@ fn accel_backward(cli: &Cli, acc: &Accelerator, forward: impl FnOnce() -> Result
 fn accelerator(cli: &Cli) -> Result<Accelerator> {
     let mut cfg = AcceleratorConfig::from_env()?;
     cfg.seed = Some(cli.seed);
-    cfg.ddp = cli.overlap.ddp_options();
+    // Only the overlap comes from the flag; the environment's other DDP settings (ACCEL_DDP_COMM_HOOK) stay.
+    cfg.ddp.overlap = cli.overlap.ddp_options().overlap;
     Ok(Accelerator::new(cfg)?)
 }
 

@@ -141,6 +141,14 @@ impl PreparedModel {
         let replicated = ReplicatedDataParallel::new(replicated, mesh.model_parallel().clone());
         // dp_shard > 1: ZeRO-1 (sharded.rs); the DDP above only checked the names and broadcast rank 0's values.
         let shard_group = mesh.group(MeshDim::DpShard).clone();
+        if shard_group.world_size() > 1 && ddp.find_unused_parameters {
+            // A chunk of an unused parameter would be stepped with a zero gradient (moments decaying, weight decay
+            // applied) where DDP skips it: refuse rather than train something else.
+            return Err(AccelError::Usage(
+                "prepare_model: find_unused_parameters is not supported with sharded data parallelism                  (dp_shard_size > 1) yet: use every parameter in every step, or dp_shard_size 1"
+                    .into(),
+            ));
+        }
         let sharding = (shard_group.world_size() > 1).then(|| {
             let chunks: Vec<FlatChunk> =
                 masters.iter().map(|m| FlatChunk::of(m.elem_count(), shard_group.world_size())).collect();
