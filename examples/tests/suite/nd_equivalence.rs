@@ -15,6 +15,7 @@ use candle_core::{Device, Tensor};
 use candle_nn::VarMap;
 use ddp_core::store::MemoryStore;
 use ddp_core::{GroupOptions, ProcessGroup, Store};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -36,7 +37,7 @@ pub(super) fn corpus() -> (Vec<u32>, usize) {
     (ids, vocab_size)
 }
 
-fn model_config(vocab_size: usize) -> GptConfig {
+pub(super) fn model_config(vocab_size: usize) -> GptConfig {
     GptConfig {
         vocab_size,
         block_size: SEQ,
@@ -136,7 +137,7 @@ pub(super) fn run_groups_with_timeout<R: Send + 'static>(
 }
 
 /// The model and its optimizer on `acc`, from `SEED`.
-fn build(
+pub(super) fn build(
     acc: &Accelerator,
     vocab_size: usize,
 ) -> anyhow::Result<(CharGpt, accel::PreparedModel, accel::AcceleratedOptimizer<AdamW>)> {
@@ -148,7 +149,7 @@ fn build(
 }
 
 /// This data-parallel rank's micro-batches of step `step`.
-fn micro_batches(acc: &Accelerator, ids: &[u32], step: usize) -> Vec<(Tensor, Tensor)> {
+pub(super) fn micro_batches(acc: &Accelerator, ids: &[u32], step: usize) -> Vec<(Tensor, Tensor)> {
     let (dp_rank, dp) = (acc.mesh().dp().rank(), acc.mesh().dp().world_size());
     let ga = acc.gradient_accumulation_steps();
     let batch = global_batch(ids, step);
@@ -188,6 +189,17 @@ fn train(acc: &Accelerator, ids: &[u32], vocab_size: usize, steps: usize) -> any
         }
     }
     Ok(trace)
+}
+
+/// The largest absolute difference between two state dicts with the same names.
+pub(super) fn max_abs_diff(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f32 {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "the gathered names differ");
+    a.iter()
+        .map(|(k, t)| {
+            let d = (t - &b[k]).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+            d.to_scalar::<f32>().unwrap()
+        })
+        .fold(0.0, f32::max)
 }
 
 pub(super) fn assert_close(what: &str, got: &[f64], want: &[f64]) {

@@ -13,7 +13,8 @@
 //! gradients are summed, tp sums partial matmuls, dp averages), absolute 1e-4 on the weights after 5 steps.
 
 use super::nd_equivalence::{
-    assert_close, corpus, global_batch, run, run_groups, run_groups_with_timeout, to_tensors, GLOBAL_BATCH, SEED, SEQ,
+    assert_close, corpus, global_batch, max_abs_diff, run, run_groups, run_groups_with_timeout, to_tensors,
+    GLOBAL_BATCH, SEED, SEQ,
 };
 use accel::pipeline::ScheduleKind;
 use accel::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, ParallelismConfig};
@@ -119,16 +120,6 @@ fn train(acc: &Accelerator, ids: &[u32], cfg: GptConfig) -> anyhow::Result<Train
         t.wte = Some(w.into_iter().map(f32::to_bits).collect());
     }
     Ok(t)
-}
-
-fn max_abs_diff(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f32 {
-    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "the gathered names differ");
-    a.iter()
-        .map(|(k, t)| {
-            let d = (t - &b[k]).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap();
-            d.to_scalar::<f32>().unwrap()
-        })
-        .fold(0.0, f32::max)
 }
 
 /// Every rank of a layout's run against one process: the losses and gradient norms step by step (relative 1e-5)

@@ -9,7 +9,9 @@
 //! norms, 1e-5 absolute on the weights (a reduce-scatter adds the ranks' gradients in another order than DDP's
 //! all-reduce; AdamW divides by √v, so tiny differences in small gradients move a weight by at most ~lr × 1e-3).
 
-use super::nd_equivalence::{assert_close, corpus, global_batch, run, to_tensors, GLOBAL_BATCH, SEED, SEQ};
+use super::nd_equivalence::{
+    assert_close, build, corpus, global_batch, max_abs_diff, micro_batches, model_config, run, to_tensors, SEED,
+};
 use accel::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, Optimizer, ParallelismConfig};
 use accel_examples::gpt::{CharGpt, GptConfig};
 use candle_core::{Device, Tensor};
@@ -18,19 +20,6 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 const STEPS: usize = 5;
-
-fn model_config(vocab_size: usize) -> GptConfig {
-    GptConfig {
-        vocab_size,
-        block_size: SEQ,
-        n_layer: 2,
-        n_head: 4,
-        d_model: 32,
-        d_ff: 64,
-        tie_embeddings: false,
-        dropout: 0.0,
-    }
-}
 
 /// `(dp_replicate, dp_shard, tp, gradient accumulation)`.
 type Layout = (usize, usize, usize, usize);
@@ -55,23 +44,6 @@ struct Trained {
 }
 
 type Built = (CharGpt, accel::PreparedModel, accel::AcceleratedOptimizer<AdamW>);
-
-fn build(acc: &Accelerator, vocab: usize) -> anyhow::Result<Built> {
-    let varmap = VarMap::new();
-    let gpt = CharGpt::new(model_config(vocab), &acc.param_builder(&varmap))?;
-    let model = acc.prepare_model(&varmap)?;
-    let opt = acc.prepare_optimizer(&model, AdamW::new(AdamWConfig { lr: 3e-3, ..AdamWConfig::default() })?)?;
-    Ok((gpt, model, opt))
-}
-
-/// This data-parallel rank's micro-batches of step `step`.
-fn micro_batches(acc: &Accelerator, ids: &[u32], step: usize) -> Vec<(Tensor, Tensor)> {
-    let (dp_rank, dp) = (acc.mesh().dp().rank(), acc.mesh().dp().world_size());
-    let ga = acc.gradient_accumulation_steps();
-    let share = GLOBAL_BATCH / dp;
-    let batch = global_batch(ids, step);
-    batch[dp_rank * share..(dp_rank + 1) * share].chunks(share / ga).map(|r| to_tensors(r, acc.device())).collect()
-}
 
 /// One optimizer step (clipped to norm 1); the mean loss over the data-parallel ranks and the norm.
 fn one_step(acc: &Accelerator, built: &mut Built, ids: &[u32], step: usize) -> anyhow::Result<(f64, f64)> {
@@ -105,13 +77,6 @@ fn train(acc: &Accelerator, ids: &[u32], vocab: usize) -> anyhow::Result<Trained
     let optimizer_bytes =
         built.2.optimizer().state_dict()?.tensors.values().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum();
     Ok(Trained { losses, grad_norms, weights: built.1.state_dict()?, optimizer_bytes })
-}
-
-fn max_abs_diff(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f32 {
-    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
-    a.iter()
-        .map(|(k, t)| (t - &b[k]).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap())
-        .fold(0.0, f32::max)
 }
 
 #[test]
