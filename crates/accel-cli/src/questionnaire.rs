@@ -152,7 +152,8 @@ const CPU_PRECISION_COSTS: &str =
      costs about what no does (1.05x its step time, docs/benchmarks.md); fp16 keeps f16 tensors, which candle \
      computes about 7x slower than f32 on a CPU\n";
 
-/// The tensor-parallel and pipeline-parallel sizes (each must divide what is left of the processes) and, with pp >
+/// The tensor-parallel and pipeline-parallel sizes (each must divide what is left of the processes), without pp the
+/// data-parallel processes the optimizer state is sharded over (dp_shard, ZeRO-1) and, with pp >
 /// 1, the pipeline schedule and micro-batches (checked with the library's rules,
 /// [`ParallelismConfig::validate_pipeline`]); `None` when tp and pp are 1 (data parallelism over all processes
 /// needs no block). The micro-batches are written only when they are not the default (one per stage).
@@ -179,6 +180,18 @@ fn ask_parallelism(
         Ok(pp)
     })?;
     let mut p = ParallelismConfig::data_parallel(num_processes / (tp * pp)).with_tp_size(tp).with_pp_size(pp);
+    let dp = num_processes / (tp * pp);
+    if pp == 1 && dp > 1 {
+        // Sharded optimizer state (ZeRO-1) over some of the data-parallel processes; the rest replicate (HSDP).
+        let shard = q.ask(
+            &format!(
+                "Shard the optimizer state over how many of the {dp} data-parallel processes (dp_shard, ZeRO-1:                  1/dp_shard of the AdamW moments per process; 1 = off)?"
+            ),
+            Some("1"),
+            |s| dividing("dp_shard", s, dp),
+        )?;
+        p = p.with_dp_replicate_size(dp / shard).with_dp_shard_size(shard);
+    }
     if pp > 1 {
         q.say("  with pp above 1 the program must split its model into pipeline stages (as accel_gpt does)\n")?;
         p.pp_schedule = q.ask(
@@ -199,7 +212,7 @@ fn ask_parallelism(
             })?;
         p.pp_microbatches = (m != stages).then_some(m);
     }
-    Ok((tp > 1 || pp > 1).then_some(p))
+    Ok((tp > 1 || pp > 1 || p.dp_shard_size > 1).then_some(p))
 }
 
 /// A size ≥ 1 that divides `processes` (what is left of the job for this dimension and the ones after it).
@@ -323,8 +336,9 @@ mod tests {
 
     #[test]
     fn multi_machine_answers_are_recorded() {
-        // gpu; 2 machines; rank 1; address; port; not the same network; 8 processes; tp 2; pp 1; ids; bf16.
-        let (cfg, _) = run("gpu\n2\n1\n10.1.2.3\n6000\nno\n8\n2\n\n0,1,2,3\nbf16\n", 0);
+        // gpu; 2 machines; rank 1; address; port; not the same network; 8 processes; tp 2; pp 1; dp_shard 1; ids;
+        // bf16.
+        let (cfg, _) = run("gpu\n2\n1\n10.1.2.3\n6000\nno\n8\n2\n\n\n0,1,2,3\nbf16\n", 0);
         let cfg = cfg.unwrap();
         assert!(!cfg.use_cpu);
         assert_eq!((cfg.num_machines, cfg.machine_rank, cfg.num_processes), (2, 1, Some(8)));
@@ -339,7 +353,7 @@ mod tests {
 
     #[test]
     fn invalid_answers_are_asked_again() {
-        let (cfg, out) = run("cpu\n2\n0\n127.0.0.1\n0\n29501\nyes\n3\n4\n\n\nfp8\nfp16\n", 0);
+        let (cfg, out) = run("cpu\n2\n0\n127.0.0.1\n0\n29501\nyes\n3\n4\n\n\n\nfp8\nfp16\n", 0);
         let cfg = cfg.unwrap();
         assert_eq!(cfg.num_processes, Some(4));
         assert_eq!(cfg.main_process_port, Some(29501));
@@ -356,7 +370,7 @@ mod tests {
         assert_eq!(cfg.unwrap().mixed_precision, MixedPrecision::Bf16);
         assert!(out.contains("on the CPU: bf16 runs as autocast") && out.contains("1.05x its step time"), "{out}");
         assert!(out.contains("fp16 keeps f16 tensors"), "{out}");
-        let (cfg, out) = run("gpu\n1\n8\n\n\nall\nbf16\n", 8);
+        let (cfg, out) = run("gpu\n1\n8\n\n\n\nall\nbf16\n", 8);
         assert_eq!(cfg.unwrap().mixed_precision, MixedPrecision::Bf16, "{out}");
         assert!(!out.contains("on the CPU:"), "GPU configs are not told CPU costs: {out}");
     }
@@ -376,8 +390,9 @@ mod tests {
 
     #[test]
     fn tp_and_pp_sizes_are_asked_after_the_processes_and_must_divide_them() {
-        // cpu; 1 machine; 4 processes; tp 3 (refused) then 2; pp 4 (refused: 2 processes are left) then 1; no.
-        let (cfg, out) = run("cpu\n1\n4\n3\n2\n4\n\nno\n", 0);
+        // cpu; 1 machine; 4 processes; tp 3 (refused) then 2; pp 4 (refused: 2 processes are left) then 1;
+        // dp_shard 1; no.
+        let (cfg, out) = run("cpu\n1\n4\n3\n2\n4\n\n\nno\n", 0);
         assert_eq!(cfg.unwrap().parallelism_config, Some(ParallelismConfig::data_parallel(2).with_tp_size(2)));
         assert!(
             out.contains(
@@ -404,6 +419,19 @@ mod tests {
         let (cfg, out) = run("cpu\n2\n0\n10.0.0.1\n\nyes\n4\n4\n\nno\n", 0);
         assert_eq!(cfg.unwrap().parallelism_config, Some(ParallelismConfig::data_parallel(1).with_tp_size(4)));
         assert!(out.contains("warning: tp 4 is more than the 2 processes of a machine"), "{out}");
+    }
+
+    #[test]
+    fn without_pp_the_sharded_optimizer_state_is_asked_and_checked() {
+        // cpu; 1 machine; 4 processes; tp 1; pp 1; dp_shard 3 (refused: 4 data-parallel processes) then 2; no.
+        let (cfg, out) = run("cpu\n1\n4\n\n\n3\n2\nno\n", 0);
+        assert_eq!(cfg.unwrap().parallelism_config, Some(ParallelismConfig::data_parallel(2).with_dp_shard_size(2)));
+        assert!(out.contains("Shard the optimizer state over how many of the 4 data-parallel processes"), "{out}");
+        assert!(out.contains("invalid answer \"3\": dp_shard 3 does not divide the 4 processes left for it"), "{out}");
+        // With tp 2: 2 data-parallel processes left, both sharding.
+        let (cfg, _) = run("cpu\n1\n4\n2\n\n2\nno\n", 0);
+        let want = ParallelismConfig::data_parallel(1).with_tp_size(2).with_dp_shard_size(2);
+        assert_eq!(cfg.unwrap().parallelism_config, Some(want));
     }
 
     #[test]
@@ -459,8 +487,9 @@ mod tests {
 
     #[test]
     fn gpus_this_machine_cannot_see_are_warned_about_and_too_few_gpu_ids_refused() {
-        // gpu; 1 machine; 2 processes; tp 1; pp 1; `0` (refused: 2 processes need 2 ids) then `0,1`; no.
-        let (cfg, out) = run("gpu\n1\n2\n\n\n0\n0,1\nno\n", 0);
+        // gpu; 1 machine; 2 processes; tp 1; pp 1; dp_shard 1; `0` (refused: 2 processes need 2 ids) then `0,1`;
+        // no.
+        let (cfg, out) = run("gpu\n1\n2\n\n\n\n0\n0,1\nno\n", 0);
         let cfg = cfg.unwrap();
         assert_eq!((cfg.gpu_ids.as_deref(), cfg.distributed_type), (Some("0,1"), DistributedType::MultiGpu));
         assert!(
@@ -471,12 +500,12 @@ mod tests {
             out.contains("invalid answer \"0\": 2 GPU processes per machine need 2 GPU ids, but \"0\" names 1"),
             "{out}"
         );
-        let mut input = "gpu\n1\n4\n\n\nall\nno\n".as_bytes();
+        let mut input = "gpu\n1\n4\n\n\n\nall\nno\n".as_bytes();
         let mut out = Vec::new();
         ask(&mut input, &mut out, MachineDefaults { gpus: 0, cuda_compiled: true }).unwrap();
         let out = String::from_utf8(out).unwrap();
         assert!(out.contains("warning: no GPU is visible on this machine"), "{out}");
-        let (_, out) = run("gpu\n1\n4\n\n\nall\nno\n", 2);
+        let (_, out) = run("gpu\n1\n4\n\n\n\nall\nno\n", 2);
         assert!(out.contains("warning: 4 processes per machine, but 2 GPU(s) are visible here"), "{out}");
         assert!(!out.contains("no GPU is visible"), "{out}");
     }

@@ -24,8 +24,8 @@ fn interactive_config_with_piped_answers_round_trips() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("cfg.yaml");
     // cpu; 2 machines; rank 1; main 10.0.0.5; port 0 (refused) then 29600; same network; 3 processes (refused:
-    // not divisible) then 4; tp 2; pp 1; fp8 (refused) then bf16.
-    let answers = "cpu\n2\n1\n10.0.0.5\n0\n29600\nyes\n3\n4\n2\n\nfp8\nbf16\n";
+    // not divisible) then 4; tp 2; pp 1; dp_shard 1; fp8 (refused) then bf16.
+    let answers = "cpu\n2\n1\n10.0.0.5\n0\n29600\nyes\n3\n4\n2\n\n\nfp8\nbf16\n";
     accel(dir.path())
         .args(["config", "--config-file"])
         .arg(&path)
