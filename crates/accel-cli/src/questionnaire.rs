@@ -185,7 +185,8 @@ fn ask_parallelism(
         // Sharded optimizer state (ZeRO-1) over some of the data-parallel processes; the rest replicate (HSDP).
         let shard = q.ask(
             &format!(
-                "Shard the optimizer state over how many of the {dp} data-parallel processes (dp_shard, ZeRO-1:                  1/dp_shard of the AdamW moments per process; 1 = off)?"
+                "Shard the optimizer state over how many of the {dp} data-parallel processes (dp_shard, ZeRO-1: \
+                 1/dp_shard of the AdamW moments per process; 1 = off)?"
             ),
             Some("1"),
             |s| dividing("dp_shard", s, dp),

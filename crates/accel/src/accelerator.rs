@@ -181,6 +181,13 @@ impl Accelerator {
         if let Some(seed) = seed {
             acc.set_seed(seed, false);
         }
+        if acc.inner.config.activation_checkpointing && acc.inner.pipeline.is_some() && acc.is_main_process() {
+            tracing::warn!(
+                "activation checkpointing does not apply to pipeline stages yet (pp_size {}): the stages keep their \
+                 activations; it applies at pp_size 1",
+                acc.mesh().pp().world_size()
+            );
+        }
         Ok(acc)
     }
 

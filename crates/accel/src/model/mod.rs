@@ -145,7 +145,8 @@ impl PreparedModel {
             // A chunk of an unused parameter would be stepped with a zero gradient (moments decaying, weight decay
             // applied) where DDP skips it: refuse rather than train something else.
             return Err(AccelError::Usage(
-                "prepare_model: find_unused_parameters is not supported with sharded data parallelism                  (dp_shard_size > 1) yet: use every parameter in every step, or dp_shard_size 1"
+                "prepare_model: find_unused_parameters is not supported with sharded data parallelism \
+                 (dp_shard_size > 1) yet: use every parameter in every step, or dp_shard_size 1"
                     .into(),
             ));
         }
