@@ -245,7 +245,7 @@ impl AcceleratorConfig {
         if let Some(v) = get(ACTIVATION_CHECKPOINTING_ENV) {
             self.activation_checkpointing = parse_bool(ACTIVATION_CHECKPOINTING_ENV, &v)?;
         }
-        if let Some(v) = get(DDP_COMM_HOOK_ENV) {
+        if let Some(v) = get(DDP_COMM_HOOK_ENV).filter(|v| !v.trim().is_empty()) {
             self.ddp.comm_hook = v.parse().map_err(|_| AccelError::Config {
                 key: DDP_COMM_HOOK_ENV.into(),
                 value: v.clone(),
@@ -399,6 +399,9 @@ mod tests {
         assert!(e.to_string().contains(GRADIENT_ACCUMULATION_STEPS_ENV), "{e}");
         let e = AcceleratorConfig::from_lookup(lookup(&[(MIXED_PRECISION_ENV, "int8")])).unwrap_err();
         assert!(e.to_string().contains(MIXED_PRECISION_ENV) && e.to_string().contains("int8"), "{e}");
+        // Empty is unset.
+        let cfg = AcceleratorConfig::from_lookup(lookup(&[(DDP_COMM_HOOK_ENV, " ")])).unwrap();
+        assert_eq!(cfg.ddp.comm_hook, ddp_core::CommHook::None);
         let e = AcceleratorConfig::from_lookup(lookup(&[(DDP_COMM_HOOK_ENV, "power_sgd")])).unwrap_err();
         assert_eq!(
             e.to_string(),
