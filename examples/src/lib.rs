@@ -195,11 +195,6 @@ pub struct ModelLayout {
 }
 
 impl ModelLayout {
-    /// Tensor parallelism only.
-    pub fn tensor_parallel(tp: usize) -> Self {
-        ModelLayout { tp, pp: 1, schedule: None, microbatches: None }
-    }
-
     /// The config of `nproc` processes in this layout.
     pub fn config(&self, nproc: usize) -> accel::ParallelismConfig {
         let mut p = accel::ParallelismConfig::default()

@@ -129,19 +129,15 @@ impl Stages {
     pub(super) fn gather_optimizer_state(&self, local: StateDict, device: &Device, to: Gather) -> Result<StateDict> {
         let me = self.pp.rank();
         let index = self.whole_indices(me);
-        let renamed: Vec<(String, Vec<usize>)> = local
-            .tensors
-            .iter()
-            .map(|(k, t)| Ok((renumber(k, |i| index.get(i).copied())?, t.dims().to_vec())))
-            .collect::<Result<_>>()?;
-        let steps: Vec<u64> = local.meta_field("param_steps").unwrap_or_default();
-        let mine = (renamed, steps);
-        let all: Vec<(Shaped, Vec<u64>)> = all_gather_json(&self.pp, &mine)?;
+        // This stage's buffers under their single-process keys; the names and shapes go to every pp rank.
         let by_new_key: BTreeMap<String, Tensor> = local
             .tensors
             .iter()
             .map(|(k, t)| Ok((renumber(k, |i| index.get(i).copied())?, t.clone())))
             .collect::<Result<_>>()?;
+        let renamed: Shaped = by_new_key.iter().map(|(k, t)| (k.clone(), t.dims().to_vec())).collect();
+        let steps: Vec<u64> = local.meta_field("param_steps").unwrap_or_default();
+        let all: Vec<(Shaped, Vec<u64>)> = all_gather_json(&self.pp, &(renamed, steps))?;
         let mut full = StateDict { tensors: BTreeMap::new(), meta: local.meta.clone() };
         let mut param_steps: Vec<Option<u64>> = vec![None; self.whole.len()];
         for (root, (keys, steps)) in all.iter().enumerate() {
