@@ -283,6 +283,16 @@ struct Block {
 }
 
 impl Block {
+    /// Block `h.{layer}`'s parameters through `pb` (already at `h.{layer}`).
+    fn new(pb: &ParamBuilder, cfg: &GptConfig, layer: usize) -> Result<Self> {
+        Ok(Block {
+            ln_1: LayerNorm::new(&pb.pp("ln_1"), cfg.d_model)?,
+            attn: Attention::new(&pb.pp("attn"), cfg, layer)?,
+            ln_2: LayerNorm::new(&pb.pp("ln_2"), cfg.d_model)?,
+            mlp: Mlp::new(&pb.pp("mlp"), cfg, layer)?,
+        })
+    }
+
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let x = (x + self.attn.forward(&self.ln_1.forward(x)?)?)?;
         Ok((&x + self.mlp.forward(&self.ln_2.forward(&x)?)?)?)
@@ -299,14 +309,66 @@ impl Block {
 pub struct CharGpt {
     cfg: GptConfig,
     /// The embeddings (first stage only).
-    embed: Option<(VocabParallelEmbedding, Tensor)>,
-    blocks: Vec<Block>,
+    embed: Option<Held<(VocabParallelEmbedding, Tensor)>>,
+    blocks: Vec<Held<Block>>,
     /// The blocks this model holds, `h.{start}` … `h.{end − 1}`.
     layers: std::ops::Range<usize>,
     /// The final norm and the head (last stage only).
-    head: Option<(LayerNorm, ColumnParallelLinear)>,
+    head: Option<Held<(LayerNorm, ColumnParallelLinear)>>,
     tp: TensorParallel,
     device: Device,
+}
+
+/// A part of the model as it holds it: built, or — from a prepared FULL_SHARD model's gathering builder — built
+/// from the builder at each forward, so its weights are gathered for that forward only (a block inside its own
+/// unit: gathered again for its backward, never kept).
+#[derive(Clone)]
+enum Held<T> {
+    Built(T),
+    Gathered(ParamBuilder),
+}
+
+impl<T> Held<T> {
+    /// `build(pb)` now when `pb` creates or looks parameters up, at each use when it gathers them.
+    fn new(pb: ParamBuilder, build: impl FnOnce(&ParamBuilder) -> Result<T>) -> Result<Self> {
+        Ok(match pb.gathers() {
+            true => Held::Gathered(pb),
+            false => Held::Built(build(&pb)?),
+        })
+    }
+}
+
+/// The embeddings `wte` (vocabulary-parallel) and `wpe` `[block, d]`.
+fn build_embed(pb: &ParamBuilder, cfg: &GptConfig) -> Result<(VocabParallelEmbedding, Tensor)> {
+    let emb = ParamInit::Normal { std: 0.02 };
+    let wte = VocabParallelEmbedding::new(&pb.pp("wte"), cfg.vocab_size, cfg.d_model, emb)?;
+    let wpe = pb.pp("wpe").replicated("weight", (cfg.block_size, cfg.d_model), emb)?;
+    Ok((wte, wpe))
+}
+
+/// `ln_f` and the head; a tied head reuses `embed`'s weight, or without it (a last stage apart from the first, or
+/// a FULL_SHARD head gathered on its own) its own copy of `wte.weight` (same name, same per-name stream: the same
+/// values; the Accelerator sums the two copies' gradients).
+fn build_head(
+    pb: &ParamBuilder,
+    cfg: &GptConfig,
+    embed: Option<&VocabParallelEmbedding>,
+) -> Result<(LayerNorm, ColumnParallelLinear)> {
+    let ln_f = LayerNorm::new(&pb.pp("ln_f"), cfg.d_model)?;
+    let lm_head = match (cfg.tie_embeddings, embed) {
+        (true, Some(wte)) => ColumnParallelLinear::tied(wte),
+        (true, None) => ColumnParallelLinear::tied(&VocabParallelEmbedding::new(
+            &pb.pp("wte"),
+            cfg.vocab_size,
+            cfg.d_model,
+            ParamInit::Normal { std: 0.02 },
+        )?),
+        (false, _) => {
+            let head = ParallelLinearConfig { bias: false, pad_output: true, ..Default::default() };
+            ColumnParallelLinear::new(&pb.pp("lm_head"), cfg.d_model, cfg.vocab_size, head)?
+        }
+    };
+    Ok((ln_f, lm_head))
 }
 
 /// Which part of the model a pipeline stage holds: its blocks, and whether it is the first stage (embeddings)
@@ -322,7 +384,10 @@ pub struct StagePart {
 }
 
 impl CharGpt {
-    /// Builds the model's parameters through `pb` (its dtype, device, tp group and seed).
+    /// Builds the model's parameters through `pb` (its dtype, device, tp group and seed) — or, with a prepared
+    /// model's `PreparedModel::param_builder`, takes them from it (the same tensors; under FULL_SHARD nothing is
+    /// gathered here: every forward gathers the embeddings and the head for itself and each block inside its own
+    /// unit, so the model built once stays current across optimizer steps).
     ///
     /// Errors: [`GptConfig::validate`] for `pb.tp().size()`; a parameter name already in the builder's VarMap.
     pub fn new(cfg: GptConfig, pb: &ParamBuilder) -> Result<Self> {
@@ -341,48 +406,24 @@ impl CharGpt {
                 part.layers, cfg.n_layer
             )));
         }
-        let emb = ParamInit::Normal { std: 0.02 };
-        let embed = if part.first {
-            let wte = VocabParallelEmbedding::new(&pb.pp("wte"), cfg.vocab_size, cfg.d_model, emb)?;
-            let wpe = pb.pp("wpe").replicated("weight", (cfg.block_size, cfg.d_model), emb)?;
-            Some((wte, wpe))
-        } else {
-            None
+        let embed = match part.first {
+            true => Some(Held::new(pb.clone(), |pb| build_embed(pb, &cfg))?),
+            false => None,
         };
         let blocks = part
             .layers
             .clone()
-            .map(|i| {
-                let pb = pb.pp("h").pp(i);
-                Ok(Block {
-                    ln_1: LayerNorm::new(&pb.pp("ln_1"), cfg.d_model)?,
-                    attn: Attention::new(&pb.pp("attn"), &cfg, i)?,
-                    ln_2: LayerNorm::new(&pb.pp("ln_2"), cfg.d_model)?,
-                    mlp: Mlp::new(&pb.pp("mlp"), &cfg, i)?,
-                })
-            })
+            .map(|i| Held::new(pb.pp("h").pp(i), |pb| Block::new(pb, &cfg, i)))
             .collect::<Result<Vec<_>>>()?;
-        let head = if part.last {
-            let ln_f = LayerNorm::new(&pb.pp("ln_f"), cfg.d_model)?;
-            let lm_head = match (cfg.tie_embeddings, &embed) {
-                // Tied: the embedding's weight; on a last stage without the embedding, its own copy of
-                // `wte.weight` (same name, same per-name stream: the same values; the Accelerator sums the two
-                // copies' gradients).
-                (true, Some((wte, _))) => ColumnParallelLinear::tied(wte),
-                (true, None) => ColumnParallelLinear::tied(&VocabParallelEmbedding::new(
-                    &pb.pp("wte"),
-                    cfg.vocab_size,
-                    cfg.d_model,
-                    emb,
-                )?),
-                (false, _) => {
-                    let head = ParallelLinearConfig { bias: false, pad_output: true, ..Default::default() };
-                    ColumnParallelLinear::new(&pb.pp("lm_head"), cfg.d_model, cfg.vocab_size, head)?
-                }
-            };
-            Some((ln_f, lm_head))
-        } else {
-            None
+        let head = match part.last {
+            true => Some(Held::new(pb.clone(), |pb| {
+                let wte = match &embed {
+                    Some(Held::Built((wte, _))) => Some(wte),
+                    _ => None,
+                };
+                build_head(pb, &cfg, wte)
+            })?),
+            false => None,
         };
         let (tp, device) = (pb.tp().clone(), pb.device().clone());
         Ok(CharGpt { cfg, embed, blocks, layers: part.layers, head, tp, device })
@@ -426,7 +467,7 @@ impl CharGpt {
     /// Errors: as [`CharGpt::logits`] on the first stage.
     pub fn stage_forward(&self, input: &Tensor) -> Result<Tensor> {
         let mut x = match &self.embed {
-            Some((wte, wpe)) => {
+            Some(held) => {
                 let (_b, s) = input.dims2()?;
                 if s == 0 || s > self.cfg.block_size {
                     return Err(AccelError::InvalidArgument(format!(
@@ -434,11 +475,31 @@ impl CharGpt {
                         self.cfg.block_size
                     )));
                 }
+                let gathered;
+                let (wte, wpe) = match held {
+                    Held::Built(e) => e,
+                    Held::Gathered(pb) => {
+                        gathered = build_embed(pb, &self.cfg)?;
+                        &gathered
+                    }
+                };
                 dropout(&wte.forward(input)?.broadcast_add(&wpe.narrow(0, 0, s)?)?, self.cfg.dropout, 0, None)?
             }
             None => input.clone(),
         };
-        for block in &self.blocks {
+        for (held, layer) in self.blocks.iter().zip(self.layers.clone()) {
+            let block = match held {
+                Held::Built(block) => block,
+                Held::Gathered(pb) => {
+                    // FULL_SHARD: the block's weights are gathered inside the unit, so they live only while it
+                    // computes (and again while its backward does).
+                    let (pb, cfg) = (pb.clone(), self.cfg);
+                    x = accel::activation_checkpoint::unit(&x, move |x| {
+                        Block::new(&pb, &cfg, layer).and_then(|b| b.forward(x)).map_err(to_candle)
+                    })?;
+                    continue;
+                }
+            };
             if accel::activation_checkpoint::enabled() {
                 // Activation checkpointing: the block keeps no activations and is recomputed in the backward pass
                 // (its own cuts before and after it, as the cut below).
@@ -451,10 +512,16 @@ impl CharGpt {
             x = ddp_core::segments::cut(&x)?;
             x = block.forward(&x)?;
         }
-        match &self.head {
-            Some((ln_f, lm_head)) => lm_head.forward(&ln_f.forward(&x)?),
-            None => Ok(x),
-        }
+        let gathered;
+        let (ln_f, lm_head) = match &self.head {
+            None => return Ok(x),
+            Some(Held::Built(h)) => h,
+            Some(Held::Gathered(pb)) => {
+                gathered = build_head(pb, &self.cfg, None)?;
+                &gathered
+            }
+        };
+        lm_head.forward(&ln_f.forward(&x)?)
     }
 
     /// Mean next-character cross entropy: `ids`, `targets` `[b, s]` u32 → scalar f32, the mean over the `b · s`

@@ -180,8 +180,9 @@ pub fn default_data_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("data").join("mnist")
 }
 
-/// The model-parallel sizes the GPT examples take on their command line (`--tp-size`, `--pp-size`,
-/// `--pp-schedule`, `--microbatches`): the processes are laid out as `pp × dp × tp` with `dp = nproc / (tp · pp)`.
+/// The parallel layout the GPT examples take on their command line (`--tp-size`, `--pp-size`, `--pp-schedule`,
+/// `--microbatches`, `--dp-shard-size`, `--sharding-strategy`): the processes are laid out as `pp × dp × tp` with
+/// `dp = nproc / (tp · pp)`, of which `dp_shard` shard the model (ZeRO / FSDP) and the rest replicate it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ModelLayout {
     /// Tensor-parallel size.
@@ -192,15 +193,24 @@ pub struct ModelLayout {
     pub schedule: Option<accel::pipeline::ScheduleKind>,
     /// Micro-batches per pipeline step (`None`: one per stage).
     pub microbatches: Option<usize>,
+    /// Data-parallel ranks sharding the model (1: none).
+    pub dp_shard: usize,
+    /// What they shard (`None`: the config's default, SHARD_GRAD_OP).
+    pub sharding: Option<accel::ShardingStrategy>,
 }
 
 impl ModelLayout {
     /// The config of `nproc` processes in this layout.
     pub fn config(&self, nproc: usize) -> accel::ParallelismConfig {
+        let dp = nproc / (self.tp * self.pp).max(1);
         let mut p = accel::ParallelismConfig::default()
             .with_tp_size(self.tp)
             .with_pp_size(self.pp)
-            .with_dp_replicate_size(nproc / (self.tp * self.pp).max(1));
+            .with_dp_shard_size(self.dp_shard)
+            .with_dp_replicate_size(dp / self.dp_shard.max(1));
+        if let Some(s) = self.sharding {
+            p = p.with_sharding_strategy(s);
+        }
         if let Some(kind) = self.schedule {
             p = p.with_pp_schedule(kind);
         }
@@ -239,6 +249,19 @@ pub fn check_layout(nproc: usize, layout: &ModelLayout) -> anyhow::Result<()> {
             layout.tp
         );
     }
+    if layout.dp_shard == 0 || !n.is_multiple_of(layout.tp * layout.pp * layout.dp_shard) {
+        let dp = n / (layout.tp * layout.pp).max(1);
+        let fits: Vec<usize> = (1..=dp).filter(|d| dp.is_multiple_of(*d)).collect();
+        if n.is_multiple_of(layout.tp * layout.pp) {
+            anyhow::bail!(
+                "--dp-shard-size {} must divide the {dp} data-parallel processes ({what} {n} / (tp {} × pp {})); it \
+                 could be one of {fits:?}",
+                layout.dp_shard,
+                layout.tp,
+                layout.pp
+            );
+        }
+    }
     if !n.is_multiple_of(layout.tp * layout.pp) {
         let pp_fits: Vec<usize> = (1..=n / layout.tp).filter(|p| (n / layout.tp).is_multiple_of(*p)).collect();
         anyhow::bail!(
@@ -257,9 +280,10 @@ pub fn check_layout(nproc: usize, layout: &ModelLayout) -> anyhow::Result<()> {
 /// flags'. A flag given explicitly that disagrees with what the launcher set — a size other than 1, a schedule, a
 /// micro-batch count — is an error naming both, never silently dropped.
 pub fn effective_layout(world: usize, layout: &ModelLayout) -> anyhow::Result<accel::ParallelismConfig> {
-    use accel::parallelism::{PP_MICROBATCHES_ENV, PP_SCHEDULE_ENV, PP_SIZE_ENV, TP_SIZE_ENV};
+    use accel::parallelism::{DP_SHARD_SIZE_ENV, PP_MICROBATCHES_ENV, PP_SCHEDULE_ENV, PP_SIZE_ENV, TP_SIZE_ENV};
     let set = |var: &str| std::env::var(var).ok();
-    if set(TP_SIZE_ENV).is_none() && set(PP_SIZE_ENV).is_none() {
+    let launcher_set = [TP_SIZE_ENV, PP_SIZE_ENV, DP_SHARD_SIZE_ENV, accel::parallelism::SHARDING_STRATEGY_ENV];
+    if launcher_set.iter().all(|v| set(v).is_none()) {
         return Ok(layout.config(world));
     }
     let launched = accel::ParallelismConfig::from_env()?;
@@ -272,10 +296,16 @@ pub fn effective_layout(world: usize, layout: &ModelLayout) -> anyhow::Result<ac
     for (flag, var, size, theirs) in [
         ("--tp-size", TP_SIZE_ENV, layout.tp, launched.tp_size),
         ("--pp-size", PP_SIZE_ENV, layout.pp, launched.pp_size),
+        ("--dp-shard-size", DP_SHARD_SIZE_ENV, layout.dp_shard, launched.dp_shard_size),
     ] {
         if size != 1 && size != theirs {
             return Err(disagree(flag, size.to_string(), var, theirs.to_string()));
         }
+    }
+    if let Some(s) = layout.sharding.filter(|s| *s != launched.sharding_strategy) {
+        let theirs = set(accel::parallelism::SHARDING_STRATEGY_ENV)
+            .unwrap_or_else(|| format!("unset (the default, {})", launched.sharding_strategy));
+        return Err(disagree("--sharding-strategy", s.to_string(), accel::parallelism::SHARDING_STRATEGY_ENV, theirs));
     }
     if let Some(kind) = layout.schedule.filter(|k| *k != launched.pp_schedule) {
         let theirs = set(PP_SCHEDULE_ENV).unwrap_or_else(|| format!("unset (the default, {})", launched.pp_schedule));
@@ -306,8 +336,11 @@ pub fn apply_layout(layout: &ModelLayout) -> anyhow::Result<()> {
         Ok(Some(env)) => env.world_size,
         _ => 1,
     };
-    if std::env::var(accel::parallelism::TP_SIZE_ENV).is_ok() || std::env::var(accel::parallelism::PP_SIZE_ENV).is_ok()
-    {
+    let launcher_set = [accel::parallelism::TP_SIZE_ENV, accel::parallelism::PP_SIZE_ENV]
+        .into_iter()
+        .chain([accel::parallelism::DP_SHARD_SIZE_ENV, accel::parallelism::SHARDING_STRATEGY_ENV])
+        .any(|v| std::env::var(v).is_ok());
+    if launcher_set {
         effective_layout(world, layout)?; // the launcher's wins; a disagreeing flag is an error
         return Ok(());
     }
@@ -319,7 +352,12 @@ pub fn apply_layout(layout: &ModelLayout) -> anyhow::Result<()> {
             layout.pp
         );
     }
-    if model > 1 || layout.schedule.is_some() || layout.microbatches.is_some() {
+    if model > 1
+        || layout.dp_shard > 1
+        || layout.sharding.is_some()
+        || layout.schedule.is_some()
+        || layout.microbatches.is_some()
+    {
         for (k, v) in parallel_env(world, layout) {
             // Before the Accelerator (or anything else) starts a thread: setting the environment is sound here.
             std::env::set_var(k, v);

@@ -5,12 +5,18 @@
 //! `--nproc-per-node`) are accepted as aliases so existing launch scripts migrate by changing the program name.
 
 use accel::pipeline::ScheduleKind;
+use accel::ShardingStrategy;
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 
 /// `--pipeline-parallel-schedule`: [`ScheduleKind`]'s spellings, case-insensitive.
 fn parse_schedule(s: &str) -> Result<ScheduleKind, String> {
     s.parse().map_err(|_| format!("expected one of {}", ScheduleKind::CHOICES))
+}
+
+/// `--fsdp-sharding-strategy`: [`ShardingStrategy`]'s spellings (FSDP's names, `SHARD_OPTIM`, torch's numbers).
+fn parse_sharding_strategy(s: &str) -> Result<ShardingStrategy, String> {
+    s.parse().map_err(|_| format!("expected one of {}", ShardingStrategy::NAMES))
 }
 
 /// `accel`: configure, launch and check distributed candle training (like `accelerate` / `torchrun`).
@@ -145,11 +151,18 @@ pub struct LaunchArgs {
     #[arg(long, alias = "parallelism_config_dp_replicate_size", value_name = "N",
           value_parser = clap::value_parser!(u64).range(1..))]
     pub parallelism_config_dp_replicate_size: Option<u64>,
-    /// Sharded data-parallel size (PARALLELISM_CONFIG_DP_SHARD_SIZE): the optimizer state split over this many
-    /// ranks (ZeRO-1), alone, with dp_replicate (HSDP) or tp; not with pp yet.
+    /// Sharded data-parallel size (PARALLELISM_CONFIG_DP_SHARD_SIZE): the training state split over this many
+    /// ranks as --fsdp-sharding-strategy says, alone, with dp_replicate (HSDP) or tp; not with pp yet.
     #[arg(long, alias = "parallelism_config_dp_shard_size", value_name = "N",
           value_parser = clap::value_parser!(u64).range(1..))]
     pub parallelism_config_dp_shard_size: Option<u64>,
+    /// What the dp_shard ranks shard (FSDP_SHARDING_STRATEGY; overrides the config file's
+    /// `fsdp_config.fsdp_sharding_strategy`): SHARD_GRAD_OP (ZeRO-2: gradients and optimizer state; the default),
+    /// FULL_SHARD (ZeRO-3: the parameters too; the program builds its model from the prepared model's
+    /// param_builder, as accel_gpt does), SHARD_OPTIM (ZeRO-1: optimizer state), NO_SHARD (plain DDP). Only read
+    /// with dp_shard above 1.
+    #[arg(long, alias = "fsdp_sharding_strategy", value_name = "STRATEGY", value_parser = parse_sharding_strategy)]
+    pub fsdp_sharding_strategy: Option<ShardingStrategy>,
     /// Tensor-parallel size (PARALLELISM_CONFIG_TP_SIZE). The sizes must multiply to the number of processes.
     #[arg(long, alias = "parallelism_config_tp_size", value_name = "N",
           value_parser = clap::value_parser!(u64).range(1..))]
@@ -319,6 +332,32 @@ mod tests {
         }
         let e = Cli::try_parse_from(["accel", "launch", "--parallelism-config-tp-size", "0", "prog"]).unwrap_err();
         assert!(e.to_string().contains("0 is not in 1.."), "{e}");
+    }
+
+    #[test]
+    fn the_sharding_strategy_flag_is_accepted_in_both_spellings_and_checked() {
+        for (flag, value, want) in [
+            ("--fsdp_sharding_strategy", "SHARD_OPTIM", ShardingStrategy::ShardOptim),
+            ("--fsdp-sharding-strategy", "shard-grad-op", ShardingStrategy::ShardGradOp),
+            ("--fsdp-sharding-strategy", "3", ShardingStrategy::NoShard),
+            ("--fsdp_sharding_strategy", "FULL_SHARD", ShardingStrategy::FullShard),
+        ] {
+            let cli = Cli::parse_from(["accel", "launch", flag, value, "prog"]);
+            let Command::Launch(a) = cli.command else { panic!("not launch") };
+            assert_eq!(a.fsdp_sharding_strategy, Some(want), "{flag} {value}");
+        }
+        let cli = Cli::parse_from(["accel", "launch", "prog"]);
+        let Command::Launch(a) = cli.command else { panic!("not launch") };
+        assert_eq!(a.fsdp_sharding_strategy, None);
+        let e = Cli::try_parse_from(["accel", "launch", "--fsdp-sharding-strategy", "zero2", "prog"]).unwrap_err();
+        assert!(
+            e.to_string().contains(
+                "invalid value 'zero2' for '--fsdp-sharding-strategy <STRATEGY>': expected one of NO_SHARD, \
+                 SHARD_OPTIM (ZeRO-1), SHARD_GRAD_OP (ZeRO-2), FULL_SHARD (ZeRO-3), HYBRID_SHARD, \
+                 _HYBRID_SHARD_ZERO2, or torch's numbers 1-5"
+            ),
+            "{e}"
+        );
     }
 
     #[test]

@@ -9,9 +9,15 @@
 //! and means `"no"`; `downcast_bf16` may be a boolean or `'no'`/`'yes'`; `gpu_ids` may be `all`, `0,1`, a number or a
 //! list. As strict as Accelerate (which refuses unknown keys): a key neither Accelerate nor accel knows is an error
 //! naming the key, the file and the closest known key (`num_proceses` → did you mean `num_processes`?), never a
-//! silent default. Keys Accelerate knows but accel has no use for (FSDP, DeepSpeed, TPU, dynamo, ...) are accepted,
-//! with a warning when they ask for a feature accel lacks. Malformed YAML, and a value of the wrong kind, are errors
-//! with the file, the line and column once, and what the key expects ([`CliError::ConfigSyntax`]).
+//! silent default. Keys Accelerate knows but accel has no use for (DeepSpeed, TPU, dynamo, ...) are accepted, with a
+//! warning when they ask for a feature accel lacks. Malformed YAML, and a value of the wrong kind, are errors with
+//! the file, the line and column once, and what the key expects ([`CliError::ConfigSyntax`]).
+//!
+//! FSDP: `distributed_type: FSDP` is sharded data parallelism over the data-parallel processes (`accel launch`
+//! makes them dp_shard unless the `parallelism_config` block splits them itself), and the `fsdp_config` block's
+//! `fsdp_sharding_strategy` (or FSDP2's `fsdp_reshard_after_forward`) says what is sharded
+//! ([`AccelerateConfig::sharding_strategy`]); its other keys are kept verbatim and warned about when they ask for
+//! something. `accel config` writes `fsdp_config: {fsdp_sharding_strategy: ...}` when it asks for dp_shard > 1.
 //!
 //! Writing always quotes `"no"`, because a YAML 1.1 reader (PyYAML) would read a bare `no` as `false`.
 
@@ -19,8 +25,10 @@ use crate::error::{CliError, CliResult};
 use accel::config::MixedPrecision;
 use accel::config_errors::{clean_parser_message, key_position, unclosed_bracket_hint, unknown_key};
 use accel::pipeline::ScheduleKind;
+use accel::ShardingStrategy;
 use serde::de::{self, Deserializer, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -41,7 +49,6 @@ pub const ACCELERATE_ONLY_KEYS: &[&str] = &[
     "dynamo_config",
     "fp16",
     "fp8_config",
-    "fsdp_config",
     "ipex_config",
     "megatron_lm_config",
     "mpirun_config",
@@ -51,12 +58,13 @@ pub const ACCELERATE_ONLY_KEYS: &[&str] = &[
     "tpu_zone",
 ];
 
-/// Every `distributed_type` Accelerate writes (its `DistributedType` enum, plus the older `TPU`); accel's own three
+/// Every `distributed_type` Accelerate writes (its `DistributedType` enum, plus the older `TPU`); accel's own four
 /// first. Any other value is a typo, refused with this list.
 const ACCELERATE_DISTRIBUTED_TYPES: &[&str] = &[
     "NO",
     "MULTI_CPU",
     "MULTI_GPU",
+    "FSDP",
     "MULTI_NPU",
     "MULTI_MLU",
     "MULTI_SDAA",
@@ -64,13 +72,14 @@ const ACCELERATE_DISTRIBUTED_TYPES: &[&str] = &[
     "MULTI_XPU",
     "MULTI_HPU",
     "DEEPSPEED",
-    "FSDP",
     "XLA",
     "TPU",
     "MEGATRON_LM",
 ];
 
-/// Accelerate's `distributed_type`. accel runs plain data parallelism; the value records what the file asked for.
+/// Accelerate's `distributed_type`: what the file asked for. accel runs `NO`, `MULTI_CPU`, `MULTI_GPU` (data
+/// parallelism, laid out by the `parallelism_config` block) and `FSDP` (the same, with the data-parallel processes
+/// sharding: see [`AccelerateConfig::sharding_strategy`]).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum DistributedType {
     /// One process (`NO`).
@@ -80,8 +89,12 @@ pub enum DistributedType {
     MultiCpu,
     /// Several GPU processes (`MULTI_GPU`).
     MultiGpu,
-    /// Any other value Accelerate knows (`FSDP`, `DEEPSPEED`, `XLA`, `MULTI_NPU`, ...), kept verbatim;
-    /// `accel launch` refuses it, naming the fix.
+    /// Sharded data parallelism (`FSDP`): `accel launch` makes the data-parallel processes dp_shard unless the
+    /// `parallelism_config` block sets dp_shard or dp_replicate itself; the `fsdp_config` block says what they
+    /// shard.
+    Fsdp,
+    /// Any other value Accelerate knows (`DEEPSPEED`, `XLA`, `MULTI_NPU`, ...), kept verbatim; `accel launch`
+    /// refuses it, naming the fix.
     Other(String),
 }
 
@@ -92,6 +105,7 @@ impl DistributedType {
             DistributedType::No => "NO",
             DistributedType::MultiCpu => "MULTI_CPU",
             DistributedType::MultiGpu => "MULTI_GPU",
+            DistributedType::Fsdp => "FSDP",
             DistributedType::Other(s) => s,
         }
     }
@@ -102,6 +116,7 @@ impl DistributedType {
             "NO" | "FALSE" => DistributedType::No,
             "MULTI_CPU" => DistributedType::MultiCpu,
             "MULTI_GPU" => DistributedType::MultiGpu,
+            "FSDP" => DistributedType::Fsdp,
             other => DistributedType::Other(other.to_string()),
         }
     }
@@ -157,6 +172,12 @@ pub struct AccelerateConfig {
     /// Pin each worker to its CPU cores (`ACCELERATE_CPU_AFFINITY=1`).
     #[serde(default)]
     pub enable_cpu_affinity: bool,
+    /// Accelerate's FSDP settings, kept verbatim (keys sorted). accel reads `fsdp_sharding_strategy` and
+    /// `fsdp_reshard_after_forward` (what dp_shard shards: [`Self::sharding_strategy`]) and `fsdp_offload_params`
+    /// (`true` is refused by `accel launch`); the other keys are warned about when they ask for something.
+    /// `accel config` writes `fsdp_sharding_strategy` here when dp_shard > 1 ([`Self::set_sharding_strategy`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fsdp_config: Option<FsdpConfig>,
     /// `all` or a comma-separated list of GPU indices (`CUDA_VISIBLE_DEVICES` of the workers).
     #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "gpu_ids")]
     pub gpu_ids: Option<String>,
@@ -226,6 +247,7 @@ impl Default for AccelerateConfig {
             distributed_type: DistributedType::No,
             downcast_bf16: no_string(),
             enable_cpu_affinity: false,
+            fsdp_config: None,
             gpu_ids: None,
             gradient_accumulation_steps: None,
             machine_rank: 0,
@@ -253,6 +275,7 @@ pub const TYPED_KEYS: &[&str] = &[
     "distributed_type",
     "downcast_bf16",
     "enable_cpu_affinity",
+    "fsdp_config",
     "gpu_ids",
     "gradient_accumulation_steps",
     "machine_rank",
@@ -289,6 +312,20 @@ pub const PARALLELISM_KEYS: &[&str] = &[
     "pipeline_parallel_size",
     "tensor_parallel_size",
 ];
+
+/// Accelerate's `fsdp_config` block, key by key as the file has it (sorted when written, as PyYAML's `safe_dump`).
+pub type FsdpConfig = BTreeMap<String, serde_json::Value>;
+
+/// The `fsdp_config` key accel reads for what dp_shard shards (FSDP's names, `SHARD_OPTIM`, or torch's numbers).
+pub const FSDP_SHARDING_STRATEGY_KEY: &str = accel::parallelism::SHARDING_STRATEGY_KEY;
+/// FSDP2's spelling of the strategy (Accelerate ≥ 1.6): `true` = FULL_SHARD, `false` = SHARD_GRAD_OP; FSDP1 files
+/// may hold a strategy name here instead.
+pub const FSDP_RESHARD_AFTER_FORWARD_KEY: &str = "fsdp_reshard_after_forward";
+/// `true` asks for CPU offload of the parameters, which accel refuses.
+pub const FSDP_OFFLOAD_PARAMS_KEY: &str = "fsdp_offload_params";
+/// The `fsdp_config` keys accel reads (sorted); the block's other keys are kept and warned about.
+pub const FSDP_READ_KEYS: &[&str] =
+    &[FSDP_OFFLOAD_PARAMS_KEY, FSDP_RESHARD_AFTER_FORWARD_KEY, FSDP_SHARDING_STRATEGY_KEY];
 
 /// A config file as read from disk: the model, its source text and the warnings reading it produced.
 #[derive(Debug, Clone)]
@@ -376,6 +413,8 @@ impl AccelerateConfig {
                 ));
             }
         }
+        warnings
+            .extend(config.fsdp_config.as_ref().and_then(unused_fsdp_keys).map(|w| format!("{}: {w}", path.display())));
         if config.compute_environment != LOCAL_MACHINE {
             warnings.push(format!(
                 "{}: compute_environment {} is not supported; accel launches on this machine as LOCAL_MACHINE",
@@ -383,10 +422,52 @@ impl AccelerateConfig {
                 config.compute_environment
             ));
         }
-        // A `distributed_type` accel does not run (FSDP, DEEPSPEED, ...) is refused by `accel launch`, not warned
-        // about here: `accel env` reads the same file and only reports it.
+        // A `distributed_type` accel does not run (DEEPSPEED, XLA, ...), and `fsdp_offload_params: true`, are
+        // refused by `accel launch`, not warned about here: `accel env` reads the same file and only reports it.
         // The warnings go back to the caller, which prints them once (`load_and_warn`).
         Ok(LoadedConfig { path: path.to_path_buf(), config, text: text.to_string(), warnings })
+    }
+
+    /// What the dp_shard processes shard under this file: the `fsdp_config` block's `fsdp_sharding_strategy`,
+    /// else its `fsdp_reshard_after_forward` (`true` FULL_SHARD, `false` SHARD_GRAD_OP, or a strategy name), else
+    /// FULL_SHARD for `distributed_type: FSDP` (Accelerate's default) and [`ShardingStrategy::default`]
+    /// (SHARD_GRAD_OP, ZeRO-2) for any other type. Only read when the layout has dp_shard > 1.
+    ///
+    /// Errors: a value that is no strategy, or the two keys disagreeing ([`Self::parse`] refuses both already,
+    /// at their line; this is for configs built in code).
+    pub fn sharding_strategy(&self) -> CliResult<ShardingStrategy> {
+        let set = match &self.fsdp_config {
+            Some(block) => fsdp_strategy(|k| block.get(k))
+                .map_err(|why| CliError::invalid("fsdp_config", format!("{block:?}"), why))?,
+            None => None,
+        };
+        Ok(set.unwrap_or(match self.distributed_type {
+            DistributedType::Fsdp => ShardingStrategy::FullShard,
+            _ => ShardingStrategy::default(),
+        }))
+    }
+
+    /// Whether the `fsdp_config` block sets the sharding strategy (`fsdp_sharding_strategy` or
+    /// `fsdp_reshard_after_forward`).
+    pub fn sets_sharding_strategy(&self) -> bool {
+        self.fsdp_config.as_ref().is_some_and(|b| {
+            [FSDP_SHARDING_STRATEGY_KEY, FSDP_RESHARD_AFTER_FORWARD_KEY]
+                .iter()
+                .any(|k| b.get(*k).is_some_and(|v| !v.is_null()))
+        })
+    }
+
+    /// Whether the file asks for CPU offload of the parameters (`fsdp_offload_params: true`).
+    pub fn fsdp_offload_params(&self) -> bool {
+        self.fsdp_config.as_ref().and_then(|b| b.get(FSDP_OFFLOAD_PARAMS_KEY)).is_some_and(is_true)
+    }
+
+    /// Records `s` as `fsdp_config.fsdp_sharding_strategy` (what `accel config` writes when dp_shard > 1),
+    /// keeping the block's other keys and dropping `fsdp_reshard_after_forward`, which could disagree with it.
+    pub fn set_sharding_strategy(&mut self, s: ShardingStrategy) {
+        let block = self.fsdp_config.get_or_insert_with(FsdpConfig::new);
+        block.remove(FSDP_RESHARD_AFTER_FORWARD_KEY);
+        block.insert(FSDP_SHARDING_STRATEGY_KEY.to_string(), serde_json::Value::String(s.name().to_string()));
     }
 
     /// The YAML text of this config (sorted keys, `"no"` quoted).
@@ -550,6 +631,26 @@ fn check_value(key: &str, value: &serde_json::Value) -> Result<(), String> {
                 _ => Err("a mapping of `parallelism_config_*` sizes".to_string()),
             };
         }
+        "fsdp_config" => {
+            return match value {
+                Value::Null => Ok(()),
+                Value::Object(block) => {
+                    if let Some(v) = block.get(FSDP_OFFLOAD_PARAMS_KEY) {
+                        if !matches!(v, Value::Bool(_) | Value::Null) && !v.as_str().is_some_and(is_bool_word) {
+                            return Err(format!(
+                                "`true` or `false` for `{FSDP_OFFLOAD_PARAMS_KEY}`, got {}",
+                                describe(v)
+                            ));
+                        }
+                    }
+                    fsdp_strategy(|k| block.get(k)).map(|_| ())
+                }
+                _ => Err(format!(
+                    "a mapping of `fsdp_*` settings (such as `fsdp_sharding_strategy: SHARD_GRAD_OP`), got {}",
+                    describe(value)
+                )),
+            };
+        }
         "tpu_env" => match value {
             Value::Array(items) => items.iter().all(Value::is_string),
             Value::Null => true,
@@ -565,9 +666,9 @@ fn check_value(key: &str, value: &serde_json::Value) -> Result<(), String> {
             "`true` or `false`".to_string()
         }
         "distributed_type" => format!(
-            "one of NO, MULTI_CPU, MULTI_GPU (accel's), or another of Accelerate's names ({}), which accel launches as \
-             plain data parallelism",
-            ACCELERATE_DISTRIBUTED_TYPES[3..].join(", ")
+            "one of NO, MULTI_CPU, MULTI_GPU, FSDP (accel's), or another of Accelerate's names ({}), which `accel \
+             launch` refuses",
+            ACCELERATE_DISTRIBUTED_TYPES[4..].join(", ")
         ),
         "downcast_bf16" => "`yes` or `no`".to_string(),
         "gpu_ids" => "`all`, a comma-separated list of GPU indices such as `0,1`, or a list of indices".to_string(),
@@ -601,6 +702,89 @@ fn requests_feature(key: &str, value: &serde_json::Value) -> bool {
         // dynamo_config: {dynamo_backend: NO} is Accelerate's "off".
         Value::Object(o) => !(o.is_empty() || (key == "dynamo_config" && o.get("dynamo_backend").is_some_and(is_off))),
     }
+}
+
+/// What an `fsdp_config` block (read through `get`) asks dp_shard to shard: `fsdp_sharding_strategy` (a name
+/// [`ShardingStrategy`] reads, or torch's number), else `fsdp_reshard_after_forward` (`true` = FULL_SHARD, `false`
+/// = SHARD_GRAD_OP, FSDP2's meaning; a strategy name, as Accelerate's FSDP1 files may hold); `None` when neither
+/// is set. Errors (what the key expects, as [`check_value`] words it): a value that is no strategy, or both keys
+/// set to different strategies.
+fn fsdp_strategy<'a>(get: impl Fn(&str) -> Option<&'a serde_json::Value>) -> Result<Option<ShardingStrategy>, String> {
+    use serde_json::Value;
+    let named = |v: &Value| match v {
+        Value::String(s) => s.parse::<ShardingStrategy>().ok(),
+        Value::Number(n) => n.to_string().parse::<ShardingStrategy>().ok(),
+        _ => None,
+    };
+    let strategy = match get(FSDP_SHARDING_STRATEGY_KEY).filter(|v| !v.is_null()) {
+        None => None,
+        Some(v) => Some(named(v).ok_or_else(|| {
+            format!("one of {} for `{FSDP_SHARDING_STRATEGY_KEY}`, got {}", ShardingStrategy::NAMES, describe(v))
+        })?),
+    };
+    let reshard = match get(FSDP_RESHARD_AFTER_FORWARD_KEY).filter(|v| !v.is_null()) {
+        None => None,
+        Some(v) => {
+            let read = match v {
+                Value::Bool(b) => Some(*b),
+                Value::String(s) if is_bool_word(s) => Some(s.trim().eq_ignore_ascii_case("true")),
+                _ => None,
+            };
+            let s = match read {
+                Some(true) => Some(ShardingStrategy::FullShard),
+                Some(false) => Some(ShardingStrategy::ShardGradOp),
+                None => named(v),
+            };
+            Some((
+                s.ok_or_else(|| {
+                    format!(
+                        "`true` (FULL_SHARD), `false` (SHARD_GRAD_OP) or a sharding strategy name for \
+                         `{FSDP_RESHARD_AFTER_FORWARD_KEY}`, got {}",
+                        describe(v)
+                    )
+                })?,
+                v,
+            ))
+        }
+    };
+    match (strategy, reshard) {
+        (Some(s), Some((r, v))) if s != r => Err(format!(
+            "`{FSDP_SHARDING_STRATEGY_KEY}` and `{FSDP_RESHARD_AFTER_FORWARD_KEY}` to agree, got {s} and {} ({r}); \
+             keep one of them",
+            describe(v)
+        )),
+        (Some(s), _) => Ok(Some(s)),
+        (None, r) => Ok(r.map(|(r, _)| r)),
+    }
+}
+
+/// `true` / `false` in any case, as a YAML 1.1 reader may leave them quoted.
+fn is_bool_word(s: &str) -> bool {
+    matches!(s.trim().to_ascii_lowercase().as_str(), "true" | "false")
+}
+
+/// A boolean `true` (or the string `true`).
+fn is_true(v: &serde_json::Value) -> bool {
+    v.as_bool().unwrap_or_else(|| v.as_str().is_some_and(|s| s.trim().eq_ignore_ascii_case("true")))
+}
+
+/// The warning for the `fsdp_config` keys accel does not read that ask for something (FSDP's wrapping policy,
+/// state-dict type, version, ...); `None` when there are none.
+fn unused_fsdp_keys(block: &FsdpConfig) -> Option<String> {
+    let keys: Vec<String> = block
+        .iter()
+        .filter(|(k, v)| !FSDP_READ_KEYS.contains(&k.as_str()) && requests_feature(k, v))
+        .map(|(k, _)| format!("`{k}`"))
+        .collect();
+    (!keys.is_empty()).then(|| {
+        format!(
+            "fsdp_config: {} {} for FSDP features accel does not implement (it reads only `{FSDP_OFFLOAD_PARAMS_KEY}`, \
+             `{FSDP_RESHARD_AFTER_FORWARD_KEY}` and `{FSDP_SHARDING_STRATEGY_KEY}`, and has no wrapping policy to \
+             set: the model's own blocks are the units); ignored",
+            keys.join(", "),
+            if keys.len() == 1 { "asks" } else { "ask" },
+        )
+    })
 }
 
 /// Visitor that turns any YAML scalar into its text (booleans as `true`/`false`, null as empty).
@@ -710,6 +894,7 @@ mod tests {
     #[test]
     fn typed_keys_match_the_struct() {
         let value = serde_json::to_value(AccelerateConfig {
+            fsdp_config: Some(FsdpConfig::new()),
             gpu_ids: Some("all".into()),
             gradient_accumulation_steps: Some(2),
             main_process_ip: Some("h".into()),
@@ -773,6 +958,118 @@ mod tests {
         let l = AccelerateConfig::parse("fsdp_config:\n  fsdp_version: 2\n", Path::new("x")).unwrap();
         assert_eq!(l.warnings.len(), 1);
         assert!(l.warnings[0].contains("fsdp_config"), "{:?}", l.warnings);
+    }
+
+    #[test]
+    fn the_fsdp_block_says_what_dp_shard_shards() {
+        let strategy = |text: &str| {
+            AccelerateConfig::parse(text, Path::new("f.yaml")).unwrap().config.sharding_strategy().unwrap().name()
+        };
+        // No block: FULL_SHARD under FSDP (Accelerate's default), SHARD_GRAD_OP (ZeRO-2) otherwise.
+        assert_eq!(strategy("distributed_type: FSDP\n"), "FULL_SHARD");
+        assert_eq!(strategy("distributed_type: MULTI_CPU\n"), "SHARD_GRAD_OP");
+        assert_eq!(
+            strategy("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n"),
+            "SHARD_GRAD_OP"
+        );
+        assert_eq!(strategy("fsdp_config:\n  fsdp_sharding_strategy: shard_optim\n"), "SHARD_OPTIM");
+        // Torch's numbers (older Accelerate), and HYBRID_SHARD read as FULL_SHARD over dp_shard.
+        assert_eq!(strategy("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: 3\n"), "NO_SHARD");
+        assert_eq!(strategy("fsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n"), "FULL_SHARD");
+        // FSDP2's spelling: reshard after forward = FULL_SHARD, not = SHARD_GRAD_OP; FSDP1's strategy names.
+        assert_eq!(
+            strategy("distributed_type: FSDP\nfsdp_config:\n  fsdp_reshard_after_forward: false\n"),
+            "SHARD_GRAD_OP"
+        );
+        assert_eq!(
+            strategy("distributed_type: FSDP\nfsdp_config:\n  fsdp_reshard_after_forward: true\n"),
+            "FULL_SHARD"
+        );
+        assert_eq!(strategy("fsdp_config:\n  fsdp_reshard_after_forward: 'false'\n"), "SHARD_GRAD_OP");
+        assert_eq!(strategy("fsdp_config:\n  fsdp_reshard_after_forward: NO_SHARD\n"), "NO_SHARD");
+        // Both keys: they must agree.
+        let both = "fsdp_config:\n  fsdp_reshard_after_forward: false\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n";
+        assert_eq!(strategy(both), "SHARD_GRAD_OP");
+        let l = AccelerateConfig::parse(both, Path::new("f.yaml")).unwrap();
+        assert!(l.warnings.is_empty(), "{:?}", l.warnings);
+        assert!(l.config.sets_sharding_strategy());
+        assert!(!AccelerateConfig::parse("distributed_type: FSDP\n", Path::new("f.yaml"))
+            .unwrap()
+            .config
+            .sets_sharding_strategy());
+    }
+
+    #[test]
+    fn a_bad_fsdp_setting_is_an_error_at_its_block_saying_what_it_expects() {
+        let err = |text: &str| AccelerateConfig::parse(text, Path::new("f.yaml")).unwrap_err().to_string();
+        assert_eq!(
+            err("num_machines: 1\nfsdp_config:\n  fsdp_sharding_strategy: ZERO3\n"),
+            "config file f.yaml: line 2, column 1: fsdp_config: expected one of NO_SHARD, SHARD_OPTIM (ZeRO-1), \
+             SHARD_GRAD_OP (ZeRO-2), FULL_SHARD (ZeRO-3), HYBRID_SHARD, _HYBRID_SHARD_ZERO2, or torch's numbers 1-5 \
+             for `fsdp_sharding_strategy`, got `ZERO3`"
+        );
+        assert_eq!(
+            err("fsdp_config:\n  fsdp_reshard_after_forward: sometimes\n"),
+            "config file f.yaml: line 1, column 1: fsdp_config: expected `true` (FULL_SHARD), `false` \
+             (SHARD_GRAD_OP) or a sharding strategy name for `fsdp_reshard_after_forward`, got `sometimes`"
+        );
+        assert_eq!(
+            err("fsdp_config:\n  fsdp_reshard_after_forward: true\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n"),
+            "config file f.yaml: line 1, column 1: fsdp_config: expected `fsdp_sharding_strategy` and \
+             `fsdp_reshard_after_forward` to agree, got SHARD_GRAD_OP and `true` (FULL_SHARD); keep one of them"
+        );
+        assert_eq!(
+            err("fsdp_config:\n  fsdp_offload_params: 2\n"),
+            "config file f.yaml: line 1, column 1: fsdp_config: expected `true` or `false` for \
+             `fsdp_offload_params`, got `2`"
+        );
+        assert_eq!(
+            err("fsdp_config: FULL_SHARD\n"),
+            "config file f.yaml: line 1, column 1: fsdp_config: expected a mapping of `fsdp_*` settings (such as \
+             `fsdp_sharding_strategy: SHARD_GRAD_OP`), got `FULL_SHARD`"
+        );
+        // CPU offload parses (`accel launch` refuses it).
+        let c = AccelerateConfig::parse("fsdp_config:\n  fsdp_offload_params: true\n", Path::new("f.yaml")).unwrap();
+        assert!(c.config.fsdp_offload_params() && c.warnings.is_empty(), "{:?}", c.warnings);
+    }
+
+    #[test]
+    fn fsdp_keys_accel_does_not_read_are_kept_and_warned_about() {
+        let text = "distributed_type: FSDP\nfsdp_config:\n  fsdp_activation_checkpointing: false\n  \
+                    fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_offload_params: false\n  \
+                    fsdp_reshard_after_forward: false\n  fsdp_version: 2\n";
+        let l = AccelerateConfig::parse(text, Path::new("f.yaml")).unwrap();
+        assert_eq!(
+            l.warnings,
+            ["f.yaml: fsdp_config: `fsdp_auto_wrap_policy`, `fsdp_version` ask for FSDP features accel does not \
+              implement (it reads only `fsdp_offload_params`, `fsdp_reshard_after_forward` and \
+              `fsdp_sharding_strategy`, and has no wrapping policy to set: the model's own blocks are the units); \
+              ignored"]
+        );
+        // Written back sorted and verbatim; setting the strategy keeps the other keys and drops the FSDP2 spelling.
+        let mut c = l.config;
+        c.set_sharding_strategy(ShardingStrategy::ShardOptim);
+        let yaml = c.to_yaml().unwrap();
+        let block: Vec<&str> = yaml
+            .lines()
+            .skip_while(|l| !l.starts_with("fsdp_config:"))
+            .skip(1)
+            .take_while(|l| l.starts_with("  "))
+            .collect();
+        assert_eq!(
+            block,
+            [
+                "  fsdp_activation_checkpointing: false",
+                "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP",
+                "  fsdp_offload_params: false",
+                "  fsdp_sharding_strategy: SHARD_OPTIM",
+                "  fsdp_version: 2",
+            ],
+            "{yaml}"
+        );
+        let back = AccelerateConfig::parse(&yaml, Path::new("g.yaml")).unwrap().config;
+        assert_eq!(back, c);
+        assert_eq!(back.sharding_strategy().unwrap(), ShardingStrategy::ShardOptim);
     }
 
     #[test]
@@ -929,10 +1226,16 @@ mod tests {
         assert!(e.contains("mixed_precision: expected one of \"no\", \"fp16\", \"bf16\", got `true`"), "{e}");
         // A misspelled distributed_type is refused; Accelerate's other names are launched as DDP (with a warning).
         let e = AccelerateConfig::parse("distributed_type: MULTI_GUP\n", Path::new("t.yaml")).unwrap_err().to_string();
-        assert!(e.contains("distributed_type: expected one of NO, MULTI_CPU, MULTI_GPU") && e.contains("FSDP"), "{e}");
-        assert!(e.ends_with("got `MULTI_GUP`"), "{e}");
+        assert!(e.contains("distributed_type: expected one of NO, MULTI_CPU, MULTI_GPU, FSDP (accel's), or"), "{e}");
+        assert!(
+            e.contains("(MULTI_NPU, MULTI_MLU,") && e.ends_with("which `accel launch` refuses, got `MULTI_GUP`"),
+            "{e}"
+        );
         for known in ["fsdp", "DEEPSPEED", "multi_npu"] {
             AccelerateConfig::parse(&format!("distributed_type: {known}\n"), Path::new("t.yaml")).unwrap();
         }
+        let c = AccelerateConfig::parse("distributed_type: fsdp\n", Path::new("t.yaml")).unwrap().config;
+        assert_eq!(c.distributed_type, DistributedType::Fsdp);
+        assert_eq!(c.distributed_type.as_str(), "FSDP");
     }
 }

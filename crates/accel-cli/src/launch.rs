@@ -6,6 +6,11 @@
 //! Workers get torchrun's variables from the launcher (RANK, LOCAL_RANK, WORLD_SIZE, ...) plus Accelerate's
 //! (`ACCELERATE_MIXED_PRECISION`, `ACCELERATE_USE_CPU`, `ACCELERATE_GRADIENT_ACCUMULATION_STEPS`, ...), which
 //! [`accel::AcceleratorConfig::from_env`] reads.
+//!
+//! Sharded data parallelism: `distributed_type: FSDP` makes the data-parallel processes dp_shard
+//! (`num_processes / (tp × pp)`) unless the `parallelism_config` block (or a flag) sets dp_shard or dp_replicate
+//! itself; what they shard is `--fsdp-sharding-strategy`, else the file's `fsdp_config`
+//! ([`AccelerateConfig::sharding_strategy`]), and reaches the workers as `FSDP_SHARDING_STRATEGY` when dp_shard > 1.
 
 use crate::args::LaunchArgs;
 use crate::config_file::{AccelerateConfig, DistributedType, ParallelismConfig};
@@ -52,11 +57,13 @@ pub struct LaunchPlan {
     pub num_cpu_threads_per_process: Option<usize>,
     /// Things the launch accepted but will not honour as asked (printed before it starts).
     pub warnings: Vec<String>,
-    /// Parallelism layout from the config file's `parallelism_config` block and the `--parallelism-config-*` and
-    /// `--pipeline-parallel-*` flags (`None` when neither gives one: data parallelism over all processes).
-    /// Validated against `num_processes` with the library's rules ([`ParallelismConfig::resolve`]); passed to the
-    /// workers as `PARALLELISM_CONFIG_*_SIZE` and, when set, `PARALLELISM_CONFIG_PP_{SCHEDULE,MICROBATCHES,
-    /// VIRTUAL_STAGES}` ([`ParallelismConfig::env_vars`]).
+    /// Parallelism layout from the config file's `parallelism_config` block (dp_shard over the data-parallel
+    /// processes for `distributed_type: FSDP`), the `--parallelism-config-*` and `--pipeline-parallel-*` flags and
+    /// the sharding strategy (`--fsdp-sharding-strategy`, else the file's) (`None` when none gives one: data
+    /// parallelism over all processes). Validated against `num_processes` with the library's rules
+    /// ([`ParallelismConfig::resolve`]); passed to the workers as `PARALLELISM_CONFIG_*_SIZE`, when set
+    /// `PARALLELISM_CONFIG_PP_{SCHEDULE,MICROBATCHES,VIRTUAL_STAGES}`, and with dp_shard > 1
+    /// `FSDP_SHARDING_STRATEGY` ([`ParallelismConfig::env_vars`]).
     pub parallelism: Option<ParallelismConfig>,
     /// Group restarts after a failure.
     pub max_restarts: usize,
@@ -80,10 +87,11 @@ impl LaunchPlan {
     /// `num_processes` divisible by `num_machines`, `machine_rank < num_machines`, an address and a fixed port for
     /// several machines, parallel sizes whose product is `num_processes` (or all 1), cp = 1, pipeline settings that
     /// fit pp ([`ParallelismConfig::validate_pipeline`]), and a layout the Accelerator can train (not dp_shard × pp
-    /// yet: refused here, once, rather than by every rank). Pipeline settings given with
-    /// pp 1 get a warning (nothing reads them).
+    /// yet, nor `fsdp_offload_params: true`: refused here, once, rather than by every rank). Pipeline
+    /// settings given with pp 1, and a sharding strategy given with dp_shard 1, get a warning (nothing reads them).
     pub fn resolve(flags: &LaunchArgs, file: Option<&AccelerateConfig>) -> CliResult<Self> {
         check_distributed_type(file)?;
+        check_fsdp_offload(file)?;
         let Counts { num_processes, num_machines, machine_rank } = resolve_counts(flags, file)?;
         let (main_process_ip, main_process_port) = resolve_rendezvous(flags, file, num_machines)?;
         let mixed_precision = resolve_mixed_precision(flags, file)?;
@@ -91,10 +99,11 @@ impl LaunchPlan {
         let use_cpu = resolve_use_cpu(flags, file, num_processes)?;
         let gpu_ids = resolve_gpu_ids(flags, file, use_cpu, num_processes / num_machines)?;
         let mut warnings: Vec<String> = rdzv_warning(flags, file).into_iter().collect();
-        let parallelism = resolve_parallelism(flags, file.and_then(|f| f.parallelism_config.as_ref()));
+        let parallelism = resolve_parallelism(flags, file, num_processes)?;
         if let Some(p) = &parallelism {
             check_parallelism(p, num_processes)?;
             warnings.extend(unused_pipeline_warning(p));
+            warnings.extend(unused_sharding_warning(p, flags, file, num_processes));
         }
         Ok(LaunchPlan {
             num_processes,
@@ -204,6 +213,7 @@ impl LaunchPlan {
             processes: self.num_processes,
             machines: self.num_machines,
             layout,
+            sharding: self.parallelism.as_ref().and_then(ParallelismConfig::sharding_string),
             pipeline: self.parallelism.as_ref().and_then(ParallelismConfig::pipeline_string),
             mixed_precision: self.mixed_precision.to_string(),
             gradient_accumulation_steps: self.gradient_accumulation_steps.unwrap_or(1),
@@ -257,11 +267,13 @@ pub fn describe_config(path: &Path, default_location: bool, file: &AccelerateCon
         file.gradient_accumulation_steps.filter(|k| *k > 1).map(|k| format!("gradient accumulation {k}")),
         flags.gradient_accumulation_steps.is_some(),
     );
+    note((file.distributed_type == DistributedType::Fsdp).then(|| "distributed_type FSDP".to_string()), false);
+    let strategy = file.sharding_strategy().unwrap_or_default();
     note(
         file.parallelism_config
             .as_ref()
             .filter(|p| !p.is_default_layout())
-            .map(|p| format!("the layout {}", p.layout_with_pipeline())),
+            .map(|p| format!("the layout {}", p.clone().with_sharding_strategy(strategy).layout_with_pipeline())),
         parallelism_flags_given(flags),
     );
     let mut parts = Vec::new();
@@ -279,17 +291,12 @@ pub fn describe_config(path: &Path, default_location: bool, file: &AccelerateCon
     format!("{} ({})", path.display(), parts.join("; "))
 }
 
-/// Refuses a config file whose `distributed_type` asks for something accel does not run (`FSDP`, `DEEPSPEED`,
+/// Refuses a config file whose `distributed_type` asks for something accel does not run (`DEEPSPEED`,
 /// `MEGATRON_LM`, `XLA`, other accelerators): running it as plain data parallelism would train something other
-/// than what the file says.
+/// than what the file says. (`FSDP` runs: sharded data parallelism, [`resolve_parallelism`].)
 fn check_distributed_type(file: Option<&AccelerateConfig>) -> CliResult<()> {
     let Some(DistributedType::Other(t)) = file.map(|f| &f.distributed_type) else { return Ok(()) };
     let (why, block) = match t.as_str() {
-        "FSDP" => (
-            "accel has no FSDP (parameters sharded between steps); it shards the optimizer state (ZeRO-1) with \
-             parallelism_config_dp_shard_size",
-            " (and remove fsdp_config)",
-        ),
         "DEEPSPEED" => ("accel has no DeepSpeed engine", " (and remove deepspeed_config)"),
         "MEGATRON_LM" => (
             "accel has no Megatron-LM plugin (its tensor parallelism is parallelism_config_tp_size)",
@@ -304,6 +311,21 @@ fn check_distributed_type(file: Option<&AccelerateConfig>) -> CliResult<()> {
             "{why}; for data parallelism set distributed_type to MULTI_CPU or MULTI_GPU{block}, or run `accel \
              config` again"
         ),
+    ))
+}
+
+/// Refuses `fsdp_offload_params: true`: accel keeps every shard on the device it trains on (CPU offload of the
+/// parameters is not implemented; on the CPU it would be the same memory).
+fn check_fsdp_offload(file: Option<&AccelerateConfig>) -> CliResult<()> {
+    if !file.is_some_and(AccelerateConfig::fsdp_offload_params) {
+        return Ok(());
+    }
+    Err(CliError::invalid(
+        "fsdp_offload_params",
+        "true",
+        "CPU offload of the parameters is not implemented (each rank keeps its shards on the device it trains on; \
+         on the CPU it would be the same memory); set fsdp_offload_params to false in fsdp_config, or run `accel \
+         config` again",
     ))
 }
 
@@ -466,7 +488,7 @@ fn resolve_tee(flags: &LaunchArgs) -> bool {
     }
 }
 
-/// Whether any `--parallelism-config-*` or `--pipeline-parallel-*` flag was given.
+/// Whether any `--parallelism-config-*`, `--pipeline-parallel-*` or `--fsdp-sharding-strategy` flag was given.
 fn parallelism_flags_given(flags: &LaunchArgs) -> bool {
     [
         flags.parallelism_config_dp_replicate_size,
@@ -480,6 +502,7 @@ fn parallelism_flags_given(flags: &LaunchArgs) -> bool {
     .iter()
     .any(Option::is_some)
         || flags.pipeline_parallel_schedule.is_some()
+        || flags.fsdp_sharding_strategy.is_some()
 }
 
 /// A warning for pipeline settings (schedule other than 1F1B, micro-batches, virtual stages) in a layout with pp 1,
@@ -509,10 +532,72 @@ fn unused_pipeline_warning(p: &ParallelismConfig) -> Option<String> {
     })
 }
 
+/// A warning for a sharding strategy that nothing reads: given (by `--fsdp-sharding-strategy` or the file's
+/// `fsdp_config`) while the layout has dp_shard 1, or `distributed_type: FSDP` whose block's dp_replicate leaves
+/// dp_shard at 1 on several processes.
+fn unused_sharding_warning(
+    p: &ParallelismConfig,
+    flags: &LaunchArgs,
+    file: Option<&AccelerateConfig>,
+    num_processes: usize,
+) -> Option<String> {
+    if p.dp_shard_size > 1 {
+        return None;
+    }
+    if flags.fsdp_sharding_strategy.is_some() || file.is_some_and(AccelerateConfig::sets_sharding_strategy) {
+        return Some(format!(
+            "fsdp_sharding_strategy {} only applies to sharded data parallelism and dp_shard_size is 1: ignored (set \
+             --parallelism-config-dp-shard-size or parallelism_config_dp_shard_size above 1, or distributed_type \
+             FSDP, to shard)",
+            p.sharding_strategy
+        ));
+    }
+    let fsdp = file.is_some_and(|f| f.distributed_type == DistributedType::Fsdp);
+    (fsdp && num_processes > 1 && p.dp_replicate_size > 1).then(|| {
+        format!(
+            "distributed_type FSDP with dp_replicate_size {} and dp_shard_size 1 shards nothing: the {} processes \
+             run plain data parallelism (leave dp_replicate_size and dp_shard_size 1 to shard over every \
+             data-parallel process, or set dp_shard_size)",
+            p.dp_replicate_size, num_processes
+        )
+    })
+}
+
 /// The config file's `parallelism_config` block with each `--parallelism-config-*` flag given overriding its
-/// size and each `--pipeline-parallel-*` flag its pipeline setting; `None` when neither the file nor a flag names
-/// one.
-fn resolve_parallelism(flags: &LaunchArgs, file: Option<&ParallelismConfig>) -> Option<ParallelismConfig> {
+/// size and each `--pipeline-parallel-*` flag its pipeline setting; under `distributed_type: FSDP`, when neither
+/// sets dp_shard nor dp_replicate above 1, the data-parallel processes (`num_processes / (tp × pp)`, when that
+/// divides) are dp_shard. The sharding strategy: `--fsdp-sharding-strategy`, else the file's
+/// ([`AccelerateConfig::sharding_strategy`]). `None` when neither the file nor a flag names a layout or a strategy
+/// and the file is not FSDP.
+fn resolve_parallelism(
+    flags: &LaunchArgs,
+    file: Option<&AccelerateConfig>,
+    num_processes: usize,
+) -> CliResult<Option<ParallelismConfig>> {
+    let fsdp = file.is_some_and(|f| f.distributed_type == DistributedType::Fsdp);
+    let block = file.and_then(|f| f.parallelism_config.as_ref());
+    let file_strategy = file.is_some_and(AccelerateConfig::sets_sharding_strategy);
+    if block.is_none() && !parallelism_flags_given(flags) && !fsdp && !file_strategy {
+        return Ok(None);
+    }
+    let mut p = layout_from_flags(flags, block);
+    if fsdp && p.dp_shard_size == 1 && p.dp_replicate_size == 1 {
+        let model = p.tp_size * p.pp_size * p.cp_size;
+        if model > 0 && num_processes.is_multiple_of(model) {
+            p.dp_shard_size = num_processes / model;
+        }
+    }
+    p.sharding_strategy = match (flags.fsdp_sharding_strategy, file) {
+        (Some(s), _) => s,
+        (None, Some(f)) => f.sharding_strategy()?,
+        (None, None) => p.sharding_strategy,
+    };
+    Ok(Some(p))
+}
+
+/// The file's `parallelism_config` block (else the defaults) with each `--parallelism-config-*` and
+/// `--pipeline-parallel-*` flag given overriding its setting.
+fn layout_from_flags(flags: &LaunchArgs, file: Option<&ParallelismConfig>) -> ParallelismConfig {
     let given = [
         flags.parallelism_config_dp_replicate_size,
         flags.parallelism_config_dp_shard_size,
@@ -520,9 +605,6 @@ fn resolve_parallelism(flags: &LaunchArgs, file: Option<&ParallelismConfig>) -> 
         flags.parallelism_config_pp_size,
         flags.parallelism_config_cp_size,
     ];
-    if file.is_none() && !parallelism_flags_given(flags) {
-        return None;
-    }
     let mut p = file.cloned().unwrap_or_default();
     for (flag, slot) in given.into_iter().zip([
         &mut p.dp_replicate_size,
@@ -544,7 +626,7 @@ fn resolve_parallelism(flags: &LaunchArgs, file: Option<&ParallelismConfig>) -> 
     if let Some(v) = flags.pipeline_parallel_virtual_stages {
         p.pp_virtual_stages = Some(v as usize);
     }
-    Some(p)
+    p
 }
 
 /// Checks that `program` can be started: a path must name an existing file, a bare name must be on PATH.
@@ -873,6 +955,161 @@ mod tests {
             d,
             "c.yaml (it set 4 processes; flags overrode its layout dp_replicate 2 × dp_shard 1 × tp 1 × pp 2 (GPipe, 2 \
              micro-batches))"
+        );
+    }
+
+    /// An FSDP file of `n` processes on the CPU, its `fsdp_config` holding `strategy` when given.
+    fn fsdp_file(n: usize, strategy: Option<&str>) -> AccelerateConfig {
+        let mut f = AccelerateConfig {
+            distributed_type: DistributedType::Fsdp,
+            num_processes: Some(n),
+            use_cpu: true,
+            ..AccelerateConfig::default()
+        };
+        if let Some(s) = strategy {
+            f.fsdp_config = Some([("fsdp_sharding_strategy".to_string(), serde_json::json!(s))].into());
+        }
+        f
+    }
+
+    #[test]
+    fn an_fsdp_file_shards_the_data_parallel_processes_with_its_strategy() {
+        use accel::ShardingStrategy::*;
+        // No block: the 4 processes are dp_shard, with the file's strategy, and the workers read back the same.
+        let p = LaunchPlan::resolve(&flags("p"), Some(&fsdp_file(4, Some("SHARD_GRAD_OP")))).unwrap();
+        assert_eq!(p.parallelism, Some(ParallelismConfig::default().with_dp_shard_size(4)));
+        assert!(p.warnings.is_empty(), "{:?}", p.warnings);
+        let env = p.worker_env();
+        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        assert_eq!(get("FSDP_SHARDING_STRATEGY"), Some("SHARD_GRAD_OP"));
+        assert_eq!(
+            (get("PARALLELISM_CONFIG_DP_SHARD_SIZE"), get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE")),
+            (Some("4"), Some("1"))
+        );
+        let back = accel::AcceleratorConfig::from_lookup(|k| get(k).map(str::to_string)).unwrap();
+        assert_eq!(Some(back.parallelism), p.parallelism);
+        // tp 2 from a flag: the 2 data-parallel processes shard.
+        let f = LaunchArgs { parallelism_config_tp_size: Some(2), ..flags("p") };
+        let p = LaunchPlan::resolve(&f, Some(&fsdp_file(4, Some("shard_optim")))).unwrap();
+        let want =
+            ParallelismConfig::default().with_tp_size(2).with_dp_shard_size(2).with_sharding_strategy(ShardOptim);
+        assert_eq!(p.parallelism, Some(want));
+        // A block that splits the data-parallel processes itself (HSDP) is kept.
+        let file = AccelerateConfig {
+            parallelism_config: Some(ParallelismConfig::data_parallel(2).with_dp_shard_size(2)),
+            ..fsdp_file(4, Some("NO_SHARD"))
+        };
+        let p = LaunchPlan::resolve(&flags("p"), Some(&file)).unwrap();
+        let want = ParallelismConfig::data_parallel(2).with_dp_shard_size(2).with_sharding_strategy(NoShard);
+        assert_eq!(p.parallelism, Some(want));
+        // No strategy: FULL_SHARD, as Accelerate, passed to the workers (who read back the same); the flag picks
+        // another.
+        let p = LaunchPlan::resolve(&flags("p"), Some(&fsdp_file(4, None))).unwrap();
+        assert_eq!(
+            p.parallelism,
+            Some(ParallelismConfig::default().with_dp_shard_size(4).with_sharding_strategy(FullShard))
+        );
+        assert!(p.warnings.is_empty(), "{:?}", p.warnings);
+        let env = p.worker_env();
+        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        assert_eq!(get("FSDP_SHARDING_STRATEGY"), Some("FULL_SHARD"));
+        assert_eq!(
+            (get("PARALLELISM_CONFIG_DP_SHARD_SIZE"), get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE")),
+            (Some("4"), Some("1"))
+        );
+        let back = accel::AcceleratorConfig::from_lookup(|k| get(k).map(str::to_string)).unwrap();
+        assert_eq!(back.parallelism.sharding_strategy, FullShard);
+        assert_eq!(Some(back.parallelism), p.parallelism);
+        let f = LaunchArgs { fsdp_sharding_strategy: Some(ShardGradOp), ..flags("p") };
+        let p = LaunchPlan::resolve(&f, Some(&fsdp_file(4, None))).unwrap();
+        assert_eq!(p.parallelism.as_ref().map(|p| (p.dp_shard_size, p.sharding_strategy)), Some((4, ShardGradOp)));
+        // The flag overrides the file's strategy.
+        let f = LaunchArgs { fsdp_sharding_strategy: Some(ShardOptim), ..flags("p") };
+        let p = LaunchPlan::resolve(&f, Some(&fsdp_file(4, Some("SHARD_GRAD_OP")))).unwrap();
+        assert!(p.worker_env().contains(&("FSDP_SHARDING_STRATEGY".to_string(), "SHARD_OPTIM".to_string())));
+        // One process: nothing to shard, nothing refused, no strategy passed.
+        let p = LaunchPlan::resolve(&flags("p"), Some(&fsdp_file(1, None))).unwrap();
+        assert_eq!(p.parallelism.as_ref().map(|p| p.dp_shard_size), Some(1));
+        assert!(p.worker_env().iter().all(|(k, _)| k != "FSDP_SHARDING_STRATEGY"));
+        assert!(p.warnings.is_empty(), "{:?}", p.warnings);
+    }
+
+    #[test]
+    fn a_data_parallel_layout_with_dp_shard_runs_zero_2_unless_told_otherwise() {
+        let file = AccelerateConfig {
+            distributed_type: DistributedType::MultiCpu,
+            num_processes: Some(4),
+            parallelism_config: Some(ParallelismConfig::data_parallel(2).with_dp_shard_size(2)),
+            ..AccelerateConfig::default()
+        };
+        let p = LaunchPlan::resolve(&flags("p"), Some(&file)).unwrap();
+        assert!(p.worker_env().contains(&("FSDP_SHARDING_STRATEGY".to_string(), "SHARD_GRAD_OP".to_string())));
+        let f = LaunchArgs { fsdp_sharding_strategy: Some(accel::ShardingStrategy::NoShard), ..flags("p") };
+        let p = LaunchPlan::resolve(&f, Some(&file)).unwrap();
+        assert!(p.worker_env().contains(&("FSDP_SHARDING_STRATEGY".to_string(), "NO_SHARD".to_string())));
+        // The flag with dp_shard 1: a warning, and nothing passed.
+        let f = LaunchArgs {
+            num_processes: Some(2),
+            fsdp_sharding_strategy: Some(accel::ShardingStrategy::ShardOptim),
+            ..flags("p")
+        };
+        let p = LaunchPlan::resolve(&f, None).unwrap();
+        assert_eq!(
+            p.warnings,
+            ["fsdp_sharding_strategy SHARD_OPTIM only applies to sharded data parallelism and dp_shard_size is 1: \
+              ignored (set --parallelism-config-dp-shard-size or parallelism_config_dp_shard_size above 1, or \
+              distributed_type FSDP, to shard)"]
+        );
+        assert!(p.worker_env().iter().all(|(k, _)| k != "FSDP_SHARDING_STRATEGY"));
+        // The same from the file's fsdp_config, without a layout block.
+        let mut file = AccelerateConfig { num_processes: Some(2), ..AccelerateConfig::default() };
+        file.set_sharding_strategy(accel::ShardingStrategy::NoShard);
+        let p = LaunchPlan::resolve(&flags("p"), Some(&file)).unwrap();
+        assert!(p.warnings[0].starts_with("fsdp_sharding_strategy NO_SHARD only applies to"), "{:?}", p.warnings);
+    }
+
+    #[test]
+    fn cpu_offload_is_refused_and_fsdp_replicas_that_shard_nothing_are_warned_about() {
+        let mut file = fsdp_file(4, Some("SHARD_GRAD_OP"));
+        file.fsdp_config.as_mut().unwrap().insert("fsdp_offload_params".into(), serde_json::json!(true));
+        let e = LaunchPlan::resolve(&flags("p"), Some(&file)).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "invalid fsdp_offload_params \"true\": CPU offload of the parameters is not implemented (each rank keeps \
+             its shards on the device it trains on; on the CPU it would be the same memory); set \
+             fsdp_offload_params to false in fsdp_config, or run `accel config` again"
+        );
+        file.fsdp_config.as_mut().unwrap().insert("fsdp_offload_params".into(), serde_json::json!(false));
+        LaunchPlan::resolve(&flags("p"), Some(&file)).unwrap();
+        // FSDP whose block replicates every data-parallel process: nothing shards, said once.
+        let file =
+            AccelerateConfig { parallelism_config: Some(ParallelismConfig::data_parallel(4)), ..fsdp_file(4, None) };
+        let p = LaunchPlan::resolve(&flags("p"), Some(&file)).unwrap();
+        assert_eq!(
+            p.warnings,
+            ["distributed_type FSDP with dp_replicate_size 4 and dp_shard_size 1 shards nothing: the 4 processes run \
+              plain data parallelism (leave dp_replicate_size and dp_shard_size 1 to shard over every data-parallel \
+              process, or set dp_shard_size)"]
+        );
+    }
+
+    #[test]
+    fn the_config_description_names_fsdp_and_the_sharding_strategy() {
+        let mut file = AccelerateConfig {
+            parallelism_config: Some(ParallelismConfig::data_parallel(2).with_dp_shard_size(2)),
+            ..fsdp_file(4, None)
+        };
+        file.fsdp_config = Some([("fsdp_reshard_after_forward".to_string(), serde_json::json!(false))].into());
+        assert_eq!(
+            describe_config(Path::new("c.yaml"), false, &file, &flags("p")),
+            "c.yaml (it set 4 processes, distributed_type FSDP, the layout dp_replicate 2 × dp_shard 2 \
+             (SHARD_GRAD_OP) × tp 1 × pp 1)"
+        );
+        let f = LaunchArgs { fsdp_sharding_strategy: Some(accel::ShardingStrategy::ShardOptim), ..flags("p") };
+        assert_eq!(
+            describe_config(Path::new("c.yaml"), false, &file, &f),
+            "c.yaml (it set 4 processes, distributed_type FSDP; flags overrode its layout dp_replicate 2 × dp_shard 2 \
+             (SHARD_GRAD_OP) × tp 1 × pp 1)"
         );
     }
 

@@ -9,6 +9,7 @@ use crate::config_file::{AccelerateConfig, DistributedType, ParallelismConfig};
 use crate::error::{CliError, CliResult};
 use accel::config::MixedPrecision;
 use accel::pipeline::ScheduleKind;
+use accel::ShardingStrategy;
 use std::io::{BufRead, Write};
 
 /// How many invalid answers to one question are tolerated before giving up.
@@ -27,9 +28,12 @@ pub struct MachineDefaults {
 ///
 /// Order: CPU or GPU; number of machines; for several machines this machine's rank, the main machine's address
 /// and port and whether all share a network; total number of processes; for more than one process the
-/// tensor-parallel and pipeline-parallel sizes (the data-parallel size is what remains: processes / (tp × pp)), and
-/// with pp above 1 the pipeline schedule (default 1F1B) and micro-batches per step (default one per stage); GPU
-/// ids; mixed precision. A `parallelism_config` block is written only when tp or pp is above 1.
+/// tensor-parallel and pipeline-parallel sizes (the data-parallel size is what remains: processes / (tp × pp)),
+/// without pp the data-parallel processes that shard (dp_shard) and, above 1, what they shard (default
+/// SHARD_GRAD_OP, written as `fsdp_config: {fsdp_sharding_strategy: ...}`), with pp above 1 the pipeline schedule
+/// (default 1F1B) and micro-batches per step (default one per stage); GPU ids; mixed precision. A
+/// `parallelism_config` block is written only when tp, pp or dp_shard is above 1; `distributed_type` stays
+/// `MULTI_CPU` / `MULTI_GPU` (the block and `fsdp_config` say what is sharded).
 ///
 /// Errors: [`CliError::Questionnaire`] when the input ends or a question got [`MAX_ATTEMPTS`] invalid answers.
 pub fn ask(input: &mut dyn BufRead, out: &mut dyn Write, machine: MachineDefaults) -> CliResult<AccelerateConfig> {
@@ -110,6 +114,11 @@ pub fn ask(input: &mut dyn BufRead, out: &mut dyn Write, machine: MachineDefault
     }
     if num_processes > 1 {
         cfg.parallelism_config = ask_parallelism(&mut q, num_processes, per_machine)?;
+        if let Some(p) = cfg.parallelism_config.as_mut().filter(|p| p.dp_shard_size > 1) {
+            // The strategy lives in `fsdp_config` (Accelerate's place for it); the block keeps its serialised keys.
+            let s = std::mem::take(&mut p.sharding_strategy);
+            cfg.set_sharding_strategy(s);
+        }
     }
 
     if !use_cpu {
@@ -153,10 +162,12 @@ const CPU_PRECISION_COSTS: &str =
      computes about 7x slower than f32 on a CPU\n";
 
 /// The tensor-parallel and pipeline-parallel sizes (each must divide what is left of the processes), without pp the
-/// data-parallel processes the optimizer state is sharded over (dp_shard, ZeRO-1) and, with pp >
-/// 1, the pipeline schedule and micro-batches (checked with the library's rules,
-/// [`ParallelismConfig::validate_pipeline`]); `None` when tp and pp are 1 (data parallelism over all processes
-/// needs no block). The micro-batches are written only when they are not the default (one per stage).
+/// data-parallel processes that shard (dp_shard) and, above 1, what they shard ([`ShardingStrategy`], in the
+/// returned config's `sharding_strategy`: SHARD_GRAD_OP, FULL_SHARD, SHARD_OPTIM or NO_SHARD; FULL_SHARD said to
+/// need a model built from the prepared model's `param_builder`) and, with pp > 1, the pipeline schedule and
+/// micro-batches (checked with the library's rules, [`ParallelismConfig::validate_pipeline`]); `None` when tp, pp
+/// and dp_shard are 1 (data parallelism over all processes needs no block). The micro-batches are written only
+/// when they are not the default (one per stage).
 fn ask_parallelism(
     q: &mut Asker<'_>,
     num_processes: usize,
@@ -182,16 +193,37 @@ fn ask_parallelism(
     let mut p = ParallelismConfig::data_parallel(num_processes / (tp * pp)).with_tp_size(tp).with_pp_size(pp);
     let dp = num_processes / (tp * pp);
     if pp == 1 && dp > 1 {
-        // Sharded optimizer state (ZeRO-1) over some of the data-parallel processes; the rest replicate (HSDP).
+        // Sharded data parallelism over some of the data-parallel processes; the rest replicate (HSDP).
         let shard = q.ask(
             &format!(
-                "Shard the optimizer state over how many of the {dp} data-parallel processes (dp_shard, ZeRO-1: \
-                 1/dp_shard of the AdamW moments per process; 1 = off)?"
+                "Shard the training state over how many of the {dp} data-parallel processes (dp_shard, ZeRO / FSDP: \
+                 each holds 1/dp_shard of what is sharded; 1 = off)?"
             ),
             Some("1"),
             |s| dividing("dp_shard", s, dp),
         )?;
         p = p.with_dp_replicate_size(dp / shard).with_dp_shard_size(shard);
+        if shard > 1 {
+            let choices = SHARDING_CHOICES.map(|s| s.name()).join("/");
+            p.sharding_strategy = q.ask(
+                &format!(
+                    "What do the dp_shard processes shard? [{choices}] (SHARD_GRAD_OP, ZeRO-2: gradients and optimizer \
+                     state; FULL_SHARD, ZeRO-3: the parameters too; SHARD_OPTIM, ZeRO-1: optimizer state; NO_SHARD: \
+                     nothing, plain DDP)"
+                ),
+                Some(ShardingStrategy::default().name()),
+                |s| {
+                    s.parse::<ShardingStrategy>()
+                        .map_err(|_| format!("choose one of {}", SHARDING_CHOICES.map(|s| s.name()).join(", ")))
+                },
+            )?;
+            if p.sharding_strategy == ShardingStrategy::FullShard {
+                q.say(
+                    "  with FULL_SHARD the program must build its model from the prepared model's param_builder() \
+                     after prepare_model (as accel_gpt does); a candle VarBuilder model is refused\n",
+                )?;
+            }
+        }
     }
     if pp > 1 {
         q.say("  with pp above 1 the program must split its model into pipeline stages (as accel_gpt does)\n")?;
@@ -215,6 +247,14 @@ fn ask_parallelism(
     }
     Ok((tp > 1 || pp > 1 || p.dp_shard_size > 1).then_some(p))
 }
+
+/// The sharding strategies `accel config` offers, the default first, then from the most sharded down.
+const SHARDING_CHOICES: [ShardingStrategy; 4] = [
+    ShardingStrategy::ShardGradOp,
+    ShardingStrategy::FullShard,
+    ShardingStrategy::ShardOptim,
+    ShardingStrategy::NoShard,
+];
 
 /// A size ≥ 1 that divides `processes` (what is left of the job for this dimension and the ones after it).
 fn dividing(what: &str, s: &str, processes: usize) -> Result<usize, String> {
@@ -423,16 +463,81 @@ mod tests {
     }
 
     #[test]
-    fn without_pp_the_sharded_optimizer_state_is_asked_and_checked() {
-        // cpu; 1 machine; 4 processes; tp 1; pp 1; dp_shard 3 (refused: 4 data-parallel processes) then 2; no.
-        let (cfg, out) = run("cpu\n1\n4\n\n\n3\n2\nno\n", 0);
-        assert_eq!(cfg.unwrap().parallelism_config, Some(ParallelismConfig::data_parallel(2).with_dp_shard_size(2)));
-        assert!(out.contains("Shard the optimizer state over how many of the 4 data-parallel processes"), "{out}");
+    fn without_pp_the_sharded_data_parallel_processes_and_their_strategy_are_asked_and_checked() {
+        // cpu; 1 machine; 4 processes; tp 1; pp 1; dp_shard 3 (refused: 4 data-parallel processes) then 2; the
+        // default strategy; no.
+        let (cfg, out) = run("cpu\n1\n4\n\n\n3\n2\n\nno\n", 0);
+        let cfg = cfg.unwrap();
+        assert_eq!(cfg.parallelism_config, Some(ParallelismConfig::data_parallel(2).with_dp_shard_size(2)));
+        assert_eq!(cfg.sharding_strategy().unwrap(), ShardingStrategy::ShardGradOp);
+        assert_eq!(cfg.distributed_type, DistributedType::MultiCpu, "the type stays; fsdp_config says what shards");
+        let block = cfg.fsdp_config.as_ref().unwrap();
+        assert_eq!(serde_json::to_string(block).unwrap(), r#"{"fsdp_sharding_strategy":"SHARD_GRAD_OP"}"#);
+        assert!(
+            out.contains(
+                "Shard the training state over how many of the 4 data-parallel processes (dp_shard, ZeRO / FSDP: \
+                 each holds 1/dp_shard of what is sharded; 1 = off)? (default: 1): "
+            ),
+            "{out}"
+        );
         assert!(out.contains("invalid answer \"3\": dp_shard 3 does not divide the 4 processes left for it"), "{out}");
-        // With tp 2: 2 data-parallel processes left, both sharding.
-        let (cfg, _) = run("cpu\n1\n4\n2\n\n2\nno\n", 0);
+        assert!(
+            out.contains(
+                "What do the dp_shard processes shard? [SHARD_GRAD_OP/FULL_SHARD/SHARD_OPTIM/NO_SHARD] \
+                 (SHARD_GRAD_OP, ZeRO-2: gradients and optimizer state; FULL_SHARD, ZeRO-3: the parameters too; \
+                 SHARD_OPTIM, ZeRO-1: optimizer state; NO_SHARD: nothing, plain DDP) (default: SHARD_GRAD_OP): "
+            ),
+            "{out}"
+        );
+        assert!(!out.contains("with FULL_SHARD"), "{out}");
+        // With tp 2: 2 data-parallel processes left, both sharding; a typo is re-asked, saying why; FULL_SHARD is
+        // taken, with what it needs of the program.
+        let (cfg, out) = run("cpu\n1\n4\n2\n\n2\nzero\nFULL_SHARD\nno\n", 0);
+        let cfg = cfg.unwrap();
+        // The block keeps the sizes; the strategy goes to `fsdp_config`, where Accelerate keeps it.
         let want = ParallelismConfig::data_parallel(1).with_tp_size(2).with_dp_shard_size(2);
-        assert_eq!(cfg.unwrap().parallelism_config, Some(want));
+        assert_eq!(cfg.parallelism_config, Some(want));
+        assert_eq!(cfg.sharding_strategy().unwrap(), ShardingStrategy::FullShard);
+        assert_eq!(
+            serde_json::to_string(cfg.fsdp_config.as_ref().unwrap()).unwrap(),
+            r#"{"fsdp_sharding_strategy":"FULL_SHARD"}"#
+        );
+        assert!(
+            out.contains("invalid answer \"zero\": choose one of SHARD_GRAD_OP, FULL_SHARD, SHARD_OPTIM, NO_SHARD\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains(
+                "  with FULL_SHARD the program must build its model from the prepared model's param_builder() after \
+                 prepare_model (as accel_gpt does); a candle VarBuilder model is refused\n"
+            ),
+            "{out}"
+        );
+        // Another spelling of a strategy is read as it (HYBRID_SHARD: FULL_SHARD over dp_shard).
+        let (cfg, _) = run("cpu\n1\n4\n\n\n2\nhybrid_shard\nno\n", 0);
+        assert_eq!(cfg.unwrap().sharding_strategy().unwrap(), ShardingStrategy::FullShard);
+        let (cfg, _) = run("cpu\n1\n4\n\n\n2\nshard_optim\nno\n", 0);
+        assert_eq!(cfg.unwrap().sharding_strategy().unwrap(), ShardingStrategy::ShardOptim);
+        // dp_shard 1: no strategy question, no fsdp_config.
+        let (cfg, out) = run("cpu\n1\n4\n\n\n\nno\n", 0);
+        let cfg = cfg.unwrap();
+        assert_eq!((cfg.parallelism_config, cfg.fsdp_config), (None, None));
+        assert!(!out.contains("What do the dp_shard processes shard?"), "{out}");
+    }
+
+    #[test]
+    fn a_sharded_config_round_trips_through_its_file() {
+        // cpu; 1 machine; 4 processes; tp 1; pp 1; dp_shard 4; NO_SHARD; no.
+        let (cfg, _) = run("cpu\n1\n4\n\n\n4\nno_shard\nno\n", 0);
+        let cfg = cfg.unwrap();
+        let yaml = cfg.to_yaml().unwrap();
+        assert!(yaml.contains("distributed_type: MULTI_CPU\n"), "{yaml}");
+        assert!(yaml.contains("fsdp_config:\n  fsdp_sharding_strategy: NO_SHARD\n"), "{yaml}");
+        assert!(yaml.contains("  parallelism_config_dp_shard_size: 4\n"), "{yaml}");
+        let back = AccelerateConfig::parse(&yaml, std::path::Path::new("c.yaml")).unwrap();
+        assert_eq!(back.config, cfg);
+        assert!(back.warnings.is_empty(), "{:?}", back.warnings);
+        assert_eq!(back.config.sharding_strategy().unwrap(), ShardingStrategy::NoShard);
     }
 
     #[test]

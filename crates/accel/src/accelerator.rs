@@ -372,6 +372,7 @@ impl Accelerator {
             self.tensor_parallel(),
             self.device(),
             &self.inner.config.ddp,
+            self.inner.config.parallelism.sharding_strategy,
             varmap,
         )?;
         adjust(&mut model);
@@ -788,6 +789,7 @@ impl Accelerator {
             processes: self.world_size(),
             machines,
             layout: self.mesh().shape(),
+            sharding: self.inner.parallelism.sharding_string(),
             pipeline: self.inner.parallelism.pipeline_string(),
             mixed_precision: self.mixed_precision().to_string(),
             gradient_accumulation_steps: self.gradient_accumulation_steps(),

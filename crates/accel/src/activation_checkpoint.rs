@@ -57,6 +57,31 @@ pub fn block(
     if !enabled() {
         return forward(x);
     }
+    checkpointed(x, forward)
+}
+
+/// One FULL_SHARD unit (FSDP's wrapped module; Zhao et al. 2023, "PyTorch FSDP", §3.1): `forward(x)` builds the
+/// unit from a gathering [`crate::ParamBuilder`] (`PreparedModel::param_builder`) and runs it. In a recorded
+/// forward (a segmented backward: `pipeline_backward` at pp 1, `backward_segments`, the Trainer) it is always
+/// checkpointed — its gathered weights and activations are dropped when it returns, and the backward pass gathers
+/// the weights again, recomputes the unit and reduce-scatters its gradients before the next unit's backward — so
+/// at most one unit's whole weights are alive at a time. Elsewhere (a plain `backward`, evaluation) it runs as it
+/// is and the graph keeps its gathered weights until the backward pass. The gradients are the same either way.
+///
+/// Errors: `forward`'s.
+pub fn unit(
+    x: &Tensor,
+    forward: impl Fn(&Tensor) -> candle_core::Result<Tensor> + 'static,
+) -> candle_core::Result<Tensor> {
+    checkpointed(x, forward)
+}
+
+/// `forward` under [`crate::segments::checkpoint`], run again under the forward's dropout context; recomputations
+/// counted.
+fn checkpointed(
+    x: &Tensor,
+    forward: impl Fn(&Tensor) -> candle_core::Result<Tensor> + 'static,
+) -> candle_core::Result<Tensor> {
     let ctx = dropout_context();
     let first = Cell::new(true); // the forward's own run is not a recomputation
     crate::segments::checkpoint(x, move |x| {

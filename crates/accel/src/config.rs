@@ -199,9 +199,9 @@ impl Default for AcceleratorConfig {
 impl AcceleratorConfig {
     /// Defaults overridden by the variables `accel launch` sets (`ACCELERATE_MIXED_PRECISION`,
     /// `ACCELERATE_GRADIENT_ACCUMULATION_STEPS`, `ACCELERATE_USE_CPU`, `ACCELERATE_SEED`, our `ACCEL_DDP_COMM_HOOK`, and the
-    /// `PARALLELISM_CONFIG_{DP_REPLICATE,DP_SHARD,TP,CP,PP}_SIZE` sizes and the pipeline's
-    /// `PARALLELISM_CONFIG_PP_{SCHEDULE,MICROBATCHES,VIRTUAL_STAGES}`). A malformed value is an error naming the
-    /// variable and the accepted values.
+    /// `PARALLELISM_CONFIG_{DP_REPLICATE,DP_SHARD,TP,CP,PP}_SIZE` sizes, the pipeline's
+    /// `PARALLELISM_CONFIG_PP_{SCHEDULE,MICROBATCHES,VIRTUAL_STAGES}` and the sharding strategy
+    /// `FSDP_SHARDING_STRATEGY`). A malformed value is an error naming the variable and the accepted values.
     pub fn from_env() -> Result<Self> {
         Self::from_lookup(|k| std::env::var(k).ok())
     }

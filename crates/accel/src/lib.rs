@@ -42,6 +42,7 @@ pub mod optim;
 pub mod parallelism;
 pub mod pipeline;
 pub mod scheduler;
+pub mod sharding;
 pub mod state;
 mod step;
 pub mod tensor_parallel;
@@ -63,6 +64,7 @@ pub use mixed_precision::{GradScaler, GradScalerConfig};
 pub use model::PreparedModel;
 pub use optim::{AcceleratedOptimizer, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 pub use parallelism::ParallelismConfig;
+pub use sharding::ShardingStrategy;
 pub use step::StepCounters;
 pub use tensor_parallel::{ParamBuilder, ParamInit, ParamLayout, TensorParallel};
 #[cfg(feature = "tensorboard")]

@@ -41,8 +41,20 @@
 //! stages per rank: fewer would leave stages idle most of the step); `Interleaved1F1B` takes the micro-batches in
 //! groups of pp, so their count is a multiple of pp (Megatron's rule). The variables are written by
 //! [`ParallelismConfig::env_vars`] only when set (the schedule: when not 1F1B), so the defaults travel as absence.
+//!
+//! ## Sharding strategy (read only when dp_shard > 1)
+//!
+//! What the dp_shard group shards, [`ParallelismConfig::sharding_strategy`] ([`ShardingStrategy`]: FSDP's names
+//! mapped to the ZeRO stages). Not a key of the `parallelism_config` block: Accelerate keeps it in its
+//! `fsdp_config` block (`fsdp_sharding_strategy`, which `accel launch` reads) and passes it to the workers as
+//! [`SHARDING_STRATEGY_ENV`] (`FSDP_SHARDING_STRATEGY`), which [`ParallelismConfig::with_overrides_from`] reads
+//! (FSDP's names, `SHARD_OPTIM`, or torch's numbers 1-5; an empty value is unset) and
+//! [`ParallelismConfig::env_vars`] writes only when dp_shard > 1. Default `SHARD_GRAD_OP` (ZeRO-2). `FULL_SHARD`
+//! (ZeRO-3) asks more of the program: its model is built for training from the prepared model's
+//! [`crate::PreparedModel::param_builder`] (each weight gathered at each use), not from a candle `VarBuilder`.
 
 use crate::pipeline::ScheduleKind;
+use crate::sharding::ShardingStrategy;
 use crate::{AccelError, Result};
 use ddp_core::MeshShape;
 use serde::{Deserialize, Serialize};
@@ -66,6 +78,12 @@ pub const PP_SCHEDULE_ENV: &str = "PARALLELISM_CONFIG_PP_SCHEDULE";
 pub const PP_MICROBATCHES_ENV: &str = "PARALLELISM_CONFIG_PP_MICROBATCHES";
 /// Environment variable: stages per pp rank (ours; YAML `pipeline_parallel_virtual_stages`).
 pub const PP_VIRTUAL_STAGES_ENV: &str = "PARALLELISM_CONFIG_PP_VIRTUAL_STAGES";
+/// Environment variable: what the dp_shard group shards ([`ShardingStrategy`]; the name `accelerate launch` sets
+/// for FSDP runs). Written by [`ParallelismConfig::env_vars`] only when dp_shard > 1.
+pub const SHARDING_STRATEGY_ENV: &str = "FSDP_SHARDING_STRATEGY";
+/// The config key that sets the sharding strategy, in Accelerate's `fsdp_config` block (also `accel launch`'s flag
+/// `--fsdp-sharding-strategy`).
+pub const SHARDING_STRATEGY_KEY: &str = "fsdp_sharding_strategy";
 
 /// Keys of the YAML `parallelism_config` block, Accelerate's and ours (sorted; the aliases are in
 /// [`ALIAS_KEYS`]).
@@ -103,8 +121,7 @@ pub struct ParallelismConfig {
     /// Data-parallel replicas (DDP): ranks holding the same model piece and seeing different data.
     #[serde(rename = "parallelism_config_dp_replicate_size", alias = "data_parallel_size", default = "one")]
     pub dp_replicate_size: usize,
-    /// Sharded data parallelism (ZeRO / FSDP's shard dimension). A valid mesh layout; the Accelerator refuses
-    /// it until sharded data parallelism is implemented.
+    /// Sharded data parallelism (ZeRO / FSDP's shard dimension): what it shards is [`Self::sharding_strategy`].
     #[serde(rename = "parallelism_config_dp_shard_size", default = "one")]
     pub dp_shard_size: usize,
     /// Pipeline ranks (ours; Accelerate has none): the model is cut into pp × [`Self::pp_stages_per_rank`]
@@ -132,6 +149,11 @@ pub struct ParallelismConfig {
     /// Interleaved1F1B, 1 otherwise. Only read when pp > 1.
     #[serde(rename = "pipeline_parallel_virtual_stages", default, skip_serializing_if = "Option::is_none")]
     pub pp_virtual_stages: Option<usize>,
+    /// What the dp_shard group shards (FSDP's names: [`ShardingStrategy`]); only read when dp_shard > 1. Not a
+    /// key of this block: Accelerate keeps it in `fsdp_config` (`fsdp_sharding_strategy`), and
+    /// `accel launch` passes it as `FSDP_SHARDING_STRATEGY` ([`SHARDING_STRATEGY_ENV`]).
+    #[serde(skip)]
+    pub sharding_strategy: ShardingStrategy,
 }
 
 fn is_default_schedule(s: &ScheduleKind) -> bool {
@@ -158,6 +180,7 @@ impl Default for ParallelismConfig {
             pp_microbatches: None,
             pp_schedule: ScheduleKind::default(),
             pp_virtual_stages: None,
+            sharding_strategy: ShardingStrategy::default(),
         }
     }
 }
@@ -185,6 +208,12 @@ impl ParallelismConfig {
     /// Builder: sets the sharded data-parallel size.
     pub fn with_dp_shard_size(mut self, n: usize) -> Self {
         self.dp_shard_size = n;
+        self
+    }
+
+    /// Builder: sets what the dp_shard group shards.
+    pub fn with_sharding_strategy(mut self, s: ShardingStrategy) -> Self {
+        self.sharding_strategy = s;
         self
     }
 
@@ -243,12 +272,14 @@ impl ParallelismConfig {
     }
 
     /// Overrides the sizes with the variables present in `get` ([`DP_REPLICATE_SIZE_ENV`], [`DP_SHARD_SIZE_ENV`],
-    /// [`TP_SIZE_ENV`], [`CP_SIZE_ENV`], [`PP_SIZE_ENV`], [`CP_COMM_STRATEGY_ENV`] verbatim) and the pipeline
-    /// settings ([`PP_SCHEDULE_ENV`], [`PP_MICROBATCHES_ENV`], [`PP_VIRTUAL_STAGES_ENV`]); absent variables keep
+    /// [`TP_SIZE_ENV`], [`CP_SIZE_ENV`], [`PP_SIZE_ENV`], [`CP_COMM_STRATEGY_ENV`] verbatim), the pipeline
+    /// settings ([`PP_SCHEDULE_ENV`], [`PP_MICROBATCHES_ENV`], [`PP_VIRTUAL_STAGES_ENV`]) and the sharding strategy
+    /// ([`SHARDING_STRATEGY_ENV`], `FSDP_SHARDING_STRATEGY`: an empty value counts as unset); absent variables keep
     /// the field.
     ///
     /// Errors: [`AccelError::Config`] naming the variable and its value when a size, the micro-batches or the
-    /// virtual stages are not a whole number ≥ 1, or the schedule is none of `GPipe`, `1F1B`, `Interleaved1F1B`.
+    /// virtual stages are not a whole number ≥ 1, the schedule is none of `GPipe`, `1F1B`, `Interleaved1F1B`, or
+    /// the sharding strategy none of [`ShardingStrategy::NAMES`].
     pub fn with_overrides_from(mut self, get: impl Fn(&str) -> Option<String>) -> Result<Self> {
         for (var, slot) in [
             (DP_REPLICATE_SIZE_ENV, &mut self.dp_replicate_size),
@@ -277,12 +308,20 @@ impl ParallelismConfig {
         if let Some(v) = get(PP_VIRTUAL_STAGES_ENV) {
             self.pp_virtual_stages = Some(whole_number(PP_VIRTUAL_STAGES_ENV, v, "model stages per pp rank")?);
         }
+        if let Some(v) = get(SHARDING_STRATEGY_ENV).filter(|v| !v.trim().is_empty()) {
+            self.sharding_strategy = v.parse().map_err(|_| AccelError::Config {
+                key: SHARDING_STRATEGY_ENV.into(),
+                value: v.clone(),
+                reason: format!("expected one of {} (what the dp_shard group shards)", ShardingStrategy::NAMES),
+            })?;
+        }
         Ok(self)
     }
 
     /// The variables that carry this config to the workers of a launcher (`PARALLELISM_CONFIG_*`, what
-    /// [`Self::from_env`] reads): every size, the cp strategy when set, and the pipeline settings when they are
-    /// not the defaults (the schedule when not 1F1B, the micro-batches and virtual stages when set).
+    /// [`Self::from_env`] reads): every size, the cp strategy when set, the pipeline settings when they are
+    /// not the defaults (the schedule when not 1F1B, the micro-batches and virtual stages when set), and
+    /// `FSDP_SHARDING_STRATEGY` when dp_shard > 1 (the only layouts that read it).
     pub fn env_vars(&self) -> Vec<(String, String)> {
         let mut env: Vec<(String, String)> = [
             (DP_REPLICATE_SIZE_ENV, self.dp_replicate_size),
@@ -305,6 +344,9 @@ impl ParallelismConfig {
         }
         if let Some(v) = self.pp_virtual_stages {
             env.push((PP_VIRTUAL_STAGES_ENV.to_string(), v.to_string()));
+        }
+        if self.dp_shard_size > 1 {
+            env.push((SHARDING_STRATEGY_ENV.to_string(), self.sharding_strategy.name().to_string()));
         }
         env
     }
@@ -479,10 +521,11 @@ impl ParallelismConfig {
         Ok(MeshShape::new(r.pp_size, r.dp_replicate_size, r.dp_shard_size, r.tp_size)?)
     }
 
-    /// Checks that the [`crate::Accelerator`] can train this layout. Sharded data parallelism (dp_shard > 1:
-    /// ZeRO-1, sharded optimizer state) trains alone, with dp_replicate (HSDP) and with tp; pipeline parallelism
-    /// (pp > 1) trains when the program splits its model into stages (as `accel_gpt` does); the two together are
-    /// not implemented yet.
+    /// Checks that the [`crate::Accelerator`] can train this layout. Sharded data parallelism (dp_shard > 1)
+    /// trains alone, with dp_replicate (HSDP) and with tp, in every stage: `NO_SHARD`, `SHARD_OPTIM` (ZeRO-1),
+    /// `SHARD_GRAD_OP` (ZeRO-2) and `FULL_SHARD` (ZeRO-3, whose model is built from
+    /// [`crate::PreparedModel::param_builder`] after `prepare_model`); pipeline parallelism (pp > 1) trains when
+    /// the program splits its model into stages (as `accel_gpt` does). Not implemented yet: the two together.
     ///
     /// Errors: [`AccelError::Config`] naming the size and what to use instead.
     pub fn check_accelerator_support(&self) -> Result<()> {
@@ -490,8 +533,8 @@ impl ParallelismConfig {
     }
 
     /// [`Self::check_accelerator_support`] for a job of `world_size` processes, checked before the sizes are
-    /// matched to it (so that a launcher refuses dp_shard first, in one message): what would run on
-    /// `world_size` processes instead, dp_shard folded into dp_replicate and the tp and pp sizes kept.
+    /// matched to it (so that a launcher refuses dp_shard first, in one message): for dp_shard × pp, what would
+    /// run on `world_size` processes instead, dp_shard folded into dp_replicate and the tp and pp sizes kept.
     pub fn check_accelerator_support_on(&self, world_size: usize) -> Result<()> {
         if self.dp_shard_size <= 1 || self.pp_size <= 1 {
             return Ok(());
@@ -517,12 +560,21 @@ impl ParallelismConfig {
         })
     }
 
-    /// The four sizes a mesh lays out, `dp_replicate 2 × dp_shard 1 × tp 2 × pp 1` (cp, always 1 here, left out).
+    /// The four sizes a mesh lays out, `dp_replicate 2 × dp_shard 1 × tp 2 × pp 1` (cp, always 1 here, left out),
+    /// with the sharding strategy after dp_shard when dp_shard > 1: `dp_replicate 1 × dp_shard 2 (SHARD_GRAD_OP) ×
+    /// tp 1 × pp 1`.
     pub fn layout_string(&self) -> String {
+        let sharding = self.sharding_string().map(|s| format!(" ({s})")).unwrap_or_default();
         format!(
-            "dp_replicate {} × dp_shard {} × tp {} × pp {}",
+            "dp_replicate {} × dp_shard {}{sharding} × tp {} × pp {}",
             self.dp_replicate_size, self.dp_shard_size, self.tp_size, self.pp_size
         )
+    }
+
+    /// The sharding strategy's name when dp_shard > 1 (`SHARD_GRAD_OP`), as the layout shows it after dp_shard;
+    /// `None` when dp_shard is 1 (nothing is sharded, the strategy is not read).
+    pub fn sharding_string(&self) -> Option<String> {
+        (self.dp_shard_size > 1).then(|| self.sharding_strategy.name().to_string())
     }
 
     /// The pipeline schedule when pp > 1, as the run banner appends it to the layout: `1F1B, 4 micro-batches`,
@@ -702,7 +754,7 @@ mod tests {
             ),
             "{e:?}"
         );
-        // Sharded data parallelism alone, with dp_replicate (HSDP) and with tp: trainable (ZeRO-1).
+        // Sharded data parallelism alone, with dp_replicate (HSDP) and with tp: trainable (the default, ZeRO-2).
         ParallelismConfig::default().with_dp_shard_size(2).check_accelerator_support().unwrap();
         ParallelismConfig::data_parallel(2).with_dp_shard_size(2).with_tp_size(2).check_accelerator_support().unwrap();
         // tp × pp that does not divide the processes: no layout to name.
@@ -721,6 +773,108 @@ mod tests {
                 .ends_with("set dp_shard_size 1, and tp_size and pp_size whose product divides 3"),
             "{e:?}"
         );
+    }
+
+    #[test]
+    fn the_sharding_strategy_variable_is_read_and_written_only_with_dp_shard() {
+        use ShardingStrategy::*;
+        let read =
+            |v: &str| ParallelismConfig::default().with_overrides_from(lookup(&[(SHARDING_STRATEGY_ENV, v)])).unwrap();
+        assert_eq!(SHARDING_STRATEGY_ENV, "FSDP_SHARDING_STRATEGY");
+        assert_eq!(read("SHARD_OPTIM").sharding_strategy, ShardOptim);
+        assert_eq!(read(" full_shard ").sharding_strategy, FullShard);
+        assert_eq!(read("NO_SHARD").sharding_strategy, NoShard);
+        // Torch's numbers, as older Accelerate versions write them: 1 FULL_SHARD, 2 SHARD_GRAD_OP, 3 NO_SHARD.
+        assert_eq!(["1", "2", "3"].map(|v| read(v).sharding_strategy), [FullShard, ShardGradOp, NoShard]);
+        // Empty is unset: what code set is kept (and the default is ZeRO-2).
+        let kept = ParallelismConfig::default()
+            .with_sharding_strategy(NoShard)
+            .with_overrides_from(lookup(&[(SHARDING_STRATEGY_ENV, "  ")]))
+            .unwrap();
+        assert_eq!(kept.sharding_strategy, NoShard);
+        assert_eq!(read("").sharding_strategy, ShardGradOp);
+        // Written only when dp_shard > 1, after the sizes, and read back into the same config.
+        let names = |p: &ParallelismConfig| p.env_vars().into_iter().map(|(k, _)| k).collect::<Vec<_>>();
+        let unsharded = ParallelismConfig::data_parallel(2).with_sharding_strategy(ShardOptim);
+        assert_eq!(
+            names(&unsharded),
+            [DP_REPLICATE_SIZE_ENV, DP_SHARD_SIZE_ENV, TP_SIZE_ENV, CP_SIZE_ENV, PP_SIZE_ENV]
+        );
+        let p = ParallelismConfig::data_parallel(2).with_dp_shard_size(2).with_sharding_strategy(ShardOptim);
+        let env = p.env_vars();
+        assert_eq!(env.last(), Some(&("FSDP_SHARDING_STRATEGY".to_string(), "SHARD_OPTIM".to_string())));
+        assert_eq!(env.len(), 6);
+        let back = ParallelismConfig::default()
+            .with_overrides_from(|k| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()))
+            .unwrap();
+        assert_eq!(back, p);
+        let p = ParallelismConfig::default().with_dp_shard_size(4);
+        assert_eq!(p.env_vars().last().map(|(_, v)| v.as_str()), Some("SHARD_GRAD_OP"));
+    }
+
+    #[test]
+    fn a_bad_sharding_strategy_variable_is_named_with_the_accepted_names() {
+        let e = ParallelismConfig::default()
+            .with_overrides_from(lookup(&[(SHARDING_STRATEGY_ENV, "ZERO3")]))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "invalid configuration FSDP_SHARDING_STRATEGY = \"ZERO3\": expected one of NO_SHARD, SHARD_OPTIM (ZeRO-1), \
+             SHARD_GRAD_OP (ZeRO-2), FULL_SHARD (ZeRO-3), HYBRID_SHARD, _HYBRID_SHARD_ZERO2, or torch's numbers 1-5 \
+             (what the dp_shard group shards)"
+        );
+        let e = ParallelismConfig::default().with_overrides_from(lookup(&[(SHARDING_STRATEGY_ENV, "6")])).unwrap_err();
+        assert!(e.to_string().starts_with("invalid configuration FSDP_SHARDING_STRATEGY = \"6\": expected one of"));
+    }
+
+    #[test]
+    fn every_sharding_strategy_is_accepted_with_dp_shard_and_dp_shard_with_pp_is_refused_first() {
+        use ShardingStrategy::*;
+        let sharded = |s| ParallelismConfig::default().with_dp_shard_size(2).with_sharding_strategy(s);
+        // Every stage trains alone, with dp_replicate (HSDP) and with tp, on any world size (checked before the
+        // sizes); at dp_shard 1 the strategy is not read.
+        for s in [NoShard, ShardOptim, ShardGradOp, FullShard] {
+            sharded(s).check_accelerator_support().unwrap();
+            sharded(s).with_tp_size(2).check_accelerator_support_on(3).unwrap();
+            ParallelismConfig::data_parallel(2)
+                .with_dp_shard_size(2)
+                .with_sharding_strategy(s)
+                .check_accelerator_support_on(4)
+                .unwrap();
+        }
+        ParallelismConfig::data_parallel(4).with_sharding_strategy(FullShard).check_accelerator_support().unwrap();
+        // dp_shard × pp stays refused, whatever the strategy, with its own message.
+        for s in [ShardGradOp, FullShard] {
+            let e = sharded(s).with_pp_size(2).check_accelerator_support().unwrap_err();
+            assert!(matches!(e, AccelError::Config { ref key, .. } if key == "parallelism_config_dp_shard_size"));
+            assert_eq!(
+                e.to_string(),
+                "invalid configuration parallelism_config_dp_shard_size = \"2\": the Accelerator cannot combine \
+                 sharded data parallelism with pipeline stages yet (dp_shard runs with dp_replicate and tp); on the \
+                 same 4 processes set dp_shard_size 1 and dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 1 × \
+                 pp 2 runs)"
+            );
+        }
+    }
+
+    #[test]
+    fn the_layout_names_the_sharding_strategy_only_with_dp_shard() {
+        use ShardingStrategy::*;
+        assert_eq!(
+            ParallelismConfig::default().with_dp_shard_size(2).layout_string(),
+            "dp_replicate 1 × dp_shard 2 (SHARD_GRAD_OP) × tp 1 × pp 1"
+        );
+        let p = ParallelismConfig::data_parallel(2)
+            .with_dp_shard_size(2)
+            .with_tp_size(2)
+            .with_sharding_strategy(ShardOptim);
+        assert_eq!(p.layout_with_pipeline(), "dp_replicate 2 × dp_shard 2 (SHARD_OPTIM) × tp 2 × pp 1");
+        assert_eq!(p.sharding_string().as_deref(), Some("SHARD_OPTIM"));
+        // Without sharding the layout reads as before, whatever the strategy.
+        let p = ParallelismConfig::data_parallel(2).with_sharding_strategy(FullShard);
+        assert_eq!(p.layout_string(), "dp_replicate 2 × dp_shard 1 × tp 1 × pp 1");
+        assert_eq!(p.sharding_string(), None);
     }
 
     #[test]

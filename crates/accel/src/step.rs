@@ -327,8 +327,12 @@ impl StepController {
             _ => {
                 segments.backward(loss, |_, mut store| -> Result<()> {
                     for ((m, g), seen) in models.iter().zip(grads.iter_mut()).zip(&mut received) {
-                        for (i, p) in m.parameters().iter().enumerate() {
-                            if let Some(grad) = store.remove(p.as_tensor()) {
+                        // The segment's gradients are one bucket: what a ZeRO-2 group reduce-scatters now.
+                        let mut micro: Vec<Option<Tensor>> =
+                            m.parameters().iter().map(|p| store.remove(p.as_tensor())).collect();
+                        m.reduce_micro_batch(&mut micro)?;
+                        for (i, grad) in micro.into_iter().enumerate() {
+                            if let Some(grad) = grad {
                                 g.add(i, grad)?;
                                 seen[i] = true;
                             }
@@ -403,17 +407,7 @@ impl StepController {
         if g.synced {
             g.clear();
         }
-        let mut missing = Vec::new();
-        for (i, grad) in grads.into_iter().enumerate() {
-            match grad {
-                Some(grad) => g.add(i, grad)?,
-                None if model.find_unused_parameters() => {}
-                None => missing.push(model.names()[i].clone()),
-            }
-        }
-        if !missing.is_empty() {
-            return Err(ddp_core::DdpError::UnusedParameters { names: missing }.into());
-        }
+        add_gradients(g, model, grads)?;
         if sync {
             model.reduce_gradients(&mut g.slots)?;
             g.synced = true;
@@ -568,13 +562,14 @@ impl StepController {
             let g = &mut st.grads[m.index()];
             for (i, (name, p)) in m.names().iter().zip(m.master_weights()).enumerate() {
                 if let Some(t) = sd.tensors.get(&format!("{}.{name}", m.index())) {
-                    if t.shape() != p.shape() {
+                    let want = m.gradient_dims(i);
+                    if t.dims() != want.as_slice() {
                         return Err(AccelError::InvalidArgument(format!(
-                            "saved gradient of {name:?} has shape {:?} but the parameter has {:?}: the checkpoint was taken \
-                             inside an accumulation window by another model; resume from a checkpoint at an \
-                             optimizer-step boundary, or with the model that wrote it",
+                            "saved gradient of {name:?} has shape {:?} but this run keeps it as {want:?}: the \
+                             checkpoint was taken inside an accumulation window by another model or another \
+                             sharding (ZeRO-2 keeps a rank's chunk); resume from a checkpoint at an optimizer-step \
+                             boundary, or with the model and layout that wrote it",
                             t.shape(),
-                            p.shape()
                         )));
                     }
                     g.slots[i] = Some(t.to_device(p.device())?.to_dtype(candle_core::DType::F32)?);
@@ -638,16 +633,36 @@ fn add_micro_batch(g: &mut Gradients, model: &PreparedModel, store: &mut GradSto
     if g.synced {
         g.clear();
     }
-    let mut missing = Vec::new();
-    for (i, p) in model.parameters().iter().enumerate() {
-        match store.remove(p.as_tensor()) {
-            Some(grad) => g.add(i, grad)?,
-            None if model.find_unused_parameters() => {}
-            None => missing.push(model.names()[i].clone()),
-        }
-    }
+    let micro = model.parameters().iter().map(|p| store.remove(p.as_tensor())).collect();
+    add_gradients(g, model, micro)
+}
+
+/// Adds one micro-batch's gradients (`micro[i]` for parameter `i`) to `g`'s slots after the model's strategies
+/// made them what the slots accumulate (ZeRO-2 reduce-scatters them), with the unused-parameter check.
+fn add_gradients(g: &mut Gradients, model: &PreparedModel, mut micro: Vec<Option<Tensor>>) -> Result<()> {
+    let missing: Vec<String> = micro
+        .iter()
+        .zip(model.names())
+        .filter(|(grad, _)| grad.is_none() && !model.find_unused_parameters())
+        .map(|(_, n)| n.clone())
+        .collect();
     if !missing.is_empty() {
+        if model.is_fully_sharded() && missing.len() == micro.len() {
+            // The usual cause: the model computed with weights it built before prepare_model sharded them.
+            return Err(AccelError::Usage(
+                "FULL_SHARD: no parameter of the prepared model got a gradient — the forward pass used weights \
+                 built before prepare_model replaced them with this rank's chunks; build the model for training \
+                 from model.param_builder() after prepare_model (it gathers the weights at each use)"
+                    .into(),
+            ));
+        }
         return Err(ddp_core::DdpError::UnusedParameters { names: missing }.into());
+    }
+    model.reduce_micro_batch(&mut micro)?;
+    for (i, grad) in micro.into_iter().enumerate() {
+        if let Some(grad) = grad {
+            g.add(i, grad)?;
+        }
     }
     Ok(())
 }

@@ -26,8 +26,8 @@
 //! [`DistributedDataParallel::accumulate_gradients`]) and the next synced call averages the sum.
 
 mod bucket;
-mod fingerprint;
-mod flat;
+pub(crate) mod fingerprint;
+pub(crate) mod flat;
 mod overlap;
 mod pieces;
 

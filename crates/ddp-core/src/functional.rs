@@ -8,6 +8,7 @@
 //! | [`reduce_from_group`] (*g*) | all-reduce (sum) | identity |
 //! | [`gather_from_group`] | all-gather along `dim` | keep this rank's chunk |
 //! | [`split_to_group`] | keep this rank's chunk along `dim` | all-gather along `dim` |
+//! | [`gather_shards`] (FSDP's unshard) | all-gather of 1-D chunks | reduce-scatter (sum) |
 //!
 //! Each backward runs its collective once: an all-reduce whose backward also all-reduced would multiply the
 //! gradient by the group size (pytorch#58005). Every rank of the group must call the same functions in the
@@ -80,6 +81,9 @@ enum Backward {
     Chunk { dim: usize, rank: usize, len: usize },
     /// The gradient all-gathered along `dim` (split).
     AllGather { dim: usize, pg: ProcessGroup },
+    /// The gradient reduce-scattered (summed) over the group, this rank's chunk kept (gather_shards), after the
+    /// guard agreed.
+    ReduceScatter { pg: ProcessGroup, guard: Option<BackwardGuard> },
 }
 
 /// `TakeSecond(x, v)`: forward returns `v`'s values (computed from `x` by a collective outside the graph); the
@@ -94,6 +98,7 @@ impl CustomOp2 for TakeSecond {
             Backward::Identity => "reduce-from-group",
             Backward::Chunk { .. } => "gather-from-group",
             Backward::AllGather { .. } => "split-to-group",
+            Backward::ReduceScatter { .. } => "gather-shards",
         }
     }
 
@@ -129,9 +134,50 @@ impl CustomOp2 for TakeSecond {
             Backward::Identity => grad.clone(),
             Backward::Chunk { dim, rank, len } => grad.narrow(*dim, rank * len, *len)?,
             Backward::AllGather { dim, pg } => all_gather_dim(pg, grad, *dim).map_err(wrap)?,
+            Backward::ReduceScatter { pg, guard } => {
+                if let Some(guard) = guard {
+                    guard().map_err(candle_core::Error::Msg)?;
+                }
+                pg.reduce_scatter_tensor(&grad.contiguous()?, ReduceOp::Sum).map_err(wrap)?
+            }
         };
         Ok((Some(g), None))
     }
+}
+
+/// A fully sharded parameter made whole for one use (FSDP's unshard; ZeRO stage 3, Rajbhandari et al. 2020 §5.3):
+/// forward all-gathers every rank's 1-D `chunk` (`[c]`, the same length on every rank) into `[world · c]` in
+/// group-rank order; backward reduce-scatters the gradient of the whole (summed over the group, not averaged) and
+/// gives each rank the gradient of its own chunk. The whole tensor lives as long as the graph that uses it: a
+/// caller that must not keep it recomputes the use at the backward pass (activation checkpointing, as FSDP units
+/// are). A one-rank group returns `chunk` itself.
+///
+/// Errors: `chunk` not 1-D; the collectives'.
+pub fn gather_shards(chunk: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
+    gather_shards_guarded(chunk, pg, None)
+}
+
+/// A check run by a backward pass before it reduce-scatters a gathered parameter's gradient: `Err(reason)` fails
+/// the backward with the reason (e.g. the whole parameter was gathered before an optimizer step and used after
+/// it: a stale copy).
+pub type BackwardGuard = std::sync::Arc<dyn Fn() -> std::result::Result<(), String> + Send + Sync>;
+
+/// [`gather_shards`] whose backward first runs `guard` (see [`BackwardGuard`]).
+///
+/// Errors: as [`gather_shards`].
+pub fn gather_shards_guarded(chunk: &Tensor, pg: &ProcessGroup, guard: Option<BackwardGuard>) -> Result<Tensor> {
+    if chunk.rank() != 1 {
+        return Err(DdpError::InvalidArgument(format!(
+            "gather_shards: a shard is a 1-D chunk, got shape {:?} (flatten the parameter and cut it into equal \
+             chunks first)",
+            chunk.dims()
+        )));
+    }
+    if pg.world_size() == 1 {
+        return Ok(chunk.clone());
+    }
+    let whole = pg.all_gather_tensor(&chunk.detach())?;
+    attach(chunk, whole, Backward::ReduceScatter { pg: pg.clone(), guard })
 }
 
 /// All-gather of `x` along `dim` (chunks in group-rank order), outside the autograd graph.

@@ -9,6 +9,12 @@
 //! - [`DistributedSampler`]: per-rank sample indices with PyTorch's arithmetic.
 //! - [`DistributedDataParallel`]: bucketed, averaged gradient all-reduce for candle `Var`s, overlapped with the
 //!   backward pass when the model marks [`segments`] (cut points).
+//! - [`ZeroRedundancyOptimizer`] ([`zero`]): PyTorch's `ZeroRedundancyOptimizer` — each rank's optimizer keeps
+//!   state for its own chunk of every parameter (AdamW's moments: `1/N` of the model per rank); a step
+//!   reduce-scatters the gradients (mean), steps the chunks and all-gathers them into the parameters (`2Ψ` per
+//!   step, like DDP's all-reduce; Rajbhandari et al. 2020, ZeRO §5.1). [`zero::FlatChunk`] and
+//!   [`zero::FlatShards`] are the sharding primitives (chunking, rank-major reduce-scatter with hooks and HSDP,
+//!   all-gather) the Accelerator's ZeRO stages use too.
 //! - [`launcher`]: spawn N workers with torchrun's environment and fail fast when one dies.
 //!
 //! The computation these collectives serve — fused training ops, the optimizers, the state-dict format — is
@@ -53,6 +59,7 @@ pub mod sync;
 mod tensor_ops;
 pub mod token;
 pub mod traffic;
+pub mod zero;
 
 pub use backend::{Backend, BackendKind, PiecewiseBuffer};
 pub use ddp::{CommHook, DdpOptions, DistributedDataParallel, Overlap};
@@ -66,6 +73,7 @@ pub use sampler::DistributedSampler;
 pub use store::{PrefixStore, Store, TcpStore, TcpStoreServer};
 pub use token::{RunToken, RUN_TOKEN_ENV};
 pub use traffic::{OpTraffic, TrafficStats};
+pub use zero::ZeroRedundancyOptimizer;
 
 // Handles users move into threads must stay Send + Sync (checked at compile time, tokio-style).
 #[allow(dead_code)]
@@ -83,5 +91,7 @@ const _: () = {
         assert_send_sync::<RunToken>();
         assert_send_sync::<DistributedDataParallel>();
         assert_send_sync::<DeviceMesh>();
+        assert_send_sync::<zero::FlatShards>();
+        assert_send_sync::<ZeroRedundancyOptimizer<candle_nn::AdamW>>();
     }
 };

@@ -45,6 +45,23 @@ impl TrafficStats {
         self.ops().iter().map(|o| o.calls).sum()
     }
 
+    /// The bytes this rank sends over the links when a group of `n` ranks runs these calls with ring algorithms
+    /// (Patarasuk & Yuan 2009; NCCL's and gloo's large-message choice): an all-reduce sends 2(n−1)/n of its
+    /// payload, a reduce-scatter (n−1)/n of its input, an all-gather n−1 times its input (every other rank's
+    /// chunk passes through), a broadcast, send or recv its payload once. What a formula such as ZeRO's 2Ψ / 3Ψ
+    /// per step (for large n) is compared with; the shared-memory backend moves the same data through memory.
+    pub fn ring_bytes(&self, n: usize) -> u64 {
+        if n <= 1 {
+            return 0;
+        }
+        let (n, m) = (n as u64, n as u64 - 1);
+        2 * m * self.all_reduce.bytes / n
+            + m * self.reduce_scatter.bytes / n
+            + m * self.all_gather.bytes
+            + self.broadcast.bytes
+            + self.send.bytes
+    }
+
     fn ops(&self) -> [OpTraffic; 6] {
         [self.all_reduce, self.broadcast, self.all_gather, self.reduce_scatter, self.send, self.recv]
     }
@@ -104,5 +121,23 @@ impl TrafficCounters {
             send: get(Op::Send),
             recv: get(Op::Recv),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{OpTraffic, TrafficStats};
+
+    #[test]
+    fn ring_bytes_follow_the_ring_algorithms() {
+        let op = |bytes| OpTraffic { calls: 1, bytes };
+        // ZeRO-2 on 4 ranks, Ψ = 400 B: a reduce-scatter of the whole gradient and an all-gather of a 100 B chunk.
+        let zero = TrafficStats { reduce_scatter: op(400), all_gather: op(100), ..Default::default() };
+        assert_eq!(zero.ring_bytes(4), 300 + 300); // 2Ψ(n−1)/n, as DDP's all-reduce:
+        let ddp = TrafficStats { all_reduce: op(400), ..Default::default() };
+        assert_eq!(ddp.ring_bytes(4), 600);
+        assert_eq!(ddp.ring_bytes(1), 0);
+        let p2p = TrafficStats { send: op(8), recv: op(8), broadcast: op(4), ..Default::default() };
+        assert_eq!(p2p.ring_bytes(2), 12);
     }
 }

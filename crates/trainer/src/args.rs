@@ -7,6 +7,9 @@
 //! load_best_model_at_end, greater_is_better from the metric name, eval_steps = logging_steps) and validates;
 //! every error names the field and the fix.
 //!
+//! Sharded data parallelism is HF's `fsdp` (its words: `shard_grad_op`, `full_shard`, `hybrid_shard`, `no_shard`,
+//! ... plus our `shard_optim`; [`TrainingArguments::fsdp_plan`], [`FsdpPlan::apply`]); `fsdp_config` is not read.
+//!
 //! Differences from HF on purpose: `mixed_precision` ("no" | "fp16" | "bf16") replaces the `fp16`/`bf16` booleans;
 //! `optim` is "adamw" (alias "adamw_torch") or "sgd" (with `sgd_momentum`); early stopping can be configured here
 //! (`early_stopping_patience`, `early_stopping_threshold`) instead of only through a callback; `report_to` knows
@@ -22,6 +25,7 @@ use std::str::FromStr;
 
 use accel::config::MixedPrecision;
 use accel::scheduler::SchedulerKind;
+use accel::{ParallelismConfig, ShardingStrategy};
 use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::config_file;
@@ -179,6 +183,21 @@ impl<'de> Deserialize<'de> for ReportTo {
     }
 }
 
+/// `fsdp`: HF's string of words, or a list of them (joined by spaces); null is unset.
+fn de_fsdp<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Option<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        One(String),
+        Many(Vec<String>),
+    }
+    Ok(match Option::<Raw>::deserialize(d)? {
+        None => None,
+        Some(Raw::One(s)) => Some(s),
+        Some(Raw::Many(words)) => Some(words.join(" ")),
+    })
+}
+
 fn de_scheduler<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<SchedulerKind, D::Error> {
     let s = String::deserialize(d)?;
     s.parse().map_err(|e: accel::AccelError| serde::de::Error::custom(e.to_string()))
@@ -323,6 +342,16 @@ training_arguments! {
     /// Recompute each model block's activations in the backward pass instead of keeping them (the blocks the
     /// model wraps in accel::activation_checkpoint::block; HF's gradient_checkpointing).
     gradient_checkpointing: bool = false;
+    /// Sharded data parallelism (HF's fsdp): words separated by spaces (or a list). One sharding word:
+    /// shard_grad_op (ZeRO-2: gradients and optimizer state), shard_optim (ZeRO-1: optimizer state), no_shard
+    /// (plain DDP), full_shard (ZeRO-3: the parameters too; the model must be built from the ParamBuilder, as
+    /// Trainer::new_parallel and new_pipelined models are, not Trainer::new's VarBuilder models), hybrid_shard /
+    /// hybrid_shard_zero2 (full_shard / shard_grad_op within dp_shard, replicated over dp_replicate: the layout
+    /// must set both above 1); none = full_shard, as HF. auto_wrap is accepted and ignored (there is no wrapping
+    /// policy to choose: the units are the model's own blocks); offload is refused. Unless the layout already has
+    /// dp_shard above 1, every data-parallel process shards (dp_shard = the data-parallel size, dp_replicate 1).
+    #[serde(deserialize_with = "de_fsdp")]
+    fsdp: Option<String> = None;
     /// Peak learning rate (after warmup).
     learning_rate: f64 = 5e-5;
     /// Weight decay (decoupled for AdamW, L2 for SGD).
@@ -520,7 +549,8 @@ impl TrainingArguments {
         self.check_save_best()?;
         self.check_early_stopping()?;
         self.check_outputs()?;
-        self.check_resume()
+        self.check_resume()?;
+        self.fsdp_plan().map(|_| ())
     }
 
     /// Batch sizes and accumulation of at least 1; some training to do (epochs or `max_steps`).
@@ -764,6 +794,107 @@ impl TrainingArguments {
     /// Whether `resume_from_checkpoint` asks for the newest checkpoint ("latest" or "true").
     pub fn resume_latest(&self) -> bool {
         self.resume_from_checkpoint.as_deref().is_some_and(|r| matches!(r.trim(), "latest" | "true" | "True"))
+    }
+}
+
+/// What HF's `fsdp` words ask for ([`TrainingArguments::fsdp_plan`]): the sharding strategy, and whether the
+/// shards are hybrid (sharded within dp_shard groups, replicated over dp_replicate: `hybrid_shard*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FsdpPlan {
+    /// What the dp_shard processes shard.
+    pub strategy: ShardingStrategy,
+    /// `hybrid_shard` / `hybrid_shard_zero2`: the layout must already give dp_shard and dp_replicate above 1.
+    pub hybrid: bool,
+}
+
+/// `fsdp`'s sharding words (HF's `FSDPOption`s and our `shard_optim`), their strategy and whether they are hybrid.
+const FSDP_SHARDING_WORDS: [(&str, ShardingStrategy, bool); 6] = [
+    ("full_shard", ShardingStrategy::FullShard, false),
+    ("shard_grad_op", ShardingStrategy::ShardGradOp, false),
+    ("shard_optim", ShardingStrategy::ShardOptim, false),
+    ("no_shard", ShardingStrategy::NoShard, false),
+    ("hybrid_shard", ShardingStrategy::FullShard, true),
+    ("hybrid_shard_zero2", ShardingStrategy::ShardGradOp, true),
+];
+
+impl TrainingArguments {
+    /// `fsdp` read: `None` when unset or empty; else the strategy of its one sharding word (FULL_SHARD without
+    /// one, HF's default), `auto_wrap` ignored.
+    ///
+    /// Errors ([`TrainerError::InvalidArgument`] on `fsdp`): an unknown word, `offload`, two sharding words.
+    pub fn fsdp_plan(&self) -> Result<Option<FsdpPlan>> {
+        let Some(text) = self.fsdp.as_deref().filter(|t| !t.trim().is_empty()) else { return Ok(None) };
+        let mut chosen: Option<(&str, FsdpPlan)> = None;
+        for word in text.split_whitespace() {
+            let w = word.to_ascii_lowercase();
+            if w == "auto_wrap" {
+                continue;
+            }
+            if w == "offload" {
+                return Err(err(
+                    "fsdp",
+                    "\"offload\" (CPU offload of the parameters) is not implemented: each rank keeps its shards on \
+                     the device it trains on (on the CPU it would be the same memory); remove it",
+                ));
+            }
+            let Some(&(name, strategy, hybrid)) = FSDP_SHARDING_WORDS.iter().find(|(n, ..)| *n == w) else {
+                let known: Vec<&str> = FSDP_SHARDING_WORDS.iter().map(|(n, ..)| *n).collect();
+                return Err(err(
+                    "fsdp",
+                    format!("unknown word {word:?} in {text:?}; use one of {}, plus auto_wrap", known.join(", ")),
+                ));
+            };
+            if let Some((first, _)) = chosen.filter(|(first, _)| *first != name) {
+                return Err(err(
+                    "fsdp",
+                    format!("{text:?} names two sharding strategies, {first} and {name}; keep one"),
+                ));
+            }
+            chosen = Some((name, FsdpPlan { strategy, hybrid }));
+        }
+        Ok(Some(chosen.map_or(FsdpPlan { strategy: ShardingStrategy::FullShard, hybrid: false }, |(_, p)| p)))
+    }
+}
+
+impl FsdpPlan {
+    /// The layout `layout` becomes on `world_size` processes with this plan: its sharding strategy set, and,
+    /// unless it already has dp_shard above 1, every data-parallel process made dp_shard (dp_shard = the resolved
+    /// dp_replicate, dp_replicate 1: HF's FSDP over all ranks). A hybrid plan keeps the layout, which must give
+    /// dp_shard and dp_replicate above 1. A layout that does not fit `world_size` is returned with only the
+    /// strategy set (the Accelerator names what fits). Then the Accelerator's support check
+    /// ([`ParallelismConfig::check_accelerator_support_on`]: dp_shard × pp), its refusal named as `fsdp`'s.
+    ///
+    /// Errors ([`TrainerError::InvalidArgument`] on `fsdp`): a hybrid plan on a layout without both, a layout the
+    /// Accelerator refuses.
+    pub fn apply(self, layout: &ParallelismConfig, world_size: usize, fsdp: &str) -> Result<ParallelismConfig> {
+        let set = layout.clone().with_sharding_strategy(self.strategy);
+        let Ok(resolved) = set.resolve(world_size) else { return Ok(set) };
+        let p = if self.hybrid {
+            if resolved.dp_shard_size < 2 || resolved.dp_replicate_size < 2 {
+                return Err(err(
+                    "fsdp",
+                    format!(
+                        "{fsdp:?} shards within dp_shard groups replicated over dp_replicate, so the layout must set \
+                         both above 1 (PARALLELISM_CONFIG_DP_SHARD_SIZE and PARALLELISM_CONFIG_DP_REPLICATE_SIZE: \
+                         accel launch --parallelism-config-dp-shard-size and --parallelism-config-dp-replicate-size, \
+                         or Trainer::parallelism_config); it is {} on {world_size} processes",
+                        resolved.layout_string()
+                    ),
+                ));
+            }
+            resolved
+        } else if resolved.dp_shard_size == 1 {
+            ParallelismConfig { dp_shard_size: resolved.dp_replicate_size, dp_replicate_size: 1, ..resolved }
+        } else {
+            resolved
+        };
+        p.check_accelerator_support_on(world_size).map_err(|e| {
+            err(
+                "fsdp",
+                format!("{fsdp:?} lays the processes out as {}, which the Accelerator refuses: {e}", p.layout_string()),
+            )
+        })?;
+        Ok(p)
     }
 }
 
@@ -1028,6 +1159,155 @@ mod tests {
             TrainingArguments { metric_for_best_model: Some(" ".into()), ..d() },
             "metric_for_best_model",
             &["empty"],
+        );
+    }
+
+    fn plan(fsdp: &str) -> Result<Option<FsdpPlan>> {
+        TrainingArguments { fsdp: Some(fsdp.into()), ..Default::default() }.fsdp_plan()
+    }
+
+    #[test]
+    fn fsdp_words_pick_the_sharding_strategy_as_hf_names_them() {
+        use ShardingStrategy::*;
+        let p = |strategy, hybrid| Some(FsdpPlan { strategy, hybrid });
+        assert_eq!(plan("full_shard auto_wrap").unwrap(), p(FullShard, false));
+        assert_eq!(plan("shard_grad_op").unwrap(), p(ShardGradOp, false));
+        assert_eq!(plan(" auto_wrap  SHARD_OPTIM ").unwrap(), p(ShardOptim, false));
+        assert_eq!(plan("no_shard").unwrap(), p(NoShard, false));
+        assert_eq!(plan("hybrid_shard").unwrap(), p(FullShard, true));
+        assert_eq!(plan("hybrid_shard_zero2 auto_wrap").unwrap(), p(ShardGradOp, true));
+        // No sharding word: FULL_SHARD, HF's default; the same word twice is one.
+        assert_eq!(plan("auto_wrap").unwrap(), p(FullShard, false));
+        assert_eq!(plan("shard_grad_op shard_grad_op").unwrap(), p(ShardGradOp, false));
+        // Unset or empty: no FSDP.
+        assert_eq!(plan("  ").unwrap(), None);
+        assert_eq!(TrainingArguments::default().fsdp_plan().unwrap(), None);
+        assert_eq!(TrainingArguments::default().fsdp, None);
+    }
+
+    #[test]
+    fn fsdp_refuses_offload_unknown_words_and_two_strategies_naming_the_argument() {
+        let msg = |fsdp: &str| plan(fsdp).unwrap_err().to_string();
+        assert_eq!(
+            msg("full_shard offload"),
+            "invalid training argument `fsdp`: \"offload\" (CPU offload of the parameters) is not implemented: each \
+             rank keeps its shards on the device it trains on (on the CPU it would be the same memory); remove it"
+        );
+        assert_eq!(
+            msg("shard_grad_op zero2"),
+            "invalid training argument `fsdp`: unknown word \"zero2\" in \"shard_grad_op zero2\"; use one of \
+             full_shard, shard_grad_op, shard_optim, no_shard, hybrid_shard, hybrid_shard_zero2, plus auto_wrap"
+        );
+        assert_eq!(
+            msg("full_shard shard_grad_op"),
+            "invalid training argument `fsdp`: \"full_shard shard_grad_op\" names two sharding strategies, \
+             full_shard and shard_grad_op; keep one"
+        );
+        // validate() (and so finalize) checks it, naming the field.
+        let mut a = TrainingArguments { fsdp: Some("offload".into()), ..Default::default() };
+        assert_eq!(field_of(a.finalize().unwrap_err()), "fsdp");
+    }
+
+    #[test]
+    fn fsdp_comes_from_files_as_a_string_or_a_list_and_from_the_flag() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("t.yaml");
+        std::fs::write(&file, "fsdp: shard_grad_op auto_wrap\n").unwrap();
+        assert_eq!(TrainingArguments::from_file(&file).unwrap().fsdp.as_deref(), Some("shard_grad_op auto_wrap"));
+        std::fs::write(&file, "fsdp: [shard_optim, auto_wrap]\n").unwrap();
+        let a = TrainingArguments::from_file(&file).unwrap();
+        assert_eq!(a.fsdp.as_deref(), Some("shard_optim auto_wrap"));
+        // Written back as one string, read back the same.
+        let yaml = a.to_yaml().unwrap();
+        assert!(yaml.contains("fsdp: shard_optim auto_wrap\n"), "{yaml}");
+        assert_eq!(TrainingArguments::from_yaml_str(&yaml).unwrap(), a);
+        let json = dir.path().join("t.json");
+        std::fs::write(&json, r#"{"fsdp": ["no_shard"]}"#).unwrap();
+        assert_eq!(TrainingArguments::from_file(&json).unwrap().fsdp.as_deref(), Some("no_shard"));
+        std::fs::write(&file, "fsdp_strategy: shard_grad_op\n").unwrap();
+        let e = TrainingArguments::from_file(&file).unwrap_err().to_string();
+        assert!(e.contains("unknown key `fsdp_strategy`"), "{e}");
+        // Both flag spellings; the flag beats the file; a bad word is refused when resolved.
+        std::fs::write(&file, "fsdp: full_shard\n").unwrap();
+        let a = cli(&["--config", file.to_str().unwrap(), "--fsdp", "shard_grad_op auto_wrap"])
+            .resolve(TrainingArguments::default())
+            .unwrap();
+        assert_eq!(a.fsdp.as_deref(), Some("shard_grad_op auto_wrap"));
+        let a = cli(&["--fsdp", "no_shard"]).resolve(TrainingArguments::default()).unwrap();
+        assert_eq!(a.fsdp.as_deref(), Some("no_shard"));
+        let e = cli(&["--fsdp", "offload"]).resolve(TrainingArguments::default()).unwrap_err();
+        assert_eq!(field_of(e), "fsdp");
+    }
+
+    #[test]
+    fn fsdp_makes_every_data_parallel_process_shard_unless_the_layout_shards_already() {
+        use ShardingStrategy::*;
+        let zero2 = FsdpPlan { strategy: ShardGradOp, hybrid: false };
+        let zero1 = FsdpPlan { strategy: ShardOptim, hybrid: false };
+        let default = ParallelismConfig::default();
+        // Every size 1 on 4 processes: data parallel over all four, which become dp_shard.
+        assert_eq!(zero2.apply(&default, 4, "shard_grad_op").unwrap(), default.clone().with_dp_shard_size(4));
+        // dp 2 × tp 2: the 2 data-parallel processes shard.
+        let p = zero1.apply(&ParallelismConfig::data_parallel(2).with_tp_size(2), 4, "shard_optim").unwrap();
+        assert_eq!(p, default.clone().with_tp_size(2).with_dp_shard_size(2).with_sharding_strategy(ShardOptim));
+        assert_eq!(p.layout_string(), "dp_replicate 1 × dp_shard 2 (SHARD_OPTIM) × tp 2 × pp 1");
+        // dp_replicate 2 × dp_shard 2 from the layout is kept; only the strategy is set.
+        let hsdp = ParallelismConfig::data_parallel(2).with_dp_shard_size(2);
+        assert_eq!(zero1.apply(&hsdp, 4, "shard_optim").unwrap(), hsdp.clone().with_sharding_strategy(ShardOptim));
+        // One process: nothing to shard; the strategy is set, and not read.
+        let full = FsdpPlan { strategy: FullShard, hybrid: false };
+        assert_eq!(
+            full.apply(&default, 1, "full_shard").unwrap(),
+            ParallelismConfig::data_parallel(1).with_sharding_strategy(FullShard)
+        );
+        // A layout that does not fit the job is left to the Accelerator, which names what fits.
+        let misfit = default.clone().with_tp_size(3);
+        assert_eq!(zero2.apply(&misfit, 4, "shard_grad_op").unwrap(), misfit);
+    }
+
+    #[test]
+    fn fsdp_hybrid_needs_both_data_parallel_sizes_and_full_shard_is_accepted_but_not_with_pp() {
+        use ShardingStrategy::*;
+        let hybrid2 = FsdpPlan { strategy: ShardGradOp, hybrid: true };
+        let hsdp = ParallelismConfig::data_parallel(2).with_dp_shard_size(2);
+        assert_eq!(hybrid2.apply(&hsdp, 4, "hybrid_shard_zero2").unwrap(), hsdp);
+        let e = hybrid2.apply(&ParallelismConfig::default(), 4, "hybrid_shard_zero2").unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "invalid training argument `fsdp`: \"hybrid_shard_zero2\" shards within dp_shard groups replicated over \
+             dp_replicate, so the layout must set both above 1 (PARALLELISM_CONFIG_DP_SHARD_SIZE and \
+             PARALLELISM_CONFIG_DP_REPLICATE_SIZE: accel launch --parallelism-config-dp-shard-size and \
+             --parallelism-config-dp-replicate-size, or Trainer::parallelism_config); it is dp_replicate 4 × dp_shard \
+             1 × tp 1 × pp 1 on 4 processes"
+        );
+        let e = hybrid2.apply(&ParallelismConfig::default().with_dp_shard_size(4), 4, "hybrid_shard_zero2");
+        assert!(e.unwrap_err().to_string().contains("it is dp_replicate 1 × dp_shard 4 (SHARD_GRAD_OP) × tp 1"));
+        // FULL_SHARD (ZeRO-3): every data-parallel process shards; hybrid_shard keeps the HSDP layout.
+        let full = FsdpPlan { strategy: FullShard, hybrid: false };
+        let p = full.apply(&ParallelismConfig::default(), 2, "full_shard auto_wrap").unwrap();
+        assert_eq!(p, ParallelismConfig::default().with_dp_shard_size(2).with_sharding_strategy(FullShard));
+        assert_eq!(p.layout_string(), "dp_replicate 1 × dp_shard 2 (FULL_SHARD) × tp 1 × pp 1");
+        let hybrid = FsdpPlan { strategy: FullShard, hybrid: true };
+        assert_eq!(hybrid.apply(&hsdp, 4, "hybrid_shard").unwrap(), hsdp.clone().with_sharding_strategy(FullShard));
+        // With pipeline stages: sharding and pp together are refused, in the Accelerator's words.
+        let zero2 = FsdpPlan { strategy: ShardGradOp, hybrid: false };
+        let e = zero2.apply(&ParallelismConfig::data_parallel(2).with_pp_size(2), 4, "shard_grad_op").unwrap_err();
+        assert!(
+            e.to_string().starts_with(
+                "invalid training argument `fsdp`: \"shard_grad_op\" lays the processes out as dp_replicate 1 × \
+                 dp_shard 2 (SHARD_GRAD_OP) × tp 1 × pp 2, which the Accelerator refuses: invalid configuration \
+                 parallelism_config_dp_shard_size = \"2\": the Accelerator cannot combine"
+            ),
+            "{e}"
+        );
+        let e = full.apply(&ParallelismConfig::data_parallel(2).with_pp_size(2), 4, "full_shard").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid training argument `fsdp`: \"full_shard\" lays the processes out as dp_replicate 1 × dp_shard 2 \
+             (FULL_SHARD) × tp 1 × pp 2, which the Accelerator refuses: invalid configuration \
+             parallelism_config_dp_shard_size = \"2\": the Accelerator cannot combine sharded data parallelism with \
+             pipeline stages yet (dp_shard runs with dp_replicate and tp); on the same 4 processes set dp_shard_size 1 \
+             and dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 1 × pp 2 runs)"
         );
     }
 

@@ -51,7 +51,8 @@ pub mod state;
 pub mod trainer;
 
 pub use args::{
-    IntervalStrategy, NonFiniteLoss, OptimizerKind, ReportTo, SaveStrategy, TrainingArguments, TrainingArgumentsCli,
+    FsdpPlan, IntervalStrategy, NonFiniteLoss, OptimizerKind, ReportTo, SaveStrategy, TrainingArguments,
+    TrainingArgumentsCli,
 };
 // What a `TrainingArguments { .. }` literal names, so a Trainer user need not depend on accel.
 pub use accel::config::MixedPrecision;

@@ -408,6 +408,17 @@ where
         };
         let model = (self.model_init)(&pb, vb, &stages)?;
         let prepared = acc.prepare_model(&varmap)?;
+        // FULL_SHARD: prepare_model replaced the weights with this rank's chunks; the model is built again from
+        // the prepared model's builder, which gathers each weight when the forward uses it (a model built from a
+        // candle VarBuilder cannot: it keeps its weights, and the builder refuses it, saying so).
+        let model = match prepared.is_fully_sharded() {
+            true => {
+                drop(model);
+                let pb = prepared.param_builder();
+                (self.model_init)(&pb, pb.var_builder(), &stages)?
+            }
+            false => model,
+        };
         let optimizer = acc.prepare_optimizer(&prepared, TrainerOptimizer::from_args(&self.args)?)?;
         let cfg = DataLoaderConfig {
             batch_size: self.args.per_device_train_batch_size,
@@ -441,7 +452,9 @@ where
     }
 
     /// The Accelerator: the environment's configuration (`accel launch` flags) unless the arguments set mixed
-    /// precision / accumulation explicitly; the arguments are then updated to what is in effect.
+    /// precision / accumulation explicitly; the arguments are then updated to what is in effect. `fsdp`, when set,
+    /// sets the sharding strategy and makes the data-parallel processes dp_shard ([`crate::args::FsdpPlan::apply`]
+    /// on this job's world size).
     fn build_accelerator(&mut self) -> Result<Accelerator> {
         let mut cfg = AcceleratorConfig::from_env()?;
         if self.args.mixed_precision != MixedPrecision::No {
@@ -454,6 +467,15 @@ where
         cfg.seed = Some(self.args.seed);
         if let Some(p) = &self.parallelism {
             cfg.parallelism = p.clone();
+        }
+        if let Some(plan) = self.args.fsdp_plan()? {
+            let world_size = match &self.process_group {
+                Some(pg) => pg.world_size(),
+                // The job Accelerator::new joins: more than one process when a launcher describes one.
+                None => accel::dist::env::DistEnv::detect_from_env()?.map_or(1, |env| env.world_size.max(1)),
+            };
+            let fsdp = self.args.fsdp.clone().unwrap_or_default();
+            cfg.parallelism = plan.apply(&cfg.parallelism, world_size, &fsdp)?;
         }
         self.args.mixed_precision = cfg.mixed_precision;
         self.args.gradient_accumulation_steps = cfg.gradient_accumulation_steps;

@@ -10,6 +10,7 @@
 //! cargo run -p accel-examples --bin accel_gpt -- --nproc 2 --pp-size 2   # pp2, 1F1B over 2 micro-batches
 //! cargo run -p accel-examples --bin accel_gpt -- --nproc 4 --pp-size 2 --tp-size 2 --microbatches 4  # tp2 × pp2
 //! cargo run -p accel-examples --bin accel_gpt -- --nproc 2 --pp-size 2 --pp-schedule Interleaved1F1B --microbatches 4
+//! cargo run -p accel-examples --bin accel_gpt -- --nproc 4 --dp-shard-size 4 --sharding-strategy FULL_SHARD
 //! accel launch -n 4 --parallelism-config-dp-replicate-size 2 --parallelism-config-tp-size 2 target/debug/accel_gpt
 //! ```
 //!
@@ -159,6 +160,28 @@ fn pipeline_summary(acc: &Accelerator, stages: &[accel::pipeline::Stage]) -> Str
     }
 }
 
+const MIB: f64 = 1024.0 * 1024.0;
+
+fn tensor_bytes(t: &Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
+}
+
+/// The groups the data-parallel reduction runs over: dp_shard (and dp_replicate, HSDP) under sharded data
+/// parallelism, else the dp group.
+fn data_parallel_groups(acc: &Accelerator) -> Vec<ddp_core::ProcessGroup> {
+    use ddp_core::MeshDim;
+    let p = acc.parallelism_config();
+    if p.dp_shard_size > 1 && p.sharding_strategy != accel::ShardingStrategy::NoShard {
+        let mut groups = vec![acc.mesh().group(MeshDim::DpShard).clone()];
+        if p.dp_replicate_size > 1 {
+            groups.push(acc.mesh().group(MeshDim::DpReplicate).clone());
+        }
+        groups
+    } else {
+        vec![acc.mesh().dp().clone()]
+    }
+}
+
 fn model_config(args: &Args, vocab_size: usize) -> GptConfig {
     GptConfig {
         vocab_size,
@@ -220,9 +243,11 @@ fn train(args: &Args) -> anyhow::Result<()> {
 
     let varmap = VarMap::new();
     let stages = acc.pipeline_stages(gpt_cfg.n_layer, None)?; // accel: the blocks this rank holds (all at pp 1)
-    let model = GptStages::new(gpt_cfg, &acc.param_builder(&varmap), &stages)?; // accel: split over tp, from the seed
+    GptStages::new(gpt_cfg, &acc.param_builder(&varmap), &stages)?; // accel: drawn from the seed, split over tp
     let opt = AdamW::new(AdamWConfig { lr: args.lr, weight_decay: 0.1, ..Default::default() })?;
-    let prepared = acc.prepare_model(&varmap)?; // accel: gradient sync over dp, fp32 masters
+    let prepared = acc.prepare_model(&varmap)?; // accel: gradient sync over dp, fp32 masters (sharded over dp_shard)
+                                                // accel: the model computes with the prepared parameters (under FULL_SHARD gathered at each use)
+    let model = GptStages::new(gpt_cfg, &prepared.param_builder(), &stages)?;
     let mut opt = acc.prepare_optimizer(&prepared, opt)?;
     let mut loader = acc.prepare_data_loader(DataLoader::new(data, loader_cfg))?; // accel: sharded by the dp rank
     if loader.is_empty() {
@@ -262,6 +287,12 @@ fn train(args: &Args) -> anyhow::Result<()> {
     // of the first logged interval (the measured window, like the throughput).
     let tp_traffic_at_run_start = acc.mesh().tp().traffic();
     let mut tp_traffic_at_start = tp_traffic_at_run_start;
+    // The data-parallel groups' collectives (the gradient reduction, ZeRO's reduce-scatter and all-gathers).
+    let dp_groups = data_parallel_groups(&acc);
+    let dp_traffic = || dp_groups.iter().map(|g| g.traffic()).collect::<Vec<_>>();
+    let mut dp_traffic_at_start = dp_traffic();
+    // What this rank holds for the model when it steps (the last step's): its gradient slots.
+    let mut gradient_bytes: usize;
     let (mut step, mut epoch) = (0u64, 0u64);
     let (mut loss_sum, mut loss_count) = (0f64, 0usize);
     let mut last_loss = f64::NAN;
@@ -283,6 +314,7 @@ fn train(args: &Args) -> anyhow::Result<()> {
             if args.max_grad_norm > 0.0 {
                 acc.clip_grad_norm(args.max_grad_norm)?; // accel: each parameter counted once over dp × tp
             }
+            gradient_bytes = acc.gradients(&prepared).0.iter().flatten().map(tensor_bytes).sum();
             opt.step()?;
             step += 1;
             if step % args.log_every == 0 || step == args.steps {
@@ -304,6 +336,7 @@ fn train(args: &Args) -> anyhow::Result<()> {
                 if measured.is_none() {
                     measured = Some((Instant::now(), step));
                     tp_traffic_at_start = acc.mesh().tp().traffic();
+                    dp_traffic_at_start = dp_traffic();
                 }
                 (loss_sum, loss_count) = (0.0, 0);
             }
@@ -358,6 +391,50 @@ fn train(args: &Args) -> anyhow::Result<()> {
             per_layer * layers_here * ga
         ));
     }
+    if dp > 1 {
+        // Payload per group (what the ranks pass in), and what ring algorithms send, next to ZeRO's per-step
+        // volumes (§7: 2Ψ for DDP, ZeRO-1 and ZeRO-2 without accumulation, 3Ψ for FULL_SHARD; times (n−1)/n).
+        let psi = 4 * gpt_cfg.num_parameters() / (tp.size() * pp); // this rank's fp32 share of the model, bytes
+        let steps = match measured {
+            Some((_, s0)) if step > s0 => step - s0,
+            _ => step.max(1),
+        };
+        let window = if measured.is_some_and(|(_, s0)| step > s0) { dp_traffic_at_start.clone() } else { Vec::new() };
+        let (mut payload, mut ring) = (0u64, 0u64);
+        for (k, g) in dp_groups.iter().enumerate() {
+            let t = match window.get(k) {
+                Some(w) => g.traffic() - *w,
+                None => g.traffic(),
+            };
+            payload += t.total_bytes();
+            ring += t.ring_bytes(g.world_size());
+        }
+        let n = dp as f64;
+        acc.print(format!(
+            "data-parallel traffic per optimizer step (rank {}): {} B of payload, {} B sent by ring algorithms = \
+             {:.2} Ψ·(n−1)/n with Ψ = {psi} B (this rank's fp32 model share), n = {dp}",
+            acc.rank(),
+            payload / steps,
+            ring / steps,
+            (ring / steps) as f64 / (psi as f64 * (n - 1.0) / n)
+        ));
+    }
+    // What this rank holds between steps, measured: its parameters (the prepared Vars, and the fp32 masters under
+    // mixed precision), the gradients it stepped with, and its optimizer state.
+    let param_bytes: usize = prepared.parameters().iter().map(|v| tensor_bytes(v.as_tensor())).sum::<usize>()
+        + match acc.mixed_precision() {
+            MixedPrecision::No => 0,
+            _ => prepared.master_weights().iter().map(|v| tensor_bytes(v.as_tensor())).sum(),
+        };
+    let optimizer_bytes: usize =
+        accel::Optimizer::state_dict(&*opt.optimizer())?.tensors.values().map(tensor_bytes).sum();
+    println!(
+        "rank {}: parameters {:.1} MiB, gradients {:.1} MiB, optimizer state {:.1} MiB",
+        acc.rank(),
+        param_bytes as f64 / MIB,
+        gradient_bytes as f64 / MIB,
+        optimizer_bytes as f64 / MIB
+    );
     acc.wait_for_everyone()?;
     // Every rank reports its own peak; the launcher prefixes the lines with [rank r].
     println!(

@@ -1,7 +1,8 @@
-//! Sharded data parallelism through the Accelerator (issue "ND-parallel III", ZeRO-1: `dp_shard_size > 1`): the
-//! char-GPT at dp_shard 2 and 4, HSDP (dp_replicate 2 × dp_shard 2) and dp_shard 2 × tp 2, with and without
-//! gradient accumulation, trains like plain DDP over the same data-parallel size — the same losses, clipped
-//! gradient norms and weights after 5 AdamW steps — with 1/dp_shard of DDP's optimizer state per rank; its
+//! Sharded data parallelism through the Accelerator (issue "ND-parallel III": `dp_shard_size > 1` with
+//! SHARD_OPTIM = ZeRO-1, SHARD_GRAD_OP = ZeRO-2, NO_SHARD): the char-GPT at dp_shard 2 and 4, HSDP (dp_replicate 2
+//! × dp_shard 2) and dp_shard 2 × tp 2, with and without gradient accumulation, trains like plain DDP over the
+//! same data-parallel size — the same losses, clipped gradient norms and weights after 5 AdamW steps — with
+//! 1/dp_shard of DDP's optimizer state per rank (and under ZeRO-2 of its gradients between micro-batches); its
 //! checkpoints hold the optimizer state as one process would, so a sharded run resumes replicated and back.
 //!
 //! Method: as `nd_equivalence` (f32, the same seed on the full model, the global batch fixed: each data-parallel
@@ -12,7 +13,7 @@
 use super::nd_equivalence::{
     assert_close, build, corpus, global_batch, max_abs_diff, micro_batches, model_config, run, to_tensors, SEED,
 };
-use accel::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, Optimizer, ParallelismConfig};
+use accel::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, Optimizer, ParallelismConfig, ShardingStrategy};
 use accel_examples::gpt::{CharGpt, GptConfig};
 use candle_core::{Device, Tensor};
 use candle_nn::VarMap;
@@ -24,10 +25,18 @@ const STEPS: usize = 5;
 /// `(dp_replicate, dp_shard, tp, gradient accumulation)`.
 type Layout = (usize, usize, usize, usize);
 
-fn config((replicate, shard, tp, ga): Layout) -> AcceleratorConfig {
+/// The layout with the default sharding strategy (SHARD_GRAD_OP, ZeRO-2).
+fn config(layout: Layout) -> AcceleratorConfig {
+    config_with(layout, ShardingStrategy::default())
+}
+
+fn config_with((replicate, shard, tp, ga): Layout, strategy: ShardingStrategy) -> AcceleratorConfig {
     let mut cfg = AcceleratorConfig::default().with_seed(SEED).with_gradient_accumulation_steps(ga);
-    cfg.parallelism =
-        ParallelismConfig::default().with_dp_replicate_size(replicate).with_dp_shard_size(shard).with_tp_size(tp);
+    cfg.parallelism = ParallelismConfig::default()
+        .with_dp_replicate_size(replicate)
+        .with_dp_shard_size(shard)
+        .with_tp_size(tp)
+        .with_sharding_strategy(strategy);
     cfg
 }
 
@@ -44,6 +53,17 @@ struct Trained {
 }
 
 type Built = (CharGpt, accel::PreparedModel, accel::AcceleratedOptimizer<AdamW>);
+
+/// The model drawn whole from `SEED`, prepared, and built for training from the prepared model's `param_builder()`
+/// (which FULL_SHARD needs; every layout trains the same way from it), with its optimizer.
+fn build_prepared(acc: &Accelerator, vocab: usize) -> anyhow::Result<Built> {
+    let varmap = VarMap::new();
+    CharGpt::new(model_config(vocab), &acc.param_builder(&varmap))?;
+    let model = acc.prepare_model(&varmap)?;
+    let gpt = CharGpt::new(model_config(vocab), &model.param_builder())?;
+    let opt = acc.prepare_optimizer(&model, AdamW::new(AdamWConfig { lr: 3e-3, ..AdamWConfig::default() })?)?;
+    Ok((gpt, model, opt))
+}
 
 /// One optimizer step (clipped to norm 1); the mean loss over the data-parallel ranks and the norm.
 fn one_step(acc: &Accelerator, built: &mut Built, ids: &[u32], step: usize) -> anyhow::Result<(f64, f64)> {
@@ -81,20 +101,30 @@ fn train(acc: &Accelerator, ids: &[u32], vocab: usize) -> anyhow::Result<Trained
 
 #[test]
 fn every_sharded_layout_trains_like_ddp_with_a_shard_of_the_optimizer_state() {
+    use ShardingStrategy::{ShardGradOp, ShardOptim};
     let (ids, vocab) = corpus();
     let ids = Arc::new(ids);
     let params = model_config(vocab).num_parameters();
-    for layout in [(1, 2, 1, 1), (1, 4, 1, 1), (1, 2, 1, 2), (2, 2, 1, 1), (1, 2, 2, 1), (1, 4, 1, 2)] {
+    let every = [(1, 2, 1, 1), (1, 4, 1, 1), (1, 2, 1, 2), (2, 2, 1, 1), (1, 2, 2, 1), (1, 4, 1, 2)];
+    let cases = every
+        .iter()
+        .map(|&l| (l, ShardGradOp))
+        .chain([(1, 2, 1, 2), (2, 2, 1, 1), (1, 2, 2, 1)].map(|l| (l, ShardOptim)));
+    let mut ddp_runs: BTreeMap<Layout, Trained> = BTreeMap::new();
+    for (layout, strategy) in cases {
         let (replicate, shard, tp, ga) = layout;
         // Plain DDP over the same data-parallel size (and tp).
         let ddp_layout = (replicate * shard, 1, tp, ga);
-        let i = ids.clone();
-        let want = run(world(ddp_layout), config(ddp_layout), move |acc| train(&acc, &i, vocab)).remove(0);
+        let want = ddp_runs.entry(ddp_layout).or_insert_with(|| {
+            let i = ids.clone();
+            run(world(ddp_layout), config(ddp_layout), move |acc| train(&acc, &i, vocab)).remove(0)
+        });
         assert!(want.losses[STEPS - 1] < want.losses[0] - 0.05, "DDP losses {:?}", want.losses);
         let i = ids.clone();
-        let got = run(world(layout), config(layout), move |acc| train(&acc, &i, vocab));
+        let got = run(world(layout), config_with(layout, strategy), move |acc| train(&acc, &i, vocab));
         for (rank, t) in got.iter().enumerate() {
-            let what = format!("dp_replicate {replicate} × dp_shard {shard} × tp {tp}, ga {ga}, rank {rank}");
+            let what =
+                format!("{strategy} dp_replicate {replicate} × dp_shard {shard} × tp {tp}, ga {ga}, rank {rank}");
             assert_close(&format!("{what}: loss"), &t.losses, &want.losses);
             assert_close(&format!("{what}: grad norm"), &t.grad_norms, &want.grad_norms);
             let d = max_abs_diff(&t.weights, &want.weights);
@@ -109,19 +139,96 @@ fn every_sharded_layout_trains_like_ddp_with_a_shard_of_the_optimizer_state() {
     }
 }
 
-/// A checkpoint of a sharded run holds the optimizer state whole (one process's layout): a dp_shard 2 run saved at
-/// step 3 resumes at dp_shard 2, at dp 2 (plain DDP) and at tp 2 — the same 2 processes — with the next step the
-/// sharded run takes; and a DDP checkpoint resumes sharded.
+/// NO_SHARD on dp_shard 2 is DDP over the two ranks: bit for bit the run at dp_replicate 2.
+#[test]
+fn no_shard_is_ddp_bit_for_bit() {
+    let (ids, vocab) = corpus();
+    let ids = Arc::new(ids);
+    let bits = |cfg: AcceleratorConfig| {
+        let i = ids.clone();
+        run(2, cfg, move |acc| {
+            let t = train(&acc, &i, vocab)?;
+            let w: Vec<u32> = t
+                .weights
+                .values()
+                .flat_map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+                .map(f32::to_bits)
+                .collect();
+            Ok((t.losses.iter().chain(&t.grad_norms).map(|v| v.to_bits()).collect::<Vec<u64>>(), w, t.optimizer_bytes))
+        })
+    };
+    let want = bits(config((2, 1, 1, 2)));
+    let got = bits(config_with((1, 2, 1, 2), ShardingStrategy::NoShard));
+    assert!(got == want, "NO_SHARD at dp_shard 2 differs from DDP at dp_replicate 2");
+}
+
+/// What each stage keeps between micro-batches and sends per optimizer step (dp_shard 2, 2 micro-batches): ZeRO-1
+/// holds the whole gradients until the window's reduce-scatter; ZeRO-2 holds only its chunks after each
+/// micro-batch's backward, at the price of a reduce-scatter per micro-batch (twice ZeRO-1's reduce-scatter bytes
+/// at GA 2, the same all-gather).
+#[test]
+fn zero_2_keeps_only_its_gradient_chunks_between_micro_batches() {
+    let (ids, vocab) = corpus();
+    let ids = Arc::new(ids);
+    let params = model_config(vocab).num_parameters();
+    let measured = |strategy: ShardingStrategy| {
+        let i = ids.clone();
+        run(2, config_with((1, 2, 1, 2), strategy), move |acc| {
+            let (gpt, model, mut opt) = build(&acc, vocab)?;
+            let shard = acc.mesh().group(ddp_core::MeshDim::DpShard).clone();
+            let before = shard.traffic();
+            let mut resting = Vec::new();
+            for step in 0..2 {
+                for (x, y) in micro_batches(&acc, &i, step) {
+                    acc.accumulate(|| acc.backward(&gpt.loss(&x, &y)?))?;
+                    let (slots, synced) = acc.gradients(&model);
+                    if !synced {
+                        resting.push(slots.iter().flatten().map(|t| t.elem_count()).sum::<usize>());
+                    }
+                    opt.step()?;
+                    opt.zero_grad();
+                }
+            }
+            let after = shard.traffic();
+            Ok((
+                resting,
+                after.reduce_scatter.bytes - before.reduce_scatter.bytes,
+                after.all_gather.bytes - before.all_gather.bytes,
+            ))
+        })
+        .remove(0)
+    };
+    let (z1_resting, z1_scatter, z1_gather) = measured(ShardingStrategy::ShardOptim);
+    let (z2_resting, z2_scatter, z2_gather) = measured(ShardingStrategy::ShardGradOp);
+    assert_eq!(z1_resting, vec![params, params], "ZeRO-1 keeps whole gradients between micro-batches");
+    for r in &z2_resting {
+        assert!(*r * 2 >= params && *r * 2 <= params + 2 * 40, "ZeRO-2 keeps {r} of {params} gradient elements");
+    }
+    assert_eq!(z2_scatter, 2 * z1_scatter, "a reduce-scatter per micro-batch");
+    assert_eq!(z2_gather, z1_gather);
+}
+
+/// A checkpoint of a sharded run holds the weights and the optimizer state whole (one process's layout): saved at
+/// step 3 by FULL_SHARD, ZeRO-2 or DDP on 2 processes, it resumes at FULL_SHARD, ZeRO-1, ZeRO-2, dp 2 (plain DDP)
+/// and tp 2 — the same 2 processes — with the next step the saving run takes.
 #[test]
 fn sharded_checkpoints_resume_at_other_layouts() {
+    use ShardingStrategy::{FullShard, ShardGradOp, ShardOptim};
     let (ids, vocab) = corpus();
     let ids = Arc::new(ids);
     let tmp = tempfile::tempdir().unwrap();
-    for saver in [(1, 2, 1, 1), (2, 1, 1, 1)] {
-        let dir = Arc::new(tmp.path().join(format!("{saver:?}")));
+    let layouts = [
+        ((1, 2, 1, 1), FullShard),
+        ((1, 2, 1, 1), ShardOptim),
+        ((1, 2, 1, 1), ShardGradOp),
+        ((2, 1, 1, 1), ShardGradOp),
+        ((1, 1, 2, 1), ShardGradOp),
+    ];
+    for (saver, strategy) in [layouts[0], layouts[2], layouts[3]] {
+        let dir = Arc::new(tmp.path().join(format!("{saver:?}-{strategy}")));
         let (i, d) = (ids.clone(), dir.clone());
-        let reference = run(2, config(saver), move |acc| {
-            let mut built = build(&acc, vocab)?;
+        let reference = run(2, config_with(saver, strategy), move |acc| {
+            let mut built = build_prepared(&acc, vocab)?;
             for step in 0..3 {
                 one_step(&acc, &mut built, &i, step)?;
             }
@@ -130,16 +237,16 @@ fn sharded_checkpoints_resume_at_other_layouts() {
             Ok((loss, norm, built.1.state_dict()?))
         })
         .remove(0);
-        for layout in [(1, 2, 1, 1), (2, 1, 1, 1), (1, 1, 2, 1)] {
+        for (layout, resumed) in layouts {
             let (i, d) = (ids.clone(), dir.clone());
-            let got = run(2, config(layout), move |acc| {
-                let mut built = build(&acc, vocab)?;
+            let got = run(2, config_with(layout, resumed), move |acc| {
+                let mut built = build_prepared(&acc, vocab)?;
                 acc.load_state(Some(&d))?;
                 let (loss, norm) = one_step(&acc, &mut built, &i, 3)?;
                 Ok((loss, norm, built.1.state_dict()?))
             });
             for (rank, (loss, norm, weights)) in got.iter().enumerate() {
-                let what = format!("saved at {saver:?}, resumed at {layout:?}, rank {rank}");
+                let what = format!("saved at {saver:?} {strategy}, resumed at {layout:?} {resumed}, rank {rank}");
                 assert_close(&format!("{what}: loss"), &[*loss], &[reference.0]);
                 assert_close(&format!("{what}: grad norm"), &[*norm], &[reference.1]);
                 let d = max_abs_diff(weights, &reference.2);
@@ -149,7 +256,58 @@ fn sharded_checkpoints_resume_at_other_layouts() {
     }
 }
 
-/// fp16 (its loss scaler's overflow verdict agreed over the shards) and bf16 at dp_shard 2 train like DDP at dp 2
+/// A ZeRO-2 checkpoint taken inside an accumulation window (each rank holding its chunks of the first
+/// micro-batch's reduced gradients) resumes at the same layout and finishes the window bit for bit as the run that
+/// went on; at another sharding it is refused, naming the layout.
+#[test]
+fn a_zero_2_checkpoint_inside_an_accumulation_window_resumes_exactly() {
+    let (ids, vocab) = corpus();
+    let ids = Arc::new(ids);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = Arc::new(tmp.path().join("mid-window"));
+    let layout = (1, 2, 1, 2);
+    // Finishes step 1's window from its second micro-batch; the weights' bits.
+    fn finish(acc: &Accelerator, built: &mut Built, ids: &[u32]) -> anyhow::Result<Vec<u32>> {
+        let (gpt, model, opt) = built;
+        let (x, y) = &micro_batches(acc, ids, 1)[1];
+        acc.accumulate(|| acc.backward(&gpt.loss(x, y)?))?;
+        assert!(acc.sync_gradients());
+        acc.clip_grad_norm(1.0)?;
+        opt.step()?;
+        let w = model.state_dict()?;
+        Ok(w.values().flat_map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap()).map(f32::to_bits).collect())
+    }
+    let (i, d) = (ids.clone(), dir.clone());
+    let want = run(2, config(layout), move |acc| {
+        let mut built = build(&acc, vocab)?;
+        one_step(&acc, &mut built, &i, 0)?;
+        let (x, y) = &micro_batches(&acc, &i, 1)[0];
+        acc.accumulate(|| acc.backward(&built.0.loss(x, y)?))?;
+        acc.save_state(Some(&d))?;
+        finish(&acc, &mut built, &i)
+    });
+    let (i, d) = (ids.clone(), dir.clone());
+    let got = run(2, config(layout), move |acc| {
+        let mut built = build(&acc, vocab)?;
+        acc.load_state(Some(&d))?;
+        finish(&acc, &mut built, &i)
+    });
+    assert!(got == want, "the resumed window's weights differ from the run that went on");
+    let d = dir.clone();
+    let e = std::panic::catch_unwind(move || {
+        run(2, config_with(layout, ShardingStrategy::ShardOptim), move |acc| {
+            let _built = build(&acc, vocab)?;
+            acc.load_state(Some(&d))?;
+            Ok(())
+        })
+    })
+    .unwrap_err();
+    let msg = e.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(msg.contains("this run keeps it as") && msg.contains("ZeRO-2 keeps a rank's chunk"), "{msg}");
+}
+
+/// fp16 (its loss scaler's overflow verdict agreed over the shards) and bf16 at dp_shard 2 (ZeRO-2, and FULL_SHARD
+/// gathering its fp32 chunks into bf16 / fp16 weights) train like DDP at dp 2
 /// within the half-precision tolerance (relative 2e-2), and the loss goes down.
 #[test]
 fn mixed_precision_trains_sharded_like_ddp() {
@@ -158,14 +316,24 @@ fn mixed_precision_trains_sharded_like_ddp() {
     for mp in [accel::MixedPrecision::Bf16, accel::MixedPrecision::Fp16] {
         let i = ids.clone();
         let want = run(2, config((2, 1, 1, 1)).with_mixed_precision(mp), move |acc| train(&acc, &i, vocab)).remove(0);
-        let i = ids.clone();
-        let got = run(2, config((1, 2, 1, 1)).with_mixed_precision(mp), move |acc| train(&acc, &i, vocab));
-        for (rank, t) in got.iter().enumerate() {
-            for (step, (g, w)) in t.losses.iter().zip(&want.losses).enumerate() {
-                let rel = (g - w).abs() / w.abs();
-                assert!(rel <= 2e-2, "{mp:?} dp_shard 2 rank {rank} step {step}: loss {g} vs DDP's {w} ({rel:.2e})");
+        for strategy in [ShardingStrategy::ShardGradOp, ShardingStrategy::FullShard] {
+            let i = ids.clone();
+            let cfg = config_with((1, 2, 1, 1), strategy).with_mixed_precision(mp);
+            let got = run(2, cfg, move |acc| train_prepared(&acc, &i, vocab, Backward::Segmented));
+            for (rank, t) in got.iter().enumerate() {
+                for (step, (g, w)) in t.losses.iter().zip(&want.losses).enumerate() {
+                    let rel = (g - w).abs() / w.abs();
+                    assert!(
+                        rel <= 2e-2,
+                        "{mp:?} {strategy} rank {rank} step {step}: loss {g} vs DDP's {w} ({rel:.2e})"
+                    );
+                }
+                assert!(
+                    t.losses[STEPS - 1] < t.losses[0],
+                    "{mp:?} {strategy}: the loss does not go down: {:?}",
+                    t.losses
+                );
             }
-            assert!(t.losses[STEPS - 1] < t.losses[0], "{mp:?}: the loss does not go down: {:?}", t.losses);
         }
     }
 }
@@ -208,41 +376,79 @@ fn compression_hooks_halve_the_bytes_and_train_like_the_uncompressed_run() {
     }
 }
 
+/// 3 optimizer steps of the char-GPT (dropout `dropout`) through `pipeline_backward` at pp 1: a recorded forward
+/// and a segmented backward (a cut after each block). Returns each micro-batch's loss and each step's clipped norm
+/// (in that order) and the weights.
+fn train_segmented(
+    acc: &Accelerator,
+    ids: &[u32],
+    vocab: usize,
+    dropout: f64,
+) -> anyhow::Result<(Vec<f64>, BTreeMap<String, Tensor>)> {
+    use accel_examples::gpt::GptStages;
+    let cfg = GptConfig { dropout, ..model_config(vocab) };
+    let stages = acc.pipeline_stages(cfg.n_layer, None)?;
+    let varmap = VarMap::new();
+    let gpt = GptStages::new(cfg, &acc.param_builder(&varmap), &stages)?;
+    let model = acc.prepare_model(&varmap)?;
+    let mut opt = acc.prepare_optimizer(&model, AdamW::new(AdamWConfig { lr: 3e-3, ..AdamWConfig::default() })?)?;
+    let mut values = Vec::new();
+    for step in 0..3 {
+        for (x, y) in micro_batches(acc, ids, step) {
+            let loss = acc.accumulate(|| acc.pipeline_backward(&gpt, &x, &y, |l, t| gpt.loss_of(l, t)))?;
+            values.push(loss.to_scalar::<f32>()? as f64);
+            if acc.sync_gradients() {
+                values.push(acc.clip_grad_norm(1.0)?.expect("synced"));
+                opt.step()?;
+                opt.zero_grad();
+            }
+        }
+    }
+    Ok((values, model.state_dict()?))
+}
+
+/// ZeRO-2 under a segmented backward reduce-scatters each segment's gradients as the segment finishes (one
+/// bucket per segment: the char-GPT's 2 blocks make 3 segments) and trains like DDP on the same data.
+#[test]
+fn zero_2_reduce_scatters_each_backward_segment_and_trains_like_ddp() {
+    let (ids, vocab) = corpus();
+    let ids = Arc::new(ids);
+    let trained = |layout: Layout| {
+        let i = ids.clone();
+        run(world(layout), config(layout), move |acc| {
+            let before = acc.mesh().group(ddp_core::MeshDim::DpShard).traffic();
+            let (values, weights) = train_segmented(&acc, &i, vocab, 0.0)?;
+            let after = acc.mesh().group(ddp_core::MeshDim::DpShard).traffic();
+            Ok((values, weights, after.reduce_scatter.calls - before.reduce_scatter.calls))
+        })
+    };
+    // Each rank's own micro-batch losses: the DDP rank with the same data-parallel rank.
+    let want = trained((2, 1, 1, 2));
+    for (rank, ((values, weights, scatters), want)) in trained((1, 2, 1, 2)).into_iter().zip(&want).enumerate() {
+        // 3 steps × 2 micro-batches × 3 segments.
+        assert_eq!(scatters, 3 * 2 * 3, "rank {rank}: reduce-scatters");
+        assert_close(&format!("rank {rank}: losses and norms"), &values, &want.0);
+        let d = max_abs_diff(&weights, &want.1);
+        assert!(d <= 1e-5, "rank {rank}: weights differ from DDP's by {d:e}");
+    }
+}
+
 /// Activation checkpointing (`AcceleratorConfig::activation_checkpointing`, the Trainer's
 /// `gradient_checkpointing`): every char-GPT block recomputed in the backward pass trains exactly as without it —
 /// the same losses, norms and weights bit for bit at 1 process, dp 2, tp 2 and dp_shard 2, with dropout on (the
 /// recomputed blocks draw the forward's masks) — through `pipeline_backward` (recorded, segmented backward).
 #[test]
 fn activation_checkpointing_trains_bit_for_bit_like_keeping_the_activations() {
-    use accel_examples::gpt::GptStages;
     let (ids, vocab) = corpus();
     let ids = Arc::new(ids);
-    let cfg = GptConfig { dropout: 0.1, ..model_config(vocab) };
     let trained = |layout: Layout, checkpointing: bool| {
         let i = ids.clone();
         let mut c = config(layout);
         c.activation_checkpointing = checkpointing;
-        run(world(layout), c, move |acc| -> anyhow::Result<(Vec<u64>, Vec<u32>, u64)> {
+        run(world(layout), c, move |acc| {
             let recomputed_before = accel::activation_checkpoint::blocks_recomputed();
-            let stages = acc.pipeline_stages(cfg.n_layer, None)?;
-            let varmap = VarMap::new();
-            let gpt = GptStages::new(cfg, &acc.param_builder(&varmap), &stages)?;
-            let model = acc.prepare_model(&varmap)?;
-            let mut opt =
-                acc.prepare_optimizer(&model, AdamW::new(AdamWConfig { lr: 3e-3, ..AdamWConfig::default() })?)?;
-            let mut bits = Vec::new();
-            for step in 0..3 {
-                for (x, y) in micro_batches(&acc, &i, step) {
-                    let loss = acc.accumulate(|| acc.pipeline_backward(&gpt, &x, &y, |l, t| gpt.loss_of(l, t)))?;
-                    bits.push(loss.to_scalar::<f32>()?.to_bits() as u64);
-                    if acc.sync_gradients() {
-                        bits.push(acc.clip_grad_norm(1.0)?.expect("synced").to_bits());
-                        opt.step()?;
-                        opt.zero_grad();
-                    }
-                }
-            }
-            let weights = model.state_dict()?;
+            let (values, weights) = train_segmented(&acc, &i, vocab, 0.1)?;
+            let bits: Vec<u64> = values.iter().map(|v| v.to_bits()).collect();
             let w: Vec<u32> = weights
                 .values()
                 .flat_map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
@@ -308,4 +514,258 @@ fn the_trainers_gradient_checkpointing_recomputes_the_blocks_and_logs_the_same_l
     assert_eq!((with.1, without.1), (2 * 4, 0), "2 blocks × 4 steps recomputed, and none without");
     assert_eq!(with.0, without.0);
     assert_eq!(with.0.len(), 4);
+}
+
+// ---- FULL_SHARD (ZeRO-3) ------------------------------------------------------------------------------------------
+
+/// How a training micro-batch runs its backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Backward {
+    /// `acc.backward(&loss)`: one backward pass (a FULL_SHARD model's gathered weights live until it).
+    Plain,
+    /// A recorded forward and `backward_segments` (FULL_SHARD units checkpointed: gathered per use).
+    Segmented,
+}
+
+/// `STEPS` optimizer steps of the char-GPT built once from the prepared model's `param_builder()` (what FULL_SHARD
+/// needs; any layout trains the same way), clipped to norm 1.
+fn train_prepared(acc: &Accelerator, ids: &[u32], vocab: usize, backward: Backward) -> anyhow::Result<Trained> {
+    let cfg = model_config(vocab);
+    let varmap = VarMap::new();
+    // Drawn whole once (the same weights as every layout), then handed to prepare_model: under FULL_SHARD the
+    // VarMap keeps only this rank's chunks.
+    CharGpt::new(cfg, &acc.param_builder(&varmap))?;
+    let model = acc.prepare_model(&varmap)?;
+    let mut opt = acc.prepare_optimizer(&model, AdamW::new(AdamWConfig { lr: 3e-3, ..AdamWConfig::default() })?)?;
+    let gpt = CharGpt::new(cfg, &model.param_builder())?;
+    let (mut losses, mut grad_norms) = (Vec::new(), Vec::new());
+    for step in 0..STEPS {
+        let micro = micro_batches(acc, ids, step);
+        let (mut loss_sum, mut norm) = (0.0, None);
+        acc.accumulate_window(micro.len(), |i| -> accel::Result<()> {
+            let (x, y) = &micro[i];
+            match backward {
+                Backward::Plain => {
+                    let loss = gpt.loss(x, y).map_err(|e| accel::AccelError::Usage(e.to_string()))?;
+                    loss_sum += loss.to_scalar::<f32>()? as f64;
+                    acc.backward(&loss)?;
+                }
+                Backward::Segmented => {
+                    let (loss, cuts) = accel::segments::record(|| gpt.loss(x, y))
+                        .map_err(|e| accel::AccelError::Usage(e.to_string()))?;
+                    loss_sum += loss.to_scalar::<f32>()? as f64;
+                    acc.backward_segments(&loss, cuts)?;
+                }
+            }
+            if acc.sync_gradients() {
+                norm = acc.clip_grad_norm(1.0)?;
+                opt.step()?;
+                opt.zero_grad();
+            }
+            Ok(())
+        })?;
+        let mean = acc.reduce(&Tensor::new(loss_sum / micro.len() as f64, &Device::Cpu)?, accel::ReduceKind::Mean)?;
+        losses.push(mean.to_scalar::<f64>()?);
+        grad_norms.push(norm.expect("the window's last micro-batch syncs"));
+    }
+    let optimizer_bytes =
+        opt.optimizer().state_dict()?.tensors.values().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum();
+    Ok(Trained { losses, grad_norms, weights: model.state_dict()?, optimizer_bytes })
+}
+
+/// FULL_SHARD trains like DDP over the same data-parallel size — at dp_shard 2 and 4, HSDP 2 × 2, dp_shard 2 × tp
+/// 2, with gradient accumulation, through a plain and a segmented backward — with 1/dp_shard of DDP's optimizer
+/// state, and its parameters resting as chunks: the VarMap holds 1/dp_shard of the model.
+#[test]
+fn full_shard_trains_like_ddp_with_parameters_resting_as_chunks() {
+    let (ids, vocab) = corpus();
+    let ids = Arc::new(ids);
+    let params = model_config(vocab).num_parameters();
+    let mut ddp_runs: BTreeMap<Layout, Trained> = BTreeMap::new();
+    for (layout, backward) in [
+        ((1, 2, 1, 1), Backward::Plain),
+        ((1, 2, 1, 1), Backward::Segmented),
+        ((1, 4, 1, 2), Backward::Segmented),
+        ((2, 2, 1, 1), Backward::Segmented),
+        ((1, 2, 2, 2), Backward::Plain),
+        ((1, 2, 2, 1), Backward::Segmented),
+    ] {
+        let (replicate, shard, tp, ga) = layout;
+        let ddp_layout = (replicate * shard, 1, tp, ga);
+        let want = ddp_runs.entry(ddp_layout).or_insert_with(|| {
+            let i = ids.clone();
+            run(world(ddp_layout), config(ddp_layout), move |acc| train(&acc, &i, vocab)).remove(0)
+        });
+        let i = ids.clone();
+        let got = run(world(layout), config_with(layout, ShardingStrategy::FullShard), move |acc| {
+            let t = train_prepared(&acc, &i, vocab, backward)?;
+            Ok(t)
+        });
+        for (rank, t) in got.iter().enumerate() {
+            let what = format!("FULL_SHARD {layout:?} {backward:?}, rank {rank}");
+            assert_close(&format!("{what}: loss"), &t.losses, &want.losses);
+            assert_close(&format!("{what}: grad norm"), &t.grad_norms, &want.grad_norms);
+            let d = max_abs_diff(&t.weights, &want.weights);
+            assert!(d <= 1e-5, "{what}: weights after {STEPS} steps differ from DDP's by {d:e}");
+            let (mine, all) = (t.optimizer_bytes, want.optimizer_bytes);
+            assert!(mine * shard >= all && mine * shard <= all + 2 * 4 * shard * 40, "{what}: {mine} B vs {all} B");
+        }
+    }
+    // What rests between steps: the VarMap's Vars are this rank's chunks (1/dp_shard of the tp piece).
+    let i = ids.clone();
+    let resting = run(2, config_with((1, 2, 1, 1), ShardingStrategy::FullShard), move |acc| {
+        let varmap = VarMap::new();
+        CharGpt::new(model_config(vocab), &acc.param_builder(&varmap))?;
+        let model = acc.prepare_model(&varmap)?;
+        let shard = acc.mesh().group(ddp_core::MeshDim::DpShard).clone();
+        let (x, y) = &micro_batches(&acc, &i, 0)[0];
+        // Gathers per micro-batch: a plain backward gathers each parameter once; a segmented one gathers each
+        // block's 16 parameters again for its backward (the unit recomputed), the 5 others once.
+        let gpt = CharGpt::new(model_config(vocab), &model.param_builder())?;
+        let mut gathers = Vec::new();
+        for segmented in [false, true] {
+            let (before, recomputed) =
+                (shard.traffic().all_gather.calls, accel::activation_checkpoint::blocks_recomputed());
+            if segmented {
+                let (loss, cuts) = accel::segments::record(|| gpt.loss(x, y))?;
+                acc.backward_segments(&loss, cuts)?;
+            } else {
+                acc.backward(&gpt.loss(x, y)?)?;
+            }
+            gathers.push((
+                shard.traffic().all_gather.calls - before,
+                accel::activation_checkpoint::blocks_recomputed() - recomputed,
+            ));
+        }
+        let elems: usize = varmap.all_vars().iter().map(|v| v.elem_count()).sum();
+        Ok((elems, model.is_fully_sharded(), model.num_parameters(), gathers))
+    });
+    for (rank, (elems, sharded, n, gathers)) in resting.into_iter().enumerate() {
+        assert!(sharded && n == params, "rank {rank}: {n} parameters");
+        assert_eq!(gathers, vec![(5 + 2 * 16, 0), (5 + 2 * 2 * 16, 2)], "rank {rank}: (all-gathers, recomputed units)");
+        assert!(
+            elems * 2 >= params && elems * 2 <= params + 2 * 40,
+            "rank {rank}: the VarMap holds {elems} of {params}"
+        );
+    }
+}
+
+/// What FULL_SHARD refuses, each with the fix: a weight gathered once and used after an optimizer step (stale),
+/// a candle VarBuilder over the gathering builder, and a forward through weights built before prepare_model.
+#[test]
+fn full_shard_refuses_stale_weights_and_models_that_keep_them() {
+    let (ids, vocab) = corpus();
+    let ids = Arc::new(ids);
+    let cfg = config_with((1, 2, 1, 1), ShardingStrategy::FullShard);
+    let errors = run(2, cfg, move |acc| {
+        let (gpt, model, mut opt) = build_prepared(&acc, vocab)?;
+        let (x, y) = &micro_batches(&acc, &ids, 0)[0];
+        // A weight gathered once (a model that keeps what the builder hands out), added to the loss times 1e-9
+        // (candle prunes a branch multiplied by 0 from the backward pass).
+        let c = model_config(vocab);
+        let kept =
+            model.param_builder().pp("wpe").replicated("weight", (c.block_size, c.d_model), accel::ParamInit::Zeros)?;
+        let with_kept = |gpt: &CharGpt| -> accel::Result<Tensor> {
+            Ok((gpt.loss(x, y).map_err(|e| accel::AccelError::Usage(e.to_string()))?
+                + kept.sum_all()?.affine(1e-9, 0.0)?)?)
+        };
+        acc.backward(&with_kept(&gpt)?)?; // step 1: current
+        opt.step()?;
+        opt.zero_grad();
+        let stale = acc.backward(&with_kept(&gpt)?).unwrap_err().to_string();
+        let vb = model.param_builder().var_builder();
+        let var_builder = vb.get((c.block_size, c.d_model), "wpe.weight").unwrap_err().to_string();
+        Ok((stale, var_builder))
+    });
+    let (stale, var_builder) = &errors[0];
+    assert!(
+        stale.contains("FULL_SHARD: parameter `wpe.weight` was gathered before optimizer step 1 and used after it"),
+        "{stale}"
+    );
+    assert!(var_builder.contains("requested through a candle VarBuilder from a FULL_SHARD model"), "{var_builder}");
+    let cfg = config_with((1, 2, 1, 1), ShardingStrategy::FullShard);
+    let ids2 = Arc::new(corpus().0);
+    let unbuilt = run(2, cfg, move |acc| {
+        let varmap = VarMap::new();
+        let gpt = CharGpt::new(model_config(vocab), &acc.param_builder(&varmap))?;
+        acc.prepare_model(&varmap)?;
+        let (x, y) = &micro_batches(&acc, &ids2, 0)[0];
+        Ok(acc.backward(&gpt.loss(x, y)?).unwrap_err().to_string())
+    });
+    assert!(
+        unbuilt[0].contains("build the model for training from model.param_builder() after prepare_model"),
+        "{}",
+        unbuilt[0]
+    );
+}
+
+/// Under fp16 (half-precision parameters; bf16 on the CPU computes over f32 parameters, which are the masters),
+/// ZeRO-1 and ZeRO-2 keep the fp32 masters as this rank's chunks only (what the optimizer steps), the whole
+/// parameters in fp16; FULL_SHARD keeps only fp32 chunks.
+#[test]
+fn sharded_mixed_precision_keeps_fp32_masters_as_chunks() {
+    let vocab = corpus().1;
+    let params = model_config(vocab).num_parameters();
+    for strategy in [ShardingStrategy::ShardOptim, ShardingStrategy::ShardGradOp, ShardingStrategy::FullShard] {
+        let cfg = config_with((1, 2, 1, 1), strategy).with_mixed_precision(accel::MixedPrecision::Fp16);
+        let held = run(2, cfg, move |acc| {
+            let (_gpt, model, _opt) = build_prepared(&acc, vocab)?;
+            let count = |vars: &[candle_core::Var], dtype| -> usize {
+                vars.iter().filter(|v| v.dtype() == dtype).map(|v| v.elem_count()).sum()
+            };
+            use candle_core::DType::{F16, F32};
+            Ok((count(model.master_weights(), F32), count(model.parameters(), F16), count(model.parameters(), F32)))
+        });
+        for (rank, (masters, half, f32)) in held.into_iter().enumerate() {
+            assert!(
+                masters * 2 >= params && masters * 2 <= params + 2 * 40,
+                "{strategy} rank {rank}: {masters} fp32 of {params}"
+            );
+            match strategy {
+                ShardingStrategy::FullShard => assert_eq!((half, f32), (0, masters), "{strategy} rank {rank}"),
+                _ => assert_eq!((half, f32), (params, 0), "{strategy} rank {rank}"),
+            }
+        }
+    }
+}
+
+/// A checkpoint reshards across process counts: saved at step 3 by FULL_SHARD on 4 processes (dp_shard 4), it
+/// resumes on 2 (dp_shard 2 FULL_SHARD, dp 2), on 4 as tp 2 × dp_shard 2 (ZeRO-2), and on 1 process, each taking the
+/// step the saving run takes next (the global batch fixed: every data-parallel rank reads its share of it).
+#[test]
+fn a_full_shard_checkpoint_resumes_at_other_process_counts() {
+    use ShardingStrategy::{FullShard, ShardGradOp};
+    let (ids, vocab) = corpus();
+    let ids = Arc::new(ids);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = Arc::new(tmp.path().join("dp_shard4"));
+    let (i, d) = (ids.clone(), dir.clone());
+    let reference = run(4, config_with((1, 4, 1, 1), FullShard), move |acc| {
+        let mut built = build_prepared(&acc, vocab)?;
+        for step in 0..3 {
+            one_step(&acc, &mut built, &i, step)?;
+        }
+        acc.save_state(Some(&d))?;
+        let (loss, norm) = one_step(&acc, &mut built, &i, 3)?;
+        Ok((loss, norm, built.1.state_dict()?))
+    })
+    .remove(0);
+    for (layout, strategy) in
+        [((1, 2, 1, 1), FullShard), ((2, 1, 1, 1), ShardGradOp), ((1, 2, 2, 1), ShardGradOp), ((1, 1, 1, 1), FullShard)]
+    {
+        let (i, d) = (ids.clone(), dir.clone());
+        let got = run(world(layout), config_with(layout, strategy), move |acc| {
+            let mut built = build_prepared(&acc, vocab)?;
+            acc.load_state(Some(&d))?;
+            let (loss, norm) = one_step(&acc, &mut built, &i, 3)?;
+            Ok((loss, norm, built.1.state_dict()?))
+        });
+        for (rank, (loss, norm, weights)) in got.iter().enumerate() {
+            let what = format!("saved at dp_shard 4 FULL_SHARD, resumed at {layout:?} {strategy}, rank {rank}");
+            assert_close(&format!("{what}: loss"), &[*loss], &[reference.0]);
+            assert_close(&format!("{what}: grad norm"), &[*norm], &[reference.1]);
+            let d = max_abs_diff(weights, &reference.2);
+            assert!(d <= 1e-5, "{what}: weights after the resumed step differ by {d:e}");
+        }
+    }
 }

@@ -265,19 +265,114 @@ fn a_pipeline_layout_is_launched_with_its_schedule_and_dp_shard_with_pp_is_refus
         .failure()
         .code(2)
         .stderr(predicate::str::contains("expected one of GPipe, 1F1B, Interleaved1F1B"));
-    // Accelerate's FSDP file is refused too, not run as DDP with warnings.
+    // Accelerate's FSDP2 file asks for FULL_SHARD (ZeRO-3): launched (here on one machine, its 4 processes), every
+    // worker told the strategy, the banner naming it after dp_shard.
     let out = accel(dir.path())
         .args(["launch", "--config-file"])
         .arg(fixture("accelerate_fsdp_two_machines.yaml"))
-        .args(["--machine-rank", "0", "sh", "-c", "echo started"])
+        .args(["--num-machines", "1", "--machine-rank", "0", "--main-process-ip", "127.0.0.1"])
+        .args(["--main-process-port", "0", "--cpu", "sh", "-c"])
+        .arg("echo \"started rank=$RANK shard=$PARALLELISM_CONFIG_DP_SHARD_SIZE strategy=$FSDP_SHARDING_STRATEGY\"")
         .output()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!String::from_utf8_lossy(&out.stdout).contains("started"));
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stderr}");
+    for r in 0..4 {
+        let want = format!("[rank {r}] started rank={r} shard=2 strategy=FULL_SHARD");
+        assert!(stdout.contains(&want), "missing {want:?} in:\n{stdout}");
+    }
     assert!(
-        stderr.contains(
-            "accel: error: invalid distributed_type \"FSDP\": accel has no FSDP (parameters sharded between steps)"
-        ),
+        stderr.lines().any(|l| l.starts_with("accel launch: config ")
+            && l.ends_with(
+                "| 4 processes × 1 machine | dp_replicate 2 × dp_shard 2 (FULL_SHARD) × tp 1 × pp 1 | mixed precision \
+                 no | gradient accumulation 1 | backend cpu"
+            )),
+        "{stderr}"
+    );
+    // A strategy clap does not know is a usage error (status 2) listing the names.
+    accel(dir.path())
+        .args(["launch", "--fsdp_sharding_strategy", "zero2", "true"])
+        .assert()
+        .failure()
+        .code(2)
+        .stderr(predicate::str::contains("expected one of NO_SHARD, SHARD_OPTIM (ZeRO-1), SHARD_GRAD_OP (ZeRO-2)"));
+}
+
+#[test]
+fn an_fsdp_file_and_a_sharded_accel_config_launch_with_their_strategy() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = "echo \"rank=$RANK shard=$PARALLELISM_CONFIG_DP_SHARD_SIZE strategy=$FSDP_SHARDING_STRATEGY\"";
+    // Accelerate's FSDP file with FSDP2's `fsdp_reshard_after_forward: false` (SHARD_GRAD_OP): both processes shard.
+    let cfg = dir.path().join("fsdp.yaml");
+    std::fs::write(
+        &cfg,
+        "distributed_type: FSDP\nfsdp_config:\n  fsdp_reshard_after_forward: false\n  fsdp_version: 2\n\
+         num_processes: 2\nuse_cpu: true\n",
+    )
+    .unwrap();
+    let out =
+        accel(dir.path()).args(["launch", "--config-file"]).arg(&cfg).args(["sh", "-c", script]).output().unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("[rank 1] rank=1 shard=2 strategy=SHARD_GRAD_OP"), "{stdout}");
+    assert_eq!(
+        stderr.lines().filter(|l| l.starts_with("accel: warning:")).collect::<Vec<_>>(),
+        [format!(
+            "accel: warning: {}: fsdp_config: `fsdp_version` asks for FSDP features accel does not implement (it \
+             reads only `fsdp_offload_params`, `fsdp_reshard_after_forward` and `fsdp_sharding_strategy`, and has no \
+             wrapping policy to set: the model's own blocks are the units); ignored",
+            cfg.display()
+        )]
+    );
+    assert!(
+        stderr.lines().any(|l| l
+            == format!(
+                "accel launch: config {} (it set 2 processes, distributed_type FSDP) | 2 processes × 1 machine | \
+                 dp_replicate 1 × dp_shard 2 (SHARD_GRAD_OP) × tp 1 × pp 1 | mixed precision no | gradient \
+                 accumulation 1 | backend cpu",
+                cfg.display()
+            )),
+        "{stderr}"
+    );
+    // The flag overrides the file.
+    let out = accel(dir.path())
+        .args(["launch", "--config-file"])
+        .arg(&cfg)
+        .args(["--fsdp-sharding-strategy", "no_shard", "sh", "-c", script])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("[rank 0] rank=0 shard=2 strategy=NO_SHARD"));
+
+    // `accel config` with dp_shard 2 and FULL_SHARD writes a MULTI_CPU file with `fsdp_config`, which launches.
+    let path = dir.path().join("cfg.yaml");
+    // cpu; 1 machine; 2 processes; tp 1; pp 1; dp_shard 2; `zero3` (re-asked) then FULL_SHARD; no.
+    accel(dir.path())
+        .args(["config", "--config-file"])
+        .arg(&path)
+        .write_stdin("cpu\n1\n2\n\n\n2\nzero3\nFULL_SHARD\nno\n")
+        .assert()
+        .success()
+        .stdout(predicate::str::contains(
+            "invalid answer \"zero3\": choose one of SHARD_GRAD_OP, FULL_SHARD, SHARD_OPTIM, NO_SHARD",
+        ));
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.contains("distributed_type: MULTI_CPU\n"), "{text}");
+    assert!(text.contains("fsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\n"), "{text}");
+    let out =
+        accel(dir.path()).args(["launch", "--config-file"]).arg(&path).args(["sh", "-c", script]).output().unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("[rank 1] rank=1 shard=2 strategy=FULL_SHARD"), "{stdout}");
+    assert!(!stderr.contains("warning"), "{stderr}");
+    assert!(
+        stderr.lines().any(|l| l
+            == format!(
+                "accel launch: config {} (it set 2 processes, the layout dp_replicate 1 × dp_shard 2 (FULL_SHARD) × \
+                 tp 1 × pp 1) | 2 processes × 1 machine | dp_replicate 1 × dp_shard 2 (FULL_SHARD) × tp 1 × pp 1 | \
+                 mixed precision no | gradient accumulation 1 | backend cpu",
+                path.display()
+            )),
         "{stderr}"
     );
 }

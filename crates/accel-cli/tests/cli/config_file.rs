@@ -1,7 +1,7 @@
 //! Accelerate's YAML config: reading files Python Accelerate wrote, writing files it can read, errors with
 //! locations, atomic writes.
 
-use accel::MixedPrecision;
+use accel::{MixedPrecision, ShardingStrategy};
 use accel_cli::{AccelerateConfig, CliError, DistributedType, LaunchArgs, LaunchPlan, ParallelismConfig};
 use std::path::{Path, PathBuf};
 
@@ -46,9 +46,10 @@ fn reads_files_written_by_accelerate_1_15() {
 
 #[test]
 fn reads_a_two_machine_fsdp_file_and_warns_about_what_accel_ignores() {
-    let loaded = AccelerateConfig::load(&fixture("accelerate_fsdp_two_machines.yaml")).unwrap();
+    let path = fixture("accelerate_fsdp_two_machines.yaml");
+    let loaded = AccelerateConfig::load(&path).unwrap();
     let c = &loaded.config;
-    assert_eq!(c.distributed_type, DistributedType::Other("FSDP".into()));
+    assert_eq!(c.distributed_type, DistributedType::Fsdp);
     assert_eq!(c.mixed_precision, MixedPrecision::No);
     assert_eq!((c.num_processes, c.num_machines, c.machine_rank), (Some(4), 2, 1));
     assert_eq!(c.main_process_ip.as_deref(), Some("192.168.1.1"));
@@ -65,26 +66,61 @@ fn reads_a_two_machine_fsdp_file_and_warns_about_what_accel_ignores() {
             pp_microbatches: None,
             pp_schedule: Default::default(),
             pp_virtual_stages: None,
+            sharding_strategy: ShardingStrategy::ShardGradOp,
         })
     );
-    let all = loaded.warnings.join("\n");
-    assert!(all.contains("fsdp_config"), "{all}");
-    // accel has no FSDP: the launch is refused before any worker starts, naming the fix (not run as DDP).
-    let flags = LaunchArgs { program: "prog".into(), ..LaunchArgs::default() };
-    let e = LaunchPlan::resolve(&flags, Some(c)).unwrap_err().to_string();
+    // FSDP2's `fsdp_reshard_after_forward: true` is FULL_SHARD; the FSDP keys accel has no use for are named once.
+    assert_eq!(c.sharding_strategy().unwrap(), ShardingStrategy::FullShard);
     assert_eq!(
-        e,
-        "invalid distributed_type \"FSDP\": accel has no FSDP (parameters sharded between steps); it shards the \
-         optimizer state (ZeRO-1) with parallelism_config_dp_shard_size; for data parallelism set distributed_type \
-         to MULTI_CPU or MULTI_GPU (and remove fsdp_config), or run `accel config` again"
+        loaded.warnings,
+        [format!(
+            "{}: fsdp_config: `fsdp_auto_wrap_policy`, `fsdp_cpu_ram_efficient_loading`, `fsdp_state_dict_type`, \
+             `fsdp_version` ask for FSDP features accel does not implement (it reads only `fsdp_offload_params`, \
+             `fsdp_reshard_after_forward` and `fsdp_sharding_strategy`, and has no wrapping policy to set: the \
+             model's own blocks are the units); ignored",
+            path.display()
+        )]
     );
-    // As MULTI_GPU, its dp_replicate 2 × dp_shard 2 layout (HSDP with a sharded optimizer state) is launched.
-    let c = &AccelerateConfig { distributed_type: DistributedType::MultiGpu, ..c.clone() };
+    // Its dp_replicate 2 × dp_shard 2 layout (HSDP) is launched with FULL_SHARD (ZeRO-3), every worker told the
+    // strategy.
+    let flags = LaunchArgs { program: "prog".into(), ..LaunchArgs::default() };
     let plan = LaunchPlan::resolve(&flags, Some(c)).unwrap();
+    assert_eq!(
+        plan.parallelism,
+        Some(
+            ParallelismConfig::data_parallel(2)
+                .with_dp_shard_size(2)
+                .with_sharding_strategy(ShardingStrategy::FullShard)
+        )
+    );
+    let env = plan.worker_env();
+    let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+    assert_eq!(get("FSDP_SHARDING_STRATEGY"), Some("FULL_SHARD"));
+    assert_eq!(
+        (get("PARALLELISM_CONFIG_DP_SHARD_SIZE"), get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE")),
+        (Some("2"), Some("2"))
+    );
+    assert_eq!(plan.banner().sharding.as_deref(), Some("FULL_SHARD"));
+    // With --fsdp-sharding-strategy SHARD_GRAD_OP the same layout is launched with ZeRO-2.
+    let zero2 = LaunchArgs { fsdp_sharding_strategy: Some(ShardingStrategy::ShardGradOp), ..flags.clone() };
+    let plan = LaunchPlan::resolve(&zero2, Some(c)).unwrap();
     assert_eq!(plan.parallelism, Some(ParallelismConfig::data_parallel(2).with_dp_shard_size(2)));
+    let env = plan.worker_env();
+    let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+    assert_eq!(get("FSDP_SHARDING_STRATEGY"), Some("SHARD_GRAD_OP"));
+    assert_eq!(get("PARALLELISM_CONFIG_DP_SHARD_SIZE"), Some("2"));
+    assert_eq!(
+        plan.warnings,
+        ["rdzv_backend \"c10d\" is not used: accel always rendezvouses through its own TCP store on \
+          main_process_ip:main_process_port with fixed machine ranks (like `static`)"]
+    );
+    // The same when the file says it (FSDP1's key, replacing FSDP2's).
+    let mut zero2_file = c.clone();
+    zero2_file.set_sharding_strategy(ShardingStrategy::ShardGradOp);
+    assert_eq!(LaunchPlan::resolve(&flags, Some(&zero2_file)).unwrap().parallelism, plan.parallelism);
     // With tp 2 from a flag: 2 × 2 × 2 = 8 sizes for 4 processes, refused naming what fits.
-    let flags = LaunchArgs { program: "prog".into(), parallelism_config_tp_size: Some(2), ..LaunchArgs::default() };
-    let e = LaunchPlan::resolve(&flags, Some(c)).unwrap_err().to_string();
+    let tp2 = LaunchArgs { parallelism_config_tp_size: Some(2), ..flags.clone() };
+    let e = LaunchPlan::resolve(&tp2, Some(&zero2_file)).unwrap_err().to_string();
     assert!(e.contains("the sizes multiply to 8 but the job has 4 processes"), "{e}");
     // A layout the Accelerator runs whose product is not the process count is refused, naming what fits.
     let flags = LaunchArgs {
@@ -93,13 +129,34 @@ fn reads_a_two_machine_fsdp_file_and_warns_about_what_accel_ignores() {
         parallelism_config_dp_shard_size: Some(1),
         ..LaunchArgs::default()
     };
-    let e = LaunchPlan::resolve(&flags, Some(c)).unwrap_err().to_string();
+    let e = LaunchPlan::resolve(&flags, Some(&zero2_file)).unwrap_err().to_string();
     assert!(
         e.ends_with(
             "the sizes multiply to 8 but the job has 4 processes; with tp 4 and 4 processes set dp_replicate_size 1"
         ),
         "{e}"
     );
+}
+
+#[test]
+fn a_written_fsdp_block_round_trips_with_the_keys_python_accelerate_wrote() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("fsdp.yaml");
+    let mut cfg = AccelerateConfig::load(&fixture("accelerate_fsdp_two_machines.yaml")).unwrap().config;
+    cfg.set_sharding_strategy(ShardingStrategy::ShardOptim);
+    cfg.save(&path).unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(
+        text.contains(
+            "fsdp_config:\n  fsdp_activation_checkpointing: false\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  \
+             fsdp_cpu_ram_efficient_loading: true\n  fsdp_offload_params: false\n  fsdp_sharding_strategy: \
+             SHARD_OPTIM\n  fsdp_state_dict_type: SHARDED_STATE_DICT\n  fsdp_version: 2\n"
+        ),
+        "{text}"
+    );
+    let back = AccelerateConfig::load(&path).unwrap().config;
+    assert_eq!(back, cfg);
+    assert_eq!(back.sharding_strategy().unwrap(), ShardingStrategy::ShardOptim);
 }
 
 #[test]

@@ -164,7 +164,7 @@ pub(crate) fn load_state(acc: &Accelerator, dir: Option<&Path>) -> Result<(PathB
     restore_optimizers(&dir, &prepared, &device)?;
     restore_scaler(acc, &dir, meta.contents.scaler, &device)?;
     restore_registered(&dir, prepared, &device)?;
-    restore_rng(acc, &dir)?;
+    restore_rng(acc, &dir, &meta)?;
     let gradients = load_gradients(acc, &dir, &device)?;
     Ok((dir, meta.counters, gradients))
 }
@@ -212,19 +212,37 @@ fn read_meta(dir: &Path) -> Result<CheckpointMeta> {
     Ok(meta)
 }
 
-/// Refuses another number of processes (per-rank state would not fit); warns when the mesh layout or the
-/// gradient accumulation differs (the checkpoint loads, but the resumed run will not match the original).
+/// Checks that the checkpoint fits this job. Another number of processes is accepted at an optimizer-step boundary:
+/// the weights and the optimizer state are whole tensors, the step counters global, a prepared loader's position is
+/// counted in global samples (it refuses another global batch itself), dropout masks are addressed by the
+/// single-process coordinates; only each rank's `Accelerator::rng` is per rank, and it is derived anew
+/// ([`restore_rng`]). A checkpoint taken inside an accumulation window holds each rank's partial gradients: it is
+/// refused at another process count. Warns when the mesh layout or the gradient accumulation differs.
 fn check_layout(acc: &Accelerator, dir: &Path, meta: &CheckpointMeta) -> Result<()> {
     if meta.world_size != acc.world_size() {
-        return Err(checkpoint_err(
-            dir,
-            format!(
-                "written by {} processes but this job has {}; resume with the same number of processes \
-                 (data-loader positions and per-rank RNG states depend on it)",
+        if dir.join("gradients_0.json").is_file() {
+            return Err(checkpoint_err(
+                dir,
+                format!(
+                    "written by {} processes inside an accumulation window (each rank's partial gradients), but this \
+                     job has {}; resume it with {} processes, or from a checkpoint taken at an optimizer step",
+                    meta.world_size,
+                    acc.world_size(),
+                    meta.world_size
+                ),
+            ));
+        }
+        if acc.is_main_process() {
+            tracing::warn!(
+                "checkpoint {} was written by {} processes, this job has {}: the weights, the optimizer state, the \
+                 step counters and the data position load as saved (the position is in global samples: keep the \
+                 global batch), and each rank's Accelerator::rng is derived from (seed, rank, optimizer step) \
+                 instead of restored",
+                dir.display(),
                 meta.world_size,
                 acc.world_size()
-            ),
-        ));
+            );
+        }
     }
     let saved_mesh = meta.mesh.unwrap_or([1, meta.world_size, 1, 1]);
     // A rank plays the same part when the pp, data-parallel (dp_replicate × dp_shard) and tp sizes are the same:
@@ -338,8 +356,18 @@ fn restore_registered(dir: &Path, prepared: Prepared, device: &Device) -> Result
     Ok(())
 }
 
-/// Restores the Accelerator's RNG from this rank's `random_states_{rank}.json`.
-fn restore_rng(acc: &Accelerator, dir: &Path) -> Result<()> {
+/// Restores the Accelerator's RNG from this rank's `random_states_{rank}.json`; at another process count (a rank
+/// plays another part, and there may be no file of its number) derives it from the run's seed, the rank and the
+/// optimizer step instead: ChaCha8 keyed by the seed on stream `step · 2^20 + rank` — the same stream for the same
+/// rank and step at any layout and on any resume.
+fn restore_rng(acc: &Accelerator, dir: &Path, meta: &CheckpointMeta) -> Result<()> {
+    if meta.world_size != acc.world_size() {
+        use rand::SeedableRng;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(acc.config().seed.unwrap_or(0));
+        rng.set_stream((meta.counters.optimizer_steps << 20) | acc.rank() as u64);
+        *acc.rng() = rng;
+        return Ok(());
+    }
     let rng_path = dir.join(format!("random_states_{}.json", acc.rank()));
     if !rng_path.is_file() {
         return Err(checkpoint_err(dir, format!("missing random_states_{}.json (this rank's RNG state)", acc.rank())));

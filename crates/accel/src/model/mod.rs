@@ -11,6 +11,7 @@
 //! checkpoints hold the full tensors under the single-process names (gathered on save, sliced on load), so any
 //! layout reads any other's `model.safetensors`.
 
+mod fully_sharded;
 mod registration;
 mod sharded;
 mod stages;
@@ -19,12 +20,13 @@ mod strategy;
 #[cfg(test)]
 mod tests;
 
-use sharded::{FlatChunk, ShardedDataParallel};
+use sharded::{FlatChunk, GradientChunks, ShardedDataParallel};
 use stages::{full_shape, Gather, Stages};
 #[cfg(test)]
 use strategy::AddSegment;
 pub(crate) use strategy::{GradientStrategy, PipelineStage, ReplicatedDataParallel, TiedWeights};
 
+use crate::sharding::ShardingStrategy;
 use crate::state::StateDict;
 use crate::tensor_parallel::{ParamLayout, TensorParallel};
 use crate::{AccelError, Result};
@@ -57,6 +59,17 @@ struct ModelInner {
     sharding: Option<(ProcessGroup, Vec<FlatChunk>)>,
     /// Each parameter's layout over `tp` (in `names` order).
     layouts: Vec<ParamLayout>,
+    /// Each parameter's shape on this rank (its tp piece) — what the model computes with; under FULL_SHARD the
+    /// `Var`s are 1-D chunks and this is the shape they are gathered into.
+    local_dims: Vec<Vec<usize>>,
+    /// FULL_SHARD (ZeRO-3): `params`, `masters` and `optimized` are the same fp32 1-D chunks (of `sharding`), the
+    /// whole parameters exist only while a forward uses them (`param_builder`), in this dtype.
+    fully_sharded: Option<DType>,
+    /// `masters` are this rank's chunks (the same `Var`s as `optimized`): FULL_SHARD, and ZeRO-1/2 under mixed
+    /// precision (the whole compute-dtype `params` are refreshed from the all-gathered chunks after each step).
+    masters_sharded: bool,
+    /// Optimizer steps taken, for FULL_SHARD's check that no gathered weight outlives a step.
+    generation: Arc<fully_sharded::Generation>,
     /// The tensor-parallel group the sharded parameters are split over.
     tp: TensorParallel,
     /// Parameter groups: every parameter is in exactly one, whose strategy handles its gradients.
@@ -97,6 +110,7 @@ impl PreparedModel {
         tp: &TensorParallel,
         device: &candle_core::Device,
         ddp: &ddp_core::DdpOptions,
+        sharding_strategy: ShardingStrategy,
         varmap: &VarMap,
     ) -> Result<Self> {
         let mut named: Vec<(String, Var)> =
@@ -130,6 +144,7 @@ impl PreparedModel {
             params.clone()
         };
         let layouts = registration::layouts(tp, &names, &params)?;
+        let local_dims: Vec<Vec<usize>> = params.iter().map(|v| v.dims().to_vec()).collect();
         // One group: every parameter — replicated over tp or a tp shard — is averaged over its data-parallel
         // replicas, which hold the same piece (Megatron-LM: a shard is never reduced with its tp peers; the
         // replicated ones have equal gradients on every tp rank already). Gradients are reduced in fp32.
@@ -139,9 +154,19 @@ impl PreparedModel {
             ddp.clone(),
         )?;
         let replicated = ReplicatedDataParallel::new(replicated, mesh.model_parallel().clone());
-        // dp_shard > 1: ZeRO-1 (sharded.rs); the DDP above only checked the names and broadcast rank 0's values.
+        // dp_shard > 1: ZeRO-1 or ZeRO-2 (sharded.rs); the DDP above only checked the names and broadcast rank 0's
+        // values. NO_SHARD: the dp_shard ranks are DDP replicas like the dp_replicate ones (mesh.dp() spans both).
         let shard_group = mesh.group(MeshDim::DpShard).clone();
-        if shard_group.world_size() > 1 && ddp.find_unused_parameters {
+        let sharded_stage = shard_group.world_size() > 1 && sharding_strategy != ShardingStrategy::NoShard;
+        let full_shard = sharded_stage && sharding_strategy == ShardingStrategy::FullShard;
+        if full_shard && ddp.comm_hook != ddp_core::CommHook::None {
+            return Err(AccelError::Usage(format!(
+                "prepare_model: the {:?} compression hook is not applied to FULL_SHARD's reduce-scatter yet; use no \
+                 hook with FULL_SHARD, or SHARD_GRAD_OP (ZeRO-2) with the hook",
+                ddp.comm_hook
+            )));
+        }
+        if sharded_stage && ddp.find_unused_parameters {
             // A chunk of an unused parameter would be stepped with a zero gradient (moments decaying, weight decay
             // applied) where DDP skips it: refuse rather than train something else.
             return Err(AccelError::Usage(
@@ -150,7 +175,7 @@ impl PreparedModel {
                     .into(),
             ));
         }
-        let sharding = (shard_group.world_size() > 1).then(|| {
+        let sharding = sharded_stage.then(|| {
             let chunks: Vec<FlatChunk> =
                 masters.iter().map(|m| FlatChunk::of(m.elem_count(), shard_group.world_size())).collect();
             (shard_group.clone(), chunks)
@@ -163,12 +188,33 @@ impl PreparedModel {
                 .collect::<Result<_>>()?,
             None => masters.clone(),
         };
+        // FULL_SHARD: the chunks are the parameters. The whole ones leave the VarMap (replaced by the chunks under
+        // the same names), so nothing keeps them once the program dropped the model it initialised with.
+        let compute_dtype = params[0].dtype();
+        let (params, masters, has_masters) = if full_shard {
+            let mut data = crate::lock(varmap.data());
+            for (name, chunk) in names.iter().zip(&optimized) {
+                data.insert(name.clone(), chunk.clone());
+            }
+            (optimized.clone(), optimized.clone(), false)
+        } else if sharding.is_some() && has_masters {
+            // ZeRO-1/2 under bf16/fp16: the fp32 masters are this rank's chunks (what the optimizer steps); the
+            // whole compute-dtype parameters take rank 0's broadcast values now and the all-gathered chunks after
+            // every step, so no rank holds the whole model in fp32.
+            for (p, m) in params.iter().zip(&masters) {
+                p.set(&m.as_tensor().to_dtype(p.dtype())?)?;
+            }
+            (params, optimized.clone(), true)
+        } else {
+            (params, masters, has_masters)
+        };
+        let masters_sharded = sharding.is_some() && (full_shard || has_masters);
         // Under pp every stage's names and shapes are exchanged once (state dicts gather and load through them);
         // a stage holds its own parameters, so norms and overflow cover every stage, and a weight held by several
         // stages (tied) has its gradients summed over them (strategy.rs).
         let (strategy, stages): (Box<dyn GradientStrategy>, _) = if mesh.pp().world_size() > 1 {
             let mine: Vec<(String, Vec<usize>)> =
-                names.iter().enumerate().map(|(i, n)| (n.clone(), full_shape(&masters[i], layouts[i]))).collect();
+                names.iter().enumerate().map(|(i, n)| (n.clone(), full_shape(masters[i].dims(), layouts[i]))).collect();
             let stages = Stages::exchange(mesh.pp(), mine)?;
             let tied = stages.tied_weights(&masters)?;
             (Box::new(PipelineStage::new(replicated, mesh.pp().clone(), tied)), Some(stages))
@@ -177,9 +223,16 @@ impl PreparedModel {
                 g.clone(),
                 mesh.group(MeshDim::DpReplicate).clone(),
                 mesh.model_parallel().clone(),
-                chunks.clone(),
+                ddp_core::zero::FlatShards::new(&chunks.iter().map(|c| c.numel).collect::<Vec<_>>(), g.world_size()),
                 device.clone(),
                 ddp.comm_hook,
+                if full_shard {
+                    GradientChunks::ReducedInBackward
+                } else if sharding_strategy.shards_gradients() {
+                    GradientChunks::ReducedPerMicroBatch
+                } else {
+                    GradientChunks::Whole
+                },
             );
             (Box::new(sharded), None)
         } else {
@@ -197,6 +250,10 @@ impl PreparedModel {
                 optimized,
                 sharding,
                 layouts,
+                local_dims,
+                fully_sharded: full_shard.then_some(compute_dtype),
+                masters_sharded,
+                generation: Arc::default(),
                 tp: tp.clone(),
                 find_unused_parameters: ddp.find_unused_parameters,
             }),
@@ -216,7 +273,8 @@ impl PreparedModel {
         &self.inner.params
     }
 
-    /// The fp32 master weights the optimizer updates (the same `Var`s as [`PreparedModel::parameters`] in fp32).
+    /// The fp32 master weights the optimizer updates (the same `Var`s as [`PreparedModel::parameters`] in fp32);
+    /// under sharded data parallelism with mixed precision, and under FULL_SHARD, this rank's 1-D chunks of them.
     pub fn master_weights(&self) -> &[Var] {
         &self.inner.masters
     }
@@ -229,7 +287,35 @@ impl PreparedModel {
 
     /// Number of scalar parameters.
     pub fn num_parameters(&self) -> usize {
-        self.inner.params.iter().map(|v| v.elem_count()).sum()
+        self.inner.local_dims.iter().map(|d| d.iter().product::<usize>()).sum()
+    }
+
+    /// A [`crate::ParamBuilder`] handing out this model's parameters by name instead of creating them: build the
+    /// model's layers from it in the forward pass (`CharGpt::new(cfg, &model.param_builder())`). Each call returns
+    /// this rank's piece in the compute dtype — the prepared `Var`'s tensor, or under FULL_SHARD the whole
+    /// parameter all-gathered from the dp_shard ranks' chunks at that moment, whose gradient is reduce-scattered
+    /// back to the chunks by the backward pass ([`ddp_core::functional::gather_shards`]). Required under
+    /// FULL_SHARD (the `Var`s are chunks); the same code trains every other layout.
+    pub fn param_builder(&self) -> crate::ParamBuilder {
+        let dtype = self.inner.fully_sharded.unwrap_or_else(|| self.inner.params[0].dtype());
+        crate::ParamBuilder::lookup(Arc::new(self.clone()), &self.inner.tp, dtype, self.inner.params[0].device())
+    }
+
+    /// Whether the parameters rest as dp_shard chunks between uses (FULL_SHARD).
+    pub fn is_fully_sharded(&self) -> bool {
+        self.inner.fully_sharded.is_some()
+    }
+
+    /// Parameter `i` whole in this rank's tp layout and fp32, outside any graph: the master, or when the masters are
+    /// chunks (FULL_SHARD; ZeRO-1/2 under mixed precision) its chunks all-gathered (collective over dp_shard).
+    fn local_master(&self, i: usize) -> Result<Tensor> {
+        match (&self.inner.sharding, self.inner.masters_sharded) {
+            (Some((g, chunks)), true) => {
+                let all = g.all_gather_tensor(&self.inner.optimized[i].as_tensor().detach())?;
+                Ok(chunks[i].unslice(&all, &self.inner.local_dims[i])?)
+            }
+            _ => Ok(self.inner.masters[i].as_tensor().clone()),
+        }
     }
 
     /// Each parameter's layout over the tensor-parallel group, in [`PreparedModel::names`] order.
@@ -258,7 +344,8 @@ impl PreparedModel {
     }
 
     fn gathered_state_dict(&self, to: Gather) -> Result<BTreeMap<String, Tensor>> {
-        let full = self.full_tensors(self.inner.masters.iter().map(|v| Some(v.as_tensor().clone())).collect())?;
+        let local = (0..self.inner.names.len()).map(|i| self.local_master(i).map(Some)).collect::<Result<_>>()?;
+        let full = self.full_tensors(local)?;
         let mut dict: BTreeMap<String, Tensor> =
             self.inner.names.iter().cloned().zip(full.into_iter().flatten()).collect();
         if let Some(stages) = &self.inner.stages {
@@ -297,7 +384,7 @@ impl PreparedModel {
             Some((g, chunks)) => accel_nn::optim::map_param_tensors(sd, |i, t| -> Result<Tensor> {
                 self.layout_of(i)?; // names a parameter the model does not have
                 let all = g.all_gather_tensor(&t.to_dtype(DType::F32)?)?;
-                chunks[i].unslice(&all, self.inner.masters[i].dims())
+                Ok(chunks[i].unslice(&all, &self.inner.local_dims[i])?)
             })?,
             None => sd,
         };
@@ -318,7 +405,9 @@ impl PreparedModel {
         let (rank, size) = (self.inner.tp.rank(), self.inner.tp.size());
         let sd = accel_nn::optim::map_param_tensors(sd, |i, t| self.layout_of(i)?.slice(&t, rank, size))?;
         match &self.inner.sharding {
-            Some((g, chunks)) => accel_nn::optim::map_param_tensors(sd, |i, t| chunks[i].slice(&t, g.rank())),
+            Some((g, chunks)) => {
+                accel_nn::optim::map_param_tensors(sd, |i, t| -> Result<Tensor> { Ok(chunks[i].slice(&t, g.rank())?) })
+            }
             None => Ok(sd),
         }
     }
@@ -335,7 +424,7 @@ impl PreparedModel {
 
     /// The shape parameter `i` has in a single-process model.
     fn full_shape(&self, i: usize) -> Vec<usize> {
-        full_shape(&self.inner.masters[i], self.inner.layouts[i])
+        full_shape(&self.inner.local_dims[i], self.inner.layouts[i])
     }
 
     /// Loads full weights by single-process name (any layout's `model.safetensors`, or a single-process one)
@@ -369,20 +458,30 @@ impl PreparedModel {
             }
             full.push(Some(t.to_device(self.inner.masters[i].device())?.to_dtype(DType::F32)?));
         }
-        for (master, t) in self.inner.masters.iter().zip(self.local_tensors(full)?) {
-            master.set(&t.expect("every parameter has a tensor"))?;
-        }
+        let local = self.local_tensors(full)?;
         if let Some((g, chunks)) = &self.inner.sharding {
-            for ((opt, master), c) in self.inner.optimized.iter().zip(&self.inner.masters).zip(chunks) {
-                opt.set(&c.slice(master.as_tensor(), g.rank())?)?;
+            // This rank's chunks (what the optimizer steps), and the whole parameters unless FULL_SHARD's rest as
+            // the chunks themselves.
+            for (i, t) in local.into_iter().enumerate() {
+                let t = t.expect("every parameter has a tensor");
+                self.inner.optimized[i].set(&chunks[i].slice(&t, g.rank())?)?;
+                if self.inner.fully_sharded.is_none() {
+                    let p = &self.inner.params[i];
+                    p.set(&t.to_dtype(p.dtype())?)?;
+                }
             }
+            return Ok(());
+        }
+        for (master, t) in self.inner.masters.iter().zip(local) {
+            master.set(&t.expect("every parameter has a tensor"))?;
         }
         self.copy_masters_to_params()
     }
 
-    /// Casts the fp32 masters back into the compute-dtype `Var`s (no-op in fp32).
+    /// Casts the fp32 masters back into the compute-dtype `Var`s (no-op in fp32, and when the masters are chunks:
+    /// the sharded strategy's all-gather refreshed the parameters).
     pub(crate) fn copy_masters_to_params(&self) -> Result<()> {
-        if self.inner.has_masters {
+        if self.inner.has_masters && !self.inner.masters_sharded {
             for (p, m) in self.inner.params.iter().zip(&self.inner.masters) {
                 p.set(&m.as_tensor().to_dtype(p.dtype())?)?;
             }
@@ -435,6 +534,31 @@ impl PreparedModel {
         g.params.iter().map(|&i| self.inner.layouts[i]).collect()
     }
 
+    /// One micro-batch's (or backward segment's) gradients, `micro[i]` for parameter `i`, made what the window's
+    /// slots accumulate: each group's strategy may reduce them now (ZeRO-2), collective then.
+    pub(crate) fn reduce_micro_batch(&self, micro: &mut [Option<Tensor>]) -> Result<()> {
+        for g in &self.inner.groups {
+            let mut group: Vec<Option<Tensor>> = g.params.iter().map(|&i| micro[i].take()).collect();
+            let reduced = g.strategy.reduce_micro_batch(&mut group);
+            for (&i, t) in g.params.iter().zip(group) {
+                micro[i] = t;
+            }
+            reduced?;
+        }
+        Ok(())
+    }
+
+    /// The shape of parameter `i`'s gradient slot between micro-batches: the master weight's, or under ZeRO-2
+    /// this rank's 1-D chunk.
+    pub(crate) fn gradient_dims(&self, i: usize) -> Vec<usize> {
+        for g in &self.inner.groups {
+            if let (Some(chunks), Some(k)) = (g.strategy.gradient_chunks(), g.params.iter().position(|&p| p == i)) {
+                return vec![chunks[k].chunk];
+            }
+        }
+        self.inner.local_dims[i].clone()
+    }
+
     /// Reduces this model's gradient slots after the backward pass, group by group, each by its strategy
     /// (collective).
     pub(crate) fn reduce_gradients(&self, slots: &mut [Option<Tensor>]) -> Result<()> {
@@ -452,10 +576,13 @@ impl PreparedModel {
     /// What each group's strategy does once the optimizer updated the masters, then the compute-dtype copies.
     pub(crate) fn after_optimizer_step(&self) -> Result<()> {
         for g in &self.inner.groups {
-            let masters: Vec<Var> = g.params.iter().map(|&i| self.inner.masters[i].clone()).collect();
+            // What a sharded group all-gathers its stepped chunks into: the whole parameters (the fp32 masters
+            // themselves in fp32; the compute-dtype copies, cast, when the masters are chunks).
+            let whole: Vec<Var> = g.params.iter().map(|&i| self.inner.params[i].clone()).collect();
             let optimized: Vec<Var> = g.params.iter().map(|&i| self.inner.optimized[i].clone()).collect();
-            g.strategy.after_optimizer_step(&optimized, &masters)?;
+            g.strategy.after_optimizer_step(&optimized, &whole)?;
         }
+        self.inner.generation.advance();
         self.copy_masters_to_params()
     }
 }
@@ -469,5 +596,24 @@ impl PreparedModel {
             .into_iter()
             .map(|g| ParamGroup { params: g.params, strategy: wrap(g.strategy) })
             .collect();
+    }
+}
+
+impl crate::tensor_parallel::ParamSource for PreparedModel {
+    fn get(&self, full_name: &str) -> Result<Tensor> {
+        let i = self.inner.names.binary_search_by(|n| n.as_str().cmp(full_name)).map_err(|_| {
+            AccelError::InvalidArgument(format!(
+                "param_builder: the prepared model has no parameter `{full_name}` (build the model from the \
+                 configuration and prefixes it was prepared with)"
+            ))
+        })?;
+        match (&self.inner.sharding, self.inner.fully_sharded) {
+            (Some(_), Some(dtype)) => self.gathered(i, dtype),
+            _ => Ok(self.inner.params[i].as_tensor().clone()),
+        }
+    }
+
+    fn gathers(&self) -> bool {
+        self.is_fully_sharded()
     }
 }

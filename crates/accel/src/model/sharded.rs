@@ -1,6 +1,6 @@
-//! [`ShardedDataParallel`]: sharded optimizer state over the mesh's `dp_shard` group — ZeRO stage 1
-//! (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", §5.1; DeepSpeed's
-//! `stage_1_and_2.py`; PyTorch's `ZeroRedundancyOptimizer`).
+//! [`ShardedDataParallel`]: sharded optimizer state (ZeRO stage 1) and gradients (stage 2) over the mesh's
+//! `dp_shard` group (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+//! Models", §5.1–5.2; DeepSpeed's `stage_1_and_2.py`; PyTorch's `ZeroRedundancyOptimizer`, FSDP's `SHARD_GRAD_OP`).
 //!
 //! Every parameter is flattened and cut into `dp_shard` equal chunks (the last padded with zeros: uneven and tiny
 //! parameters work alike, [`FlatChunk`]); rank `r` of the dp_shard group owns chunk `r` of every parameter. On a
@@ -16,60 +16,56 @@
 //! optimizer state as one process would (chunks all-gathered into whole parameters; [`FlatChunk::unslice`]), so a
 //! sharded run resumes at another layout and a replicated one resumes sharded.
 //!
-//! What this stage does not do yet (issue "ND-parallel III"): gradients are whole on every rank until the
-//! reduce-scatter (ZeRO-2 frees them bucket by bucket during the backward pass), and parameters rest whole between
-//! steps (FULL_SHARD / ZeRO-3).
+//! **ZeRO-2** (`SHARD_GRAD_OP`, [`GradientChunks::ReducedPerMicroBatch`]): no rank holds a whole gradient longer
+//! than one backward segment. Each micro-batch's gradients are reduce-scattered (summed over dp_shard) as soon as
+//! they exist — segment by segment during a segmented backward (`backward_segments`, the Trainer, `pipeline_backward`
+//! at pp 1: the parameters one segment reached form one bucket), after the pass otherwise — and the window's sums
+//! are kept as this rank's chunks only; the sync step averages them (and all-reduces them over dp_replicate). The
+//! price is one reduce-scatter per micro-batch instead of per window: (k + 1)Ψ per optimizer step over k
+//! micro-batches, 2Ψ without accumulation. The chunks' sums are those of ZeRO-1 in another order (micro-batch
+//! sums reduced, rather than reduced sums of micro-batches): equal without accumulation, within fp32 rounding with
+//! it.
+//!
+//! What neither stage does (FULL_SHARD / ZeRO-3): parameters rest whole between steps.
 
 use super::strategy::GradientStrategy;
 use crate::tensor_parallel::ParamLayout;
 use crate::Result;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{Device, Tensor, Var};
+pub(crate) use ddp_core::zero::FlatChunk;
+use ddp_core::zero::FlatShards;
 use ddp_core::{CommHook, ProcessGroup, ReduceOp};
 
-/// How one parameter's flattened elements are cut into the dp_shard group's chunks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct FlatChunk {
-    /// Elements of the parameter (this rank's tp piece).
-    pub(crate) numel: usize,
-    /// Elements per chunk: `ceil(numel / dp_shard)`; the chunks together hold `chunk · dp_shard ≥ numel`, the
-    /// rest zero padding.
-    pub(crate) chunk: usize,
-}
-
-impl FlatChunk {
-    pub(crate) fn of(numel: usize, ranks: usize) -> Self {
-        FlatChunk { numel, chunk: numel.div_ceil(ranks.max(1)).max(1) }
-    }
-
-    /// Chunk `rank` of `t` (any shape with `numel` elements), fp32, 1-D `[chunk]`.
-    pub(crate) fn slice(&self, t: &Tensor, rank: usize) -> Result<Tensor> {
-        let flat = t.flatten_all()?.to_dtype(DType::F32)?;
-        let start = (rank * self.chunk).min(self.numel);
-        let end = ((rank + 1) * self.chunk).min(self.numel);
-        let mine = flat.narrow(0, start, end - start)?;
-        Ok(match end - start {
-            n if n == self.chunk => mine,
-            n => Tensor::cat(&[mine, Tensor::zeros(self.chunk - n, DType::F32, t.device())?], 0)?,
-        })
-    }
-
-    /// The whole tensor of shape `dims` from every rank's chunk in rank order (`[ranks · chunk]`), padding dropped.
-    pub(crate) fn unslice(&self, all: &Tensor, dims: &[usize]) -> Result<Tensor> {
-        Ok(all.narrow(0, 0, self.numel)?.reshape(dims)?)
-    }
-}
-
-/// Sharded optimizer state over dp_shard, replicated over dp_replicate (see the module documentation).
+/// Sharded optimizer state (and gradients, [`GradientChunks`]) over dp_shard, replicated over dp_replicate (see
+/// the module documentation). The arithmetic (packing, reduce-scatter, hooks, averaging, all-gather) is ddp-core's
+/// `zero::FlatShards`, the level-1 `ZeroRedundancyOptimizer`'s too.
 #[derive(Debug)]
 pub(crate) struct ShardedDataParallel {
     shard: ProcessGroup,
     replicate: ProcessGroup,
     /// The mesh's model-parallel group (tp; pp is refused with sharding): norms and overflow.
     model_parallel: ProcessGroup,
-    chunks: Vec<FlatChunk>,
+    /// How every parameter is cut over dp_shard.
+    layout: FlatShards,
     device: Device,
     /// Gradient compression of the reduce-scatter (DDP's hook, the same semantics: half the bytes).
     hook: CommHook,
+    /// Whether the slots hold whole gradients until the sync step (ZeRO-1) or this rank's chunks (ZeRO-2,
+    /// FULL_SHARD), and who reduced them.
+    gradients: GradientChunks,
+}
+
+/// What a sharded group's gradient slots hold between micro-batches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum GradientChunks {
+    /// Whole gradients, reduce-scattered on the sync step (ZeRO-1).
+    Whole,
+    /// Chunks: each micro-batch's (or backward segment's) whole gradients reduce-scattered by
+    /// `reduce_micro_batch` (ZeRO-2).
+    ReducedPerMicroBatch,
+    /// Chunks: the parameters are the chunks, and the backward pass reduce-scatters the gradient of each gathered
+    /// use (`ddp_core::functional::gather_shards`; FULL_SHARD).
+    ReducedInBackward,
 }
 
 impl ShardedDataParallel {
@@ -77,85 +73,59 @@ impl ShardedDataParallel {
         shard: ProcessGroup,
         replicate: ProcessGroup,
         model_parallel: ProcessGroup,
-        chunks: Vec<FlatChunk>,
+        layout: FlatShards,
         device: Device,
         hook: CommHook,
+        gradients: GradientChunks,
     ) -> Self {
-        ShardedDataParallel { shard, replicate, model_parallel, chunks, device, hook }
+        ShardedDataParallel { shard, replicate, model_parallel, layout, device, hook, gradients }
     }
 
-    /// Chunks per parameter, in rank-major order of a buffer: rank `r`'s chunks of every parameter, then rank
-    /// `r + 1`'s (what a reduce-scatter hands out and an all-gather collects).
-    fn per_rank(&self) -> usize {
-        self.chunks.iter().map(|c| c.chunk).sum()
+    fn replicate(&self) -> Option<&ProcessGroup> {
+        (self.replicate.world_size() > 1).then_some(&self.replicate)
     }
 }
 
 impl GradientStrategy for ShardedDataParallel {
-    /// Whole gradients in, this rank's chunks out (1-D fp32, averaged over dp_shard × dp_replicate). A parameter
-    /// no micro-batch reached counts as a zero gradient.
+    /// Whole gradients (ZeRO-1) or the window's chunk sums (ZeRO-2, FULL_SHARD) in, this rank's averaged chunks
+    /// out (1-D fp32, averaged over dp_shard × dp_replicate). A parameter no micro-batch reached counts as a zero
+    /// gradient.
     fn reduce(&self, slots: &mut [Option<Tensor>]) -> Result<()> {
-        let n = self.shard.world_size();
-        let per_rank = self.per_rank();
-        let flats: Vec<Vec<f32>> = slots
-            .iter()
-            .zip(&self.chunks)
-            .map(|(slot, c)| -> Result<Vec<f32>> {
-                let mut f = match slot {
-                    Some(g) => g.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?,
-                    None => vec![0.0; c.numel],
-                };
-                f.resize(c.chunk * n, 0.0);
-                Ok(f)
-            })
-            .collect::<Result<_>>()?;
-        let mut input = Vec::with_capacity(n * per_rank);
-        for r in 0..n {
-            for (f, c) in flats.iter().zip(&self.chunks) {
-                input.extend_from_slice(&f[r * c.chunk..(r + 1) * c.chunk]);
+        let reduced = match self.gradients {
+            GradientChunks::Whole => {
+                self.layout.reduce_scatter_mean(&self.shard, self.replicate(), self.hook, slots, &self.device)?
             }
-        }
-        drop(flats);
-        let ranks = (n * self.replicate.world_size()) as f32;
-        let (mine, scale) = match self.hook {
-            CommHook::None => {
-                let mut mine = vec![0f32; per_rank];
-                self.shard.reduce_scatter(&input, &mut mine, ReduceOp::Sum)?;
-                if self.replicate.world_size() > 1 {
-                    self.replicate.all_reduce(&mut mine, ReduceOp::Sum)?;
-                }
-                (mine, 1.0 / ranks)
-            }
-            // fp16 divides first (its range); bf16 after, as PyTorch's compress hooks.
-            CommHook::Fp16 => {
-                let input: Vec<half::f16> = input.iter().map(|v| half::f16::from_f32(v / ranks)).collect();
-                let mut mine = vec![half::f16::ZERO; per_rank];
-                self.shard.reduce_scatter(&input, &mut mine, ReduceOp::Sum)?;
-                if self.replicate.world_size() > 1 {
-                    self.replicate.all_reduce(&mut mine, ReduceOp::Sum)?;
-                }
-                (mine.iter().map(|v| v.to_f32()).collect(), 1.0)
-            }
-            CommHook::Bf16 => {
-                let input: Vec<half::bf16> = input.iter().map(|v| half::bf16::from_f32(*v)).collect();
-                let mut mine = vec![half::bf16::ZERO; per_rank];
-                self.shard.reduce_scatter(&input, &mut mine, ReduceOp::Sum)?;
-                if self.replicate.world_size() > 1 {
-                    self.replicate.all_reduce(&mut mine, ReduceOp::Sum)?;
-                }
-                (mine.iter().map(|v| v.to_f32()).collect(), 1.0 / ranks)
-            }
+            _ => self.layout.finish_mean(self.replicate(), self.hook, slots, &self.device)?,
         };
-        drop(input);
-        let mut at = 0;
-        for (slot, c) in slots.iter_mut().zip(&self.chunks) {
-            let chunk: Vec<f32> = mine[at..at + c.chunk].iter().map(|v| v * scale).collect();
-            *slot = Some(Tensor::from_vec(chunk, c.chunk, &self.device)?);
-            at += c.chunk;
+        for (slot, t) in slots.iter_mut().zip(reduced) {
+            *slot = Some(t);
         }
         Ok(())
     }
 
+    /// ZeRO-2: the micro-batch's gradients present in `micro` (every rank reached the same parameters: the same
+    /// segment of the same model) are reduce-scattered now (summed over dp_shard; under the fp16 hook already
+    /// divided, as the hook does) and replaced by this rank's chunks of their sums.
+    fn reduce_micro_batch(&self, micro: &mut [Option<Tensor>]) -> Result<()> {
+        if self.gradients != GradientChunks::ReducedPerMicroBatch {
+            return Ok(());
+        }
+        let params: Vec<usize> = (0..micro.len()).filter(|&i| micro[i].is_some()).collect();
+        if params.is_empty() {
+            return Ok(());
+        }
+        let grads: Vec<Option<&Tensor>> = params.iter().map(|&i| micro[i].as_ref()).collect();
+        let bucket = self.layout.subset(&params)?;
+        let sums = bucket.reduce_scatter_sum(&self.shard, self.replicate(), self.hook, &grads, &self.device)?;
+        for (&i, t) in params.iter().zip(sums) {
+            micro[i] = Some(t);
+        }
+        Ok(())
+    }
+
+    fn gradient_chunks(&self) -> Option<&[FlatChunk]> {
+        (self.gradients != GradientChunks::Whole).then_some(self.layout.chunks())
+    }
     fn norm_group(&self) -> &ProcessGroup {
         &self.model_parallel
     }
@@ -187,26 +157,12 @@ impl GradientStrategy for ShardedDataParallel {
         Ok(flag[0] != 0)
     }
 
-    /// All-gathers the updated chunks (`optimized`) over dp_shard into the whole fp32 masters (`full`).
+    /// All-gathers the updated chunks (`optimized`) over dp_shard into the whole parameters (`full`, cast to
+    /// their dtype); nothing under FULL_SHARD, where the chunks are the parameters.
     fn after_optimizer_step(&self, optimized: &[Var], full: &[Var]) -> Result<()> {
-        let n = self.shard.world_size();
-        let per_rank = self.per_rank();
-        let mut mine = Vec::with_capacity(per_rank);
-        for v in optimized {
-            mine.extend(v.as_tensor().to_dtype(DType::F32)?.to_vec1::<f32>()?);
+        if self.gradients == GradientChunks::ReducedInBackward {
+            return Ok(());
         }
-        let mut all = vec![0f32; n * per_rank];
-        self.shard.all_gather(&mine, &mut all)?;
-        let mut offset = 0;
-        for (master, c) in full.iter().zip(&self.chunks) {
-            let mut flat = Vec::with_capacity(n * c.chunk);
-            for r in 0..n {
-                flat.extend_from_slice(&all[r * per_rank + offset..r * per_rank + offset + c.chunk]);
-            }
-            let t = Tensor::from_vec(flat, n * c.chunk, master.device())?;
-            master.set(&c.unslice(&t, master.dims())?.to_dtype(master.dtype())?)?;
-            offset += c.chunk;
-        }
-        Ok(())
+        Ok(self.layout.all_gather_into(&self.shard, optimized, full)?)
     }
 }

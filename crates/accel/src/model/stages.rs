@@ -23,8 +23,8 @@ use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
 
 /// The shape a parameter has in a single-process model (a tp shard's split dimension at its full size).
-pub(super) fn full_shape(local: &Var, layout: ParamLayout) -> Vec<usize> {
-    let mut dims = local.dims().to_vec();
+pub(super) fn full_shape(local: &[usize], layout: ParamLayout) -> Vec<usize> {
+    let mut dims = local.to_vec();
     if let ParamLayout::Sharded { dim, full, .. } = layout {
         dims[dim] = full;
     }

@@ -4,6 +4,8 @@
 //! A prepared model is a list of parameter groups, each with one strategy. The step owner (`crate::step`) never
 //! reduces, norms or checks gradients itself: it asks each group's strategy, on every path —
 //!
+//! - **each micro-batch** (or backward segment), before its gradients join the window's:
+//!   [`GradientStrategy::reduce_micro_batch`] (ZeRO-2 reduce-scatters them there);
 //! - **after backward** (plain `backward`, accumulated windows, fp16-scaled losses): [`GradientStrategy::reduce`]
 //!   on the sync step;
 //! - **overlapped with backward** (`backward_segments`): [`GradientStrategy::backward_overlapped`], which runs the
@@ -16,8 +18,9 @@
 //! "PyTorch Distributed", VLDB 2020), under tensor parallelism too — a tp shard is averaged with its data-parallel
 //! replicas only, never with its tp peers, which hold different pieces (Megatron-LM, Shoeybi et al. 2019);
 //! [`PipelineStage`] (below: norm and overflow over pp × tp, tied weights; Narayanan et al. 2021); and
-//! `ShardedDataParallel` (`sharded.rs`: ZeRO-1, Rajbhandari et al. 2020 — reduce-scatter over `dp_shard`, each rank
-//! stepping its chunks, all-gather in `after_optimizer_step`).
+//! `ShardedDataParallel` (`sharded.rs`: ZeRO-1 and ZeRO-2, Rajbhandari et al. 2020 — reduce-scatter over
+//! `dp_shard`, each rank stepping its chunks, all-gather in `after_optimizer_step`; ZeRO-2 reduce-scatters every
+//! micro-batch in `reduce_micro_batch`, so the slots hold chunks between micro-batches).
 //!
 //! How the variants fit without the step owner changing: the step owner hands each group's strategy the group's
 //! slots and asks it to reduce them; what a slot holds afterwards is the strategy's business. A sharded group's
@@ -29,6 +32,7 @@
 //! reduce over the model-parallel group whatever the layouts (every stage holds different parameters), and its
 //! `reduce` adds one all-reduce of a tied weight's gradient over the stages holding it.
 
+use super::sharded::FlatChunk;
 use crate::tensor_parallel::ParamLayout;
 use crate::Result;
 use candle_core::backprop::GradStore;
@@ -48,6 +52,21 @@ pub(crate) type AddSegment<'a> = dyn FnMut(GradStore, &mut [Option<Tensor>]) -> 
 pub(crate) trait GradientStrategy: Send + Sync + std::fmt::Debug {
     /// Reduces the slots after a sync step's backward pass, the results replacing them (collective).
     fn reduce(&self, slots: &mut [Option<Tensor>]) -> Result<()>;
+
+    /// Called with each micro-batch's gradients before the step owner adds them to the window's slots (`micro[i]`
+    /// for slot `i`; `None` where this micro-batch — or this backward segment — produced none). A strategy that
+    /// keeps its gradients reduced between micro-batches (ZeRO-2) reduces them here and leaves what the slots
+    /// should accumulate; the others leave them as they are. Collective for the former: every rank of the group
+    /// calls it with gradients for the same parameters.
+    fn reduce_micro_batch(&self, _micro: &mut [Option<Tensor>]) -> Result<()> {
+        Ok(())
+    }
+
+    /// How the slots are cut when they hold this rank's chunks between micro-batches (ZeRO-2: a slot is a 1-D
+    /// fp32 `[chunk]`, not the parameter's shape); `None` when they hold whole gradients.
+    fn gradient_chunks(&self) -> Option<&[FlatChunk]> {
+        None
+    }
 
     /// Whether [`GradientStrategy::backward_overlapped`] can run the reduction during the backward pass.
     fn overlaps(&self) -> bool {

@@ -15,6 +15,7 @@ use candle_nn::{VarBuilder, VarMap};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal, Uniform};
+use std::sync::Arc;
 
 /// How a parameter's full tensor is initialised (drawn in f32, then cast to the compute dtype).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -35,11 +36,17 @@ pub enum ParamInit {
     },
 }
 
-/// Creates parameters in a `VarMap` (see the module documentation). Cheap to clone.
+/// Creates parameters in a `VarMap` (see the module documentation) — or, built by
+/// [`crate::PreparedModel::param_builder`], hands out a prepared model's parameters by name. Cheap to clone.
 ///
 /// Every parameter `name` (with the builder's `pp` prefix, `a.b.weight`) is drawn from its own ChaCha8 stream
 /// seeded by `(seed, name)`, on the full shape, so the values do not depend on the tp size, on the rank or on
 /// the order in which parameters are created.
+///
+/// A builder from `PreparedModel::param_builder` creates nothing: each call returns the prepared parameter of
+/// that name (this rank's tp piece, in the compute dtype), checked against the shape the call asks for — under
+/// FULL_SHARD gathered from the dp_shard ranks' chunks at that moment (so build the layers inside the forward
+/// pass that uses them: a gathered tensor is a copy, stale after the next optimizer step).
 #[derive(Clone)]
 pub struct ParamBuilder {
     varmap: VarMap,
@@ -48,12 +55,43 @@ pub struct ParamBuilder {
     dtype: DType,
     device: Device,
     tp: TensorParallel,
+    /// `Some`: hand out a prepared model's parameters instead of creating them.
+    lookup: Option<Arc<dyn ParamSource>>,
+}
+
+/// Where a [`ParamBuilder`] made by a prepared model takes its parameters from.
+pub(crate) trait ParamSource: Send + Sync {
+    /// Parameter `full_name` as this rank uses it (its tp piece, compute dtype; under FULL_SHARD gathered now).
+    fn get(&self, full_name: &str) -> Result<Tensor>;
+    /// Whether [`ParamSource::get`] gathers (FULL_SHARD): a model then builds its units inside their forward.
+    fn gathers(&self) -> bool;
 }
 
 impl ParamBuilder {
     /// A builder creating parameters in `varmap`, in `dtype` on `device`, laid out over `tp`.
     pub fn new(varmap: &VarMap, tp: &TensorParallel, seed: u64, dtype: DType, device: &Device) -> Self {
-        ParamBuilder { varmap: varmap.clone(), path: Vec::new(), seed, dtype, device: device.clone(), tp: tp.clone() }
+        ParamBuilder {
+            varmap: varmap.clone(),
+            path: Vec::new(),
+            seed,
+            dtype,
+            device: device.clone(),
+            tp: tp.clone(),
+            lookup: None,
+        }
+    }
+
+    /// A builder handing out `source`'s parameters (`PreparedModel::param_builder`).
+    pub(crate) fn lookup(source: Arc<dyn ParamSource>, tp: &TensorParallel, dtype: DType, device: &Device) -> Self {
+        ParamBuilder { lookup: Some(source), ..ParamBuilder::new(&VarMap::new(), tp, 0, dtype, device) }
+    }
+
+    /// Whether this builder gathers fully sharded parameters when asked for them (a prepared FULL_SHARD model's):
+    /// a model then builds each unit (a transformer block) inside the unit's forward, with
+    /// [`crate::activation_checkpoint::unit`], so the gathered weights are dropped after it and gathered again for
+    /// its backward.
+    pub fn gathers(&self) -> bool {
+        self.lookup.as_ref().is_some_and(|l| l.gathers())
     }
 
     /// A builder whose parameter names get `name.` in front (like `VarBuilder::pp`).
@@ -84,7 +122,12 @@ impl ParamBuilder {
     /// initialiser, e.g. a norm's ones and zeros): candle's random initialisers draw different values on each
     /// rank, so build those with [`ParamBuilder::replicated`].
     pub fn var_builder(&self) -> VarBuilder<'static> {
-        let vb = VarBuilder::from_varmap(&self.varmap, self.dtype, &self.device);
+        let vb = match &self.lookup {
+            Some(source) => {
+                VarBuilder::from_backend(Box::new(SourceBackend(source.clone())), self.dtype, self.device.clone())
+            }
+            None => VarBuilder::from_varmap(&self.varmap, self.dtype, &self.device),
+        };
         self.path.iter().fold(vb, |vb, p| vb.pp(p))
     }
 
@@ -98,8 +141,12 @@ impl ParamBuilder {
     /// A parameter every tp rank holds whole. Errors: a name already in the `VarMap`.
     pub fn replicated(&self, name: &str, shape: impl Into<Shape>, init: ParamInit) -> Result<Tensor> {
         let full_name = self.full_name(name);
+        let shape = shape.into();
+        if let Some(source) = &self.lookup {
+            return looked_up(source.as_ref(), &full_name, shape.dims());
+        }
         self.check_free(&full_name)?;
-        let full = draw_full(self.seed, &full_name, &shape.into(), init)?;
+        let full = draw_full(self.seed, &full_name, &shape, init)?;
         self.insert(full_name, full, ParamLayout::Replicated)
     }
 
@@ -141,6 +188,11 @@ impl ParamBuilder {
                 divisors(size)
             )));
         }
+        if let Some(source) = &self.lookup {
+            let mut local = dims.to_vec();
+            local[dim] = size.div_ceil(tp);
+            return looked_up(source.as_ref(), &full_name, &local);
+        }
         self.check_free(&full_name)?;
         // Past the model's size the layout pads with zero rows: they take part in no real output (the
         // vocab-parallel loss masks them out) and are dropped from checkpoints.
@@ -175,6 +227,55 @@ impl ParamBuilder {
         let t = var.as_tensor().clone();
         data.insert(full_name, var);
         Ok(t)
+    }
+}
+
+/// `source`'s parameter `full_name`, which the model asks for with this rank's shape `want`.
+fn looked_up(source: &dyn ParamSource, full_name: &str, want: &[usize]) -> Result<Tensor> {
+    let t = source.get(full_name)?;
+    if t.dims() != want {
+        return Err(AccelError::InvalidArgument(format!(
+            "param_builder: parameter `{full_name}` was prepared with shape {:?} but the model asks for {want:?}; \
+             build the model with the configuration it was prepared with",
+            t.dims()
+        )));
+    }
+    Ok(t)
+}
+
+/// A candle `VarBuilder` backend over a prepared model's parameters (`ParamBuilder::var_builder` of a
+/// [`ParamBuilder::lookup`] builder).
+struct SourceBackend(Arc<dyn ParamSource>);
+
+impl SourceBackend {
+    /// A candle layer keeps the weights it is built with: from a gathering (FULL_SHARD) source they would go stale.
+    fn refuse_gathering(&self, name: &str) -> candle_core::Result<()> {
+        if self.0.gathers() {
+            return Err(candle_core::Error::Msg(format!(
+                "param_builder: `{name}` requested through a candle VarBuilder from a FULL_SHARD model: a candle layer \
+                 keeps the weights it is built with, which would go stale after the first optimizer step; build \
+                 the model's parts from the ParamBuilder inside the forward that uses them (as CharGpt does), or \
+                 use SHARD_GRAD_OP"
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl candle_nn::var_builder::SimpleBackend for SourceBackend {
+    fn get(&self, s: Shape, name: &str, _: candle_nn::Init, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        self.refuse_gathering(name)?;
+        let t = looked_up(self.0.as_ref(), name, s.dims()).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        t.to_dtype(dtype)?.to_device(dev)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        self.refuse_gathering(name)?;
+        self.0.get(name).map_err(|e| candle_core::Error::Msg(e.to_string()))?.to_dtype(dtype)?.to_device(dev)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.0.get(name).is_ok()
     }
 }
 

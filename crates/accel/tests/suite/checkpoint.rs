@@ -24,11 +24,15 @@ struct Setup {
 }
 
 fn setup(acc: Accelerator, init_seed: u64) -> anyhow::Result<Setup> {
+    setup_with_batch(acc, init_seed, 4)
+}
+
+fn setup_with_batch(acc: Accelerator, init_seed: u64, batch_size: usize) -> anyhow::Result<Setup> {
     let (model, varmap) = tiny_model(&acc, init_seed)?;
     let prepared = acc.prepare_model(&varmap)?;
     let opt = acc.prepare_optimizer(&prepared, AdamW::new(AdamWConfig::new(1e-2))?)?;
     let (x, y) = dataset(37, 5);
-    let cfg = DataLoaderConfig { batch_size: 4, shuffle: true, seed: 11, ..DataLoaderConfig::default() };
+    let cfg = DataLoaderConfig { batch_size, shuffle: true, seed: 11, ..DataLoaderConfig::default() };
     let loader = acc.prepare_data_loader(DataLoader::new(TensorDataset::new(x, y)?, cfg))?;
     Ok(Setup { acc, model, prepared, opt, loader })
 }
@@ -325,18 +329,24 @@ fn load_errors_name_the_problem_and_the_fix() -> anyhow::Result<()> {
     let err = bare.load_state(Some(&dir)).unwrap_err().to_string();
     assert!(err.contains("holds 1 optimizers but this Accelerator has 0"), "{err}");
 
-    // A checkpoint of another world size.
+    // A checkpoint of another world size taken inside an accumulation window (per-rank partial gradients).
     let meta_path = dir.join("accelerator.json");
     let mut meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&meta_path)?)?;
     meta["world_size"] = 4.into();
     std::fs::write(&meta_path, serde_json::to_string(&meta)?)?;
+    std::fs::write(dir.join("gradients_0.json"), "{}")?;
     let err = load_err(&dir);
-    assert!(err.contains("written by 4 processes but this job has 1"), "{err}");
+    assert!(
+        err.contains(
+            "written by 4 processes inside an accumulation window (each rank's partial gradients), but this job has 1"
+        ),
+        "{err}"
+    );
     Ok(())
 }
 
 #[test]
-fn two_ranks_write_shared_files_once_and_one_rng_file_each() {
+fn two_ranks_write_shared_files_once_and_one_rng_file_each() -> anyhow::Result<()> {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ckpt");
     let d = dir.clone();
@@ -362,7 +372,16 @@ fn two_ranks_write_shared_files_once_and_one_rng_file_each() {
     });
     assert_eq!(restored, draws, "each rank gets its own RNG stream back, and the weights");
 
-    // One process cannot resume a two-process checkpoint.
+    // One process resumes the two-process checkpoint (taken at an optimizer step) when it keeps the global batch
+    // (2 × 4 rows): the same weights, and an RNG derived from (seed, rank, optimizer step); with another global
+    // batch its loader refuses, naming the per-process batch that keeps it.
     let err = load_err(&dir);
-    assert!(err.contains("written by 2 processes but this job has 1"), "{err}");
+    assert!(err.contains("the global batch was 8 samples per step, this run's is 4"), "{err}");
+    let one = setup_with_batch(single(AcceleratorConfig::default()), 2, 8)?;
+    one.acc.load_state(Some(&dir))?;
+    assert_eq!(bits(&one.prepared), draws[0].1);
+    let mut derived = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(0);
+    derived.set_stream(one.acc.step_counters().optimizer_steps << 20);
+    assert_eq!(one.acc.rng().next_u64(), derived.next_u64());
+    Ok(())
 }

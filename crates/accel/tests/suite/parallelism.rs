@@ -140,6 +140,26 @@ fn the_accelerator_hands_out_the_mesh_tp_and_a_param_builder() {
     assert_eq!(out[0], ddp_core::MeshShape::data_parallel(1));
 }
 
+/// The run banner names the sharding strategy after dp_shard (from `ParallelismConfig::sharding_string`, as
+/// `accel launch`'s does, so a launched worker finds the settings its launcher printed), and none without dp_shard.
+#[test]
+fn the_run_banner_names_the_sharding_strategy_after_dp_shard() {
+    use accel::ShardingStrategy::{FullShard, ShardOptim};
+    let settings = |world: usize, p: ParallelismConfig| {
+        let cfg = AcceleratorConfig::default().with_parallelism(p);
+        run_ranks(world, cfg, |acc| Ok(acc.run_banner().settings()))
+    };
+    let full = settings(2, ParallelismConfig::default().with_dp_shard_size(2).with_sharding_strategy(FullShard));
+    let want = "2 processes × 1 machine | dp_replicate 1 × dp_shard 2 (FULL_SHARD) × tp 1 × pp 1 | mixed precision no \
+                | gradient accumulation 1 | backend cpu";
+    assert_eq!(full, [want; 2]);
+    let hsdp = ParallelismConfig::data_parallel(2).with_dp_shard_size(2).with_sharding_strategy(ShardOptim);
+    assert!(settings(4, hsdp)[3].contains("| dp_replicate 2 × dp_shard 2 (SHARD_OPTIM) × tp 1 × pp 1 |"));
+    // dp_shard 1: the strategy is not read, and not printed.
+    let dp = settings(2, ParallelismConfig::data_parallel(2).with_sharding_strategy(FullShard));
+    assert!(dp[0].contains("| dp_replicate 2 × dp_shard 1 × tp 1 × pp 1 |"), "{}", dp[0]);
+}
+
 /// Each of `world` ranks builds an Accelerator with `cfg`; returns each rank's error message.
 fn errors_on(world: usize, cfg: AcceleratorConfig) -> Vec<String> {
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new(Duration::from_secs(60)));

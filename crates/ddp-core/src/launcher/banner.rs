@@ -18,8 +18,9 @@ pub const CONFIG_SOURCE_ENV: &str = "ACCEL_CONFIG_SOURCE";
 pub const NO_CONFIG: &str = "none: defaults";
 
 /// What a run is. Rendered on one line, `config … | 4 processes × 1 machine | dp_replicate 2 × dp_shard 1 × tp 2
-/// × pp 1 | mixed precision bf16 | gradient accumulation 1 | backend cpu` (with a pipeline, its schedule after the
-/// layout: `… × pp 2 (1F1B, 4 micro-batches) | …`).
+/// × pp 1 | mixed precision bf16 | gradient accumulation 1 | backend cpu` (with sharded data parallelism, its
+/// strategy after dp_shard: `… × dp_shard 2 (FULL_SHARD) × …`; with a pipeline, its schedule after the layout:
+/// `… × pp 2 (1F1B, 4 micro-batches) | …`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunBanner {
     /// The config file read (path, and what it changed) or [`NO_CONFIG`].
@@ -30,6 +31,9 @@ pub struct RunBanner {
     pub machines: usize,
     /// The device mesh: dp_replicate × dp_shard × tp × pp.
     pub layout: MeshShape,
+    /// What the dp_shard group shards when dp_shard > 1, printed after dp_shard in parentheses (`FULL_SHARD`:
+    /// accel's `ParallelismConfig::sharding_string`); `None` without sharding.
+    pub sharding: Option<String>,
     /// The pipeline schedule when pp > 1, printed after the layout in parentheses (`1F1B, 4 micro-batches`:
     /// accel's `ParallelismConfig::pipeline_string`); `None` without a pipeline.
     pub pipeline: Option<String>,
@@ -47,10 +51,11 @@ impl RunBanner {
         let plural = |n: usize, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "es" });
         let machines = if self.machines == 1 { "1 machine".to_string() } else { format!("{} machines", self.machines) };
         let l = &self.layout;
+        let sharding = self.sharding.as_ref().map(|s| format!(" ({s})")).unwrap_or_default();
         let pipeline = self.pipeline.as_ref().map(|p| format!(" ({p})")).unwrap_or_default();
         format!(
-            "{} × {machines} | dp_replicate {} × dp_shard {} × tp {} × pp {}{pipeline} | mixed precision {} | \
-             gradient accumulation {} | backend {}",
+            "{} × {machines} | dp_replicate {} × dp_shard {}{sharding} × tp {} × pp {}{pipeline} | mixed precision {} \
+             | gradient accumulation {} | backend {}",
             plural(self.processes, "process"),
             l.dp_replicate,
             l.dp_shard,
@@ -102,6 +107,7 @@ mod tests {
             processes: 4,
             machines: 2,
             layout: MeshShape::new(1, 2, 1, 2).unwrap(),
+            sharding: None,
             pipeline: None,
             mixed_precision: "bf16".into(),
             gradient_accumulation_steps: 2,
@@ -118,12 +124,20 @@ mod tests {
         let pp = RunBanner {
             layout: MeshShape::new(2, 1, 1, 2).unwrap(),
             pipeline: Some("1F1B, 4 micro-batches".into()),
-            ..b
+            ..b.clone()
         };
         assert_eq!(
             pp.settings(),
             "4 processes × 2 machines | dp_replicate 1 × dp_shard 1 × tp 2 × pp 2 (1F1B, 4 micro-batches) | mixed \
              precision bf16 | gradient accumulation 2 | backend cpu"
+        );
+        // A sharding strategy follows dp_shard.
+        let sharded =
+            RunBanner { layout: MeshShape::new(1, 1, 2, 2).unwrap(), sharding: Some("FULL_SHARD".into()), ..b };
+        assert_eq!(
+            sharded.settings(),
+            "4 processes × 2 machines | dp_replicate 1 × dp_shard 2 (FULL_SHARD) × tp 2 × pp 1 | mixed precision bf16 \
+             | gradient accumulation 2 | backend cpu"
         );
     }
 }

@@ -20,3 +20,4 @@ mod sampler;
 mod segments;
 mod store;
 mod subgroups;
+mod zero;

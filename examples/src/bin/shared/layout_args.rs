@@ -18,6 +18,14 @@ pub struct LayoutArgs {
     /// Micro-batches per pipeline step (default: one per stage); must divide the batch size.
     #[arg(long)]
     pub microbatches: Option<usize>,
+    /// Data-parallel processes that shard the model (ZeRO / FSDP; must divide the data-parallel processes); the
+    /// rest replicate it (HSDP). Passed to the workers as PARALLELISM_CONFIG_DP_SHARD_SIZE.
+    #[arg(long, default_value_t = 1)]
+    pub dp_shard_size: usize,
+    /// What the dp_shard ranks shard: SHARD_OPTIM (ZeRO-1), SHARD_GRAD_OP (ZeRO-2, default), FULL_SHARD (ZeRO-3),
+    /// NO_SHARD. Passed to the workers as FSDP_SHARDING_STRATEGY.
+    #[arg(long)]
+    pub sharding_strategy: Option<accel::ShardingStrategy>,
 }
 
 impl LayoutArgs {
@@ -28,6 +36,8 @@ impl LayoutArgs {
             pp: self.pp_size,
             schedule: self.pp_schedule,
             microbatches: self.microbatches,
+            dp_shard: self.dp_shard_size,
+            sharding: self.sharding_strategy,
         }
     }
 
