@@ -86,8 +86,8 @@ impl LaunchPlan {
     /// Combines `flags` (highest precedence), `file` and the defaults, and checks the result: counts ≥ 1,
     /// `num_processes` divisible by `num_machines`, `machine_rank < num_machines`, an address and a fixed port for
     /// several machines, parallel sizes whose product is `num_processes` (or all 1), cp = 1, pipeline settings that
-    /// fit pp ([`ParallelismConfig::validate_pipeline`]), and a layout the Accelerator can train (not dp_shard × pp
-    /// yet, nor `fsdp_offload_params: true`: refused here, once, rather than by every rank). Pipeline
+    /// fit pp ([`ParallelismConfig::validate_pipeline`]), and no `fsdp_offload_params: true` (refused here, once,
+    /// rather than by every rank). Pipeline
     /// settings given with pp 1, and a sharding strategy given with dp_shard 1, get a warning (nothing reads them).
     pub fn resolve(flags: &LaunchArgs, file: Option<&AccelerateConfig>) -> CliResult<Self> {
         check_distributed_type(file)?;
@@ -468,12 +468,9 @@ fn rdzv_warning(flags: &LaunchArgs, file: Option<&AccelerateConfig>) -> Option<S
     })
 }
 
-/// Refuses, before any worker starts, a layout that does not fit `num_processes`, pipeline settings that do not fit
-/// pp, and a layout the Accelerator cannot train yet (dp_shard × pp): one message saying what would run, instead of
-/// every rank failing with it.
+/// Refuses, before any worker starts, a layout that does not fit `num_processes` and pipeline settings that do not
+/// fit pp: one message saying what would run, instead of every rank failing with it.
 fn check_parallelism(p: &ParallelismConfig, num_processes: usize) -> CliResult<()> {
-    // The support check first: its message already says what fits the process count.
-    p.check_accelerator_support_on(num_processes)?;
     p.resolve(num_processes)?;
     Ok(())
 }

@@ -29,8 +29,8 @@ pub struct MachineDefaults {
 /// Order: CPU or GPU; number of machines; for several machines this machine's rank, the main machine's address
 /// and port and whether all share a network; total number of processes; for more than one process the
 /// tensor-parallel and pipeline-parallel sizes (the data-parallel size is what remains: processes / (tp × pp)),
-/// without pp the data-parallel processes that shard (dp_shard) and, above 1, what they shard (default
-/// SHARD_GRAD_OP, written as `fsdp_config: {fsdp_sharding_strategy: ...}`), with pp above 1 the pipeline schedule
+/// the data-parallel processes that shard (dp_shard) and, above 1, what they shard (default SHARD_GRAD_OP,
+/// written as `fsdp_config: {fsdp_sharding_strategy: ...}`), with pp above 1 the pipeline schedule
 /// (default 1F1B) and micro-batches per step (default one per stage); GPU ids; mixed precision. A
 /// `parallelism_config` block is written only when tp, pp or dp_shard is above 1; `distributed_type` stays
 /// `MULTI_CPU` / `MULTI_GPU` (the block and `fsdp_config` say what is sharded).
@@ -182,17 +182,12 @@ fn ask_parallelism(
              machines (keep tp within a machine when you can)\n"
         ))?;
     }
-    // A layout the Accelerator cannot train would be re-asked with the reason, so that the file written is one
-    // `accel launch` runs (never a config this command calls invalid); every tp × pp layout asked here is one.
     let pp = q.ask("Pipeline-parallel size (pp: pipeline stages; 1 = off)?", Some("1"), |s| {
-        let pp = dividing("pp", s, num_processes / tp)?;
-        let p = ParallelismConfig::data_parallel(num_processes / (tp * pp)).with_tp_size(tp).with_pp_size(pp);
-        p.check_accelerator_support().map_err(|e| e.to_string())?;
-        Ok(pp)
+        dividing("pp", s, num_processes / tp)
     })?;
     let mut p = ParallelismConfig::data_parallel(num_processes / (tp * pp)).with_tp_size(tp).with_pp_size(pp);
     let dp = num_processes / (tp * pp);
-    if pp == 1 && dp > 1 {
+    if dp > 1 {
         // Sharded data parallelism over some of the data-parallel processes; the rest replicate (HSDP).
         let shard = q.ask(
             &format!(

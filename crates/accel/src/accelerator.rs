@@ -132,13 +132,10 @@ impl Accelerator {
     ///
     /// Lays `pg`'s ranks out as the [`DeviceMesh`] of `cfg.parallelism` (collective over `pg`: one group per
     /// mesh dimension). Errors: the config's ([`AcceleratorConfig::validate`]), sizes whose product is not the
-    /// world size ([`ParallelismConfig::resolve`]), pp or dp_shard > 1 (not trainable yet:
-    /// [`ParallelismConfig::check_accelerator_support`]), the device, backend failures building the mesh.
+    /// world size ([`ParallelismConfig::resolve`]), the device, backend failures building the mesh.
     pub fn with_process_group(cfg: AcceleratorConfig, pg: ProcessGroup) -> Result<Self> {
         cfg.validate()?;
         // Every rank has the same config, so these errors are raised by all ranks before any collective.
-        // The support check first: its message already says what fits the world size.
-        cfg.parallelism.check_accelerator_support_on(pg.world_size())?;
         let parallelism = cfg.parallelism.resolve(pg.world_size())?;
         let shape = parallelism.mesh_shape(pg.world_size())?;
         let device = pick_device(&cfg, pg.local_rank())?;

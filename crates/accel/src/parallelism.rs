@@ -521,45 +521,6 @@ impl ParallelismConfig {
         Ok(MeshShape::new(r.pp_size, r.dp_replicate_size, r.dp_shard_size, r.tp_size)?)
     }
 
-    /// Checks that the [`crate::Accelerator`] can train this layout. Sharded data parallelism (dp_shard > 1)
-    /// trains alone, with dp_replicate (HSDP) and with tp, in every stage: `NO_SHARD`, `SHARD_OPTIM` (ZeRO-1),
-    /// `SHARD_GRAD_OP` (ZeRO-2) and `FULL_SHARD` (ZeRO-3, whose model is built from
-    /// [`crate::PreparedModel::param_builder`] after `prepare_model`); pipeline parallelism (pp > 1) trains when
-    /// the program splits its model into stages (as `accel_gpt` does). Not implemented yet: the two together.
-    ///
-    /// Errors: [`AccelError::Config`] naming the size and what to use instead.
-    pub fn check_accelerator_support(&self) -> Result<()> {
-        self.check_accelerator_support_on(self.total_size())
-    }
-
-    /// [`Self::check_accelerator_support`] for a job of `world_size` processes, checked before the sizes are
-    /// matched to it (so that a launcher refuses dp_shard first, in one message): for dp_shard × pp, what would
-    /// run on `world_size` processes instead, dp_shard folded into dp_replicate and the tp and pp sizes kept.
-    pub fn check_accelerator_support_on(&self, world_size: usize) -> Result<()> {
-        if self.dp_shard_size <= 1 || self.pp_size <= 1 {
-            return Ok(());
-        }
-        // What runs on the same processes: sharded data parallelism folded into replicated data parallelism.
-        let model = self.tp_size * self.pp_size * self.cp_size;
-        let fix = if model > 0 && world_size.is_multiple_of(model) {
-            let dp = world_size / model;
-            let runnable = ParallelismConfig { dp_replicate_size: dp, dp_shard_size: 1, ..self.clone() };
-            format!("set dp_shard_size 1 and dp_replicate_size {dp} ({} runs)", runnable.layout_string())
-        } else if self.pp_size > 1 {
-            format!("set dp_shard_size 1, and tp_size and pp_size whose product divides {world_size}")
-        } else {
-            format!("set dp_shard_size 1 and a tp_size that divides {world_size}")
-        };
-        Err(AccelError::Config {
-            key: "parallelism_config_dp_shard_size".into(),
-            value: self.dp_shard_size.to_string(),
-            reason: format!(
-                "the Accelerator cannot combine sharded data parallelism with pipeline stages yet (dp_shard runs with \
-                 dp_replicate and tp); on the same {world_size} processes {fix}"
-            ),
-        })
-    }
-
     /// The four sizes a mesh lays out, `dp_replicate 2 × dp_shard 1 × tp 2 × pp 1` (cp, always 1 here, left out),
     /// with the sharding strategy after dp_shard when dp_shard > 1: `dp_replicate 1 × dp_shard 2 (SHARD_GRAD_OP) ×
     /// tp 1 × pp 1`.
@@ -733,49 +694,6 @@ mod tests {
     }
 
     #[test]
-    fn the_accelerator_trains_pp_and_dp_shard_and_refuses_them_together_saying_what_to_use() {
-        ParallelismConfig::default().with_tp_size(4).check_accelerator_support().unwrap();
-        // Pipeline parallelism is trainable now, alone and with tp and dp.
-        ParallelismConfig::default().with_pp_size(2).with_tp_size(2).check_accelerator_support().unwrap();
-        ParallelismConfig::data_parallel(2).with_pp_size(4).check_accelerator_support_on(8).unwrap();
-        // dp_shard 2 × pp 2 on 4 processes: dp_shard folds into dp_replicate, pp is kept.
-        let e = ParallelismConfig::default().with_dp_shard_size(2).with_pp_size(2).check_accelerator_support();
-        assert_eq!(
-            e.unwrap_err().to_string(),
-            "invalid configuration parallelism_config_dp_shard_size = \"2\": the Accelerator cannot combine sharded \
-             data parallelism with pipeline stages yet (dp_shard runs with dp_replicate and tp); on the same 4 \
-             processes set dp_shard_size 1 and dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 1 × pp 2 runs)"
-        );
-        let e = ParallelismConfig::data_parallel(2).with_dp_shard_size(2).with_pp_size(2).check_accelerator_support();
-        assert!(
-            e.as_ref().unwrap_err().to_string().ends_with(
-                "on the same 8 processes set dp_shard_size 1 and dp_replicate_size 4 (dp_replicate 4 × dp_shard 1 × \
-                 tp 1 × pp 2 runs)"
-            ),
-            "{e:?}"
-        );
-        // Sharded data parallelism alone, with dp_replicate (HSDP) and with tp: trainable (the default, ZeRO-2).
-        ParallelismConfig::default().with_dp_shard_size(2).check_accelerator_support().unwrap();
-        ParallelismConfig::data_parallel(2).with_dp_shard_size(2).with_tp_size(2).check_accelerator_support().unwrap();
-        // tp × pp that does not divide the processes: no layout to name.
-        let e = ParallelismConfig::default().with_dp_shard_size(2).with_pp_size(3).check_accelerator_support_on(4);
-        assert!(
-            e.as_ref().unwrap_err().to_string().ends_with(
-                "on the same 4 processes set dp_shard_size 1, and tp_size and pp_size whose product divides 4"
-            ),
-            "{e:?}"
-        );
-        let e = ParallelismConfig::default().with_dp_shard_size(2).with_pp_size(2).check_accelerator_support_on(3);
-        assert!(
-            e.as_ref()
-                .unwrap_err()
-                .to_string()
-                .ends_with("set dp_shard_size 1, and tp_size and pp_size whose product divides 3"),
-            "{e:?}"
-        );
-    }
-
-    #[test]
     fn the_sharding_strategy_variable_is_read_and_written_only_with_dp_shard() {
         use ShardingStrategy::*;
         let read =
@@ -826,36 +744,6 @@ mod tests {
         );
         let e = ParallelismConfig::default().with_overrides_from(lookup(&[(SHARDING_STRATEGY_ENV, "6")])).unwrap_err();
         assert!(e.to_string().starts_with("invalid configuration FSDP_SHARDING_STRATEGY = \"6\": expected one of"));
-    }
-
-    #[test]
-    fn every_sharding_strategy_is_accepted_with_dp_shard_and_dp_shard_with_pp_is_refused_first() {
-        use ShardingStrategy::*;
-        let sharded = |s| ParallelismConfig::default().with_dp_shard_size(2).with_sharding_strategy(s);
-        // Every stage trains alone, with dp_replicate (HSDP) and with tp, on any world size (checked before the
-        // sizes); at dp_shard 1 the strategy is not read.
-        for s in [NoShard, ShardOptim, ShardGradOp, FullShard] {
-            sharded(s).check_accelerator_support().unwrap();
-            sharded(s).with_tp_size(2).check_accelerator_support_on(3).unwrap();
-            ParallelismConfig::data_parallel(2)
-                .with_dp_shard_size(2)
-                .with_sharding_strategy(s)
-                .check_accelerator_support_on(4)
-                .unwrap();
-        }
-        ParallelismConfig::data_parallel(4).with_sharding_strategy(FullShard).check_accelerator_support().unwrap();
-        // dp_shard × pp stays refused, whatever the strategy, with its own message.
-        for s in [ShardGradOp, FullShard] {
-            let e = sharded(s).with_pp_size(2).check_accelerator_support().unwrap_err();
-            assert!(matches!(e, AccelError::Config { ref key, .. } if key == "parallelism_config_dp_shard_size"));
-            assert_eq!(
-                e.to_string(),
-                "invalid configuration parallelism_config_dp_shard_size = \"2\": the Accelerator cannot combine \
-                 sharded data parallelism with pipeline stages yet (dp_shard runs with dp_replicate and tp); on the \
-                 same 4 processes set dp_shard_size 1 and dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 1 × \
-                 pp 2 runs)"
-            );
-        }
     }
 
     #[test]

@@ -861,11 +861,9 @@ impl FsdpPlan {
     /// unless it already has dp_shard above 1, every data-parallel process made dp_shard (dp_shard = the resolved
     /// dp_replicate, dp_replicate 1: HF's FSDP over all ranks). A hybrid plan keeps the layout, which must give
     /// dp_shard and dp_replicate above 1. A layout that does not fit `world_size` is returned with only the
-    /// strategy set (the Accelerator names what fits). Then the Accelerator's support check
-    /// ([`ParallelismConfig::check_accelerator_support_on`]: dp_shard × pp), its refusal named as `fsdp`'s.
+    /// strategy set (the Accelerator names what fits).
     ///
-    /// Errors ([`TrainerError::InvalidArgument`] on `fsdp`): a hybrid plan on a layout without both, a layout the
-    /// Accelerator refuses.
+    /// Errors ([`TrainerError::InvalidArgument`] on `fsdp`): a hybrid plan on a layout without both.
     pub fn apply(self, layout: &ParallelismConfig, world_size: usize, fsdp: &str) -> Result<ParallelismConfig> {
         let set = layout.clone().with_sharding_strategy(self.strategy);
         let Ok(resolved) = set.resolve(world_size) else { return Ok(set) };
@@ -888,12 +886,6 @@ impl FsdpPlan {
         } else {
             resolved
         };
-        p.check_accelerator_support_on(world_size).map_err(|e| {
-            err(
-                "fsdp",
-                format!("{fsdp:?} lays the processes out as {}, which the Accelerator refuses: {e}", p.layout_string()),
-            )
-        })?;
         Ok(p)
     }
 }
@@ -1266,7 +1258,7 @@ mod tests {
     }
 
     #[test]
-    fn fsdp_hybrid_needs_both_data_parallel_sizes_and_full_shard_is_accepted_but_not_with_pp() {
+    fn fsdp_hybrid_needs_both_data_parallel_sizes_and_full_shard_is_accepted_with_pp_too() {
         use ShardingStrategy::*;
         let hybrid2 = FsdpPlan { strategy: ShardGradOp, hybrid: true };
         let hsdp = ParallelismConfig::data_parallel(2).with_dp_shard_size(2);
@@ -1289,26 +1281,12 @@ mod tests {
         assert_eq!(p.layout_string(), "dp_replicate 1 × dp_shard 2 (FULL_SHARD) × tp 1 × pp 1");
         let hybrid = FsdpPlan { strategy: FullShard, hybrid: true };
         assert_eq!(hybrid.apply(&hsdp, 4, "hybrid_shard").unwrap(), hsdp.clone().with_sharding_strategy(FullShard));
-        // With pipeline stages: sharding and pp together are refused, in the Accelerator's words.
+        // With pipeline stages: the data-parallel processes of every stage shard.
         let zero2 = FsdpPlan { strategy: ShardGradOp, hybrid: false };
-        let e = zero2.apply(&ParallelismConfig::data_parallel(2).with_pp_size(2), 4, "shard_grad_op").unwrap_err();
-        assert!(
-            e.to_string().starts_with(
-                "invalid training argument `fsdp`: \"shard_grad_op\" lays the processes out as dp_replicate 1 × \
-                 dp_shard 2 (SHARD_GRAD_OP) × tp 1 × pp 2, which the Accelerator refuses: invalid configuration \
-                 parallelism_config_dp_shard_size = \"2\": the Accelerator cannot combine"
-            ),
-            "{e}"
-        );
-        let e = full.apply(&ParallelismConfig::data_parallel(2).with_pp_size(2), 4, "full_shard").unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "invalid training argument `fsdp`: \"full_shard\" lays the processes out as dp_replicate 1 × dp_shard 2 \
-             (FULL_SHARD) × tp 1 × pp 2, which the Accelerator refuses: invalid configuration \
-             parallelism_config_dp_shard_size = \"2\": the Accelerator cannot combine sharded data parallelism with \
-             pipeline stages yet (dp_shard runs with dp_replicate and tp); on the same 4 processes set dp_shard_size 1 \
-             and dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 1 × pp 2 runs)"
-        );
+        let p = zero2.apply(&ParallelismConfig::data_parallel(2).with_pp_size(2), 4, "shard_grad_op").unwrap();
+        assert_eq!(p.layout_string(), "dp_replicate 1 × dp_shard 2 (SHARD_GRAD_OP) × tp 1 × pp 2");
+        let p = full.apply(&ParallelismConfig::data_parallel(2).with_pp_size(2), 4, "full_shard").unwrap();
+        assert_eq!(p.layout_string(), "dp_replicate 1 × dp_shard 2 (FULL_SHARD) × tp 1 × pp 2");
     }
 
     #[test]

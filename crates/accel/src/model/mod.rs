@@ -175,6 +175,19 @@ impl PreparedModel {
                     .into(),
             ));
         }
+        // Under pp every stage's names and shapes are exchanged once (state dicts gather and load through them);
+        // a stage holds its own parameters, so norms and overflow cover every stage, and a weight held by several
+        // stages (tied) has its copies made equal here (before any sharding) and its gradients summed over them
+        // (strategy.rs).
+        let pipeline = if mesh.pp().world_size() > 1 {
+            let mine: Vec<(String, Vec<usize>)> =
+                names.iter().enumerate().map(|(i, n)| (n.clone(), full_shape(&local_dims[i], layouts[i]))).collect();
+            let stages = Stages::exchange(mesh.pp(), mine)?;
+            let tied = stages.tied_weights(&masters)?;
+            Some((stages, tied))
+        } else {
+            None
+        };
         let sharding = sharded_stage.then(|| {
             let chunks: Vec<FlatChunk> =
                 masters.iter().map(|m| FlatChunk::of(m.elem_count(), shard_group.world_size())).collect();
@@ -209,17 +222,10 @@ impl PreparedModel {
             (params, masters, has_masters)
         };
         let masters_sharded = sharding.is_some() && (full_shard || has_masters);
-        // Under pp every stage's names and shapes are exchanged once (state dicts gather and load through them);
-        // a stage holds its own parameters, so norms and overflow cover every stage, and a weight held by several
-        // stages (tied) has its gradients summed over them (strategy.rs).
-        let (strategy, stages): (Box<dyn GradientStrategy>, _) = if mesh.pp().world_size() > 1 {
-            let mine: Vec<(String, Vec<usize>)> =
-                names.iter().enumerate().map(|(i, n)| (n.clone(), full_shape(masters[i].dims(), layouts[i]))).collect();
-            let stages = Stages::exchange(mesh.pp(), mine)?;
-            let tied = stages.tied_weights(&masters)?;
-            (Box::new(PipelineStage::new(replicated, mesh.pp().clone(), tied)), Some(stages))
-        } else if let Some((g, chunks)) = &sharding {
-            let sharded = ShardedDataParallel::new(
+        // The data-parallel strategy: DDP, or sharded over dp_shard (sharded.rs); under pp wrapped by the stage's
+        // (norm and overflow over every stage, tied weights).
+        let data: Box<dyn GradientStrategy> = match &sharding {
+            Some((g, chunks)) => Box::new(ShardedDataParallel::new(
                 g.clone(),
                 mesh.group(MeshDim::DpReplicate).clone(),
                 mesh.model_parallel().clone(),
@@ -233,10 +239,12 @@ impl PreparedModel {
                 } else {
                     GradientChunks::Whole
                 },
-            );
-            (Box::new(sharded), None)
-        } else {
-            (Box::new(replicated), None)
+            )),
+            None => Box::new(replicated),
+        };
+        let (strategy, stages): (Box<dyn GradientStrategy>, _) = match pipeline {
+            Some((stages, tied)) => (Box::new(PipelineStage::new(data, mesh.pp().clone(), tied)), Some(stages)),
+            None => (data, None),
         };
         let model = PreparedModel {
             inner: Arc::new(ModelInner {

@@ -130,6 +130,10 @@ impl GradientStrategy for ShardedDataParallel {
         &self.model_parallel
     }
 
+    fn chunked_over(&self) -> Option<&ProcessGroup> {
+        Some(&self.shard)
+    }
+
     /// The chunks' squares summed over dp_shard (every element once), the tp shards' also over tp.
     fn squared_norm(&self, per_param: &[f64], layouts: &[ParamLayout]) -> Result<f64> {
         let mut sums = [0.0f64; 2]; // [tp-sharded, tp-replicated]

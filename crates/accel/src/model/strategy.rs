@@ -92,6 +92,13 @@ pub(crate) trait GradientStrategy: Send + Sync + std::fmt::Debug {
     /// overflow flag are reduced over it (the mesh's model-parallel group, pp × tp).
     fn norm_group(&self) -> &ProcessGroup;
 
+    /// The group over which each parameter's gradient is cut into chunks, so that a parameter's squares on this
+    /// rank are a part of its squares (sharded data parallelism: dp_shard); `None` when every rank of the
+    /// data-parallel group holds whole gradients.
+    fn chunked_over(&self) -> Option<&ProcessGroup> {
+        None
+    }
+
     /// The group's squared L2 norm from each parameter's squared gradient norm on this rank (`per_param[i]`,
     /// with `layouts[i]`): every element of the single-process model counted once — tp shards summed over
     /// [`GradientStrategy::norm_group`], replicated parameters taken as they are (each rank of the group holds
@@ -182,7 +189,8 @@ impl GradientStrategy for ReplicatedDataParallel {
     }
 }
 
-/// A pipeline stage's parameters: replicated data parallelism over `dp` as [`ReplicatedDataParallel`] (DDP's
+/// A pipeline stage's parameters: data parallelism as the stage's data strategy does it — replicated over `dp` as
+/// [`ReplicatedDataParallel`] (DDP's
 /// all-reduce once per optimizer step, after the last micro-batch's backward — the step owner reduces only on the
 /// sync step), but every pp rank holds different parameters, so the norm and the fp16 overflow flag always cover
 /// the whole model: tp shards' squares summed over pp × tp, replicated parameters' over pp only (each tp rank of
@@ -197,7 +205,8 @@ impl GradientStrategy for ReplicatedDataParallel {
 /// (Megatron's `param_is_not_shared`).
 #[derive(Debug)]
 pub(crate) struct PipelineStage {
-    replicated: ReplicatedDataParallel,
+    /// The data-parallel strategy of this stage's parameters: DDP over dp, or sharded over dp_shard.
+    data: Box<dyn GradientStrategy>,
     pp: ProcessGroup,
     tied: Vec<TiedWeights>,
 }
@@ -214,16 +223,18 @@ pub(crate) struct TiedWeights {
 }
 
 impl PipelineStage {
-    /// `replicated` over the mesh's dp group (norm group: the model-parallel group pp × tp); `pp` = the mesh's pp
-    /// group; `tied` = the weights shared with other stages.
-    pub(crate) fn new(replicated: ReplicatedDataParallel, pp: ProcessGroup, tied: Vec<TiedWeights>) -> Self {
-        PipelineStage { replicated, pp, tied }
+    /// `data`: the stage's data-parallel strategy (norm group: the model-parallel group pp × tp); `pp` = the
+    /// mesh's pp group; `tied` = the weights shared with other stages.
+    pub(crate) fn new(data: Box<dyn GradientStrategy>, pp: ProcessGroup, tied: Vec<TiedWeights>) -> Self {
+        PipelineStage { data, pp, tied }
     }
 }
 
 impl GradientStrategy for PipelineStage {
+    /// The data-parallel reduction, then a tied weight's gradient (whole, or this rank's chunk of it: the stages
+    /// holding it cut it alike) summed over the stages holding it.
     fn reduce(&self, slots: &mut [Option<Tensor>]) -> Result<()> {
-        self.replicated.reduce(slots)?;
+        self.data.reduce(slots)?;
         for t in &self.tied {
             for &i in &t.params {
                 let g = slots[i].as_ref().ok_or_else(|| {
@@ -238,8 +249,24 @@ impl GradientStrategy for PipelineStage {
         Ok(())
     }
 
+    fn reduce_micro_batch(&self, micro: &mut [Option<Tensor>]) -> Result<()> {
+        self.data.reduce_micro_batch(micro)
+    }
+
+    fn gradient_chunks(&self) -> Option<&[FlatChunk]> {
+        self.data.gradient_chunks()
+    }
+
     fn norm_group(&self) -> &ProcessGroup {
-        self.replicated.norm_group()
+        self.data.norm_group()
+    }
+
+    fn chunked_over(&self) -> Option<&ProcessGroup> {
+        self.data.chunked_over()
+    }
+
+    fn after_optimizer_step(&self, optimized: &[Var], full: &[Var]) -> Result<()> {
+        self.data.after_optimizer_step(optimized, full)
     }
 
     fn squared_norm(&self, per_param: &[f64], layouts: &[ParamLayout]) -> Result<f64> {
@@ -255,6 +282,12 @@ impl GradientStrategy for PipelineStage {
                 ParamLayout::Sharded { .. } => sharded += sq,
             }
         }
+        if let Some(chunks) = self.chunked_over() {
+            // Each parameter's squares are split over the dp_shard ranks' chunks: whole first.
+            let mut both = [sharded, replicated];
+            chunks.all_reduce(&mut both, ReduceOp::Sum)?;
+            [sharded, replicated] = both;
+        }
         let mut s = [sharded];
         self.norm_group().all_reduce(&mut s, ReduceOp::Sum)?;
         let mut r = [replicated];
@@ -264,6 +297,9 @@ impl GradientStrategy for PipelineStage {
 
     fn any_rank(&self, local: bool, _layouts: &[ParamLayout]) -> Result<bool> {
         let mut flag = [i32::from(local)];
+        if let Some(chunks) = self.chunked_over() {
+            chunks.all_reduce(&mut flag, ReduceOp::Max)?;
+        }
         self.norm_group().all_reduce(&mut flag, ReduceOp::Max)?;
         Ok(flag[0] != 0)
     }

@@ -190,8 +190,6 @@ fn layouts_the_accelerator_cannot_run_are_refused_on_every_rank() {
     let e = errors_on(4, with(ParallelismConfig::default().with_pp_size(2).with_tp_size(2).with_pp_microbatches(1)));
     assert!(e[3].contains("pipeline_parallel_microbatches") && e[3].contains("at least 2"), "{}", e[3]);
     assert!(e.iter().all(|m| *m == e[0]));
-    let e = errors_on(4, with(ParallelismConfig::default().with_dp_shard_size(2).with_pp_size(2)));
-    assert!(e[1].contains("cannot combine sharded data parallelism with pipeline stages yet"), "{}", e[1]);
     let e = errors_on(2, with(ParallelismConfig::default().with_cp_size(2)));
     assert_eq!(
         e[0],
