@@ -24,7 +24,7 @@
 //! Errors: those of the collectives (unsupported dtype or device, a peer failing), and for gather / split a
 //! `dim` out of range or (split) a size the group size does not divide.
 
-use crate::{DdpError, ProcessGroup, ReduceOp, Result};
+use crate::{CommHook, DdpError, ProcessGroup, ReduceOp, Result};
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
 
@@ -81,9 +81,9 @@ enum Backward {
     Chunk { dim: usize, rank: usize, len: usize },
     /// The gradient all-gathered along `dim` (split).
     AllGather { dim: usize, pg: ProcessGroup },
-    /// The gradient reduce-scattered (summed) over the group, this rank's chunk kept (gather_shards), after the
-    /// guard agreed.
-    ReduceScatter { pg: ProcessGroup, guard: Option<BackwardGuard> },
+    /// The gradient reduce-scattered (summed) over the group, this rank's chunk kept (gather_shards), as `how`
+    /// says.
+    ReduceScatter { pg: ProcessGroup, how: ShardGradient },
 }
 
 /// `TakeSecond(x, v)`: forward returns `v`'s values (computed from `x` by a collective outside the graph); the
@@ -134,12 +134,7 @@ impl CustomOp2 for TakeSecond {
             Backward::Identity => grad.clone(),
             Backward::Chunk { dim, rank, len } => grad.narrow(*dim, rank * len, *len)?,
             Backward::AllGather { dim, pg } => all_gather_dim(pg, grad, *dim).map_err(wrap)?,
-            Backward::ReduceScatter { pg, guard } => {
-                if let Some(guard) = guard {
-                    guard().map_err(candle_core::Error::Msg)?;
-                }
-                pg.reduce_scatter_tensor(&grad.contiguous()?, ReduceOp::Sum).map_err(wrap)?
-            }
+            Backward::ReduceScatter { pg, how } => how.reduce_scatter(pg, grad)?,
         };
         Ok((Some(g), None))
     }
@@ -154,7 +149,7 @@ impl CustomOp2 for TakeSecond {
 ///
 /// Errors: `chunk` not 1-D; the collectives'.
 pub fn gather_shards(chunk: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
-    gather_shards_guarded(chunk, pg, None)
+    gather_shards_with(chunk, pg, ShardGradient::default())
 }
 
 /// A check run by a backward pass before it reduce-scatters a gathered parameter's gradient: `Err(reason)` fails
@@ -162,10 +157,39 @@ pub fn gather_shards(chunk: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
 /// it: a stale copy).
 pub type BackwardGuard = std::sync::Arc<dyn Fn() -> std::result::Result<(), String> + Send + Sync>;
 
-/// [`gather_shards`] whose backward first runs `guard` (see [`BackwardGuard`]).
+/// How the backward pass of [`gather_shards_with`] reduce-scatters the gradient of the whole parameter.
+#[derive(Clone, Default)]
+pub struct ShardGradient {
+    /// Run first; its `Err` fails the backward ([`BackwardGuard`]).
+    pub guard: Option<BackwardGuard>,
+    /// Compression of the reduce-scatter, as PyTorch's compress hooks: `Bf16` sums in bf16; `Fp16` divides by
+    /// `fp16_divisor` first (fp16's range: the hook averages before it sums) and sums in fp16. The result is cast
+    /// back to the gradient's dtype.
+    pub hook: CommHook,
+    /// What `Fp16` divides by (the data-parallel ranks the gradient is averaged over); unused otherwise.
+    pub fp16_divisor: f64,
+}
+
+impl ShardGradient {
+    fn reduce_scatter(&self, pg: &ProcessGroup, grad: &Tensor) -> candle_core::Result<Tensor> {
+        use candle_core::DType;
+        if let Some(guard) = &self.guard {
+            guard().map_err(candle_core::Error::Msg)?;
+        }
+        let grad = grad.contiguous()?;
+        let wire = match self.hook {
+            CommHook::None => grad.clone(),
+            CommHook::Bf16 => grad.to_dtype(DType::BF16)?,
+            CommHook::Fp16 => grad.affine(1.0 / self.fp16_divisor, 0.0)?.to_dtype(DType::F16)?,
+        };
+        pg.reduce_scatter_tensor(&wire, ReduceOp::Sum).map_err(wrap)?.to_dtype(grad.dtype())
+    }
+}
+
+/// [`gather_shards`] whose backward reduces as `how` says (a guard, compression).
 ///
 /// Errors: as [`gather_shards`].
-pub fn gather_shards_guarded(chunk: &Tensor, pg: &ProcessGroup, guard: Option<BackwardGuard>) -> Result<Tensor> {
+pub fn gather_shards_with(chunk: &Tensor, pg: &ProcessGroup, how: ShardGradient) -> Result<Tensor> {
     if chunk.rank() != 1 {
         return Err(DdpError::InvalidArgument(format!(
             "gather_shards: a shard is a 1-D chunk, got shape {:?} (flatten the parameter and cut it into equal \
@@ -177,7 +201,7 @@ pub fn gather_shards_guarded(chunk: &Tensor, pg: &ProcessGroup, guard: Option<Ba
         return Ok(chunk.clone());
     }
     let whole = pg.all_gather_tensor(&chunk.detach())?;
-    attach(chunk, whole, Backward::ReduceScatter { pg: pg.clone(), guard })
+    attach(chunk, whole, Backward::ReduceScatter { pg: pg.clone(), how })
 }
 
 /// All-gather of `x` along `dim` (chunks in group-rank order), outside the autograd graph.

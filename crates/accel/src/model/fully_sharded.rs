@@ -24,6 +24,7 @@
 use super::PreparedModel;
 use crate::{AccelError, Result};
 use candle_core::Tensor;
+use ddp_core::functional::{BackwardGuard, ShardGradient};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -43,7 +44,9 @@ impl Generation {
 
 impl PreparedModel {
     /// Parameter `i` of a FULL_SHARD model, whole (this rank's tp piece) in `dtype`: its chunks all-gathered over
-    /// `dp_shard` now, the gradient reduce-scattered back by the backward pass, checked not to be stale there.
+    /// `dp_shard` now, the gradient reduce-scattered back by the backward pass (compressed as the run's
+    /// `comm_hook` says, with the same arithmetic as ZeRO-2's reduce-scatter: the sync step then averages as for
+    /// it), checked not to be stale there.
     pub(super) fn gathered(&self, i: usize, dtype: candle_core::DType) -> Result<Tensor> {
         let (group, chunks) = self
             .inner
@@ -52,7 +55,7 @@ impl PreparedModel {
             .ok_or_else(|| AccelError::Usage("gathered: the model is not fully sharded".into()))?;
         let (name, gathered_at, generation) =
             (self.inner.names[i].clone(), self.inner.generation.current(), self.inner.generation.clone());
-        let guard: ddp_core::functional::BackwardGuard = Arc::new(move || {
+        let guard: BackwardGuard = Arc::new(move || {
             if generation.current() == gathered_at {
                 return Ok(());
             }
@@ -64,7 +67,9 @@ impl PreparedModel {
             ))
         });
         let chunk = self.inner.optimized[i].as_tensor();
-        let whole = ddp_core::functional::gather_shards_guarded(chunk, group, Some(guard))?;
+        let (hook, ranks) = self.inner.shard_reduction;
+        let how = ShardGradient { guard: Some(guard), hook, fp16_divisor: ranks as f64 };
+        let whole = ddp_core::functional::gather_shards_with(chunk, group, how)?;
         Ok(chunks[i].unslice(&whole, &self.inner.local_dims[i])?.to_dtype(dtype)?)
     }
 }

@@ -68,6 +68,8 @@ struct ModelInner {
     /// `masters` are this rank's chunks (the same `Var`s as `optimized`): FULL_SHARD, and ZeRO-1/2 under mixed
     /// precision (the whole compute-dtype `params` are refreshed from the all-gathered chunks after each step).
     masters_sharded: bool,
+    /// FULL_SHARD's gradient compression and the data-parallel ranks it averages over (dp_shard × dp_replicate).
+    shard_reduction: (ddp_core::CommHook, usize),
     /// Optimizer steps taken, for FULL_SHARD's check that no gathered weight outlives a step.
     generation: Arc<fully_sharded::Generation>,
     /// The tensor-parallel group the sharded parameters are split over.
@@ -159,13 +161,6 @@ impl PreparedModel {
         let shard_group = mesh.group(MeshDim::DpShard).clone();
         let sharded_stage = shard_group.world_size() > 1 && sharding_strategy != ShardingStrategy::NoShard;
         let full_shard = sharded_stage && sharding_strategy == ShardingStrategy::FullShard;
-        if full_shard && ddp.comm_hook != ddp_core::CommHook::None {
-            return Err(AccelError::Usage(format!(
-                "prepare_model: the {:?} compression hook is not applied to FULL_SHARD's reduce-scatter yet; use no \
-                 hook with FULL_SHARD, or SHARD_GRAD_OP (ZeRO-2) with the hook",
-                ddp.comm_hook
-            )));
-        }
         if sharded_stage && ddp.find_unused_parameters {
             // A chunk of an unused parameter would be stepped with a zero gradient (moments decaying, weight decay
             // applied) where DDP skips it: refuse rather than train something else.
@@ -261,6 +256,7 @@ impl PreparedModel {
                 local_dims,
                 fully_sharded: full_shard.then_some(compute_dtype),
                 masters_sharded,
+                shard_reduction: (ddp.comm_hook, mesh.dp().world_size()),
                 generation: Arc::default(),
                 tp: tp.clone(),
                 find_unused_parameters: ddp.find_unused_parameters,
