@@ -7,6 +7,15 @@
 //! `trainer_state.json`, written last and atomically. A directory without `trainer_state.json` is an
 //! interrupted save: it is never resumed from ("latest" skips it) and rotation deletes it like any other old one.
 //!
+//! Layout: a checkpoint records the global batch of one optimizer step and the optimizer steps per epoch
+//! ([`TrainerState::global_batch_size`], [`TrainerState::steps_per_epoch`]); a resume at any number of processes,
+//! per-device batch, accumulation or tp/pp layout that keeps both finds the same place in the data
+//! ([`check_compatible`], which refuses anything else naming the per-device batch that keeps it). Everything a
+//! Trainer checkpoint holds is layout-free: it is taken at an optimizer step (never inside an accumulation window,
+//! so no rank holds partial gradients), the weights and optimizer state are whole, the loss tallies are shared
+//! out over the new ranks, the Accelerator derives each rank's RNG, and the Accelerator's loader takes a position
+//! saved for another micro-batch as the same number of samples of the epoch's order.
+//!
 //! Integrity: `checksums.json` lists the sha256 of every other file of the checkpoint; it is written just before
 //! `trainer_state.json` (whose digest it already holds), so a complete checkpoint always has it.
 //! [`verify_checksums`] checks it before anything is loaded: a truncated or flipped weight file is an error naming
@@ -135,9 +144,134 @@ pub fn resolve_resume(spec: &str, output_dir: &Path) -> Result<PathBuf> {
     Ok(dir)
 }
 
-/// Refuses to resume a checkpoint written with another world size or gradient accumulation: the same global
-/// step would then be a different position in the data, so the run would silently diverge.
-pub fn check_compatible(dir: &Path, state: &TrainerState, world_size: usize, grad_accum: usize) -> Result<()> {
+/// The layout of the run that resumes, as [`check_compatible`] compares it with a checkpoint's [`TrainerState`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunLayout {
+    /// Processes in the job.
+    pub world_size: usize,
+    /// Data-parallel processes (`Accelerator::data_parallel_size`: tensor- and pipeline-parallel peers read the
+    /// same batch, so they do not count).
+    pub data_parallel_size: usize,
+    /// Samples of one micro-batch on each data-parallel process.
+    pub per_device_batch: usize,
+    /// Micro-batches per optimizer step.
+    pub gradient_accumulation_steps: usize,
+    /// Optimizer steps per epoch.
+    pub steps_per_epoch: u64,
+    /// `split_batches`: `per_device_train_batch_size` then names the micro-batch of all data-parallel processes,
+    /// and the messages suggest a value of it in that sense.
+    pub split_batches: bool,
+}
+
+impl RunLayout {
+    /// Samples of one optimizer step over all processes: per-device batch × data-parallel size × accumulation.
+    pub fn global_batch(&self) -> u64 {
+        (self.per_device_batch * self.data_parallel_size * self.gradient_accumulation_steps) as u64
+    }
+
+    /// The `per_device_train_batch_size` that gives `per_device` samples per data-parallel process here.
+    fn per_device_flag(&self, per_device: u64) -> u64 {
+        if self.split_batches {
+            per_device * self.data_parallel_size as u64
+        } else {
+            per_device
+        }
+    }
+}
+
+/// `8 per device × 2 data-parallel processes × GA 2`.
+fn breakdown(per_device: u64, dp: u64, ga: u64) -> String {
+    let processes = if dp == 1 { "process" } else { "processes" };
+    format!("{per_device} per device × {dp} data-parallel {processes} × GA {ga}")
+}
+
+/// How the checkpoint's global batch was made up, when it recorded its data-parallel size and accumulation.
+fn saved_breakdown(state: &TrainerState) -> Option<String> {
+    let (global, dp, ga) = (state.global_batch_size?, state.data_parallel_size?, state.gradient_accumulation_steps?);
+    (dp > 0 && ga > 0 && global.is_multiple_of(dp * ga)).then(|| breakdown(global / (dp * ga), dp, ga))
+}
+
+/// Refuses to resume a checkpoint when its global step would be another place in the data here, naming the
+/// fix; the resume arithmetic (`global_step / steps_per_epoch` epochs done, then `(global_step % steps_per_epoch)
+/// · GA` micro-batches) then finds the samples the checkpoint had reached.
+///
+/// - A checkpoint that records its global batch ([`TrainerState::global_batch_size`]) resumes at any number of
+///   processes, per-device batch, accumulation and tp/pp layout that keep the global batch of one optimizer step
+///   and the optimizer steps per epoch: the loader cuts every epoch's order into the same global steps.
+/// - One written before that field existed resumes at its world size and gradient accumulation only (as then).
+pub fn check_compatible(dir: &Path, state: &TrainerState, here: &RunLayout) -> Result<()> {
+    let Some(saved) = state.global_batch_size else {
+        return check_same_world_and_accumulation(dir, state, here.world_size, here.gradient_accumulation_steps);
+    };
+    let (dp, ga, per_device) =
+        (here.data_parallel_size as u64, here.gradient_accumulation_steps as u64, here.per_device_batch as u64);
+    let global = here.global_batch();
+    let written = saved_breakdown(state).map(|b| format!(" ({b})")).unwrap_or_default();
+    if saved != global {
+        let mut ways = Vec::new();
+        if dp * ga > 0 && saved.is_multiple_of(dp * ga) {
+            ways.push(format!("--per-device-train-batch-size {}", here.per_device_flag(saved / (dp * ga))));
+        }
+        if per_device * dp > 0 && saved.is_multiple_of(per_device * dp) {
+            ways.push(format!("--gradient-accumulation-steps {}", saved / (per_device * dp)));
+        }
+        let fix = match ways.as_slice() {
+            [] => format!(
+                "No per-device batch or accumulation alone keeps it with {dp} data-parallel {}: choose the \
+                 data-parallel processes, the per-device batch and gradient_accumulation_steps so that their \
+                 product is {saved}",
+                if dp == 1 { "process" } else { "processes" }
+            ),
+            [one] => format!("To keep it, use {one} on this layout"),
+            [one, other, ..] => format!("To keep it, use {one} on this layout (or {other})"),
+        };
+        return Err(TrainerError::checkpoint(
+            dir,
+            format!(
+                "was written with a global batch of {saved} samples per optimizer step{written}; this run's is \
+                 {global} ({}): the same global step would be another place in the data. {fix}; or start a \
+                 new run in another output_dir",
+                breakdown(per_device, dp, ga)
+            ),
+        ));
+    }
+    if let Some(saved_upe) = state.steps_per_epoch.filter(|u| *u != here.steps_per_epoch) {
+        // The same global batch cut into other epochs: drop_last drops another tail when the micro-batch of all
+        // processes changes (whole micro-batches are dropped), or the data set changed.
+        let micro = state.gradient_accumulation_steps.filter(|g| *g > 0 && saved.is_multiple_of(*g)).map(|g| {
+            let m = saved / g;
+            let flags = match dp > 0 && m.is_multiple_of(dp) {
+                true => format!(
+                    "--per-device-train-batch-size {} --gradient-accumulation-steps {g} on this layout",
+                    here.per_device_flag(m / dp)
+                ),
+                false => format!("gradient_accumulation_steps {g}, per-device batch × data-parallel processes = {m}"),
+            };
+            format!("Keep the checkpoint's micro-batch of all processes, {m} samples ({flags}), or start")
+        });
+        return Err(TrainerError::checkpoint(
+            dir,
+            format!(
+                "was written with the same global batch, {saved} samples per optimizer step{written}, but {saved_upe} \
+                 optimizer steps per epoch; this run's epochs have {}: the epochs are cut into steps \
+                 differently (another data set, or dataloader_drop_last dropping another tail when the micro-batch \
+                 of all processes changes), so the same global step would be another place in the data. {} a new \
+                 run in another output_dir",
+                here.steps_per_epoch,
+                micro.unwrap_or_else(|| "Start".into())
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The rule for a checkpoint without a recorded global batch: the same world size and gradient accumulation.
+fn check_same_world_and_accumulation(
+    dir: &Path,
+    state: &TrainerState,
+    world_size: usize,
+    grad_accum: usize,
+) -> Result<()> {
     if let Some(ws) = state.world_size {
         if ws != world_size as u64 {
             return Err(TrainerError::checkpoint(
@@ -340,13 +474,71 @@ mod tests {
         assert_eq!(rotate_checkpoints(dir.path(), None, None).unwrap(), Vec::<PathBuf>::new());
     }
 
+    fn layout(world: usize, dp: usize, per_device: usize, ga: usize, upe: u64) -> RunLayout {
+        RunLayout {
+            world_size: world,
+            data_parallel_size: dp,
+            per_device_batch: per_device,
+            gradient_accumulation_steps: ga,
+            steps_per_epoch: upe,
+            split_batches: false,
+        }
+    }
+
     #[test]
-    fn other_world_size_is_refused_with_the_fix() {
+    fn a_checkpoint_without_a_global_batch_resumes_at_its_world_size_and_accumulation_only() {
         let st = TrainerState { world_size: Some(2), gradient_accumulation_steps: Some(1), ..Default::default() };
-        let e = check_compatible(Path::new("out/checkpoint-5"), &st, 4, 1).unwrap_err().to_string();
+        let e = check_compatible(Path::new("out/checkpoint-5"), &st, &layout(4, 4, 4, 1, 6)).unwrap_err().to_string();
         assert!(e.contains("2 processes") && e.contains("has 4") && e.contains("--nproc 2"), "{e}");
-        check_compatible(Path::new("x"), &st, 2, 1).unwrap();
-        let e = check_compatible(Path::new("x"), &st, 2, 3).unwrap_err().to_string();
+        check_compatible(Path::new("x"), &st, &layout(2, 2, 8, 1, 6)).unwrap();
+        let e = check_compatible(Path::new("x"), &st, &layout(2, 2, 8, 3, 2)).unwrap_err().to_string();
         assert!(e.contains("gradient_accumulation_steps 1"), "{e}");
+    }
+
+    #[test]
+    fn the_same_global_batch_resumes_at_any_layout_another_is_refused_naming_the_fix() {
+        // 8 per device × 2 data-parallel processes × GA 2 = 32 samples per step, 6 steps per epoch.
+        let st = TrainerState {
+            world_size: Some(4), // tp 2: four processes, two of them data parallel
+            data_parallel_size: Some(2),
+            gradient_accumulation_steps: Some(2),
+            global_batch_size: Some(32),
+            steps_per_epoch: Some(6),
+            ..Default::default()
+        };
+        let dir = Path::new("out/checkpoint-5");
+        for here in [layout(1, 1, 32, 1, 6), layout(1, 1, 8, 4, 6), layout(4, 4, 4, 2, 6), layout(8, 2, 16, 1, 6)] {
+            check_compatible(dir, &st, &here).unwrap_or_else(|e| panic!("{here:?}: {e}"));
+        }
+        let e = check_compatible(dir, &st, &layout(1, 1, 8, 2, 6)).unwrap_err().to_string();
+        assert!(
+            e.contains(
+                "global batch of 32 samples per optimizer step (8 per device × 2 data-parallel processes × GA 2)"
+            ) && e.contains("this run's is 16 (8 per device × 1 data-parallel process × GA 2)")
+                && e.contains(
+                    "use --per-device-train-batch-size 16 on this layout (or --gradient-accumulation-steps 4)"
+                ),
+            "{e}"
+        );
+        // Only the accumulation can keep it (32 / (3 · 2) is no whole batch) — or nothing can.
+        let e = check_compatible(dir, &st, &layout(3, 3, 2, 2, 6)).unwrap_err().to_string();
+        assert!(e.contains("No per-device batch or accumulation alone keeps it with 3 data-parallel processes"), "{e}");
+        let e = check_compatible(dir, &st, &layout(2, 2, 4, 1, 6)).unwrap_err().to_string();
+        assert!(e.contains("use --per-device-train-batch-size 16 on this layout (or --gradient-accumulation-steps 4)"));
+        // split_batches: the flag is the micro-batch of all processes.
+        let split = RunLayout { split_batches: true, ..layout(2, 2, 4, 1, 6) };
+        let e = check_compatible(dir, &st, &split).unwrap_err().to_string();
+        assert!(e.contains("use --per-device-train-batch-size 32 on this layout"), "{e}");
+        // The same global batch cut into other epochs (drop_last with another micro-batch).
+        let e = check_compatible(dir, &st, &layout(1, 1, 8, 4, 7)).unwrap_err().to_string();
+        assert!(
+            e.contains("32 samples per optimizer step (8 per device × 2 data-parallel processes × GA 2), but 6")
+                && e.contains("6 optimizer steps per epoch; this run's epochs have 7")
+                && e.contains(
+                    "micro-batch of all processes, 16 samples (--per-device-train-batch-size 16 \
+                     --gradient-accumulation-steps 2 on this layout)"
+                ),
+            "{e}"
+        );
     }
 }

@@ -2,9 +2,12 @@
 //! names and layout of Hugging Face's `TrainerState` (so HF tooling that reads `log_history` or
 //! `best_model_checkpoint` works on our checkpoints).
 //!
-//! Fields we add (HF readers ignore unknown keys): `world_size` and `gradient_accumulation_steps` — a resume
-//! checks them, because the same `global_step` means a different data position under another world size or
-//! accumulation.
+//! Fields we add (HF readers ignore unknown keys): `global_batch_size` (samples of one optimizer step over all
+//! processes) and `steps_per_epoch` — a resume checks them, because the same `global_step` is the same place in
+//! the data exactly when both are the same, whatever the number of processes, the per-device batch and the
+//! accumulation that make up the global batch; `world_size`, `data_parallel_size` and
+//! `gradient_accumulation_steps` (informational, and what a checkpoint written before `global_batch_size` existed is
+//! checked by); the loss tallies (`loss_tally`, `model_parallel_size`).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -111,14 +114,31 @@ pub struct TrainerState {
     /// State of stateful callbacks by name (`TrainerControl`, `EarlyStoppingCallback`, ...).
     #[serde(default)]
     pub stateful_callbacks: BTreeMap<String, CallbackState>,
-    /// Processes of the run that wrote this state (ours; checked on resume).
+    /// Processes of the run that wrote this state (ours; informational — checked on resume only for a checkpoint
+    /// without `global_batch_size`, which then resumes at the same world size alone).
     #[serde(default)]
     pub world_size: Option<u64>,
-    /// Gradient accumulation of that run (ours; checked on resume).
+    /// Gradient accumulation of that run (ours; informational, or checked like `world_size`).
     #[serde(default)]
     pub gradient_accumulation_steps: Option<u64>,
+    /// Samples of one optimizer step over all processes in that run (ours): the per-device batch × the
+    /// data-parallel size × `gradient_accumulation_steps` (tensor- and pipeline-parallel peers read the same
+    /// batch, so they do not count). A resume requires the same global batch, at any number of processes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub global_batch_size: Option<u64>,
+    /// Data-parallel processes of that run (ours; informational: the resume messages name the per-device batch
+    /// with it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_parallel_size: Option<u64>,
+    /// Optimizer steps per epoch of that run (ours; checked on resume with `global_batch_size`: the resume
+    /// arithmetic — `global_step / steps_per_epoch` epochs done, then `global_step % steps_per_epoch` steps — must
+    /// find the same place in the data).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub steps_per_epoch: Option<u64>,
     /// Each rank's training-loss tally at the save, indexed by rank (ours): the loss since the last log and the
-    /// run totals, so a resumed run logs and reports `train_loss` exactly as the uninterrupted one.
+    /// run totals, so a resumed run logs and reports `train_loss` exactly as the uninterrupted one. Only their sums
+    /// over all ranks matter (a logged loss is Σ sums ÷ Σ items): a resume at another number of processes shares
+    /// those totals out over its own ranks.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub loss_tally: Vec<LossTallyState>,
     /// Ranks holding pieces of one model replica (pp × tp) in the run that saved `loss_tally` (ours): their
@@ -173,6 +193,9 @@ impl Default for TrainerState {
             stateful_callbacks: BTreeMap::new(),
             world_size: None,
             gradient_accumulation_steps: None,
+            global_batch_size: None,
+            data_parallel_size: None,
+            steps_per_epoch: None,
             loss_tally: Vec::new(),
             model_parallel_size: None,
         }

@@ -6,7 +6,10 @@
 //! Step arithmetic (HF): with `L` micro-batches per epoch on each process and accumulation `GA`, an epoch has
 //! `upe = max(ceil(L / GA), 1)` optimizer steps; `max_steps` (if > 0) wins, else `max_steps =
 //! ceil(num_train_epochs · upe)`. An optimizer step consumes a *window* of `GA` micro-batches (fewer at the end
-//! of an epoch). Resuming at global step `g` skips `g / upe` epochs and `(g % upe) · GA` micro-batches.
+//! of an epoch). Resuming at global step `g` skips `g / upe` epochs and `(g % upe) · GA` micro-batches — at any
+//! number of processes, per-device batch and accumulation whose optimizer step covers the same global batch and
+//! whose epochs have the same `upe` ([`checkpoint::check_compatible`]): the loader cuts every epoch's order into
+//! the same global steps, so the same samples follow.
 //!
 //! Loss normalisation: the loss returns (sum of per-item losses, item count) per micro-batch. For each window
 //! the trainer needs `N`, the window's item count summed over all ranks, and back-propagates
@@ -625,8 +628,9 @@ where
     fn plan_steps(&self, rt: &Runtime<M, D>) -> Result<StepPlan> {
         let ga = self.args.gradient_accumulation_steps;
         let world = rt.acc.world_size();
-        // Tensor-parallel peers train on the same batches: the samples per step count the data-parallel ranks.
-        let dp = world / rt.tp.size();
+        // Tensor- and pipeline-parallel peers train on the same batches: the samples per step count the
+        // data-parallel ranks.
+        let dp = rt.acc.data_parallel_size();
         let evaluates = self.args.eval_strategy != crate::args::IntervalStrategy::No;
         self.check_tp_evaluation(rt, evaluates && self.compute_metrics.is_some())?;
         let loader_len = rt.train_loader.len();
@@ -648,7 +652,17 @@ where
         } else {
             ((self.args.num_train_epochs * upe as f64).ceil() as u64, self.args.num_train_epochs.ceil() as u64)
         };
-        Ok(StepPlan { ga, world, dp, loader_len, upe, max_steps, num_epochs })
+        Ok(StepPlan {
+            ga,
+            world,
+            dp,
+            micro_global: rt.train_loader.total_batch_size(),
+            split_batches: rt.train_loader.config().split_batches,
+            loader_len,
+            upe,
+            max_steps,
+            num_epochs,
+        })
     }
 
     /// A fresh run's state: the plan's intervals and sizes, step 0.
@@ -662,6 +676,9 @@ where
             num_train_epochs: plan.num_epochs,
             world_size: Some(plan.world as u64),
             gradient_accumulation_steps: Some(plan.ga as u64),
+            global_batch_size: Some(plan.layout().global_batch()),
+            data_parallel_size: Some(plan.dp as u64),
+            steps_per_epoch: Some(plan.upe),
             model_parallel_size: Some(rt.acc.mesh().model_parallel().world_size() as u64),
             is_local_process_zero: rt.acc.is_local_main_process(),
             is_world_process_zero: rt.acc.is_main_process(),
@@ -685,19 +702,28 @@ where
 
     /// Verifies and loads the checkpoint `spec` names (every rank agreeing), restores the trainer's state from it,
     /// and says where training goes on; a run that had already ended trains no further.
+    ///
+    /// The checkpoint may come from another layout (number of processes, per-device batch, accumulation, tp/pp
+    /// sizes) with the same global batch and steps per epoch ([`checkpoint::check_compatible`]): its global step is
+    /// then the same place in the data, the weights and optimizer state are whole tensors, the loss tallies are
+    /// shared out over this run's ranks ([`restored_tally`]), and the Accelerator derives each rank's RNG.
     fn resume(&mut self, rt: &mut Runtime<M, D>, plan: &StepPlan, spec: &str) -> Result<StartPoint> {
         let dir = checkpoint::resolve_resume(spec, &self.args.output_dir)?;
         let saved = TrainerState::load_from_json(&dir.join(TRAINER_STATE_NAME))?;
-        checkpoint::check_compatible(&dir, &saved, plan.world, plan.ga)?;
+        // Every rank decides alike (the same state, the same layout), unless the ranks' epochs differ
+        // (even_batches off): then all stop together.
+        agree(&rt.acc, checkpoint::check_compatible(&dir, &saved, &plan.layout()), "checking the checkpoint")?;
         agree(&rt.acc, checkpoint::verify_checksums(&dir), "verifying the checkpoint")?;
-        let loaded = rt.acc.load_state(Some(&dir)).map(|_| ()).map_err(TrainerError::from);
+        let mut epochs_trained = saved.global_step / plan.upe;
+        let skip_micro = ((saved.global_step % plan.upe) as usize) * plan.ga;
+        // At another micro-batch (the global batch checked above) the loader takes its position in samples.
+        let loaded = rt.acc.load_state(Some(&dir)).map(drop).map_err(TrainerError::from);
         agree(&rt.acc, loaded, "loading the checkpoint")?;
         self.restore_state(rt, &dir, &saved)?;
         let since_log = restored_tally(&saved, &rt.acc).map(|t| LossTally::restored(&t)).unwrap_or_default();
-        // From here the state describes this run's layout (its tallies are this layout's).
+        // From here the state describes this run's layout: its tallies are this layout's (one all-reduce).
+        self.state.loss_tally = since_log.gather(&rt.acc)?;
         self.state.model_parallel_size = Some(rt.acc.mesh().model_parallel().world_size() as u64);
-        let mut epochs_trained = saved.global_step / plan.upe;
-        let skip_micro = ((saved.global_step % plan.upe) as usize) * plan.ga;
         if let Some(why) = already_ended(&saved, plan.max_steps) {
             // Training on would only move past where the original run stopped (and rotate its checkpoints).
             rt.acc.print(format!(
@@ -708,6 +734,7 @@ where
             ));
             epochs_trained = plan.num_epochs;
         } else {
+            self.note_layout_change(rt, plan, &saved);
             rt.acc.print(format!(
                 "Resuming from {} at global step {}: {epochs_trained} epoch(s) done, skipping the first \
                  {skip_micro} micro-batch(es) of epoch {}",
@@ -719,6 +746,67 @@ where
         Ok(StartPoint { epochs_trained, skip_micro, since_log })
     }
 
+    /// Says (once) that the checkpoint was written at another layout, and what of the run is not the same then.
+    fn note_layout_change(&self, rt: &Runtime<M, D>, plan: &StepPlan, saved: &TrainerState) {
+        let here = (plan.world as u64, plan.dp as u64, plan.ga as u64);
+        let there = (
+            saved.world_size.unwrap_or(here.0),
+            saved.data_parallel_size.unwrap_or(here.1),
+            saved.gradient_accumulation_steps.unwrap_or(here.2),
+        );
+        if here == there {
+            return;
+        }
+        let processes = |n: u64| if n == 1 { "1 process".to_string() } else { format!("{n} processes") };
+        let mut note = format!(
+            "The checkpoint was written by {} ({} data parallel, gradient_accumulation_steps {}), this run has {} ({} \
+             data parallel, gradient_accumulation_steps {}); the global batch is the same ({} samples per optimizer \
+             step), so its global step is the same place in the data",
+            processes(there.0),
+            there.1,
+            there.2,
+            processes(here.0),
+            here.1,
+            here.2,
+            plan.layout().global_batch()
+        );
+        if there.2 != here.2 {
+            // Another micro-batch of all processes (the global batch ÷ GA): the Accelerator addresses dropout masks
+            // by micro-step and row in it.
+            note.push_str(
+                ". The micro-batches are cut differently: a model with dropout draws other masks than the original run",
+            );
+        }
+        // even_batches pads each epoch's last micro-batch on several processes (Accelerate's rule; one process is
+        // not padded): the epoch's last step repeats other samples when the padding differs.
+        let global = plan.layout().global_batch();
+        let n = self.train_dataset.len() as u64;
+        let pads = rt.acc.config().even_batches && !self.args.dataloader_drop_last;
+        let padding = |dp: u64, ga: u64| {
+            let micro = global / ga.max(1);
+            if pads && dp > 1 && micro > 0 {
+                n.div_ceil(micro) * micro - n
+            } else {
+                0
+            }
+        };
+        let (padding_there, padding_here) = (padding(there.1, there.2), padding(here.1, here.2));
+        if padding_there != padding_here {
+            note.push_str(&format!(
+                ". The last step of each epoch trains on {padding_here} repeated sample(s) here, {padding_there} in the \
+                 original run (even_batches pads the epoch's last micro-batch on several processes; the data set is \
+                 not a multiple of it)"
+            ));
+        }
+        if !self.args.average_tokens_across_devices && there.1 != here.1 && !self.loss.items_fixed_per_row() {
+            note.push_str(
+                ". average_tokens_across_devices is false: each process normalises the loss by its own item count, so \
+                 the updates depend on how many processes share the batch",
+            );
+        }
+        rt.acc.print(note);
+    }
+
     /// Takes over a checkpoint's trainer state (step, history, best model, callbacks' states) and counts it and
     /// its recorded best as this run's own checkpoints.
     fn restore_state(&mut self, rt: &mut Runtime<M, D>, dir: &Path, saved: &TrainerState) -> Result<()> {
@@ -727,7 +815,6 @@ where
             self.own_checkpoints.insert(PathBuf::from(best));
         }
         self.state.stateful_callbacks = saved.stateful_callbacks.clone();
-        self.state.loss_tally = saved.loss_tally.clone();
         self.state.global_step = saved.global_step;
         self.state.epoch = saved.epoch;
         self.state.log_history = saved.log_history.clone();
@@ -1355,14 +1442,32 @@ struct StepPlan {
     ga: usize,
     /// Processes in the job.
     world: usize,
-    /// Data-parallel ranks (tensor-parallel peers train on the same batches).
+    /// Data-parallel ranks (tensor- and pipeline-parallel peers train on the same batches).
     dp: usize,
+    /// Samples of one micro-batch over all data-parallel ranks (the loader's global batch).
+    micro_global: usize,
+    /// The loader's `split_batches`.
+    split_batches: bool,
     /// Micro-batches per epoch on this process.
     loader_len: usize,
     /// Optimizer steps per epoch.
     upe: u64,
     max_steps: u64,
     num_epochs: u64,
+}
+
+impl StepPlan {
+    /// This run's layout, as a checkpoint is checked against it.
+    fn layout(&self) -> checkpoint::RunLayout {
+        checkpoint::RunLayout {
+            world_size: self.world,
+            data_parallel_size: self.dp,
+            per_device_batch: self.micro_global / self.dp.max(1),
+            gradient_accumulation_steps: self.ga,
+            steps_per_epoch: self.upe,
+            split_batches: self.split_batches,
+        }
+    }
 }
 
 /// Where training starts: epochs already done, micro-batches of the next epoch to skip, the restored loss tally

@@ -10,4 +10,5 @@ mod nd_equivalence;
 mod pipeline_gpt;
 mod pipeline_layouts;
 mod run_folders;
+mod sharded_faults;
 mod sharded_layouts;

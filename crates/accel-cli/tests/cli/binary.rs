@@ -49,11 +49,12 @@ fn interactive_config_with_piped_answers_round_trips() {
 fn interactive_config_with_a_pipeline_writes_a_file_launch_runs() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("cfg.yaml");
-    // cpu; 1 machine; 4 processes; tp 1; pp 2; Interleaved1F1B; 3 micro-batches (refused: 4 stages) then 6; no.
+    // cpu; 1 machine; 4 processes; tp 1; pp 2; dp_shard 1 (of the 2 data-parallel processes); Interleaved1F1B; 3
+    // micro-batches (refused: 4 stages) then 6; no.
     accel(dir.path())
         .args(["config", "--config-file"])
         .arg(&path)
-        .write_stdin("cpu\n1\n4\n1\n2\nInterleaved1F1B\n3\n6\nno\n")
+        .write_stdin("cpu\n1\n4\n1\n2\n\nInterleaved1F1B\n3\n6\nno\n")
         .assert()
         .success()
         .stdout(predicate::str::contains(
@@ -197,7 +198,7 @@ fn launch_prints_one_banner_naming_the_default_config_that_changed_the_run() {
 }
 
 #[test]
-fn a_pipeline_layout_is_launched_with_its_schedule_and_dp_shard_with_pp_is_refused_before_any_worker_starts() {
+fn a_pipeline_layout_is_launched_with_its_schedule_and_with_dp_shard() {
     // pp 2 × tp 2 on 4 processes with a schedule and micro-batches: every worker gets them.
     let dir = tempfile::tempdir().unwrap();
     let script = "echo \"started pp=$PARALLELISM_CONFIG_PP_SIZE tp=$PARALLELISM_CONFIG_TP_SIZE \
@@ -229,21 +230,14 @@ fn a_pipeline_layout_is_launched_with_its_schedule_and_dp_shard_with_pp_is_refus
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stdout).contains("[rank 1] started pp=2 tp=1 schedule= m="));
 
-    // dp_shard 2 × pp 2 on 4 processes: one message naming what runs (pp kept); no worker started.
+    // dp_shard 2 × pp 2 on 4 processes: every worker gets both (each stage sharded over its dp_shard ranks).
     let out = accel(dir.path())
         .args(["launch", "-n", "4", "--parallelism-config-dp-shard-size", "2", "--parallelism-config-pp-size", "2"])
-        .args(["sh", "-c", "echo started"])
+        .args(["sh", "-c", "echo \"started pp=$PARALLELISM_CONFIG_PP_SIZE shard=$PARALLELISM_CONFIG_DP_SHARD_SIZE\""])
         .output()
         .unwrap();
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert_eq!(out.status.code(), Some(1));
-    assert!(!stdout.contains("started"), "{stdout}");
-    assert_eq!(
-        stderr.trim(),
-        "accel: error: invalid configuration parallelism_config_dp_shard_size = \"2\": the Accelerator cannot \
-         combine sharded data parallelism with pipeline stages yet (dp_shard runs with dp_replicate and tp); on the \
-         same 4 processes set dp_shard_size 1 and dp_replicate_size 2 (dp_replicate 2 × dp_shard 1 × tp 1 × pp 2 runs)"
-    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("[rank 3] started pp=2 shard=2"));
     // Pipeline settings that do not fit: refused before any worker starts, naming the key and what fits.
     let out = accel(dir.path())
         .args(["launch", "-n", "2", "--parallelism-config-pp-size", "2", "--pipeline-parallel-microbatches", "1"])

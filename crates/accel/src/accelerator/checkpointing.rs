@@ -112,7 +112,12 @@ pub(crate) fn save_state(acc: &Accelerator, dir: Option<&Path>) -> Result<PathBu
     let partial = partial_dir(&final_dir);
 
     let prepared = if main { remove_if_exists(&partial).and_then(|()| create_dir(&partial)) } else { Ok(()) };
-    agree(acc, "preparing", &final_dir, prepared)?;
+    if let Err(e) = agree(acc, "preparing", &final_dir, prepared) {
+        if main {
+            let _ = remove_if_exists(&partial);
+        }
+        return Err(e);
+    }
 
     // Under tensor parallelism the full tensors are gathered by every tp rank (collective); rank 0 writes them.
     let full = FullState::collect(acc);
@@ -422,7 +427,10 @@ fn resolve_save_dir(acc: &Accelerator, dir: Option<&Path>) -> Result<(PathBuf, O
 fn agree(acc: &Accelerator, phase: &str, dir: &Path, local: Result<()>) -> Result<()> {
     if acc.world_size() > 1 {
         let mut failed = [i32::from(local.is_err())];
-        acc.process_group().all_reduce(&mut failed, ReduceOp::Max)?;
+        // A rank lost on the way fails the agreement itself: say which save and which phase it broke.
+        acc.process_group().all_reduce(&mut failed, ReduceOp::Max).map_err(|e| {
+            checkpoint_err(dir, format!("a rank was lost while {phase} the checkpoint, which is not committed: {e}"))
+        })?;
         local?;
         if failed[0] != 0 {
             return Err(checkpoint_err(dir, format!("another rank failed while {phase} the checkpoint (see its log)")));

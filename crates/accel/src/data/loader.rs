@@ -524,20 +524,34 @@ impl Stateful for LoaderStateHandle {
         let epoch: u64 = sd.meta_field("epoch")?;
         let batches_consumed: usize = sd.meta_field("batches_consumed")?;
         let layout: LoaderLayout = sd.meta_field("layout")?;
+        let (saved, here) = (&layout, &self.layout);
+        let same_data = (saved.dataset_len, saved.shuffle, saved.seed) == (here.dataset_len, here.shuffle, here.seed);
+        if same_data && saved.total_batch_size != here.total_batch_size {
+            // Another global batch (another per-process batch or data-parallel size): the position is a number of
+            // samples of the epoch's order, which is the same; it continues here if it is a whole number of this
+            // run's batches.
+            let samples = batches_consumed * saved.total_batch_size;
+            if samples.is_multiple_of(here.total_batch_size) && samples / here.total_batch_size <= here.num_batches {
+                let batches = samples / here.total_batch_size;
+                let mut st = lock(&self.state);
+                st.position = LoaderPosition { epoch, batches_consumed: batches };
+                st.pending_skip = Some(batches);
+                return Ok(());
+            }
+            return Err(AccelError::Data(format!(
+                "the saved data-loader position cannot continue here: it is {samples} samples into epoch {epoch} \
+                 ({batches_consumed} batches of {} samples), which is not a whole number of this run's batches of \
+                 {} samples (the per-process batch × the data-parallel size); use a global batch that divides \
+                 {samples}, e.g. the saved one",
+                saved.total_batch_size, here.total_batch_size
+            )));
+        }
         if layout != self.layout {
-            let (saved, here) = (&layout, &self.layout);
             // Name what differs; the global batch first (a change of data-parallel size changes it).
             let what = if saved.dataset_len != here.dataset_len {
                 format!(
                     "the data set had {} samples, this one has {}: resume with the same data set",
                     saved.dataset_len, here.dataset_len
-                )
-            } else if saved.total_batch_size != here.total_batch_size {
-                format!(
-                    "the global batch was {} samples per step, this run's is {} (the per-process batch × the \
-                     data-parallel size): keep the global batch, e.g. a per-process batch of {} ÷ the data-parallel \
-                     size",
-                    saved.total_batch_size, here.total_batch_size, saved.total_batch_size
                 )
             } else if (saved.shuffle, saved.seed) != (here.shuffle, here.seed) {
                 format!(

@@ -372,13 +372,17 @@ fn two_ranks_write_shared_files_once_and_one_rng_file_each() -> anyhow::Result<(
     });
     assert_eq!(restored, draws, "each rank gets its own RNG stream back, and the weights");
 
-    // One process resumes the two-process checkpoint (taken at an optimizer step) when it keeps the global batch
-    // (2 × 4 rows): the same weights, and an RNG derived from (seed, rank, optimizer step); with another global
-    // batch its loader refuses, naming the per-process batch that keeps it.
-    let err = load_err(&dir);
-    assert!(err.contains("the global batch was 8 samples per step, this run's is 4"), "{err}");
+    // One process resumes the two-process checkpoint (taken at an optimizer step): the same weights, the loader 24
+    // samples into the epoch (3 batches of 2 × 4 rows: 3 of 8 here, or 6 of 4), and an RNG derived from (seed,
+    // rank, optimizer step); a batch that does not divide the samples consumed is refused.
+    let err = setup_with_batch(single(AcceleratorConfig::default()), 9, 5)?.acc.load_state(Some(&dir)).unwrap_err();
+    assert!(err.to_string().contains("it is 24 samples into epoch 0"), "{err}");
+    let four = setup_with_batch(single(AcceleratorConfig::default()), 2, 4)?;
+    four.acc.load_state(Some(&dir))?;
+    assert_eq!(four.loader.state_handle().position().batches_consumed, 6);
     let one = setup_with_batch(single(AcceleratorConfig::default()), 2, 8)?;
     one.acc.load_state(Some(&dir))?;
+    assert_eq!(one.loader.state_handle().position().batches_consumed, 3);
     assert_eq!(bits(&one.prepared), draws[0].1);
     let mut derived = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(0);
     derived.set_stream(one.acc.step_counters().optimizer_steps << 20);

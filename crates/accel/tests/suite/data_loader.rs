@@ -223,14 +223,28 @@ fn position_state_resumes_mid_epoch_in_a_fresh_loader() {
     assert_eq!(fresh.epoch(), 2);
     assert_ne!(e0, e1_full);
 
-    // A loader with another layout refuses the position instead of yielding other batches.
-    let other = DataLoader::new(index_dataset(23), DataLoaderConfig::with_batch_size(5));
-    let err = other.state_handle().load_state_dict(&sd).unwrap_err().to_string();
+    // The position is 8 samples of epoch 1's order: a loader of batches of 2 (another per-process batch or
+    // data-parallel size) continues after the same samples, 4 of its batches in.
+    let halves = DataLoaderConfig { batch_size: 2, shuffle: true, seed: 5, ..DataLoaderConfig::default() };
+    let mut halves = DataLoader::new(index_dataset(23), halves);
+    halves.state_handle().load_state_dict(&sd).unwrap();
+    halves.set_epoch(1);
+    let rest: Vec<u32> = ids(&halves).concat();
+    assert_eq!(rest[..12], e1_full[2..5].concat()[..], "the same samples follow, in the same order");
+    // A batch of 5 does not divide the 8 samples consumed (nor does another data set or order continue): refused
+    // instead of yielding other samples.
+    let other = DataLoaderConfig { batch_size: 5, shuffle: true, seed: 5, ..DataLoaderConfig::default() };
+    let err = DataLoader::new(index_dataset(23), other).state_handle().load_state_dict(&sd).unwrap_err().to_string();
     assert!(
-        err.contains("cannot continue here")
-            && err.contains("the global batch was 4 samples per step, this run's is 5"),
+        err.contains(
+            "cannot continue here: it is 8 samples into epoch 1 (2 batches of 4 samples), which is not a \
+                      whole number of this run's batches of 5 samples"
+        ),
         "{err}"
     );
+    let other = DataLoader::new(index_dataset(23), DataLoaderConfig::with_batch_size(4));
+    let err = other.state_handle().load_state_dict(&sd).unwrap_err().to_string();
+    assert!(err.contains("the data order differs"), "{err}");
 }
 
 /// A data set that fails on one index, to check that errors come through the prefetch thread.

@@ -2,6 +2,7 @@
 
 mod common;
 mod grad_accumulation;
+mod layout_free_resume;
 mod resume;
 mod run_folders;
 mod safety;

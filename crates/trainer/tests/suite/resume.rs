@@ -1,6 +1,7 @@
 //! Exact resume: a run interrupted at various points (mid-epoch, at an epoch boundary, inside a gradient
 //! accumulation window, on 1 and 2 ranks) and resumed from its latest checkpoint ends with bit-identical
-//! parameters to an uninterrupted run; a checkpoint from another world size is refused.
+//! parameters to an uninterrupted run; a checkpoint with another global batch is refused (resuming at another
+//! layout with the same global batch: `layout_free_resume.rs`).
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -90,7 +91,7 @@ fn resume_is_bit_exact_inside_accumulation_windows() {
 }
 
 #[test]
-fn resume_is_bit_exact_on_two_ranks_and_refuses_another_world_size() {
+fn resume_is_bit_exact_on_two_ranks_and_refuses_another_global_batch() {
     let reference_dir = tempfile::tempdir().unwrap();
     let rd = reference_dir.path().to_path_buf();
     let reference = run_ranks(2, move |pg| run(&rd, 2, None, false, Some(pg)).unwrap());
@@ -107,10 +108,17 @@ fn resume_is_bit_exact_on_two_ranks_and_refuses_another_world_size() {
     assert_eq!(resumed[0], reference[0]);
     assert_eq!(resumed[1], reference[0]);
 
-    // The same checkpoints on one process: refused, naming both world sizes and the fix.
+    // The same checkpoints on one process with the same per-device batch: half the global batch, refused, naming
+    // both global batches and the per-device batch that keeps it.
     let mut a = args(dir.path(), 2);
     a.resume_from_checkpoint = Some("latest".into());
     let mut t = Trainer::new(a, Mlp::new, classification_data(90), None, losses::cross_entropy);
     let err = t.train().unwrap_err().to_string();
-    assert!(err.contains("2 processes") && err.contains("has 1"), "{err}");
+    assert!(
+        err.contains(
+            "was written with a global batch of 32 samples per optimizer step (8 per device × 2 data-parallel \
+             processes × GA 2); this run's is 16 (8 per device × 1 data-parallel process × GA 2)"
+        ) && err.contains("use --per-device-train-batch-size 16 on this layout"),
+        "{err}"
+    );
 }
