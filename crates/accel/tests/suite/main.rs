@@ -12,6 +12,7 @@ mod parallelism;
 mod pipeline;
 mod ranks;
 mod resume;
+mod sharded;
 mod tensor_parallel;
 mod tensorboard;
 mod trackers;
