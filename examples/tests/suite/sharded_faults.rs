@@ -14,11 +14,10 @@
 //! Method and tolerances: as `sharded_layouts` (the suite's fixed global batch, so every layout reads the same
 //! samples at each step; relative 1e-5 on the loss and the clipped norm, 1e-5 absolute on the weights).
 
-use super::nd_equivalence::{
-    assert_close, corpus, max_abs_diff, micro_batches, model_config, run_groups_with_timeout, SEED,
-};
+use super::nd_equivalence::{assert_close, corpus, max_abs_diff, micro_batches, model_config, run_groups_with_timeout};
+use super::sharded_layouts::{config_with, world, Layout};
 use accel::state::{StateDict, Stateful};
-use accel::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, ParallelismConfig, ShardingStrategy};
+use accel::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, ShardingStrategy};
 use accel_examples::gpt::CharGpt;
 use candle_core::{Device, Tensor};
 use candle_nn::VarMap;
@@ -29,9 +28,6 @@ use std::time::{Duration, Instant};
 
 /// The collective timeout of every run here: a survivor that only learnt of the death by it would take this long.
 const TIMEOUT: Duration = Duration::from_secs(5);
-
-/// `(dp_replicate, dp_shard, tp, gradient accumulation)`.
-type Layout = (usize, usize, usize, usize);
 
 /// The saving run's layout: FULL_SHARD over dp_shard 4.
 const SAVER: Layout = (1, 4, 1, 1);
@@ -44,20 +40,6 @@ const RESUMED_AT: [(Layout, ShardingStrategy); 5] = [
     ((2, 2, 1, 1), ShardingStrategy::FullShard),
     ((1, 1, 1, 1), ShardingStrategy::FullShard),
 ];
-
-fn config_with((replicate, shard, tp, ga): Layout, strategy: ShardingStrategy) -> AcceleratorConfig {
-    let mut cfg = AcceleratorConfig::default().with_seed(SEED).with_gradient_accumulation_steps(ga);
-    cfg.parallelism = ParallelismConfig::default()
-        .with_dp_replicate_size(replicate)
-        .with_dp_shard_size(shard)
-        .with_tp_size(tp)
-        .with_sharding_strategy(strategy);
-    cfg
-}
-
-fn world((replicate, shard, tp, _): Layout) -> usize {
-    replicate * shard * tp
-}
 
 /// `f` on the ranks of `layout` (threads; the collective timeout [`TIMEOUT`]), each with its Accelerator.
 fn on_ranks<R: Send + 'static>(

@@ -23,14 +23,14 @@ use std::sync::Arc;
 const STEPS: usize = 5;
 
 /// `(dp_replicate, dp_shard, tp, gradient accumulation)`.
-type Layout = (usize, usize, usize, usize);
+pub(super) type Layout = (usize, usize, usize, usize);
 
 /// The layout with the default sharding strategy (SHARD_GRAD_OP, ZeRO-2).
 fn config(layout: Layout) -> AcceleratorConfig {
     config_with(layout, ShardingStrategy::default())
 }
 
-fn config_with((replicate, shard, tp, ga): Layout, strategy: ShardingStrategy) -> AcceleratorConfig {
+pub(super) fn config_with((replicate, shard, tp, ga): Layout, strategy: ShardingStrategy) -> AcceleratorConfig {
     let mut cfg = AcceleratorConfig::default().with_seed(SEED).with_gradient_accumulation_steps(ga);
     cfg.parallelism = ParallelismConfig::default()
         .with_dp_replicate_size(replicate)
@@ -40,7 +40,7 @@ fn config_with((replicate, shard, tp, ga): Layout, strategy: ShardingStrategy) -
     cfg
 }
 
-fn world((replicate, shard, tp, _): Layout) -> usize {
+pub(super) fn world((replicate, shard, tp, _): Layout) -> usize {
     replicate * shard * tp
 }
 
@@ -53,6 +53,11 @@ struct Trained {
 }
 
 type Built = (CharGpt, accel::PreparedModel, accel::AcceleratedOptimizer<AdamW>);
+
+/// Bytes of the optimizer state this rank holds (its AdamW moments).
+fn optimizer_bytes(opt: &accel::AcceleratedOptimizer<AdamW>) -> anyhow::Result<usize> {
+    Ok(opt.optimizer().state_dict()?.tensors.values().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum())
+}
 
 /// The model drawn whole from `SEED`, prepared, and built for training from the prepared model's `param_builder()`
 /// (which FULL_SHARD needs; every layout trains the same way from it), with its optimizer.
@@ -94,8 +99,7 @@ fn train(acc: &Accelerator, ids: &[u32], vocab: usize) -> anyhow::Result<Trained
         losses.push(loss);
         grad_norms.push(norm);
     }
-    let optimizer_bytes =
-        built.2.optimizer().state_dict()?.tensors.values().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum();
+    let optimizer_bytes = optimizer_bytes(&built.2)?;
     Ok(Trained { losses, grad_norms, weights: built.1.state_dict()?, optimizer_bytes })
 }
 
@@ -573,8 +577,7 @@ fn train_prepared(acc: &Accelerator, ids: &[u32], vocab: usize, backward: Backwa
         losses.push(mean.to_scalar::<f64>()?);
         grad_norms.push(norm.expect("the window's last micro-batch syncs"));
     }
-    let optimizer_bytes =
-        opt.optimizer().state_dict()?.tensors.values().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum();
+    let optimizer_bytes = optimizer_bytes(&opt)?;
     Ok(Trained { losses, grad_norms, weights: model.state_dict()?, optimizer_bytes })
 }
 
@@ -799,8 +802,7 @@ fn train_pipelined(acc: &Accelerator, ids: &[u32], vocab: usize, tie: bool) -> a
             }
         }
     }
-    let optimizer_bytes =
-        opt.optimizer().state_dict()?.tensors.values().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum();
+    let optimizer_bytes = optimizer_bytes(&opt)?;
     Ok(Trained { losses, grad_norms, weights: model.state_dict()?, optimizer_bytes })
 }
 
