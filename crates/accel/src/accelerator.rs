@@ -178,13 +178,6 @@ impl Accelerator {
         if let Some(seed) = seed {
             acc.set_seed(seed, false);
         }
-        if acc.inner.config.activation_checkpointing && acc.inner.pipeline.is_some() && acc.is_main_process() {
-            tracing::warn!(
-                "activation checkpointing does not apply to pipeline stages yet (pp_size {}): the stages keep their \
-                 activations; it applies at pp_size 1",
-                acc.mesh().pp().world_size()
-            );
-        }
         Ok(acc)
     }
 
@@ -567,16 +560,12 @@ impl Accelerator {
             }
         };
         let (sync, factor) = self.inner.step.begin_pipeline_step();
-        let (grads, value) = pipeline.step(
-            model,
-            model_handle.parameters().to_vec(),
-            inputs,
-            targets,
-            loss_fn,
-            factor,
-            combine,
-            dropout,
-        )?;
+        // The stages' forwards are recorded (their checkpointed blocks recomputed in the backward) under activation
+        // checkpointing, and under FULL_SHARD, whose units must not keep their gathered weights.
+        let checkpointing = self.inner.config.activation_checkpointing || model_handle.is_fully_sharded();
+        let (grads, value) = crate::activation_checkpoint::with_activation_checkpointing(checkpointing, || {
+            pipeline.step(model, model_handle.parameters().to_vec(), inputs, targets, loss_fn, factor, combine, dropout)
+        })?;
         self.inner.step.add_pipeline_gradients(&model_handle, grads, sync)?;
         Ok(Tensor::new(value as f32, self.device())?)
     }

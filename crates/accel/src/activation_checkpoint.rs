@@ -7,9 +7,9 @@
 //! values, under the same dropout masks (the context of the forward is carried into it; masks are addressed, not
 //! drawn from a generator that moved on).
 //!
-//! Where it applies: forwards recorded for a segmented backward — `Accelerator::pipeline_backward` at pp 1, a loop
-//! using `backward_segments`, the Trainer. Elsewhere (evaluation, a plain `backward`, a pipeline stage's forward)
-//! [`block`] runs the block as it is.
+//! Where it applies: forwards recorded for a segmented backward — `Accelerator::pipeline_backward` (at pp 1 the
+//! whole forward, under pp each stage's forward in the pipeline executor), a loop using `backward_segments`, the
+//! Trainer. Elsewhere (evaluation, a plain `backward`) [`block`] runs the block as it is.
 
 use crate::tensor_parallel::{dropout_context, with_dropout_context};
 use candle_core::Tensor;

@@ -202,15 +202,39 @@ impl BackwardSegments {
     /// Errors: candle's; a cut whose leaf the loss does not depend on ([`DdpError::InvalidArgument`]: a cut on a
     /// tensor the rest of the forward pass did not use); `on_segment`'s.
     pub fn backward<E: From<DdpError>>(
-        mut self,
+        self,
         loss: &Tensor,
+        on_segment: impl FnMut(usize, GradStore) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        let store = loss.backward().map_err(DdpError::from)?;
+        self.backward_rest(store, on_segment)
+    }
+
+    /// [`BackwardSegments::backward`] of a forward pass whose output is not a loss: the backward pass starts at
+    /// `output` with `grad` as its incoming gradient ([`backward_from`]; a pipeline stage's forward, with the
+    /// gradient the next stage sent for its output), then goes segment by segment as `backward` does.
+    ///
+    /// Errors: [`backward_from`]'s; those of [`BackwardSegments::backward`].
+    pub fn backward_from<E: From<DdpError>>(
+        self,
+        output: &Tensor,
+        grad: &Tensor,
+        on_segment: impl FnMut(usize, GradStore) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        let store = backward_from(output, grad)?;
+        self.backward_rest(store, on_segment)
+    }
+
+    /// The segments' backward from `store`, the last segment's gradients.
+    fn backward_rest<E: From<DdpError>>(
+        mut self,
+        mut store: GradStore,
         mut on_segment: impl FnMut(usize, GradStore) -> std::result::Result<(), E>,
     ) -> std::result::Result<(), E> {
         let mut cuts = std::mem::take(&mut self.cuts);
         let total = cuts.len();
         // Gradients of the leaves, summed over the segments that used them.
         let mut pending: Vec<Option<Tensor>> = vec![None; total];
-        let mut store = loss.backward().map_err(DdpError::from)?;
         for k in 0.. {
             take_leaf_gradients(&cuts, &mut store, &mut pending).map_err(E::from)?;
             on_segment(k, store)?;

@@ -110,7 +110,7 @@ struct Args {
     #[arg(long, default_value_t = 0.0)]
     dropout: f64,
     /// Recompute each block's activations in the backward pass instead of keeping them (activation
-    /// checkpointing; pp 1 only: pipeline stages keep theirs).
+    /// checkpointing; under pp too, stage by stage).
     #[arg(long)]
     activation_checkpointing: bool,
     /// Tie the head's weight to the token embedding (GPT-2): one `wte.weight`, no `lm_head.weight`.

@@ -444,17 +444,22 @@ fn zero_2_reduce_scatters_each_backward_segment_and_trains_like_ddp() {
 
 /// Activation checkpointing (`AcceleratorConfig::activation_checkpointing`, the Trainer's
 /// `gradient_checkpointing`): every char-GPT block recomputed in the backward pass trains exactly as without it —
-/// the same losses, norms and weights bit for bit at 1 process, dp 2, tp 2 and dp_shard 2, with dropout on (the
-/// recomputed blocks draw the forward's masks) — through `pipeline_backward` (recorded, segmented backward).
+/// the same losses, norms and weights bit for bit at 1 process, dp 2, tp 2, dp_shard 2, pp 2 and dp_shard 2 × pp 2,
+/// with dropout on (the recomputed blocks draw the forward's masks) — through `pipeline_backward` (at pp 1 a
+/// recorded, segmented backward; under pp each stage's forward recorded and its backward segmented).
 #[test]
 fn activation_checkpointing_trains_bit_for_bit_like_keeping_the_activations() {
     let (ids, vocab) = corpus();
     let ids = Arc::new(ids);
-    let trained = |layout: Layout, checkpointing: bool| {
+    // `pp` pipeline stages (1F1B over 2 micro-batches) on top of the layout.
+    let trained = |layout: Layout, pp: usize, checkpointing: bool| {
         let i = ids.clone();
         let mut c = config(layout);
+        if pp > 1 {
+            c.parallelism = c.parallelism.with_pp_size(pp).with_pp_microbatches(2);
+        }
         c.activation_checkpointing = checkpointing;
-        run(world(layout), c, move |acc| {
+        run(world(layout) * pp, c, move |acc| {
             let recomputed_before = accel::activation_checkpoint::blocks_recomputed();
             let (values, weights) = train_segmented(&acc, &i, vocab, 0.1)?;
             let bits: Vec<u64> = values.iter().map(|v| v.to_bits()).collect();
@@ -466,15 +471,25 @@ fn activation_checkpointing_trains_bit_for_bit_like_keeping_the_activations() {
             Ok((bits, w, accel::activation_checkpoint::blocks_recomputed() - recomputed_before))
         })
     };
-    for layout in [(1, 1, 1, 1), (2, 1, 1, 1), (1, 1, 2, 1), (1, 2, 1, 2)] {
-        let (with, without) = (trained(layout, true), trained(layout, false));
+    for (layout, pp) in [
+        ((1, 1, 1, 1), 1),
+        ((2, 1, 1, 1), 1),
+        ((1, 1, 2, 1), 1),
+        ((1, 2, 1, 2), 1),
+        ((1, 1, 1, 1), 2),
+        ((1, 2, 1, 1), 2),
+    ] {
+        let (with, without) = (trained(layout, pp, true), trained(layout, pp, false));
         for (rank, (w, wo)) in with.iter().zip(&without).enumerate() {
-            // 2 blocks × every micro-step (3 steps × GA): the blocks really were checkpointed; off means off.
-            assert_eq!((w.2, wo.2), ((2 * 3 * layout.3) as u64, 0), "{layout:?} rank {rank}: blocks recomputed");
+            // Every block a rank holds (2 / pp) × every micro-step (3 steps × GA) × the pipeline's micro-batches
+            // (2 under pp): the blocks really were checkpointed; off means off.
+            let per_step = if pp > 1 { 2 / pp * 2 } else { 2 };
+            let want = (per_step * 3 * layout.3) as u64;
+            assert_eq!((w.2, wo.2), (want, 0), "{layout:?} × pp {pp} rank {rank}: blocks recomputed");
         }
         for (rank, (a, b)) in with.iter().zip(&without).enumerate() {
-            assert!(a.0 == b.0, "{layout:?} rank {rank}: losses and norms differ with checkpointing");
-            assert!(a.1 == b.1, "{layout:?} rank {rank}: weights differ with checkpointing");
+            assert!(a.0 == b.0, "{layout:?} × pp {pp} rank {rank}: losses and norms differ with checkpointing");
+            assert!(a.1 == b.1, "{layout:?} × pp {pp} rank {rank}: weights differ with checkpointing");
         }
     }
 }

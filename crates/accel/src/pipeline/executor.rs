@@ -21,6 +21,7 @@
 use super::links::PipelineLinks;
 use super::schedule::{Action, PipelineSchedule};
 use crate::{AccelError, Result};
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Shape, Tensor, Var};
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
@@ -100,6 +101,9 @@ struct Stash {
     input: Option<Var>,
     output: Tensor,
     loss: Option<Tensor>,
+    /// Under activation checkpointing: the cuts the stage's forward recorded (its checkpointed blocks are
+    /// recomputed by the backward).
+    segments: Option<ddp_core::segments::BackwardSegments>,
 }
 
 /// Runs this rank's actions of `schedule` (this rank: [`PipelineLinks::rank`]).
@@ -186,38 +190,62 @@ pub fn run_schedule(
                                 Some(Var::from_tensor(&t)?)
                             }
                         };
-                        let output = model.forward(stage, mb, input.as_ref().map(Var::as_tensor))?;
+                        let input_tensor = input.as_ref().map(Var::as_tensor);
+                        // Activation checkpointing: the forward recorded, so its checkpointed blocks keep no
+                        // activations (the backward recomputes them, segment by segment).
+                        let (output, segments) = if crate::activation_checkpoint::enabled() {
+                            let (o, cuts) = ddp_core::segments::record(|| model.forward(stage, mb, input_tensor))?;
+                            (o, Some(cuts))
+                        } else {
+                            (model.forward(stage, mb, input_tensor)?, None)
+                        };
                         let loss = if stage == last { Some(model.loss(mb, &output)?) } else { None };
                         if let Some(l) = &loss {
                             step.losses.push(l.to_dtype(DType::F64)?.to_scalar::<f64>()?);
                         }
-                        stash.insert((stage, mb), Stash { input, output, loss });
+                        stash.insert((stage, mb), Stash { input, output, loss, segments });
                         step.timeline.push((action, start, t0.elapsed().as_secs_f64()));
                     }
                     Action::Backward { .. } => {
                         let start = t0.elapsed().as_secs_f64();
-                        let s = stash.remove(&(stage, mb)).ok_or_else(|| missing(action))?;
-                        let store = match &s.loss {
-                            Some(loss) => loss.backward()?,
-                            None => {
-                                let grad = inbox
+                        let mut s = stash.remove(&(stage, mb)).ok_or_else(|| missing(action))?;
+                        let grad = match &s.loss {
+                            Some(_) => None,
+                            None => Some(
+                                inbox
                                     .remove(&Action::RecvGradient { stage, microbatch: mb })
-                                    .ok_or_else(|| missing(action))?;
-                                ddp_core::segments::backward_from(&s.output, &grad)?
-                            }
+                                    .ok_or_else(|| missing(action))?,
+                            ),
                         };
-                        for (slot, p) in step.gradients.iter_mut().zip(&params) {
-                            if let Some(g) = store.get(p.as_tensor()) {
-                                // Summed in fp32 whatever the compute dtype (as the step owner's slots).
-                                let g = g.to_dtype(DType::F32)?;
-                                *slot = Some(match slot.take() {
-                                    Some(acc) => (acc + g)?,
-                                    None => g,
-                                });
+                        // The gradients of the stage's parameters (summed into the step's, in fp32 whatever the
+                        // compute dtype, as the step owner's slots) and of its input, from one store or, under
+                        // activation checkpointing, from each segment's.
+                        let mut input_grad: Option<Tensor> = None;
+                        let mut absorb = |store: GradStore| -> Result<()> {
+                            for (slot, p) in step.gradients.iter_mut().zip(&params) {
+                                if let Some(g) = store.get(p.as_tensor()) {
+                                    add_into(slot, g.to_dtype(DType::F32)?)?;
+                                }
                             }
+                            if let Some(g) = s.input.as_ref().and_then(|i| store.get(i.as_tensor())) {
+                                add_into(&mut input_grad, g.clone())?;
+                            }
+                            Ok(())
+                        };
+                        match (s.segments.take(), &s.loss, &grad) {
+                            (None, Some(loss), _) => absorb(loss.backward()?)?,
+                            (None, None, Some(grad)) => absorb(ddp_core::segments::backward_from(&s.output, grad)?)?,
+                            (Some(cuts), Some(loss), _) => cuts.backward(loss, |_, store| absorb(store))?,
+                            (Some(cuts), None, Some(grad)) => {
+                                cuts.backward_from(&s.output, grad, |_, store| absorb(store))?
+                            }
+                            (_, None, None) => return Err(missing(action)),
                         }
                         if let Some(input) = &s.input {
-                            let g = store.get(input.as_tensor()).cloned().unwrap_or(input.zeros_like()?);
+                            let g = match input_grad {
+                                Some(g) => g,
+                                None => input.zeros_like()?,
+                            };
                             input_grads.insert((stage, mb), g);
                         }
                         step.timeline.push((action, start, t0.elapsed().as_secs_f64()));
@@ -251,6 +279,15 @@ pub fn run_schedule(
         sent?;
         Ok(step)
     })
+}
+
+/// Adds `g` to the sum in `slot`.
+fn add_into(slot: &mut Option<Tensor>, g: Tensor) -> candle_core::Result<()> {
+    *slot = Some(match slot.take() {
+        Some(acc) => (acc + g)?,
+        None => g,
+    });
+    Ok(())
 }
 
 /// A send or receive that failed (a dead or stuck peer: the backend names it and the collective), with the
