@@ -33,6 +33,7 @@
 
 mod accelerator;
 pub mod activation_checkpoint;
+pub mod auto_layout;
 pub mod config;
 pub mod config_errors;
 pub mod error;
