@@ -487,14 +487,28 @@ impl CharGpt {
             }
             None => input.clone(),
         };
-        for (held, layer) in self.blocks.iter().zip(self.layers.clone()) {
+        for (k, (held, layer)) in self.blocks.iter().zip(self.layers.clone()).enumerate() {
             let block = match held {
                 Held::Built(block) => block,
                 Held::Gathered(pb) => {
                     // FULL_SHARD: the block's weights are gathered inside the unit, so they live only while it
-                    // computes (and again while its backward does).
-                    let (pb, cfg) = (pb.clone(), self.cfg);
+                    // computes (and again while its backward does). The unit after it is prefetched while it
+                    // computes; when the backward recomputes it, the unit before it (the next to be recomputed).
+                    let gathered = |j: Option<usize>| match j.and_then(|j| self.blocks.get(j)) {
+                        Some(Held::Gathered(pb)) => Some(pb.clone()),
+                        _ => None,
+                    };
+                    if let Some(next) = gathered(Some(k + 1)) {
+                        next.prefetch()?;
+                    }
+                    let (pb, cfg, before) = (pb.clone(), self.cfg, gathered(k.checked_sub(1)));
+                    let recomputing = std::cell::Cell::new(false);
                     x = accel::activation_checkpoint::unit(&x, move |x| {
+                        if recomputing.replace(true) {
+                            if let Some(before) = &before {
+                                before.prefetch().map_err(to_candle)?;
+                            }
+                        }
                         Block::new(&pb, &cfg, layer).and_then(|b| b.forward(x)).map_err(to_candle)
                     })?;
                     continue;

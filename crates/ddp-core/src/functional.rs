@@ -204,6 +204,24 @@ pub fn gather_shards_with(chunk: &Tensor, pg: &ProcessGroup, how: ShardGradient)
     attach(chunk, whole, Backward::ReduceScatter { pg: pg.clone(), how })
 }
 
+/// [`gather_shards_with`] for a `whole` gathered beforehand (a prefetch: the all-gather of `chunk`'s values over
+/// `pg`'s ranks, `[world · c]`, done elsewhere — e.g. on a communication thread over a second communicator of the
+/// same ranks): attaches the backward (reduce-scatter over `pg`, as `how` says) to it.
+///
+/// Errors: `chunk` not 1-D, or `whole` not `world` times its length.
+pub fn attach_gathered_shards(chunk: &Tensor, whole: Tensor, pg: &ProcessGroup, how: ShardGradient) -> Result<Tensor> {
+    if chunk.rank() != 1 || whole.dims() != [chunk.dim(0)? * pg.world_size()] {
+        return Err(DdpError::InvalidArgument(format!(
+            "attach_gathered_shards: a gathered {:?} for a chunk of {:?} over {} ranks; pass the all-gather of \
+             that chunk",
+            whole.dims(),
+            chunk.dims(),
+            pg.world_size()
+        )));
+    }
+    attach(chunk, whole, Backward::ReduceScatter { pg: pg.clone(), how })
+}
+
 /// All-gather of `x` along `dim` (chunks in group-rank order), outside the autograd graph.
 fn all_gather_dim(pg: &ProcessGroup, x: &Tensor, dim: usize) -> Result<Tensor> {
     if dim == 0 {

@@ -643,12 +643,16 @@ fn full_shard_trains_like_ddp_with_parameters_resting_as_chunks() {
         let shard = acc.mesh().group(ddp_core::MeshDim::DpShard).clone();
         let (x, y) = &micro_batches(&acc, &i, 0)[0];
         // Gathers per micro-batch: a plain backward gathers each parameter once; a segmented one gathers each
-        // block's 16 parameters again for its backward (the unit recomputed), the 5 others once.
+        // block's 16 parameters again for its backward (the unit recomputed), the 5 others once; the next unit's
+        // are prefetched (FSDP's forward and backward prefetch).
         let gpt = CharGpt::new(model_config(vocab), &model.param_builder())?;
         let mut gathers = Vec::new();
         for segmented in [false, true] {
-            let (before, recomputed) =
-                (shard.traffic().all_gather.calls, accel::activation_checkpoint::blocks_recomputed());
+            let (before, prefetched, recomputed) = (
+                shard.traffic().all_gather.calls,
+                model.prefetched_gathers(),
+                accel::activation_checkpoint::blocks_recomputed(),
+            );
             if segmented {
                 let (loss, cuts) = accel::segments::record(|| gpt.loss(x, y))?;
                 acc.backward_segments(&loss, cuts)?;
@@ -657,6 +661,7 @@ fn full_shard_trains_like_ddp_with_parameters_resting_as_chunks() {
             }
             gathers.push((
                 shard.traffic().all_gather.calls - before,
+                model.prefetched_gathers() - prefetched,
                 accel::activation_checkpoint::blocks_recomputed() - recomputed,
             ));
         }
@@ -665,7 +670,14 @@ fn full_shard_trains_like_ddp_with_parameters_resting_as_chunks() {
     });
     for (rank, (elems, sharded, n, gathers)) in resting.into_iter().enumerate() {
         assert!(sharded && n == params, "rank {rank}: {n} parameters");
-        assert_eq!(gathers, vec![(5 + 2 * 16, 0), (5 + 2 * 2 * 16, 2)], "rank {rank}: (all-gathers, recomputed units)");
+        // (gathered when asked for, served by a prefetch, recomputed units). Plain backward: the 5 weights outside
+        // the units and block 0 gathered on the spot, block 1 prefetched while block 0 ran. Segmented: the same
+        // forward, then block 1 recomputed first (gathered on the spot; block 0 prefetched meanwhile) and block 0.
+        assert_eq!(
+            gathers,
+            vec![(5 + 16, 16, 0), (5 + 16 + 16, 16 + 16, 2)],
+            "rank {rank}: (gathered when asked, prefetched, recomputed units)"
+        );
         assert!(
             elems * 2 >= params && elems * 2 <= params + 2 * 40,
             "rank {rank}: the VarMap holds {elems} of {params}"

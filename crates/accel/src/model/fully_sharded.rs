@@ -11,7 +11,10 @@
 //! - **Units**: a block built inside `accel::activation_checkpoint::unit` keeps neither its gathered weights nor its
 //!   activations after its forward (checkpointed); the backward pass gathers and recomputes it, and its weights'
 //!   gradients are reduce-scattered before the backward moves to the unit before it — FSDP's reshard after
-//!   forward, its backward prefetch replaced by the recomputation's own gather.
+//!   forward.
+//! - **Prefetch** ([`Prefetcher`]): the model asks for the next unit's weights before running the current one
+//!   (`ParamBuilder::prefetch`; forward: the unit after, backward: the unit before), and a communication thread
+//!   gathers them over a second communicator meanwhile.
 //!
 //! So between steps a rank holds 1/dp_shard of the parameters, their gradients and their optimizer state; during a
 //! recorded (segmented) backward, the whole weights of one unit at a time plus those outside any unit (the
@@ -25,8 +28,11 @@ use super::PreparedModel;
 use crate::{AccelError, Result};
 use candle_core::Tensor;
 use ddp_core::functional::{BackwardGuard, ShardGradient};
+use ddp_core::ProcessGroup;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::{mpsc, Mutex};
 
 /// Counts the optimizer steps a FULL_SHARD model took, so a gathered weight knows whether it is still current.
 #[derive(Debug, Default)]
@@ -69,7 +75,122 @@ impl PreparedModel {
         let chunk = self.inner.optimized[i].as_tensor();
         let (hook, ranks) = self.inner.shard_reduction;
         let how = ShardGradient { guard: Some(guard), hook, fp16_divisor: ranks as f64 };
-        let whole = ddp_core::functional::gather_shards_with(chunk, group, how)?;
+        let prefetched = self.inner.prefetcher.as_ref().and_then(|p| p.take(i));
+        let whole = match prefetched {
+            Some(whole) => ddp_core::functional::attach_gathered_shards(chunk, whole?, group, how)?,
+            None => ddp_core::functional::gather_shards_with(chunk, group, how)?,
+        };
         Ok(chunks[i].unslice(&whole, &self.inner.local_dims[i])?.to_dtype(dtype)?)
+    }
+
+    /// Starts gathering the weights named `prefix.…` (a unit the forward or the backward runs next) on the
+    /// prefetch thread; nothing unless FULL_SHARD.
+    pub(super) fn prefetch_prefix(&self, prefix: &str) -> Result<()> {
+        let Some(prefetcher) = &self.inner.prefetcher else { return Ok(()) };
+        let dotted = format!("{prefix}.");
+        let chunks: Vec<(usize, &Tensor)> = (0..self.inner.names.len())
+            .filter(|&i| self.inner.names[i].starts_with(&dotted))
+            .map(|i| (i, self.inner.optimized[i].as_tensor()))
+            .collect();
+        prefetcher.prefetch(chunks)
+    }
+}
+
+/// FULL_SHARD's prefetch (FSDP's `forward_prefetch` and `backward_prefetch = BACKWARD_PRE`): the whole weights of
+/// the unit that runs next are all-gathered while the current one computes — on one communication thread, over a
+/// second communicator of the dp_shard ranks, so its collectives never interleave with the calling thread's (every
+/// rank issues the same prefetches in the same order: the model's code is the same). A weight asked for before its
+/// prefetch finished waits for it; one never prefetched is gathered on the spot. Prefetches left unused when the
+/// optimizer steps are dropped (their values would be stale).
+pub(crate) struct Prefetcher {
+    jobs: Mutex<Option<mpsc::Sender<Job>>>,
+    /// Parameter index → where its gathered whole arrives.
+    ready: Mutex<HashMap<usize, mpsc::Receiver<Gathered>>>,
+    worker: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Gathers served by a prefetch.
+    hits: AtomicU64,
+}
+
+/// A gathered whole `[world · chunk]`, or why the gather failed.
+type Gathered = ddp_core::Result<Tensor>;
+
+/// One prefetch: each chunk (copied when it was asked for) and where its gathered whole goes.
+type Job = Vec<(Tensor, mpsc::Sender<Gathered>)>;
+
+impl std::fmt::Debug for Prefetcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prefetcher").field("hits", &self.hits.load(Ordering::Relaxed)).finish()
+    }
+}
+
+impl Prefetcher {
+    /// A prefetcher whose thread all-gathers over `group` (the dp_shard ranks' second communicator).
+    pub(crate) fn new(group: ProcessGroup) -> Self {
+        let (tx, rx) = mpsc::channel::<Job>();
+        let worker = std::thread::Builder::new()
+            .name("accel-fsdp-prefetch".into())
+            .spawn(move || {
+                for job in rx {
+                    for (chunk, reply) in job {
+                        // A reply nobody waits for any more (dropped at an optimizer step) is fine to lose.
+                        let _ = reply.send(group.all_gather_tensor(&chunk));
+                    }
+                }
+            })
+            .expect("spawning the FULL_SHARD prefetch thread");
+        Prefetcher {
+            jobs: Mutex::new(Some(tx)),
+            ready: Mutex::default(),
+            worker: Mutex::new(Some(worker)),
+            hits: AtomicU64::new(0),
+        }
+    }
+
+    /// Starts gathering `chunks` (parameter index, this rank's chunk) unless already under way; the values are
+    /// copied now.
+    pub(crate) fn prefetch(&self, chunks: Vec<(usize, &Tensor)>) -> Result<()> {
+        let mut ready = crate::lock(&self.ready);
+        let mut job = Vec::new();
+        for (i, chunk) in chunks {
+            if ready.contains_key(&i) {
+                continue;
+            }
+            let (tx, rx) = mpsc::channel();
+            job.push((chunk.copy()?, tx));
+            ready.insert(i, rx);
+        }
+        if !job.is_empty() {
+            if let Some(jobs) = crate::lock(&self.jobs).as_ref() {
+                let _ = jobs.send(job);
+            }
+        }
+        Ok(())
+    }
+
+    /// The prefetched whole of parameter `i` (`[world · chunk]`), waiting for it; `None` when it was not prefetched.
+    pub(crate) fn take(&self, i: usize) -> Option<Gathered> {
+        let rx = crate::lock(&self.ready).remove(&i)?;
+        self.hits.fetch_add(1, Ordering::Relaxed);
+        Some(rx.recv().unwrap_or_else(|_| {
+            Err(ddp_core::DdpError::InvalidArgument("FULL_SHARD prefetch: the prefetch thread is gone".into()))
+        }))
+    }
+
+    /// Forgets prefetches not used (at an optimizer step: their values are stale now).
+    pub(crate) fn clear(&self) {
+        crate::lock(&self.ready).clear();
+    }
+
+    pub(crate) fn hits(&self) -> u64 {
+        self.hits.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for Prefetcher {
+    fn drop(&mut self) {
+        crate::lock(&self.jobs).take(); // the thread's queue closes: it ends after the gathers under way
+        if let Some(worker) = crate::lock(&self.worker).take() {
+            let _ = worker.join();
+        }
     }
 }

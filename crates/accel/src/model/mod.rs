@@ -70,6 +70,8 @@ struct ModelInner {
     masters_sharded: bool,
     /// FULL_SHARD's gradient compression and the data-parallel ranks it averages over (dp_shard × dp_replicate).
     shard_reduction: (ddp_core::CommHook, usize),
+    /// FULL_SHARD: the gathers of the next unit's weights, run ahead on a communication thread.
+    prefetcher: Option<fully_sharded::Prefetcher>,
     /// Optimizer steps taken, for FULL_SHARD's check that no gathered weight outlives a step.
     generation: Arc<fully_sharded::Generation>,
     /// The tensor-parallel group the sharded parameters are split over.
@@ -217,6 +219,14 @@ impl PreparedModel {
             (params, masters, has_masters)
         };
         let masters_sharded = sharding.is_some() && (full_shard || has_masters);
+        // FULL_SHARD's prefetch thread talks over its own communicator of the dp_shard ranks (collective here).
+        let prefetcher = match full_shard {
+            true => {
+                let group = shard_group.split(Some(0), shard_group.rank())?.expect("every dp_shard rank joins");
+                Some(fully_sharded::Prefetcher::new(group))
+            }
+            false => None,
+        };
         // The data-parallel strategy: DDP, or sharded over dp_shard (sharded.rs); under pp wrapped by the stage's
         // (norm and overflow over every stage, tied weights).
         let data: Box<dyn GradientStrategy> = match &sharding {
@@ -257,6 +267,7 @@ impl PreparedModel {
                 fully_sharded: full_shard.then_some(compute_dtype),
                 masters_sharded,
                 shard_reduction: (ddp.comm_hook, mesh.dp().world_size()),
+                prefetcher,
                 generation: Arc::default(),
                 tp: tp.clone(),
                 find_unused_parameters: ddp.find_unused_parameters,
@@ -303,6 +314,11 @@ impl PreparedModel {
     pub fn param_builder(&self) -> crate::ParamBuilder {
         let dtype = self.inner.fully_sharded.unwrap_or_else(|| self.inner.params[0].dtype());
         crate::ParamBuilder::lookup(Arc::new(self.clone()), &self.inner.tp, dtype, self.inner.params[0].device())
+    }
+
+    /// FULL_SHARD: how many weight gathers a prefetch served (the rest were gathered when asked for).
+    pub fn prefetched_gathers(&self) -> u64 {
+        self.inner.prefetcher.as_ref().map_or(0, |p| p.hits())
     }
 
     /// Whether the parameters rest as dp_shard chunks between uses (FULL_SHARD).
@@ -587,6 +603,9 @@ impl PreparedModel {
             g.strategy.after_optimizer_step(&optimized, &whole)?;
         }
         self.inner.generation.advance();
+        if let Some(p) = &self.inner.prefetcher {
+            p.clear();
+        }
         self.copy_masters_to_params()
     }
 }
@@ -619,5 +638,9 @@ impl crate::tensor_parallel::ParamSource for PreparedModel {
 
     fn gathers(&self) -> bool {
         self.is_fully_sharded()
+    }
+
+    fn prefetch(&self, prefix: &str) -> Result<()> {
+        self.prefetch_prefix(prefix)
     }
 }

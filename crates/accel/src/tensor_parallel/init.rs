@@ -65,6 +65,8 @@ pub(crate) trait ParamSource: Send + Sync {
     fn get(&self, full_name: &str) -> Result<Tensor>;
     /// Whether [`ParamSource::get`] gathers (FULL_SHARD): a model then builds its units inside their forward.
     fn gathers(&self) -> bool;
+    /// Starts gathering the parameters under `prefix` ahead of their use (FULL_SHARD's prefetch).
+    fn prefetch(&self, prefix: &str) -> Result<()>;
 }
 
 impl ParamBuilder {
@@ -92,6 +94,18 @@ impl ParamBuilder {
     /// its backward.
     pub fn gathers(&self) -> bool {
         self.lookup.as_ref().is_some_and(|l| l.gathers())
+    }
+
+    /// FULL_SHARD's prefetch: starts gathering every parameter under this builder's prefix (a unit the model runs
+    /// next) on a communication thread, so that building the unit finds them gathered. Nothing for any other
+    /// builder. Every rank must prefetch the same units in the same order (the same model code does).
+    ///
+    /// Errors: a copy of the chunks failing.
+    pub fn prefetch(&self) -> Result<()> {
+        match &self.lookup {
+            Some(source) if source.gathers() => source.prefetch(&self.path.join(".")),
+            _ => Ok(()),
+        }
     }
 
     /// A builder whose parameter names get `name.` in front (like `VarBuilder::pp`).
