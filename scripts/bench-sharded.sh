@@ -46,7 +46,7 @@ for n in 2 4; do
             | sed -E 's/.*rank ([0-9]+) .*peak RSS ([0-9.]+) MiB.*/\1 \2/' | sort -n \
             | awk '{printf "%s%s", sep, $2; sep=" / "}')
         held=$(grep -m1 -E 'rank 0: parameters' "$log" \
-            | sed -E 's/.*parameters ([0-9.]+) MiB, gradients ([0-9.]+) MiB, optimizer state ([0-9.]+) MiB.*/\1 \/ \2 \/ \3/')
+            | sed -E 's/.*parameters ([0-9.]+) MiB, gradients when it steps ([0-9.]+) MiB, optimizer state ([0-9.]+) MiB.*/\1 \/ \2 \/ \3/')
         traffic=$(grep -m1 'data-parallel traffic per optimizer step' "$log")
         payload=$(sed -E 's/.*: ([0-9]+) B of payload.*/\1/' <<<"$traffic")
         ring=$(sed -E 's/.*payload, ([0-9]+) B sent.*/\1/' <<<"$traffic")

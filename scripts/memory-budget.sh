@@ -4,12 +4,15 @@
 # each process in its own memory cgroup capped at BUDGET MiB. Every run is measured, not computed: its peak RSS
 # per rank (VmHWM, printed by accel_gpt), its final loss, and whether the kernel killed it at the cap.
 #
-#   sudo scripts/memory-budget.sh [--budget MIB] [--steps N] [--stages "SHARD_GRAD_OP FULL_SHARD"]
+#   sudo -E env "PATH=$PATH" scripts/memory-budget.sh [--budget MIB (350)] [--steps N (6)]
+#        [--stages "SHARD_GRAD_OP FULL_SHARD"]
+#
+# (sudo with the caller's PATH and CARGO_TARGET_DIR, so cargo and the build are found.)
 #
 # Runs, each under the same per-process cap:
 #   1 process, no sharding, 8 sequences per step  (expected: killed — params, grads, 2 AdamW moments do not fit)
 #   4 processes × 2 sequences, dp_shard 4, each of --stages   (FULL_SHARD expected to fit)
-# and, without a cap, the 1-process run once more for its uncapped peak and its final loss (the sharded runs see
+# and first, without a cap, the 1-process run for its uncapped peak and its final loss (the sharded runs see
 # the same global batch of 8 sequences, so they end at the same loss). The model: d_model 512, 8 layers, 8 heads,
 # d_ff 2048 (25.3 M parameters, 101 MB in f32), context 64.
 #
@@ -17,7 +20,8 @@
 # its own cgroup through this script's `--join DIR MIB -- CMD…` mode before exec'ing the trainer, so the cap is
 # per process, not per job. Builds with the dev profile, as the README does. Never run by CI.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+self=$(realpath "$0") # re-invoked by each rank (--join), after the cd below
+cd "$(dirname "$self")/.."
 
 if [[ ${1:-} == --join ]]; then
     dir="$2"/rank"${RANK:?--join runs under a launcher that sets RANK}"
@@ -43,7 +47,7 @@ while [[ $# -gt 0 ]]; do
         --budget) budget="$2"; shift 2 ;;
         --steps) steps="$2"; shift 2 ;;
         --stages) stages="$2"; shift 2 ;;
-        -h | --help) sed -n 2,19p "$0"; exit 0 ;;
+        -h | --help) sed -n '2,/^set -euo/p' "$self" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -80,7 +84,7 @@ run() {
     local log rc=0
     log=$(mktemp)
     local batch=$((8 / n))
-    "$accel" launch -n "$n" "$@" "$0" --join "$root/$label" "$budget" -- "$gpt" "${model[@]}" --batch-size "$batch" \
+    "$accel" launch -n "$n" "$@" "$self" --join "$root/$label" "$budget" -- "$gpt" "${model[@]}" --batch-size "$batch" \
         >"$log" 2>&1 || rc=$?
     local peaks loss
     peaks=$(grep -o 'peak RSS [0-9.]* MiB' "$log" | awk '{print $3}' | paste -sd/ - || true)

@@ -616,11 +616,25 @@ fn check_received(model: &PreparedModel, received: &[bool]) -> Result<()> {
     }
     let missing: Vec<String> =
         received.iter().zip(model.names()).filter(|(r, _)| !**r).map(|(_, n)| n.clone()).collect();
+    missing_gradients(model, missing)
+}
+
+/// The unused-parameter error for `missing` (none: Ok) — or, when no parameter of a FULL_SHARD model got one, what
+/// that means: the forward used weights built before `prepare_model` sharded them.
+fn missing_gradients(model: &PreparedModel, missing: Vec<String>) -> Result<()> {
     if missing.is_empty() {
-        Ok(())
-    } else {
-        Err(ddp_core::DdpError::UnusedParameters { names: missing }.into())
+        return Ok(());
     }
+    if model.is_fully_sharded() && missing.len() == model.names().len() {
+        return Err(AccelError::Usage(
+            "FULL_SHARD: no parameter of the prepared model got a gradient — the forward pass used weights built \
+             before prepare_model replaced them with this rank's chunks; build the model for training from \
+             model.param_builder() after prepare_model (it gathers the weights at each use). A model built from a \
+             candle VarBuilder cannot: use SHARD_GRAD_OP (the Trainer's fsdp \"shard_grad_op\") for it"
+                .into(),
+        ));
+    }
+    Err(ddp_core::DdpError::UnusedParameters { names: missing }.into())
 }
 
 /// Adds one micro-batch's gradients of `model`'s parameters (as fp32) to its slots. The unused-parameter check
@@ -646,18 +660,7 @@ fn add_gradients(g: &mut Gradients, model: &PreparedModel, mut micro: Vec<Option
         .filter(|(grad, _)| grad.is_none() && !model.find_unused_parameters())
         .map(|(_, n)| n.clone())
         .collect();
-    if !missing.is_empty() {
-        if model.is_fully_sharded() && missing.len() == micro.len() {
-            // The usual cause: the model computed with weights it built before prepare_model sharded them.
-            return Err(AccelError::Usage(
-                "FULL_SHARD: no parameter of the prepared model got a gradient — the forward pass used weights \
-                 built before prepare_model replaced them with this rank's chunks; build the model for training \
-                 from model.param_builder() after prepare_model (it gathers the weights at each use)"
-                    .into(),
-            ));
-        }
-        return Err(ddp_core::DdpError::UnusedParameters { names: missing }.into());
-    }
+    missing_gradients(model, missing)?;
     model.reduce_micro_batch(&mut micro)?;
     for (i, grad) in micro.into_iter().enumerate() {
         if let Some(grad) = grad {

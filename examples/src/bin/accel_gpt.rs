@@ -288,8 +288,15 @@ fn train(args: &Args) -> anyhow::Result<()> {
     let tp_traffic_at_run_start = acc.mesh().tp().traffic();
     let mut tp_traffic_at_start = tp_traffic_at_run_start;
     // The data-parallel groups' collectives (the gradient reduction, ZeRO's reduce-scatter and all-gathers).
+    // Each with its size; FULL_SHARD's prefetch thread gathers over a communicator of its own (dp_shard ranks).
     let dp_groups = data_parallel_groups(&acc);
-    let dp_traffic = || dp_groups.iter().map(|g| g.traffic()).collect::<Vec<_>>();
+    let shard_size = acc.parallelism_config().dp_shard_size;
+    let dp_traffic = || {
+        let mut all: Vec<(ddp_core::TrafficStats, usize)> =
+            dp_groups.iter().map(|g| (g.traffic(), g.world_size())).collect();
+        all.extend(prepared.prefetch_traffic().map(|t| (t, shard_size)));
+        all
+    };
     let mut dp_traffic_at_start = dp_traffic();
     // What this rank holds for the model when it steps (the last step's): its gradient slots.
     let mut gradient_bytes: usize;
@@ -401,13 +408,13 @@ fn train(args: &Args) -> anyhow::Result<()> {
         };
         let window = if measured.is_some_and(|(_, s0)| step > s0) { dp_traffic_at_start.clone() } else { Vec::new() };
         let (mut payload, mut ring) = (0u64, 0u64);
-        for (k, g) in dp_groups.iter().enumerate() {
+        for (k, (now, size)) in dp_traffic().into_iter().enumerate() {
             let t = match window.get(k) {
-                Some(w) => g.traffic() - *w,
-                None => g.traffic(),
+                Some((w, _)) => now - *w,
+                None => now,
             };
             payload += t.total_bytes();
-            ring += t.ring_bytes(g.world_size());
+            ring += t.ring_bytes(size);
         }
         let n = dp as f64;
         acc.print(format!(
@@ -419,8 +426,9 @@ fn train(args: &Args) -> anyhow::Result<()> {
             (ring / steps) as f64 / (psi as f64 * (n - 1.0) / n)
         ));
     }
-    // What this rank holds between steps, measured: its parameters (the prepared Vars, and the fp32 masters under
-    // mixed precision), the gradients it stepped with, and its optimizer state.
+    // What this rank holds, measured: its parameters (the prepared Vars, and the fp32 masters under mixed
+    // precision), its gradients when it steps (reduced: chunks at every sharded stage, ZeRO-1 included; between
+    // micro-batches ZeRO-1 holds them whole), and its optimizer state.
     let param_bytes: usize = prepared.parameters().iter().map(|v| tensor_bytes(v.as_tensor())).sum::<usize>()
         + match acc.mixed_precision() {
             MixedPrecision::No => 0,
@@ -429,7 +437,7 @@ fn train(args: &Args) -> anyhow::Result<()> {
     let optimizer_bytes: usize =
         accel::Optimizer::state_dict(&*opt.optimizer())?.tensors.values().map(tensor_bytes).sum();
     println!(
-        "rank {}: parameters {:.1} MiB, gradients {:.1} MiB, optimizer state {:.1} MiB",
+        "rank {}: parameters {:.1} MiB, gradients when it steps {:.1} MiB, optimizer state {:.1} MiB",
         acc.rank(),
         param_bytes as f64 / MIB,
         gradient_bytes as f64 / MIB,

@@ -253,7 +253,8 @@ fn check_layout(acc: &Accelerator, dir: &Path, meta: &CheckpointMeta) -> Result<
     // A rank plays the same part when the pp, data-parallel (dp_replicate × dp_shard) and tp sizes are the same:
     // trading dp_replicate for dp_shard changes no rank's role.
     let roles = |m: [usize; 4]| [m[0], m[1] * m[2], m[3]];
-    if roles(saved_mesh) != roles(mesh_sizes(acc)) {
+    // (At another process count the warning above already says how the RNG is handled.)
+    if meta.world_size == acc.world_size() && roles(saved_mesh) != roles(mesh_sizes(acc)) {
         // Weights and optimizer states are full tensors and load into any layout; what is per rank is not.
         // Once (the main process), and what it means: weights, optimizer state and the data position are
         // layout-free (the loader refuses a position whose global batch differs); only the per-rank RNG is not.

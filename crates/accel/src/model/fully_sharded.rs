@@ -109,6 +109,8 @@ pub(crate) struct Prefetcher {
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Gathers served by a prefetch.
     hits: AtomicU64,
+    /// The communicator the thread gathers over (its traffic counters).
+    group: ProcessGroup,
 }
 
 /// A gathered whole `[world · chunk]`, or why the gather failed.
@@ -126,6 +128,7 @@ impl std::fmt::Debug for Prefetcher {
 impl Prefetcher {
     /// A prefetcher whose thread all-gathers over `group` (the dp_shard ranks' second communicator).
     pub(crate) fn new(group: ProcessGroup) -> Self {
+        let counted = group.clone();
         let (tx, rx) = mpsc::channel::<Job>();
         let worker = std::thread::Builder::new()
             .name("accel-fsdp-prefetch".into())
@@ -143,6 +146,7 @@ impl Prefetcher {
             ready: Mutex::default(),
             worker: Mutex::new(Some(worker)),
             hits: AtomicU64::new(0),
+            group: counted,
         }
     }
 
@@ -183,6 +187,11 @@ impl Prefetcher {
 
     pub(crate) fn hits(&self) -> u64 {
         self.hits.load(Ordering::Relaxed)
+    }
+
+    /// The collectives the prefetch thread ran (calls and payload bytes).
+    pub(crate) fn traffic(&self) -> ddp_core::TrafficStats {
+        self.group.traffic()
     }
 }
 

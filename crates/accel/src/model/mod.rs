@@ -321,6 +321,12 @@ impl PreparedModel {
         self.inner.prefetcher.as_ref().map_or(0, |p| p.hits())
     }
 
+    /// FULL_SHARD: the collectives the prefetch thread ran over its own communicator of the dp_shard ranks (not in
+    /// the mesh's groups' counters); `None` otherwise.
+    pub fn prefetch_traffic(&self) -> Option<ddp_core::TrafficStats> {
+        self.inner.prefetcher.as_ref().map(|p| p.traffic())
+    }
+
     /// Whether the parameters rest as dp_shard chunks between uses (FULL_SHARD).
     pub fn is_fully_sharded(&self) -> bool {
         self.inner.fully_sharded.is_some()

@@ -269,7 +269,7 @@ impl SourceBackend {
                 "param_builder: `{name}` requested through a candle VarBuilder from a FULL_SHARD model: a candle layer \
                  keeps the weights it is built with, which would go stale after the first optimizer step; build \
                  the model's parts from the ParamBuilder inside the forward that uses them (as CharGpt does), or \
-                 use SHARD_GRAD_OP"
+                 use SHARD_GRAD_OP (the Trainer's fsdp \"shard_grad_op\")"
             )));
         }
         Ok(())

@@ -51,6 +51,13 @@ impl LayoutArgs {
         accel_examples::check_layout(nproc, &layout)?;
         let (n, _) = accel_examples::job_size(nproc);
         let p = accel_examples::effective_layout(n, &layout)?;
+        if let (Some(s), 1) = (self.sharding_strategy, p.dp_shard_size) {
+            anyhow::bail!(
+                "--sharding-strategy {s} applies to sharded data parallelism, and no process shards: add \
+                 --dp-shard-size (the data-parallel processes that shard; {} here), or drop the flag",
+                n / (p.tp_size * p.pp_size).max(1)
+            );
+        }
         if p.pp_size <= 1 {
             let first = !ddp_core::launcher::is_worker()
                 || matches!(ddp_core::env::DistEnv::detect_from_env(), Ok(Some(env)) if env.rank == 0);
