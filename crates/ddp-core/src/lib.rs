@@ -15,6 +15,7 @@
 //!   step, like DDP's all-reduce; Rajbhandari et al. 2020, ZeRO §5.1). [`zero::FlatChunk`] and
 //!   [`zero::FlatShards`] are the sharding primitives (chunking, rank-major reduce-scatter with hooks and HSDP,
 //!   all-gather) the Accelerator's ZeRO stages use too.
+//! - [`probe`]: measure a group's link (ping-pong, all-reduce) and fit it to the α–β model (`α + n/β`).
 //! - [`launcher`]: spawn N workers with torchrun's environment and fail fast when one dies.
 //!
 //! The computation these collectives serve — fused training ops, the optimizers, the state-dict format — is
@@ -49,6 +50,7 @@ pub mod mpirun;
 #[cfg(feature = "nccl")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
 pub mod nccl;
+pub mod probe;
 pub mod process_group;
 pub mod sampler;
 pub mod segments;

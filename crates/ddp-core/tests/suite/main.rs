@@ -16,6 +16,7 @@ mod multiprocess;
 mod nccl_unavailable;
 mod overlap;
 mod p2p_shm;
+mod probe;
 mod sampler;
 mod segments;
 mod store;
