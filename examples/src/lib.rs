@@ -282,8 +282,7 @@ pub fn check_layout(nproc: usize, layout: &ModelLayout) -> anyhow::Result<()> {
 pub fn effective_layout(world: usize, layout: &ModelLayout) -> anyhow::Result<accel::ParallelismConfig> {
     use accel::parallelism::{DP_SHARD_SIZE_ENV, PP_MICROBATCHES_ENV, PP_SCHEDULE_ENV, PP_SIZE_ENV, TP_SIZE_ENV};
     let set = |var: &str| std::env::var(var).ok();
-    let launcher_set = [TP_SIZE_ENV, PP_SIZE_ENV, DP_SHARD_SIZE_ENV, accel::parallelism::SHARDING_STRATEGY_ENV];
-    if launcher_set.iter().all(|v| set(v).is_none()) {
+    if !launcher_set_layout() {
         return Ok(layout.config(world));
     }
     let launched = accel::ParallelismConfig::from_env()?;
@@ -319,6 +318,13 @@ pub fn effective_layout(world: usize, layout: &ModelLayout) -> anyhow::Result<ac
     Ok(launched)
 }
 
+/// Whether a launcher set the model layout for this worker (`PARALLELISM_CONFIG_TP_SIZE`, `_PP_SIZE`,
+/// `_DP_SHARD_SIZE` or `FSDP_SHARDING_STRATEGY`): then its settings win over the flags.
+fn launcher_set_layout() -> bool {
+    use accel::parallelism::{DP_SHARD_SIZE_ENV, PP_SIZE_ENV, SHARDING_STRATEGY_ENV, TP_SIZE_ENV};
+    [TP_SIZE_ENV, PP_SIZE_ENV, DP_SHARD_SIZE_ENV, SHARDING_STRATEGY_ENV].iter().any(|v| std::env::var(v).is_ok())
+}
+
 /// The number of processes the layout is checked against: the job's `WORLD_SIZE` in a worker of a launched job
 /// (`accel launch`, where `--nproc` is ignored), else `--nproc`; and how to name it.
 pub fn job_size(nproc: usize) -> (usize, &'static str) {
@@ -336,11 +342,7 @@ pub fn apply_layout(layout: &ModelLayout) -> anyhow::Result<()> {
         Ok(Some(env)) => env.world_size,
         _ => 1,
     };
-    let launcher_set = [accel::parallelism::TP_SIZE_ENV, accel::parallelism::PP_SIZE_ENV]
-        .into_iter()
-        .chain([accel::parallelism::DP_SHARD_SIZE_ENV, accel::parallelism::SHARDING_STRATEGY_ENV])
-        .any(|v| std::env::var(v).is_ok());
-    if launcher_set {
+    if launcher_set_layout() {
         effective_layout(world, layout)?; // the launcher's wins; a disagreeing flag is an error
         return Ok(());
     }

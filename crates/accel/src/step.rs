@@ -639,9 +639,9 @@ fn missing_gradients(model: &PreparedModel, missing: Vec<String>) -> Result<()> 
 
 /// Adds one micro-batch's gradients of `model`'s parameters (as fp32) to its slots. The unused-parameter check
 /// happens here, once per micro-batch: a parameter without a gradient is an error unless
-/// `find_unused_parameters`, where its slot stays `None` for the reduction to resolve across ranks. Each gradient is
-/// taken out of `store` as it is added, so a micro-batch's gradients and the window's sums never all coexist:
-/// accumulation costs one parameter's worth of transient memory, not a model's.
+/// `find_unused_parameters`, where its slot stays `None` for the reduction to resolve across ranks. The gradients are
+/// moved out of `store` (no copy) and each is dropped once added, so accumulation costs one parameter's worth of
+/// transient memory beyond what the backward pass produced.
 fn add_micro_batch(g: &mut Gradients, model: &PreparedModel, store: &mut GradStore) -> Result<()> {
     // A new window after a step / zero_grad that did not happen (e.g. a sync without an optimizer): start clean.
     if g.synced {

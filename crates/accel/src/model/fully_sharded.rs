@@ -54,11 +54,12 @@ impl PreparedModel {
     /// `comm_hook` says, with the same arithmetic as ZeRO-2's reduce-scatter: the sync step then averages as for
     /// it), checked not to be stale there.
     pub(super) fn gathered(&self, i: usize, dtype: candle_core::DType) -> Result<Tensor> {
-        let (group, chunks) = self
+        let (group, shards) = self
             .inner
             .sharding
             .as_ref()
             .ok_or_else(|| AccelError::Usage("gathered: the model is not fully sharded".into()))?;
+        let chunks = shards.chunks();
         let (name, gathered_at, generation) =
             (self.inner.names[i].clone(), self.inner.generation.current(), self.inner.generation.clone());
         let guard: BackwardGuard = Arc::new(move || {

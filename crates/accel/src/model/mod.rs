@@ -20,7 +20,8 @@ mod strategy;
 #[cfg(test)]
 mod tests;
 
-use sharded::{FlatChunk, GradientChunks, ShardedDataParallel};
+use ddp_core::zero::FlatShards;
+use sharded::{GradientChunks, ShardedDataParallel};
 use stages::{full_shape, Gather, Stages};
 #[cfg(test)]
 use strategy::AddSegment;
@@ -56,7 +57,7 @@ struct ModelInner {
     /// What the optimizer steps: the very `masters`, or under sharded data parallelism this rank's chunks of
     /// them (fp32, 1-D), with how each parameter is cut and the dp_shard group.
     optimized: Vec<Var>,
-    sharding: Option<(ProcessGroup, Vec<FlatChunk>)>,
+    sharding: Option<(ProcessGroup, FlatShards)>,
     /// Each parameter's layout over `tp` (in `names` order).
     layouts: Vec<ParamLayout>,
     /// Each parameter's shape on this rank (its tp piece) — what the model computes with; under FULL_SHARD the
@@ -186,14 +187,13 @@ impl PreparedModel {
             None
         };
         let sharding = sharded_stage.then(|| {
-            let chunks: Vec<FlatChunk> =
-                masters.iter().map(|m| FlatChunk::of(m.elem_count(), shard_group.world_size())).collect();
-            (shard_group.clone(), chunks)
+            let numels: Vec<usize> = masters.iter().map(|m| m.elem_count()).collect();
+            (shard_group.clone(), FlatShards::new(&numels, shard_group.world_size()))
         });
         let optimized: Vec<Var> = match &sharding {
-            Some((g, chunks)) => masters
+            Some((g, shards)) => masters
                 .iter()
-                .zip(chunks)
+                .zip(shards.chunks())
                 .map(|(m, c)| Ok(Var::from_tensor(&c.slice(m.as_tensor(), g.rank())?)?))
                 .collect::<Result<_>>()?,
             None => masters.clone(),
@@ -230,11 +230,11 @@ impl PreparedModel {
         // The data-parallel strategy: DDP, or sharded over dp_shard (sharded.rs); under pp wrapped by the stage's
         // (norm and overflow over every stage, tied weights).
         let data: Box<dyn GradientStrategy> = match &sharding {
-            Some((g, chunks)) => Box::new(ShardedDataParallel::new(
+            Some((g, shards)) => Box::new(ShardedDataParallel::new(
                 g.clone(),
                 mesh.group(MeshDim::DpReplicate).clone(),
                 mesh.model_parallel().clone(),
-                ddp_core::zero::FlatShards::new(&chunks.iter().map(|c| c.numel).collect::<Vec<_>>(), g.world_size()),
+                shards.clone(),
                 device.clone(),
                 ddp.comm_hook,
                 if full_shard {
@@ -336,7 +336,8 @@ impl PreparedModel {
     /// chunks (FULL_SHARD; ZeRO-1/2 under mixed precision) its chunks all-gathered (collective over dp_shard).
     fn local_master(&self, i: usize) -> Result<Tensor> {
         match (&self.inner.sharding, self.inner.masters_sharded) {
-            (Some((g, chunks)), true) => {
+            (Some((g, shards)), true) => {
+                let chunks = shards.chunks();
                 let all = g.all_gather_tensor(&self.inner.optimized[i].as_tensor().detach())?;
                 Ok(chunks[i].unslice(&all, &self.inner.local_dims[i])?)
             }
@@ -407,7 +408,8 @@ impl PreparedModel {
         let tp = &self.inner.tp;
         // Sharded: each buffer is this rank's chunk; all-gathered over dp_shard into the whole (tp-local) shape.
         let sd = match &self.inner.sharding {
-            Some((g, chunks)) => accel_nn::optim::map_param_tensors(sd, |i, t| -> Result<Tensor> {
+            Some((g, shards)) => accel_nn::optim::map_param_tensors(sd, |i, t| -> Result<Tensor> {
+                let chunks = shards.chunks();
                 self.layout_of(i)?; // names a parameter the model does not have
                 let all = g.all_gather_tensor(&t.to_dtype(DType::F32)?)?;
                 Ok(chunks[i].unslice(&all, &self.inner.local_dims[i])?)
@@ -431,9 +433,9 @@ impl PreparedModel {
         let (rank, size) = (self.inner.tp.rank(), self.inner.tp.size());
         let sd = accel_nn::optim::map_param_tensors(sd, |i, t| self.layout_of(i)?.slice(&t, rank, size))?;
         match &self.inner.sharding {
-            Some((g, chunks)) => {
-                accel_nn::optim::map_param_tensors(sd, |i, t| -> Result<Tensor> { Ok(chunks[i].slice(&t, g.rank())?) })
-            }
+            Some((g, shards)) => accel_nn::optim::map_param_tensors(sd, |i, t| -> Result<Tensor> {
+                Ok(shards.chunks()[i].slice(&t, g.rank())?)
+            }),
             None => Ok(sd),
         }
     }
@@ -485,7 +487,8 @@ impl PreparedModel {
             full.push(Some(t.to_device(self.inner.masters[i].device())?.to_dtype(DType::F32)?));
         }
         let local = self.local_tensors(full)?;
-        if let Some((g, chunks)) = &self.inner.sharding {
+        if let Some((g, shards)) = &self.inner.sharding {
+            let chunks = shards.chunks();
             // This rank's chunks (what the optimizer steps), and the whole parameters unless FULL_SHARD's rest as
             // the chunks themselves.
             for (i, t) in local.into_iter().enumerate() {

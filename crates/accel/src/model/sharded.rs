@@ -26,7 +26,9 @@
 //! sums reduced, rather than reduced sums of micro-batches): equal without accumulation, within fp32 rounding with
 //! it.
 //!
-//! What neither stage does (FULL_SHARD / ZeRO-3): parameters rest whole between steps.
+//! **FULL_SHARD** ([`GradientChunks::ReducedInBackward`]): the parameters themselves are the chunks
+//! (`fully_sharded.rs`); the backward pass of each gathered use reduce-scatters its gradient, so the slots hold
+//! chunk sums as under ZeRO-2, and nothing is all-gathered after the optimizer step.
 
 use super::strategy::GradientStrategy;
 use crate::tensor_parallel::ParamLayout;
@@ -43,7 +45,7 @@ use ddp_core::{CommHook, ProcessGroup, ReduceOp};
 pub(crate) struct ShardedDataParallel {
     shard: ProcessGroup,
     replicate: ProcessGroup,
-    /// The mesh's model-parallel group (tp; pp is refused with sharding): norms and overflow.
+    /// The mesh's model-parallel group (pp × tp): norms and overflow.
     model_parallel: ProcessGroup,
     /// How every parameter is cut over dp_shard.
     layout: FlatShards,
