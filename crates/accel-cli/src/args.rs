@@ -146,6 +146,13 @@ pub struct LaunchArgs {
     /// Accelerate's debug mode for the workers (ACCELERATE_DEBUG_MODE=true: collective checks).
     #[arg(long)]
     pub debug: bool,
+    /// `auto`: the workers' Accelerator chooses every parallel size the other flags and the config file leave open
+    /// — dp_replicate × dp_shard × tp × pp, the sharding strategy, the pipeline schedule and micro-batches — at
+    /// start-up, from the program's model description, each process's memory (or ACCEL_AUTO_LAYOUT_MEMORY) and
+    /// the links it measures (PARALLELISM_CONFIG_*_SIZE=auto; accel::auto_layout). Sizes given by
+    /// --parallelism-config-* stay fixed.
+    #[arg(long, value_name = "auto", value_parser = ["auto"])]
+    pub parallelism: Option<String>,
     /// Data-parallel replicas (PARALLELISM_CONFIG_DP_REPLICATE_SIZE; overrides the config file's
     /// `parallelism_config` block). With every size 1 (the default) the job is data parallel over all processes.
     #[arg(long, alias = "parallelism_config_dp_replicate_size", value_name = "N",

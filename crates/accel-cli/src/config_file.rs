@@ -615,13 +615,18 @@ fn check_value(key: &str, value: &serde_json::Value) -> Result<(), String> {
                             "pipeline_parallel_microbatches" | "pipeline_parallel_virtual_stages" => {
                                 v.is_null() || whole(v, 1)
                             }
-                            _ => whole(v, 1),
+                            "parallelism_config_cp_size" => whole(v, 1),
+                            // Any other key is a size: a number, or `auto` (chosen at start-up).
+                            _ => whole(v, 1) || v.as_str().is_some_and(|s| s.trim().eq_ignore_ascii_case("auto")),
                         };
                         if !ok {
                             let what = match k.as_str() {
                                 "pipeline_parallel_schedule" => format!("one of {}", ScheduleKind::CHOICES),
                                 "parallelism_config_cp_comm_strategy" => "a string".to_string(),
-                                _ => "a whole number ≥ 1".to_string(),
+                                "parallelism_config_cp_size"
+                                | "pipeline_parallel_microbatches"
+                                | "pipeline_parallel_virtual_stages" => "a whole number ≥ 1".to_string(),
+                                _ => "a whole number ≥ 1 or `auto` (chosen at start-up)".to_string(),
                             };
                             return Err(format!("{what} for `{k}`, got {}", describe(v)));
                         }
@@ -1093,6 +1098,13 @@ mod tests {
                     pipeline_parallel_size: 1\n";
         let c = AccelerateConfig::parse(text, Path::new("x.yaml")).unwrap().config;
         assert_eq!(c.parallelism_config, Some(ParallelismConfig::data_parallel(2).with_tp_size(4)));
+        // `auto` for a size: chosen at start-up (accel::auto_layout), written back as `auto`.
+        let text = "num_processes: 4\nparallelism_config:\n  parallelism_config_tp_size: auto\n  \
+                    parallelism_config_pp_size: 1\n";
+        let p = AccelerateConfig::parse(text, Path::new("x.yaml")).unwrap().config.parallelism_config.unwrap();
+        assert_eq!(p.fixed_sizes(), [Some(1), Some(1), None, Some(1)]);
+        let yaml = AccelerateConfig { parallelism_config: Some(p), ..AccelerateConfig::default() }.to_yaml().unwrap();
+        assert!(yaml.contains("parallelism_config_tp_size: auto"), "{yaml}");
         // A key and its alias together are one setting given twice.
         let text = "parallelism_config:\n  tensor_parallel_size: 4\n  parallelism_config_tp_size: 2\n";
         let e = AccelerateConfig::parse(text, Path::new("x.yaml")).unwrap_err().to_string();
@@ -1102,8 +1114,8 @@ mod tests {
             .to_string();
         assert!(
             e.ends_with(
-                "line 1, column 1: parallelism_config: expected a whole number ≥ 1 for `tensor_parallel_size`, \
-                 got `0`"
+                "line 1, column 1: parallelism_config: expected a whole number ≥ 1 or `auto` (chosen at start-up) \
+                 for `tensor_parallel_size`, got `0`"
             ),
             "{e}"
         );

@@ -471,6 +471,23 @@ fn rdzv_warning(flags: &LaunchArgs, file: Option<&AccelerateConfig>) -> Option<S
 /// Refuses, before any worker starts, a layout that does not fit `num_processes` and pipeline settings that do not
 /// fit pp: one message saying what would run, instead of every rank failing with it.
 fn check_parallelism(p: &ParallelismConfig, num_processes: usize) -> CliResult<()> {
+    if p.is_auto() {
+        // The workers choose the open sizes; the fixed ones must leave a whole number of processes to them.
+        p.validate_sizes()?;
+        let fixed: usize = p.fixed_sizes().iter().flatten().product();
+        if !num_processes.is_multiple_of(fixed) {
+            return Err(accel::AccelError::Config {
+                key: "parallelism_config".into(),
+                value: p.to_string(),
+                reason: format!(
+                    "the fixed sizes multiply to {fixed}, which does not divide the {num_processes} processes; \
+                     leave more sizes to auto or launch a multiple of {fixed} processes"
+                ),
+            }
+            .into());
+        }
+        return Ok(());
+    }
     p.resolve(num_processes)?;
     Ok(())
 }
@@ -498,6 +515,7 @@ fn parallelism_flags_given(flags: &LaunchArgs) -> bool {
     ]
     .iter()
     .any(Option::is_some)
+        || flags.parallelism.is_some()
         || flags.pipeline_parallel_schedule.is_some()
         || flags.fsdp_sharding_strategy.is_some()
 }
@@ -603,6 +621,12 @@ fn layout_from_flags(flags: &LaunchArgs, file: Option<&ParallelismConfig>) -> Pa
         flags.parallelism_config_cp_size,
     ];
     let mut p = file.cloned().unwrap_or_default();
+    if flags.parallelism.is_some() {
+        // `--parallelism auto`: every size the flags below do not fix is chosen by the workers.
+        let auto = ParallelismConfig::auto();
+        (p.dp_replicate_size, p.dp_shard_size, p.tp_size, p.pp_size) =
+            (auto.dp_replicate_size, auto.dp_shard_size, auto.tp_size, auto.pp_size);
+    }
     for (flag, slot) in given.into_iter().zip([
         &mut p.dp_replicate_size,
         &mut p.dp_shard_size,
@@ -760,6 +784,31 @@ mod tests {
         assert_eq!((p.mixed_precision, p.gradient_accumulation_steps), (MixedPrecision::Fp16, Some(2)));
         let cfg = p.to_launch_config();
         assert_eq!((cfg.nproc_per_node, cfg.nnodes, cfg.node_rank, cfg.master_port), (3, 2, 0, 7100));
+    }
+
+    #[test]
+    fn parallelism_auto_leaves_the_open_sizes_to_the_workers() {
+        let auto = LaunchArgs { num_processes: Some(4), parallelism: Some("auto".into()), ..flags("p") };
+        let p = LaunchPlan::resolve(&auto, None).unwrap();
+        let env = p.worker_env();
+        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        for var in [
+            "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",
+            "PARALLELISM_CONFIG_DP_SHARD_SIZE",
+            "PARALLELISM_CONFIG_TP_SIZE",
+            "PARALLELISM_CONFIG_PP_SIZE",
+        ] {
+            assert_eq!(get(var), Some("auto"), "{var}");
+        }
+        let back = accel::AcceleratorConfig::from_lookup(|k| get(k).map(str::to_string)).unwrap();
+        assert_eq!(back.parallelism, accel::ParallelismConfig::auto());
+        // A size given by its flag stays fixed; one that cannot divide the processes is refused before launch.
+        let tp2 = LaunchArgs { parallelism_config_tp_size: Some(2), ..auto.clone() };
+        let p = LaunchPlan::resolve(&tp2, None).unwrap().parallelism.unwrap();
+        assert_eq!(p.fixed_sizes(), [None, None, Some(2), None]);
+        let tp3 = LaunchArgs { parallelism_config_tp_size: Some(3), ..auto };
+        let e = LaunchPlan::resolve(&tp3, None).unwrap_err().to_string();
+        assert!(e.contains("the fixed sizes multiply to 3, which does not divide the 4 processes"), "{e}");
     }
 
     #[test]

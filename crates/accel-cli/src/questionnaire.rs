@@ -173,9 +173,22 @@ fn ask_parallelism(
     num_processes: usize,
     per_machine: usize,
 ) -> CliResult<Option<ParallelismConfig>> {
-    let tp = q.ask("Tensor-parallel size (tp: processes that split each layer; 1 = off)?", Some("1"), |s| {
-        dividing("tp", s, num_processes)
-    })?;
+    let tp = q.ask(
+        "Tensor-parallel size (tp: processes that split each layer; 1 = off; auto = choose for me: every size, the \
+         sharding and the schedule at start-up, from the model and the measured machines)?",
+        Some("1"),
+        |s| match s.trim().eq_ignore_ascii_case("auto") {
+            true => Ok(None),
+            false => dividing("tp", s, num_processes).map(Some),
+        },
+    )?;
+    let Some(tp) = tp else {
+        q.say(
+            "  auto: the program describes its model (AcceleratorConfig::auto_layout, as accel_gpt does); set \
+             ACCEL_AUTO_LAYOUT_MEMORY to plan for less memory than each process has\n",
+        )?;
+        return Ok(Some(ParallelismConfig::auto()));
+    };
     if tp > per_machine {
         q.say(&format!(
             "  warning: tp {tp} is more than the {per_machine} processes of a machine: every layer will talk across \
@@ -422,6 +435,16 @@ mod tests {
     fn too_many_invalid_answers_is_an_error() {
         let (r, _) = run("x\nx\nx\nx\nx\nx\n", 0);
         assert!(r.unwrap_err().to_string().contains("5 invalid answers"));
+    }
+
+    #[test]
+    fn auto_at_the_tp_question_chooses_every_size_at_start_up() {
+        // cpu; 1 machine; 4 processes; auto (no further layout question); no mixed precision.
+        let (cfg, out) = run("cpu\n1\n4\nauto\nno\n", 0);
+        let cfg = cfg.unwrap();
+        assert_eq!(cfg.parallelism_config, Some(ParallelismConfig::auto()), "{out}");
+        assert!(out.contains("auto = choose for me") && out.contains("ACCEL_AUTO_LAYOUT_MEMORY"), "{out}");
+        assert!(cfg.to_yaml().unwrap().contains("parallelism_config_tp_size: auto"));
     }
 
     #[test]

@@ -44,7 +44,10 @@ pub struct Accelerator {
 
 /// Everything behind an [`Accelerator`]; one owner per piece of state.
 struct Inner {
+    /// The config as run: with the automatic layout's settings when it chose them.
     config: AcceleratorConfig,
+    /// What the automatic layout measured and chose, when a size was `auto`.
+    auto_layout: Option<crate::auto_layout::AutoLayoutDecision>,
     pg: ProcessGroup,
     /// `config.parallelism` resolved for this job's world size (every size 1 → dp_replicate = world size).
     parallelism: ParallelismConfig,
@@ -135,10 +138,11 @@ impl Accelerator {
     /// world size ([`ParallelismConfig::resolve`]), the device, backend failures building the mesh.
     pub fn with_process_group(cfg: AcceleratorConfig, pg: ProcessGroup) -> Result<Self> {
         cfg.validate()?;
+        let device = pick_device(&cfg, pg.local_rank())?;
+        let (cfg, auto_layout) = choose_auto_layout(cfg, &pg, &device)?;
         // Every rank has the same config, so these errors are raised by all ranks before any collective.
         let parallelism = cfg.parallelism.resolve(pg.world_size())?;
         let shape = parallelism.mesh_shape(pg.world_size())?;
-        let device = pick_device(&cfg, pg.local_rank())?;
         let mesh = DeviceMesh::new(&pg, shape)?;
         let tp = TensorParallel::new(mesh.tp().clone());
         let pipeline = match mesh.pp().world_size() {
@@ -164,6 +168,7 @@ impl Accelerator {
                 _autocast: autocast,
                 step: Arc::new(StepController::new(cfg.gradient_accumulation_steps, scaler)),
                 config: cfg,
+                auto_layout,
                 pg,
                 parallelism,
                 mesh,
@@ -246,7 +251,48 @@ impl Accelerator {
         self.inner.mesh.dp().world_size()
     }
 
-    /// The configuration this Accelerator was built with.
+    /// What the automatic layout measured and chose (`Display`: the printed explanation), when a size of the
+    /// config was `auto`; `None` otherwise. The program reads its batch from it: [`crate::auto_layout::Layout::
+    /// per_process_batch`] rows per training step (micro-batches of [`crate::auto_layout::Layout::
+    /// micro_batch_size`]); the sizes, sharding, schedule, accumulation and checkpointing are already the config's.
+    pub fn auto_layout(&self) -> Option<&crate::auto_layout::AutoLayoutDecision> {
+        self.inner.auto_layout.as_ref()
+    }
+
+    /// `request` completed with this Accelerator's settings (the sizes its config fixes, its precision and
+    /// device, checkpointing when on): what its automatic layout chose for, and what [`Self::predict_layout`]
+    /// costs.
+    pub fn completed_auto_layout_request(
+        &self,
+        request: &crate::auto_layout::AutoLayoutRequest,
+    ) -> crate::auto_layout::AutoLayoutRequest {
+        completed_auto_layout_request(&self.inner.config, &self.inner.device, request)
+    }
+
+    /// The cost model's prediction (memory per rank, time per optimizer step) for the layout this Accelerator runs,
+    /// with micro-batches of `micro_batch_size` sequences, on the machines as a start-up probe measures them now.
+    /// Collective over the job (the probe). `accel_gpt --predict` prints it beside what it measures.
+    pub fn predict_layout(
+        &self,
+        request: &crate::auto_layout::AutoLayoutRequest,
+        micro_batch_size: usize,
+    ) -> Result<(crate::auto_layout::ClusterProbe, crate::auto_layout::Candidate)> {
+        let cfg = &self.inner.config;
+        let layout = crate::auto_layout::Layout::of_config(
+            &self.inner.parallelism,
+            cfg.gradient_accumulation_steps,
+            micro_batch_size,
+            cfg.activation_checkpointing,
+        );
+        crate::auto_layout::predict(
+            &self.inner.pg,
+            &self.inner.device,
+            &self.completed_auto_layout_request(request),
+            &layout,
+        )
+    }
+
+    /// The configuration this Accelerator runs with (the automatic layout's settings in it when it chose them).
     pub fn config(&self) -> &AcceleratorConfig {
         &self.inner.config
     }
@@ -450,12 +496,16 @@ impl Accelerator {
     /// The stages of a model of `n_layers` blocks this rank holds: without pipeline parallelism one stage with
     /// every block; with pp > 1 the stages `r, r + pp, …` of the `pp × virtual stages` the schedule runs (one per
     /// rank except for interleaved 1F1B), the blocks spread evenly (the remainder to the middle stages first) or
-    /// as `layers_per_stage` lists them (torchtitan's `pipeline_parallel_layers_per_stage`; 0 allowed). Build
+    /// as `layers_per_stage` lists them (torchtitan's `pipeline_parallel_layers_per_stage`; 0 allowed; `None`
+    /// under an automatic layout that split the blocks unevenly: its split). Build
     /// only these stages' parameters, with [`Accelerator::param_builder`] (the single-process names, so every
     /// layout starts from the same weights and saves the same `model.safetensors`).
     ///
     /// Errors ([`AccelError::Config`]): more stages than blocks, a list whose length or sum does not fit.
     pub fn pipeline_stages(&self, n_layers: usize, layers_per_stage: Option<&[usize]>) -> Result<Vec<Stage>> {
+        // The automatic layout's split (fewer blocks where memory is smaller) when the program gives none.
+        let chosen = self.auto_layout().and_then(|d| d.layout().layers_per_stage.clone());
+        let layers_per_stage = layers_per_stage.or(chosen.as_deref());
         match &self.inner.pipeline {
             Some(p) => p.stages(n_layers, layers_per_stage),
             None => {
@@ -589,6 +639,13 @@ impl Accelerator {
     /// print ([`crate::pipeline::PipelineSchedule::to_csv`]) or simulate.
     pub fn pipeline_schedule(&self) -> Option<&crate::pipeline::PipelineSchedule> {
         self.inner.pipeline.as_ref().map(PipelineRuntime::schedule)
+    }
+
+    /// This rank's measured time in the pipeline's training steps so far (`None` without pipeline
+    /// parallelism): [`crate::pipeline::PipelineTiming::bubble`] is the measured bubble, to set beside the
+    /// schedule's `(p − 1)/(m + p − 1)`.
+    pub fn pipeline_timing(&self) -> Option<crate::pipeline::PipelineTiming> {
+        self.inner.pipeline.as_ref().map(PipelineRuntime::timing)
     }
 
     /// Runs one micro-step (forward + `backward`) in `f`, Accelerate's `with accelerator.accumulate(model)`:
@@ -976,6 +1033,67 @@ fn joins_a_job(layout: Option<&ddp_core::DistEnv>) -> bool {
 }
 
 /// The CPU when asked for (or when CUDA is not built in), else CUDA device `local_rank`.
+/// When a parallel size is `auto`: probes the machines, chooses the layout for the program's request, prints the
+/// decision on rank 0, and returns the config with the chosen settings (collective over `pg`). Otherwise `cfg`
+/// as it is.
+fn choose_auto_layout(
+    cfg: AcceleratorConfig,
+    pg: &ProcessGroup,
+    device: &Device,
+) -> Result<(AcceleratorConfig, Option<crate::auto_layout::AutoLayoutDecision>)> {
+    if !cfg.parallelism.is_auto() {
+        return Ok((cfg, None));
+    }
+    let Some(request) = &cfg.auto_layout else {
+        return Err(AccelError::Config {
+            key: "parallelism_config".into(),
+            value: cfg.parallelism.to_string(),
+            reason: "some sizes are `auto`, and the program did not describe its model for the automatic layout: \
+                     set AcceleratorConfig::auto_layout (an accel::auto_layout::AutoLayoutRequest: the model's \
+                     shape and the global batch), or set every size"
+                .into(),
+        });
+    };
+    let request = completed_auto_layout_request(&cfg, device, request);
+    let decision = crate::auto_layout::decide(pg, device, &request)?;
+    if pg.rank() == 0 {
+        println!("{decision}");
+    }
+    // The chosen sizes, sharding, schedule and micro-batches (the config's cp settings kept), accumulation steps
+    // and checkpointing.
+    let layout = decision.layout();
+    let mut out = cfg.clone();
+    let mut p = layout.parallelism_config();
+    p.cp_size = cfg.parallelism.cp_size;
+    p.cp_comm_strategy = cfg.parallelism.cp_comm_strategy.clone();
+    out.parallelism = p;
+    out.gradient_accumulation_steps = layout.accumulation_steps;
+    out.activation_checkpointing = layout.activation_checkpointing;
+    Ok((out, Some(decision)))
+}
+
+/// `request` completed with what `cfg` fixes on `device` (`auto_layout::completed_request`): the sizes that are
+/// not `auto`, the precision of its mixed precision, checkpointing when it turns it on.
+fn completed_auto_layout_request(
+    cfg: &AcceleratorConfig,
+    device: &Device,
+    request: &crate::auto_layout::AutoLayoutRequest,
+) -> crate::auto_layout::AutoLayoutRequest {
+    use crate::auto_layout::Precision;
+    let precision = match cfg.mixed_precision {
+        MixedPrecision::No => Precision::Fp32,
+        MixedPrecision::Fp16 => Precision::Fp16,
+        MixedPrecision::Bf16 => Precision::Bf16,
+    };
+    crate::auto_layout::completed_request(
+        request,
+        cfg.parallelism.fixed_sizes(),
+        precision,
+        device,
+        cfg.activation_checkpointing,
+    )
+}
+
 fn pick_device(cfg: &AcceleratorConfig, local_rank: usize) -> Result<Device> {
     if cfg.cpu {
         return Ok(Device::Cpu);

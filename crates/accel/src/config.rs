@@ -175,6 +175,11 @@ pub struct AcceleratorConfig {
     /// Recompute each model block's activations in the backward pass instead of keeping them (default false;
     /// blocks the model wraps in [`crate::activation_checkpoint::block`]; HF's `gradient_checkpointing`).
     pub activation_checkpointing: bool,
+    /// The program's model and training, for the automatic layout: read when a size of [`Self::parallelism`] is
+    /// `auto` ([`ParallelismConfig::AUTO`]; `accel launch --parallelism auto`, `parallelism_config_tp_size: auto`),
+    /// when the Accelerator probes the machines and chooses the layout before laying out its mesh
+    /// ([`crate::auto_layout`]; the decision is [`crate::Accelerator::auto_layout`]). Default `None`.
+    pub auto_layout: Option<crate::auto_layout::AutoLayoutRequest>,
 }
 
 impl Default for AcceleratorConfig {
@@ -192,6 +197,7 @@ impl Default for AcceleratorConfig {
             ddp: ddp_core::DdpOptions::default(),
             parallelism: ParallelismConfig::default(),
             activation_checkpointing: false,
+            auto_layout: None,
         }
     }
 }
@@ -306,6 +312,13 @@ impl AcceleratorConfig {
     /// Builder: sets the parallel sizes.
     pub fn with_parallelism(mut self, parallelism: ParallelismConfig) -> Self {
         self.parallelism = parallelism;
+        self
+    }
+
+    /// Builder: describes the program's model and training for the automatic layout (used when a parallel size
+    /// is `auto`; [`Self::auto_layout`]).
+    pub fn with_auto_layout(mut self, request: crate::auto_layout::AutoLayoutRequest) -> Self {
+        self.auto_layout = Some(request);
         self
     }
 

@@ -119,10 +119,21 @@ pub struct ParallelismConfig {
     #[serde(rename = "parallelism_config_cp_size", default = "one")]
     pub cp_size: usize,
     /// Data-parallel replicas (DDP): ranks holding the same model piece and seeing different data.
-    #[serde(rename = "parallelism_config_dp_replicate_size", alias = "data_parallel_size", default = "one")]
+    #[serde(
+        rename = "parallelism_config_dp_replicate_size",
+        alias = "data_parallel_size",
+        default = "one",
+        deserialize_with = "size_or_auto",
+        serialize_with = "write_size"
+    )]
     pub dp_replicate_size: usize,
     /// Sharded data parallelism (ZeRO / FSDP's shard dimension): what it shards is [`Self::sharding_strategy`].
-    #[serde(rename = "parallelism_config_dp_shard_size", default = "one")]
+    #[serde(
+        rename = "parallelism_config_dp_shard_size",
+        default = "one",
+        deserialize_with = "size_or_auto",
+        serialize_with = "write_size"
+    )]
     pub dp_shard_size: usize,
     /// Pipeline ranks (ours; Accelerate has none): the model is cut into pp × [`Self::pp_stages_per_rank`]
     /// stages, run in the schedule [`Self::pp_schedule`]. The program must split its model into stages (as
@@ -131,11 +142,19 @@ pub struct ParallelismConfig {
         rename = "parallelism_config_pp_size",
         alias = "pipeline_parallel_size",
         default = "one",
-        skip_serializing_if = "is_one"
+        skip_serializing_if = "is_one",
+        deserialize_with = "size_or_auto",
+        serialize_with = "write_size"
     )]
     pub pp_size: usize,
     /// Tensor-parallel size (Megatron-style layers split over neighbouring ranks).
-    #[serde(rename = "parallelism_config_tp_size", alias = "tensor_parallel_size", default = "one")]
+    #[serde(
+        rename = "parallelism_config_tp_size",
+        alias = "tensor_parallel_size",
+        default = "one",
+        deserialize_with = "size_or_auto",
+        serialize_with = "write_size"
+    )]
     pub tp_size: usize,
     /// Micro-batches each optimizer step's batch is split into for the pipeline (`pipeline_parallel_microbatches`,
     /// torchtitan's `num_pp_microbatches`); `None`: one per stage (pp × virtual stages). Only read when pp > 1.
@@ -154,6 +173,38 @@ pub struct ParallelismConfig {
     /// `accel launch` passes it as `FSDP_SHARDING_STRATEGY` ([`SHARDING_STRATEGY_ENV`]).
     #[serde(skip)]
     pub sharding_strategy: ShardingStrategy,
+}
+
+/// A size from a config file: a whole number ≥ 1, or `auto` ([`ParallelismConfig::AUTO`]).
+fn size_or_auto<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<usize, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Size {
+        Number(u64),
+        Word(String),
+    }
+    let invalid = |v: &dyn std::fmt::Display| {
+        serde::de::Error::custom(format!(
+            "invalid size {v}: expected a whole number ≥ 1 (1 = that dimension is off) or `auto` (chosen at start-up)"
+        ))
+    };
+    match Size::deserialize(d)? {
+        Size::Number(n) if n >= 1 => usize::try_from(n).map_err(|_| invalid(&n)),
+        Size::Number(n) => Err(invalid(&n)),
+        Size::Word(w) if w.trim().eq_ignore_ascii_case("auto") => Ok(ParallelismConfig::AUTO),
+        Size::Word(w) => match w.trim().parse::<usize>() {
+            Ok(n) if n >= 1 => Ok(n),
+            _ => Err(invalid(&format!("{w:?}"))),
+        },
+    }
+}
+
+/// Writes a size as [`size_or_auto`] reads it: the number, or `auto`.
+fn write_size<S: serde::Serializer>(n: &usize, s: S) -> std::result::Result<S::Ok, S::Error> {
+    match *n {
+        ParallelismConfig::AUTO => s.serialize_str("auto"),
+        n => s.serialize_u64(n as u64),
+    }
 }
 
 fn is_default_schedule(s: &ScheduleKind) -> bool {
@@ -188,12 +239,40 @@ impl Default for ParallelismConfig {
 impl std::fmt::Display for ParallelismConfig {
     /// `dp_replicate 2 × dp_shard 1 × tp 2 × pp 1 × cp 1`.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let parts: Vec<String> = self.sizes().iter().map(|(name, n)| format!("{name} {n}")).collect();
+        let parts: Vec<String> = self.sizes().iter().map(|&(name, n)| format!("{name} {}", size_text(n))).collect();
         f.write_str(&parts.join(" × "))
     }
 }
 
 impl ParallelismConfig {
+    /// A size left to the automatic layout (`auto` in a config file or a `PARALLELISM_CONFIG_*_SIZE` variable):
+    /// the Accelerator chooses it at start-up from the model the program describes
+    /// ([`crate::AcceleratorConfig::auto_layout`]) and the measured machines ([`crate::auto_layout`]). The
+    /// other sizes stay fixed and constrain the choice.
+    pub const AUTO: usize = 0;
+
+    /// Every size (dp_replicate, dp_shard, tp, pp) left to the automatic layout, with the sharding strategy, the
+    /// pipeline schedule and micro-batches (`accel launch --parallelism auto`).
+    pub fn auto() -> Self {
+        ParallelismConfig {
+            dp_replicate_size: Self::AUTO,
+            dp_shard_size: Self::AUTO,
+            tp_size: Self::AUTO,
+            pp_size: Self::AUTO,
+            ..Self::default()
+        }
+    }
+
+    /// Whether any size is [`Self::AUTO`] (the Accelerator chooses the layout before laying out its mesh).
+    pub fn is_auto(&self) -> bool {
+        self.sizes().iter().any(|&(_, n)| n == Self::AUTO)
+    }
+
+    /// The sizes fixed by this config, `[dp_replicate, dp_shard, tp, pp]`: `None` where [`Self::AUTO`].
+    pub fn fixed_sizes(&self) -> [Option<usize>; 4] {
+        [self.dp_replicate_size, self.dp_shard_size, self.tp_size, self.pp_size].map(|n| (n != Self::AUTO).then_some(n))
+    }
+
     /// Pure data parallelism over `n` processes (dp_replicate = n, every other size 1).
     pub fn data_parallel(n: usize) -> Self {
         ParallelismConfig { dp_replicate_size: n, ..Self::default() }
@@ -289,7 +368,10 @@ impl ParallelismConfig {
             (PP_SIZE_ENV, &mut self.pp_size),
         ] {
             if let Some(v) = get(var) {
-                *slot = whole_number(var, v, "1 = that dimension is off")?;
+                *slot = match v.trim().eq_ignore_ascii_case("auto") {
+                    true => Self::AUTO,
+                    false => whole_number(var, v, "1 = that dimension is off; or auto")?,
+                };
             }
         }
         if let Some(v) = get(CP_COMM_STRATEGY_ENV) {
@@ -331,7 +413,7 @@ impl ParallelismConfig {
             (PP_SIZE_ENV, self.pp_size),
         ]
         .into_iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .map(|(k, v)| (k.to_string(), size_text(v)))
         .collect();
         if let Some(s) = &self.cp_comm_strategy {
             env.push((CP_COMM_STRATEGY_ENV.to_string(), s.clone()));
@@ -377,14 +459,12 @@ impl ParallelismConfig {
     ///
     /// Errors: [`AccelError::Config`] naming the key (`parallelism_config_tp_size`, ...), the value and the fix.
     pub fn validate_sizes(&self) -> Result<()> {
-        for (name, n) in self.sizes() {
-            if n == 0 {
-                return Err(AccelError::Config {
-                    key: format!("parallelism_config_{name}_size"),
-                    value: "0".into(),
-                    reason: "every size is at least 1 (1 = that dimension is off)".into(),
-                });
-            }
+        if self.cp_size == 0 {
+            return Err(AccelError::Config {
+                key: "parallelism_config_cp_size".into(),
+                value: "0".into(),
+                reason: "every size is at least 1 (1 = that dimension is off)".into(),
+            });
         }
         if self.cp_size > 1 {
             return Err(AccelError::Config {
@@ -474,6 +554,17 @@ impl ParallelismConfig {
     /// processes set dp_replicate_size 2`) or, when none does, what would.
     pub fn resolve(&self, world_size: usize) -> Result<ParallelismConfig> {
         self.validate_sizes()?;
+        if self.is_auto() {
+            return Err(AccelError::Config {
+                key: "parallelism_config".into(),
+                value: self.to_string(),
+                reason:
+                    "some sizes are `auto`: the Accelerator chooses them at start-up when the program describes its \
+                         model (AcceleratorConfig::auto_layout, an accel::auto_layout::AutoLayoutRequest); give the \
+                         program a model description, or set every size"
+                        .into(),
+            });
+        }
         if world_size == 0 {
             return Err(AccelError::InvalidArgument("ParallelismConfig::resolve: a job has at least 1 process".into()));
         }
@@ -565,6 +656,14 @@ impl ParallelismConfig {
     }
 }
 
+/// A size as configs and variables write it: the number, or `auto` for [`ParallelismConfig::AUTO`].
+fn size_text(n: usize) -> String {
+    match n {
+        ParallelismConfig::AUTO => "auto".into(),
+        n => n.to_string(),
+    }
+}
+
 /// A whole number ≥ 1 from the variable `var`, or an error naming it, its value and what it is.
 fn whole_number(var: &str, v: String, what: &str) -> Result<usize> {
     match v.trim().parse::<usize>() {
@@ -626,6 +725,43 @@ mod tests {
     }
 
     #[test]
+    fn auto_sizes_travel_through_variables_and_files_and_refuse_to_resolve() {
+        let p = ParallelismConfig::default()
+            .with_overrides_from(lookup(&[
+                (TP_SIZE_ENV, "auto"),
+                (DP_REPLICATE_SIZE_ENV, " AUTO "),
+                (PP_SIZE_ENV, "2"),
+            ]))
+            .unwrap();
+        assert_eq!(p.fixed_sizes(), [None, Some(1), None, Some(2)]);
+        assert!(p.is_auto() && !ParallelismConfig::default().is_auto());
+        assert_eq!(p.to_string(), "dp_replicate auto × dp_shard 1 × tp auto × pp 2 × cp 1");
+        // What a launcher writes, the workers read back.
+        let env = p.env_vars();
+        assert!(env.contains(&(TP_SIZE_ENV.to_string(), "auto".to_string())), "{env:?}");
+        let again = ParallelismConfig::default()
+            .with_overrides_from(|k| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()))
+            .unwrap();
+        assert_eq!(again, p);
+        assert_eq!(ParallelismConfig::auto().fixed_sizes(), [None; 4]);
+        // A config file: `auto`, numbers, numbers as strings; 0 and other words refused with the fix.
+        let json = serde_json::to_string(&ParallelismConfig::auto()).unwrap();
+        assert!(json.contains(r#""parallelism_config_tp_size":"auto""#), "{json}");
+        assert_eq!(serde_json::from_str::<ParallelismConfig>(&json).unwrap(), ParallelismConfig::auto());
+        let read = |text: &str| serde_json::from_str::<ParallelismConfig>(text);
+        let p = read(r#"{"parallelism_config_tp_size": "auto", "parallelism_config_pp_size": "2"}"#).unwrap();
+        assert_eq!(p.fixed_sizes(), [Some(1), Some(1), None, Some(2)]);
+        for bad in [r#""parallelism_config_tp_size": 0"#, r#""parallelism_config_tp_size": "some""#] {
+            let e = read(&format!("{{{bad}}}")).unwrap_err().to_string();
+            assert!(e.contains("expected a whole number ≥ 1 (1 = that dimension is off) or `auto`"), "{e}");
+        }
+        // Only the Accelerator, which chooses, can lay out auto sizes.
+        let e = p.resolve(4).unwrap_err().to_string();
+        assert!(e.contains("some sizes are `auto`") && e.contains("AcceleratorConfig::auto_layout"), "{e}");
+        assert!(p.validate_sizes().is_ok());
+    }
+
+    #[test]
     fn a_bad_variable_is_named() {
         for bad in ["0", "two", "-1", ""] {
             let e = ParallelismConfig::default().with_overrides_from(lookup(&[(TP_SIZE_ENV, bad)])).unwrap_err();
@@ -633,7 +769,7 @@ mod tests {
                 e.to_string(),
                 format!(
                     "invalid configuration PARALLELISM_CONFIG_TP_SIZE = {bad:?}: expected a whole number ≥ 1 (1 = \
-                     that dimension is off)"
+                     that dimension is off; or auto)"
                 )
             );
         }
@@ -678,11 +814,14 @@ mod tests {
     }
 
     #[test]
-    fn zero_sizes_and_context_parallelism_are_refused() {
+    fn a_zero_size_is_auto_and_context_parallelism_is_refused() {
+        // In code a size of 0 is `ParallelismConfig::AUTO`: nothing lays it out but the Accelerator's chooser.
         let e = ParallelismConfig::default().with_dp_shard_size(0).resolve(1).unwrap_err().to_string();
+        assert!(e.starts_with("invalid configuration parallelism_config = \"dp_replicate 1 × dp_shard auto"), "{e}");
+        let e = ParallelismConfig::default().with_cp_size(0).resolve(1).unwrap_err().to_string();
         assert_eq!(
             e,
-            "invalid configuration parallelism_config_dp_shard_size = \"0\": every size is at least 1 (1 = that \
+            "invalid configuration parallelism_config_cp_size = \"0\": every size is at least 1 (1 = that \
              dimension is off)"
         );
         let e = ParallelismConfig::default().with_cp_size(2).with_dp_replicate_size(2).resolve(4).unwrap_err();

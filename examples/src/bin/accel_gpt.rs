@@ -125,6 +125,20 @@ struct Args {
     /// Sampling temperature (0: greedy).
     #[arg(long, default_value_t = 0.8)]
     temperature: f64,
+    /// `auto`: the Accelerator chooses dp_replicate × dp_shard × tp × pp, the sharding, the pipeline schedule, the
+    /// micro-batches and their size at start-up, from the model, each process's memory (detected, or
+    /// ACCEL_AUTO_LAYOUT_MEMORY) and the links it measures (accel::auto_layout); it prints the choice and why.
+    /// Replaces the layout flags and --batch-size; the global batch is --global-batch-size.
+    #[arg(long, value_parser = ["auto"])]
+    parallelism: Option<String>,
+    /// Sequences per optimizer step over all replicas under an automatic layout (default: --batch-size × the
+    /// processes, what data parallelism over all of them would train).
+    #[arg(long)]
+    global_batch_size: Option<usize>,
+    /// Print the cost model's prediction for the layout this run uses (peak memory per rank, time per optimizer
+    /// step, from a start-up probe of the machines), to set beside the measured figures.
+    #[arg(long)]
+    predict: bool,
 }
 
 fn main() -> std::process::ExitCode {
@@ -195,27 +209,115 @@ fn model_config(args: &Args, vocab_size: usize) -> GptConfig {
     }
 }
 
+/// Under `--parallelism auto` the layout is chosen: every layout flag must be left at its default (one message
+/// naming those that were given).
+fn check_unset_under_auto(layout: &layout_args::LayoutArgs) -> anyhow::Result<()> {
+    let mut given = Vec::new();
+    for (flag, size) in
+        [("--tp-size", layout.tp_size), ("--pp-size", layout.pp_size), ("--dp-shard-size", layout.dp_shard_size)]
+    {
+        if size != 1 {
+            given.push(format!("{flag} {size}"));
+        }
+    }
+    if let Some(s) = layout.pp_schedule {
+        given.push(format!("--pp-schedule {s}"));
+    }
+    if let Some(m) = layout.microbatches {
+        given.push(format!("--microbatches {m}"));
+    }
+    if let Some(s) = layout.sharding_strategy {
+        given.push(format!("--sharding-strategy {s}"));
+    }
+    anyhow::ensure!(
+        given.is_empty(),
+        "--parallelism auto chooses the layout, and {} would fix part of it: drop {}, or drop --parallelism auto \
+         to run the layout you give",
+        given.join(", "),
+        if given.len() == 1 { "it" } else { "them" }
+    );
+    Ok(())
+}
+
 fn run() -> anyhow::Result<()> {
     let args = accel_examples::parse_args!(Args); // a bad command line is reported once under a launcher
-                                                  // Check the model against the sizes once, here, before any worker starts (76 = the shipped vocabulary; the
-                                                  // vocabulary never constrains tp).
-    args.layout.check(args.nproc, args.n_layer, "--batch-size", args.batch_size)?;
-    model_config(&args, 76).validate(args.layout.tp_size)?;
+    if args.parallelism.is_some() {
+        check_unset_under_auto(&args.layout)?;
+        anyhow::ensure!(
+            args.gradient_accumulation_steps.is_none(),
+            "--gradient-accumulation-steps is chosen by --parallelism auto: drop it (set --global-batch-size)"
+        );
+    } else {
+        // Check the model against the sizes once, here, before any worker starts (76 = the shipped vocabulary;
+        // the vocabulary never constrains tp).
+        args.layout.check(args.nproc, args.n_layer, "--batch-size", args.batch_size)?;
+        model_config(&args, 76).validate(args.layout.tp_size)?;
+    }
     if !ddp_core::launcher::is_worker() && args.nproc > 1 {
         let path = text_path(&args);
         anyhow::ensure!(path.is_file(), "--data-dir: no text at {}", path.display());
         let exe = std::env::current_exe().context("locating this executable to launch its workers")?;
         let mut launch = ddp_core::LaunchConfig::local(args.nproc, exe, std::env::args().skip(1).collect());
-        launch.env.extend(accel_examples::parallel_env(args.nproc, &args.layout.layout())); // accel: the workers' mesh
+        launch.env.extend(match args.parallelism {
+            Some(_) => accel::ParallelismConfig::auto().env_vars(), // accel: every size `auto`
+            None => accel_examples::parallel_env(args.nproc, &args.layout.layout()), // accel: the workers' mesh
+        });
         ddp_core::launch(&launch)?; // its error is the one-line summary naming the failing rank
         return Ok(());
     }
     train(&args)
 }
 
+/// What the automatic layout needs to know of this program: the GPT's shape, the global batch, the micro-batch
+/// sizes it may split it into (any divisor), and that it runs every layout (tp layers, pipeline stages, every
+/// sharding strategy — its model is built from the prepared builder — and every schedule).
+fn auto_layout_request(cfg: &GptConfig, global_batch: usize) -> accel::auto_layout::AutoLayoutRequest {
+    use accel::auto_layout::{ActivationSpec, AutoLayoutRequest, Checkpointing, ModelSpec, Precision, TrainSpec};
+    let model = ModelSpec::gpt(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.d_ff, cfg.vocab_size, cfg.block_size)
+        .with_tied_embeddings(cfg.tie_embeddings)
+        .with_activations(ActivationSpec::accel(cfg.dropout > 0.0, 4));
+    let sizes: Vec<usize> = (1..=global_batch).filter(|b| global_batch.is_multiple_of(*b)).collect();
+    // Precision and bytes are the Accelerator's to fill in (`auto_layout::completed_request`).
+    let train = TrainSpec::new(global_batch, &sizes, Precision::Fp32).with_checkpointing(Checkpointing::Auto);
+    AutoLayoutRequest::new(model, train)
+}
+
+/// The flags that run `layout` without `--parallelism auto` (printed with the choice, for the benchmarks and
+/// for a user who wants to pin it).
+fn layout_flags(layout: &accel::auto_layout::Layout) -> String {
+    let mut flags = format!("--tp-size {} --pp-size {} --dp-shard-size {}", layout.tp, layout.pp, layout.dp_shard);
+    if layout.dp_shard > 1 {
+        flags += &format!(" --sharding-strategy {}", layout.sharding);
+    }
+    if let (true, Some(kind)) = (layout.pp > 1, layout.schedule) {
+        flags += &format!(" --pp-schedule {kind} --microbatches {}", layout.microbatches);
+    }
+    flags += &format!(
+        " --batch-size {} --gradient-accumulation-steps {}",
+        layout.per_process_batch(),
+        layout.accumulation_steps
+    );
+    if layout.activation_checkpointing {
+        flags += " --activation-checkpointing";
+    }
+    flags
+}
+
+/// `auto_layout predicted: peak 123.4 MiB per rank, step 45.6 ms (compute …)` — the cost model's figures for a
+/// layout, in the line the benchmark scripts read.
+fn prediction_line(c: &accel::auto_layout::Candidate) -> String {
+    format!("auto_layout predicted: peak {:.1} MiB per rank, step {}", c.peak_memory() as f64 / MIB, c.time)
+}
+
 fn train(args: &Args) -> anyhow::Result<()> {
-    accel_examples::apply_layout(&args.layout.layout())?; // the flags, unless the launcher set PARALLELISM_CONFIG_*
+    let auto = args.parallelism.is_some();
+    if !auto {
+        accel_examples::apply_layout(&args.layout.layout())?; // the flags, unless the launcher set PARALLELISM_CONFIG_*
+    }
     let mut cfg = AcceleratorConfig::from_env()?; // accel: sizes from PARALLELISM_CONFIG_*
+    if auto {
+        cfg.parallelism = accel::ParallelismConfig::auto(); // accel: every size chosen at start-up
+    }
     if let Some(mp) = args.mixed_precision {
         cfg.mixed_precision = mp;
     }
@@ -224,22 +326,36 @@ fn train(args: &Args) -> anyhow::Result<()> {
     }
     cfg.seed = Some(args.seed);
     cfg.activation_checkpointing |= args.activation_checkpointing;
-    let acc = Accelerator::new(cfg)?; // accel: process group, mesh (pp × dp × tp), device, precision
-    let tp = acc.tensor_parallel().clone(); // accel: this rank's tp group
-    let dp = acc.data_parallel_size();
-
     let path = text_path(args);
     let data = TextDataset::from_file(&path, args.block_size).with_context(|| format!("loading {}", path.display()))?;
     let vocab: CharVocab = data.vocab().clone();
     let gpt_cfg = model_config(args, vocab.len());
-    let n_windows = data.len();
-    let loader_cfg = DataLoaderConfig {
-        batch_size: args.batch_size,
-        shuffle: true,
-        seed: args.seed,
-        drop_last: true,
-        ..Default::default()
+    // accel: the model, for an automatic layout (used when a size is `auto`) and for --predict
+    let world = accel_examples::job_size(args.nproc).0;
+    let request = auto_layout_request(&gpt_cfg, args.global_batch_size.unwrap_or(args.batch_size * world));
+    cfg.auto_layout = Some(request.clone());
+    let acc = Accelerator::new(cfg)?; // accel: process group, mesh (pp × dp × tp), device, precision
+    let tp = acc.tensor_parallel().clone(); // accel: this rank's tp group
+    let dp = acc.data_parallel_size();
+    // Rows per training step: the automatic layout's, or the flag's.
+    let batch_size = match acc.auto_layout() {
+        Some(decision) => {
+            acc.print(format!("auto_layout flags: {}", layout_flags(decision.layout())));
+            acc.print(prediction_line(&decision.choice.best));
+            decision.layout().per_process_batch()
+        }
+        None => args.batch_size,
     };
+    if args.predict && acc.auto_layout().is_none() {
+        let micro = batch_size / acc.pipeline_schedule().map_or(1, |s| s.microbatches);
+        let (probe, candidate) = acc.predict_layout(&request, micro)?; // accel: the cost model, this layout
+        acc.print(format!("auto layout probe {probe}"));
+        acc.print(prediction_line(&candidate));
+    }
+
+    let n_windows = data.len();
+    let loader_cfg =
+        DataLoaderConfig { batch_size, shuffle: true, seed: args.seed, drop_last: true, ..Default::default() };
 
     let varmap = VarMap::new();
     let stages = acc.pipeline_stages(gpt_cfg.n_layer, None)?; // accel: the blocks this rank holds (all at pp 1)
@@ -251,13 +367,13 @@ fn train(args: &Args) -> anyhow::Result<()> {
     let mut opt = acc.prepare_optimizer(&prepared, opt)?;
     let mut loader = acc.prepare_data_loader(DataLoader::new(data, loader_cfg))?; // accel: sharded by the dp rank
     if loader.is_empty() {
-        bail!("--batch-size {} leaves no full batch per replica ({n_windows} windows, dp {dp})", args.batch_size);
+        bail!("--batch-size {batch_size} leaves no full batch per replica ({n_windows} windows, dp {dp})");
     }
 
     let ga = acc.gradient_accumulation_steps();
     let pp = acc.mesh().pp().world_size();
     let layers_here: usize = stages.iter().map(|s| s.layers.len()).sum();
-    let tokens_per_step = (args.batch_size * args.block_size * dp * ga) as f64;
+    let tokens_per_step = (batch_size * args.block_size * dp * ga) as f64;
     acc.print_banner("accel_gpt"); // accel: config, processes, layout, precision, accumulation, backend (once)
     acc.print(format!(
         "accel_gpt: {} process(es) = pp {pp} × dp {dp} × tp {}{}, model {} parameters (d_model {}, {} heads, {} \
@@ -275,7 +391,7 @@ fn train(args: &Args) -> anyhow::Result<()> {
         gpt_cfg.vocab_size,
         gpt_cfg.vocab_size.div_ceil(tp.size()) * tp.size(),
         acc.mixed_precision(),
-        args.batch_size * dp * ga,
+        batch_size * dp * ga,
         tokens_per_step,
         loader.len()
     ));
@@ -298,6 +414,8 @@ fn train(args: &Args) -> anyhow::Result<()> {
         all
     };
     let mut dp_traffic_at_start = dp_traffic();
+    // This rank's busy and elapsed time in the pipeline's steps (the measured bubble), from the same window.
+    let mut pipeline_at_start = acc.pipeline_timing();
     // What this rank holds for the model when it steps (the last step's): its gradient slots.
     let mut gradient_bytes: usize;
     let (mut step, mut epoch) = (0u64, 0u64);
@@ -344,6 +462,7 @@ fn train(args: &Args) -> anyhow::Result<()> {
                     measured = Some((Instant::now(), step));
                     tp_traffic_at_start = acc.mesh().tp().traffic();
                     dp_traffic_at_start = dp_traffic();
+                    pipeline_at_start = acc.pipeline_timing();
                 }
                 (loss_sum, loss_count) = (0.0, 0);
             }
@@ -377,13 +496,26 @@ fn train(args: &Args) -> anyhow::Result<()> {
          (pp {pp} × dp {dp} × tp {})",
         tp.size()
     ));
+    if let (Some(now), Some(then), Some(schedule)) = (acc.pipeline_timing(), pipeline_at_start, acc.pipeline_schedule())
+    {
+        // Every rank's own idle share of its pipeline steps, beside the schedule's (p − 1)/(m + p − 1) ÷ v
+        // (Narayanan et al. 2021), which assumes equal stages and free sends.
+        let t = now.since(&then);
+        println!(
+            "rank {}: pipeline bubble measured {:.1} % of the step over {} steps (the schedule's {:.1} %)",
+            acc.rank(),
+            100.0 * t.bubble(),
+            t.steps,
+            100.0 * accel::auto_layout::bubble_fraction(schedule.pp, schedule.microbatches, schedule.virtual_stages)
+        );
+    }
     if tp.size() > 1 {
         // Megatron-LM (Shoeybi et al. 2019, §3): per layer and micro-batch, two all-reduces of the [b, s, h]
         // activations forward (after attention and after the MLP) and two backward (the input gradients of their
         // column-parallel layers) = 4·b·s·h·bytes of all-reduce payload. The embedding (forward), the head
         // (backward), the vocab-parallel loss and the gradient norm add the rest.
         let bytes = acc.compute_dtype().size_in_bytes();
-        let per_layer = 4 * args.batch_size * args.block_size * gpt_cfg.d_model * bytes;
+        let per_layer = 4 * batch_size * args.block_size * gpt_cfg.d_model * bytes;
         acc.print(format!(
             "tp traffic per optimizer step (rank {}, over {window}): {} B of all-reduce payload in {} calls, {} B of \
              all-gather; \

@@ -1,6 +1,7 @@
 //! One integration-test binary for the crate (each test binary links candle: one link instead of one per file).
 
 mod architecture;
+mod auto_layout;
 mod bad_inputs;
 mod ddp_mnist;
 mod gpt_tp;

@@ -45,6 +45,9 @@ pub struct Machine {
     pub flops_per_process: f64,
     /// The link between two processes of this machine (shared memory, NVLink).
     pub intra: Link,
+    /// Fixed seconds per operator call besides its FLOPs (the framework's dispatch, a kernel launch): what makes
+    /// many small micro-batches slower than few large ones. 0 in [`ClusterSpec::uniform`]; the probe measures it.
+    pub op_latency: f64,
 }
 
 /// The machines of a job, in rank order (machine 0 holds ranks `0..processes₀`, machine 1 the next, …), and the
@@ -68,7 +71,10 @@ impl ClusterSpec {
         inter: Link,
     ) -> Self {
         ClusterSpec {
-            machines: vec![Machine { processes, memory_per_process, flops_per_process, intra }; machines],
+            machines: vec![
+                Machine { processes, memory_per_process, flops_per_process, intra, op_latency: 0.0 };
+                machines
+            ],
             inter,
         }
     }
@@ -107,6 +113,9 @@ impl ClusterSpec {
                     "machine {i} has {} processes of {} bytes each; both are at least 1",
                     m.processes, m.memory_per_process
                 ));
+            }
+            if !(m.op_latency.is_finite() && m.op_latency >= 0.0) {
+                return bad(format!("machine {i}: {} s per operator call; give a finite number ≥ 0", m.op_latency));
             }
             if !(m.flops_per_process.is_finite() && m.flops_per_process > 0.0) {
                 return bad(format!("machine {i}: {} FLOP/s per process; give a positive number", m.flops_per_process));

@@ -11,6 +11,7 @@
 //! - each allowed micro-batch size `b` with the global batch a multiple of `dp · b`; the `B / (dp · b)`
 //!   micro-batches are accumulation steps at pp 1 (only one without accumulation), the pipeline's micro-batches at
 //!   pp > 1 — at least `pp · v` of them, a multiple of pp when interleaved (`ParallelismConfig::validate_pipeline`);
+//! - the sizes the user fixed (`TrainSpec::fixed`) as given;
 //! - activation checkpointing on and/or off as [`Checkpointing`] says (at any pp: accel records each stage's
 //!   forward), except under FULL_SHARD, which recomputes its units anyway.
 //!
@@ -99,6 +100,14 @@ pub fn enumerate(model: &ModelSpec, world: usize, train: &TrainSpec) -> (Vec<Lay
             let dp = world / (pp * tp);
             for shard in divisors(dp) {
                 let rep = dp / shard;
+                let sizes_now = [rep, shard, tp, pp];
+                if let Some(k) = (0..4).find(|&k| train.fixed[k].is_some_and(|n| n != sizes_now[k])) {
+                    why.add("a size is fixed by the config", || {
+                        let names = ["dp_replicate", "dp_shard", "tp", "pp"];
+                        format!("{} {} where the config sets {}", names[k], sizes_now[k], train.fixed[k].unwrap_or(0))
+                    });
+                    continue;
+                }
                 let stage_options: Vec<ShardingStrategy> =
                     if shard == 1 { vec![ShardingStrategy::NoShard] } else { strategies.clone() };
                 if stage_options.is_empty() {

@@ -119,6 +119,32 @@ impl Layout {
         c
     }
 
+    /// The layout a resolved config runs (its sizes, sharding, schedule, micro-batches and stages per rank), with
+    /// `accumulation_steps`, `micro_batch_size` sequences per micro-batch and `activation_checkpointing`: what the
+    /// cost model evaluates for a run whose layout is given ([`super::predict`]).
+    pub fn of_config(
+        p: &ParallelismConfig,
+        accumulation_steps: usize,
+        micro_batch_size: usize,
+        activation_checkpointing: bool,
+    ) -> Layout {
+        let pipelined = p.pp_size > 1;
+        Layout {
+            dp_replicate: p.dp_replicate_size,
+            dp_shard: p.dp_shard_size,
+            tp: p.tp_size,
+            pp: p.pp_size,
+            sharding: if p.dp_shard_size > 1 { p.sharding_strategy } else { ShardingStrategy::NoShard },
+            schedule: pipelined.then_some(p.pp_schedule),
+            virtual_stages: if pipelined { p.pp_stages_per_rank() } else { 1 },
+            microbatches: if pipelined { p.pp_microbatches_per_step() } else { 1 },
+            accumulation_steps,
+            micro_batch_size,
+            activation_checkpointing,
+            layers_per_stage: None,
+        }
+    }
+
     /// How complex the layout is to run, for ties: parallel dimensions in use, then the ZeRO stage, pp, tp,
     /// stages per rank, the schedule (1F1B, GPipe, interleaved), checkpointing, an uneven split, accumulation.
     pub(crate) fn complexity(&self) -> impl Ord {

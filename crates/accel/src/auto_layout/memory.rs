@@ -26,7 +26,8 @@
 //!   frees it segment by segment.
 //! - `activations`: per micro-batch, the rank's blocks × [`ModelSpec::block_activation_bytes`] plus the
 //!   embedding's (first stage) and the head's and loss's (last stage) — or, with recomputation, each block's input
-//!   ([`ModelSpec::checkpointed_block_bytes`]) plus one block's full activations while it is recomputed — times the
+//!   ([`ModelSpec::checkpointed_block_bytes`]) plus the full activations of the blocks alive while they are
+//!   recomputed ([`super::ActivationSpec::recomputed_blocks_live`]: 1 ideally, 2 in accel) — times the
 //!   micro-batches in flight ([`in_flight_chunks`]; a chunk is one of the rank's `v` stages).
 //! - `overhead`: [`Assumptions::runtime_overhead_bytes`].
 //!
@@ -142,7 +143,8 @@ pub(crate) fn rank_memory(
     let block_act = model.block_activation_bytes(b, t, e);
     let activations = if layout.recomputes() {
         let per_mb = layers as u64 * model.checkpointed_block_bytes(b, e) + extras;
-        (in_flight * per_mb).div_ceil(v) + if layers > 0 { block_act } else { 0 }
+        let live = (layers as u64).min(model.activations.recomputed_blocks_live);
+        (in_flight * per_mb).div_ceil(v) + live * block_act
     } else {
         (in_flight * (layers as u64 * block_act + extras)).div_ceil(v)
     };

@@ -3,9 +3,11 @@
 //! micro-batches of which size — predicted memory per rank and time per optimizer step for every candidate, the
 //! fastest that fits chosen, and why.
 //!
-//! This module is the pure, deterministic core: numbers in, a [`Choice`] (or an [`AutoLayoutError`] saying what
-//! would fit) out. It communicates nothing and measures nothing: the link speeds, FLOP/s and memory are given
-//! (a probe measures them elsewhere), and nothing here is wired into the Accelerator or the CLI yet.
+//! Its core is pure and deterministic: numbers in, a [`Choice`] (or an [`AutoLayoutError`] saying what would fit)
+//! out ([`choose`], [`evaluate`]). Around it, [`probe_cluster`] measures the machines on the real backend and
+//! [`decide`] runs probe → choose for the Accelerator, which does so when a size of its config is `auto`
+//! ([`crate::ParallelismConfig::AUTO`]) and the program described its model ([`AutoLayoutRequest`]); the guide
+//! (docs/guide/04-nd-parallel.md, "The automatic layout") writes the cost model down.
 //!
 //! ```
 //! use accel::auto_layout::{choose, Assumptions, ClusterSpec, Link, ModelSpec, Precision, TrainSpec};
@@ -48,6 +50,10 @@
 //! - `choose.rs` — [`choose`]: evaluate, drop what does not fit, rank, explain ([`Choice`]'s `Display`).
 //! - `error.rs` — [`AutoLayoutError`]: invalid input, no layout at all, or nothing fits (with what would).
 //! - `units.rs` — how bytes, seconds and bandwidths print.
+//! - `measure.rs` — [`probe_cluster`]: the start-up probe (collective), the only part that measures.
+//! - `request.rs` — [`AutoLayoutRequest`] (what the program describes) and [`AutoLayoutDecision`] (what was chosen).
+//! - `decide.rs` — [`completed_request`] (the request with what the run fixes), [`decide`] (probe, then choose),
+//!   [`predict`] (the cost model's figures for a given layout on the measured cluster).
 //!
 //! ## Sources
 //!
@@ -65,7 +71,7 @@
 //!   inputs with full recomputation).
 //! - The search itself: DeepSpeed's autotuner and NeMo's auto-configurator enumerate candidates and keep those
 //!   that fit; Galvatron and Alpa cost them with profiled α–β links. Here every candidate is costed by formulas,
-//!   none is run (a short measured run of the top few is the wiring step's choice).
+//!   none is run (timing the best few for a few steps, as NeMo and DeepSpeed do, is not done).
 //!
 //! ## What the model assumes (conservatively)
 //!
@@ -79,12 +85,15 @@
 mod assumptions;
 mod choose;
 mod cluster;
+mod decide;
 mod enumerate;
 mod error;
 mod layout;
+mod measure;
 mod memory;
 mod model;
 mod placement;
+mod request;
 mod split;
 mod time;
 mod train;
@@ -96,11 +105,14 @@ mod tests;
 pub use assumptions::Assumptions;
 pub use choose::{choose, evaluate, Candidate, Choice, GroupUse, RankPrediction, SplitComparison};
 pub use cluster::{ClusterSpec, Link, Machine};
+pub use decide::{completed_request, decide, predict};
 pub use enumerate::{enumerate, Rejections};
 pub use error::AutoLayoutError;
 pub use layout::Layout;
+pub use measure::{parse_memory, probe_cluster, ClusterProbe, FLOPS_PROBE_SECONDS, MEMORY_ENV};
 pub use memory::{in_flight_chunks, MemoryBreakdown};
 pub use model::{ActivationSpec, ModelSpec};
 pub use placement::{GroupKind, GroupLink, LinkClass, Placement};
+pub use request::{AutoLayoutDecision, AutoLayoutRequest};
 pub use time::{all_gather_time, all_reduce_time, bubble_fraction, reduce_scatter_time, send_time, TimeBreakdown};
 pub use train::{Checkpointing, OptimizerKind, Precision, StateBytes, TrainSpec};

@@ -56,23 +56,63 @@ pub struct ActivationSpec {
     pub score_tensors: u64,
     /// `[b, a/t, s, s]` dropout masks per block.
     pub score_masks: u64,
+    /// Further `[b, s, h]` value tensors a block keeps, replicated over tp (beyond Korthikanti's count).
+    pub extra_h: u64,
+    /// Further `[b, s, h/t]` value tensors a block keeps, split over tp.
+    pub extra_h_split: u64,
+    /// Further `[b, s, f/t]` value tensors a block keeps.
+    pub extra_f: u64,
+    /// Further `[b, s, h]` tensors a block keeps only under tensor parallelism (t > 1): the tp region's copies
+    /// (the identity before a column-parallel layer, a row-parallel layer's partial sum before its all-reduce).
+    pub tp_extra_h: u64,
+    /// Blocks whose full activations are alive at once while checkpointed blocks are recomputed in the backward
+    /// (1 in the ideal; see [`ActivationSpec::accel`]).
+    pub recomputed_blocks_live: u64,
 }
 
 impl ActivationSpec {
     /// Korthikanti et al.'s accounting (Megatron on GPUs): 1-byte masks, dropout after attention and after the MLP
     /// and on the attention probabilities, the probabilities and their dropout's output kept.
     pub fn korthikanti() -> Self {
-        ActivationSpec { mask_bytes: 1, h_masks: 2, f_masks: 0, score_tensors: 2, score_masks: 1 }
+        ActivationSpec {
+            mask_bytes: 1,
+            h_masks: 2,
+            f_masks: 0,
+            score_tensors: 2,
+            score_masks: 1,
+            extra_h: 0,
+            extra_h_split: 0,
+            extra_f: 0,
+            tp_extra_h: 0,
+            recomputed_blocks_live: 1,
+        }
     }
 
     /// accel's char-GPT with the fused ops: no score tensor kept (the attention backward recomputes them); with
     /// `dropout`, masks of `mask_bytes` each (the activation element size: accel's masks are tensors of the
-    /// activations' dtype) after both residual branches and on the MLP's hidden activation.
+    /// activations' dtype) after both residual branches and on the MLP's hidden activation. candle's autograd
+    /// keeps every op's inputs, so each biased linear keeps its product before the bias too — q, k, v's (`3h/t`),
+    /// the MLP's first (`f/t`), both row-parallel projections' (`h` each) — and the heads' contiguous q, k, v
+    /// (`3h/t`): 2 more `h`, 6 more `h/t` and 1 more `f/t` tensor per token than Korthikanti's count (measured:
+    /// the 1-process char-GPT's peak grows 3.7 MiB per sequence of 64 tokens, 4 blocks, h 128, f 512; the formula
+    /// with these gives 3.6). Under tp, 8 more `h` tensors per token (the tp regions' copies and partial sums;
+    /// measured at tp 2: 3.2 MiB per sequence, the formula 2.3 without them, 3.2 with). While checkpointed blocks are
+    /// recomputed, two blocks' activations are alive (the recomputed block's and the previous one's, still held
+    /// when the next recomputation starts; measured with checkpointing and FULL_SHARD: 2.1 and 2.3 MiB per
+    /// sequence, the formula with one block 1.3).
     pub fn accel(dropout: bool, mask_bytes: u64) -> Self {
-        if dropout {
-            ActivationSpec { mask_bytes, h_masks: 2, f_masks: 1, score_tensors: 0, score_masks: 0 }
-        } else {
-            ActivationSpec { mask_bytes: 0, h_masks: 0, f_masks: 0, score_tensors: 0, score_masks: 0 }
+        let (mask_bytes, h_masks, f_masks) = if dropout { (mask_bytes, 2, 1) } else { (0, 0, 0) };
+        ActivationSpec {
+            mask_bytes,
+            h_masks,
+            f_masks,
+            score_tensors: 0,
+            score_masks: 0,
+            extra_h: 2,
+            extra_h_split: 6,
+            extra_f: 1,
+            tp_extra_h: 8,
+            recomputed_blocks_live: 2,
         }
     }
 }
@@ -270,7 +310,10 @@ impl ModelSpec {
         let (b, s, h, f, a, t) =
             (b as u64, self.seq_len as u64, self.d_model as u64, self.d_ff as u64, self.n_head as u64, tp as u64);
         let act = &self.activations;
-        let per_token = e * (4 * h + (4 * h + 2 * f) / t) + act.mask_bytes * (act.h_masks * h + act.f_masks * f / t);
+        let per_token = e * (4 * h + (4 * h + 2 * f) / t)
+            + act.mask_bytes * (act.h_masks * h + act.f_masks * f / t)
+            + e * (act.extra_h * h + (act.extra_h_split * h + act.extra_f * f) / t)
+            + if t > 1 { e * act.tp_extra_h * h } else { 0 };
         let scores = b * (a / t) * s * s * (act.score_tensors * e + act.score_masks * act.mask_bytes);
         b * s * per_token + scores
     }

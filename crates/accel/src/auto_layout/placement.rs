@@ -95,6 +95,7 @@ pub struct Placement {
     /// Per pp rank: the smallest memory per process among its ranks, the smallest FLOP/s, its machines.
     memory: Vec<u64>,
     flops: Vec<f64>,
+    op_latency: Vec<f64>,
     machines: Vec<BTreeSet<usize>>,
     /// Per group kind, per pp rank: the slowest link of its groups there.
     links: Vec<(GroupKind, Vec<GroupLink>)>,
@@ -109,12 +110,14 @@ impl Placement {
         let [p, r, s, t] = shape;
         let mut memory = vec![u64::MAX; p];
         let mut flops = vec![f64::INFINITY; p];
+        let mut op_latency = vec![0.0f64; p];
         let mut machines = vec![BTreeSet::new(); p];
         for (rank, &m) in machine_of.iter().enumerate() {
             let pp_rank = rank / (r * s * t);
             let machine = &cluster.machines[m];
             memory[pp_rank] = memory[pp_rank].min(machine.memory_per_process);
             flops[pp_rank] = flops[pp_rank].min(machine.flops_per_process);
+            op_latency[pp_rank] = op_latency[pp_rank].max(machine.op_latency);
             machines[pp_rank].insert(m);
         }
         let mut placement = Placement {
@@ -123,6 +126,7 @@ impl Placement {
             machine_of,
             memory,
             flops,
+            op_latency,
             machines,
             links: Vec::new(),
         };
@@ -159,6 +163,11 @@ impl Placement {
     /// The smallest FLOP/s per process among pp rank `pp_rank`'s processes (the one the others wait for).
     pub fn flops_of(&self, pp_rank: usize) -> f64 {
         self.flops[pp_rank]
+    }
+
+    /// The largest fixed cost per operator call among pp rank `pp_rank`'s processes, seconds.
+    pub fn op_latency_of(&self, pp_rank: usize) -> f64 {
+        self.op_latency[pp_rank]
     }
 
     /// The machines pp rank `pp_rank`'s processes are on.

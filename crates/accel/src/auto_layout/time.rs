@@ -111,6 +111,14 @@ impl std::fmt::Display for TimeBreakdown {
     }
 }
 
+/// Operator calls in one block's forward (two layer norms, the attention's projections, scores, softmax and
+/// mask, the MLP's two products and activation, the residual adds, reshapes): a count of accel's char-GPT's
+/// candle ops, rounded; what the fixed cost per call ([`super::Machine::op_latency`]) multiplies.
+pub const OPS_PER_BLOCK: f64 = 30.0;
+
+/// Operator calls of the head's forward (final norm, product, loss).
+pub const OPS_PER_HEAD: f64 = 8.0;
+
 /// One micro-batch on one pp rank, seconds.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub(crate) struct MicroBatchTime {
@@ -147,7 +155,9 @@ impl TimeModel<'_> {
             * (layers as f64 * model.block_forward_flops_per_token(t)
                 + if last { model.head_forward_flops_per_token(t) } else { 0.0 });
         let passes = if recompute { 4.0 } else { 3.0 };
-        let compute = passes * forward / self.placement.flops_of(r);
+        // Operator calls of one forward: each block's, the head's; the backward counts as two forwards.
+        let ops = OPS_PER_BLOCK * layers as f64 + if last { OPS_PER_HEAD } else { 0.0 };
+        let compute = passes * (forward / self.placement.flops_of(r) + ops * self.placement.op_latency_of(r));
 
         let bsh = tokens * model.d_model as f64 * bytes.activation as f64;
         let tp = if t > 1 {

@@ -161,6 +161,9 @@ pub struct TrainSpec {
     pub strategies: Vec<ShardingStrategy>,
     /// The pipeline schedules allowed when pp > 1.
     pub schedules: Vec<ScheduleKind>,
+    /// Sizes the user fixed, `[dp_replicate, dp_shard, tp, pp]` (`None`: chosen), e.g. `tp_size: auto` with the
+    /// others set ([`crate::ParallelismConfig::fixed_sizes`]).
+    pub fixed: [Option<usize>; 4],
 }
 
 impl TrainSpec {
@@ -185,7 +188,14 @@ impl TrainSpec {
                 ShardingStrategy::FullShard,
             ],
             schedules: vec![ScheduleKind::GPipe, ScheduleKind::OneFOneB, ScheduleKind::Interleaved1F1B],
+            fixed: [None; 4],
         }
+    }
+
+    /// Builder: the sizes the user fixed, `[dp_replicate, dp_shard, tp, pp]` (`None`: chosen).
+    pub fn with_fixed_sizes(mut self, fixed: [Option<usize>; 4]) -> Self {
+        self.fixed = fixed;
+        self
     }
 
     /// Builder: the optimizer (the bytes follow it, in the same accounting as before: ZeRO's unless
@@ -244,6 +254,12 @@ impl TrainSpec {
             return Err(AutoLayoutError::InvalidSpec(format!(
                 "micro-batch sizes {:?}: give at least one, each at least 1 sequence",
                 self.micro_batch_sizes
+            )));
+        }
+        if self.fixed.contains(&Some(0)) {
+            return Err(AutoLayoutError::InvalidSpec(format!(
+                "fixed sizes {:?} (dp_replicate, dp_shard, tp, pp): a fixed size is at least 1",
+                self.fixed
             )));
         }
         Ok(())

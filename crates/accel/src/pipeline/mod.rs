@@ -23,7 +23,7 @@ pub mod stages;
 
 pub use executor::{run_schedule, PipelineModel, PipelineStep, ShapeBook};
 pub use links::PipelineLinks;
-pub use runtime::{Stage, StagedModel};
+pub use runtime::{PipelineTiming, Stage, StagedModel};
 pub use schedule::{Action, PipelineSchedule, ScheduleKind};
 pub use simulate::{simulate, Costs, SimReport, Span};
 pub use stages::split_layers;

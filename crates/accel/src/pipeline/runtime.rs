@@ -66,6 +66,41 @@ pub(crate) struct PipelineRuntime {
     /// rank: refused at `prepare_model`).
     stages_asked: AtomicBool,
     shapes: Mutex<AgreedShapes>,
+    /// This rank's busy and elapsed time over the training steps run so far (the measured bubble).
+    timing: Mutex<PipelineTiming>,
+}
+
+/// This rank's time in the pipeline's training steps so far ([`crate::Accelerator::pipeline_timing`]): the
+/// measured bubble is `1 − busy / elapsed`, the part of each step this rank waited for its neighbours. Subtract two
+/// readings for a window.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PipelineTiming {
+    /// Training steps (`pipeline_backward` calls) counted.
+    pub steps: u64,
+    /// Seconds this rank spent in its stages' forwards and backwards.
+    pub busy_seconds: f64,
+    /// Seconds from each step's start to its last action's end, summed.
+    pub elapsed_seconds: f64,
+}
+
+impl PipelineTiming {
+    /// The idle fraction of the steps, `1 − busy / elapsed` (0 with no step counted).
+    pub fn bubble(&self) -> f64 {
+        if self.elapsed_seconds > 0.0 {
+            (1.0 - self.busy_seconds / self.elapsed_seconds).max(0.0)
+        } else {
+            0.0
+        }
+    }
+
+    /// The steps between `earlier` and this reading.
+    pub fn since(&self, earlier: &PipelineTiming) -> PipelineTiming {
+        PipelineTiming {
+            steps: self.steps - earlier.steps,
+            busy_seconds: self.busy_seconds - earlier.busy_seconds,
+            elapsed_seconds: self.elapsed_seconds - earlier.elapsed_seconds,
+        }
+    }
 }
 
 /// The activation shapes agreed over the links, for the micro-batch input shape they were agreed for (every rank
@@ -77,6 +112,11 @@ struct AgreedShapes {
 }
 
 impl PipelineRuntime {
+    /// This rank's pipeline timing so far.
+    pub(crate) fn timing(&self) -> PipelineTiming {
+        *lock(&self.timing)
+    }
+
     /// The links over the mesh's pp group (collective over it) and the schedule `kind` with `microbatches` and
     /// `stages_per_rank`. Errors: a schedule that cannot run (micro-batches fewer than the stages, not a multiple
     /// of pp for interleaved, …), naming the config keys; the backend's, creating the links.
@@ -94,6 +134,7 @@ impl PipelineRuntime {
             pp_group,
             stages_asked: AtomicBool::new(false),
             shapes: Mutex::new(AgreedShapes::default()),
+            timing: Mutex::new(PipelineTiming::default()),
         })
     }
 
@@ -197,8 +238,15 @@ impl PipelineRuntime {
         if shapes.input_dims != dims {
             *shapes = AgreedShapes { input_dims: dims, book: ShapeBook::default() };
         }
+        let training = !adapter.params.is_empty();
         let step = run_schedule(schedule, &self.links, &mut adapter, &mut shapes.book)?;
         drop(shapes);
+        if training {
+            let mut timing = lock(&self.timing);
+            timing.steps += 1;
+            timing.busy_seconds += step.timeline.iter().map(|(_, start, end)| end - start).sum::<f64>();
+            timing.elapsed_seconds += step.timeline.iter().map(|&(_, _, end)| end).fold(0.0, f64::max);
+        }
         // The last stage's rank holds the losses; every pp rank returns them combined.
         let last_rank = schedule.rank_of(schedule.num_stages() - 1);
         let sum: f64 = adapter.losses.iter().sum();

@@ -1,6 +1,7 @@
 //! One integration-test binary for the crate (each test binary links candle: one link instead of one per file).
 
 mod accumulation;
+mod auto_layout;
 mod checkpoint;
 mod data_loader;
 mod equivalence;

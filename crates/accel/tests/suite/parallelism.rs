@@ -196,6 +196,8 @@ fn layouts_the_accelerator_cannot_run_are_refused_on_every_rank() {
         "invalid configuration parallelism_config_cp_size = \"2\": context parallelism is not implemented yet; set \
          cp_size to 1"
     );
-    let e = errors_on(2, with(ParallelismConfig::default().with_tp_size(0)));
-    assert!(e[0].starts_with("invalid configuration parallelism_config_tp_size = \"0\": every size is at least 1"));
+    // A size of 0 is `auto`: without the program's model description, every rank refuses it, naming the fix.
+    let e = errors_on(2, with(ParallelismConfig::default().with_tp_size(ParallelismConfig::AUTO)));
+    assert!(e[0].contains("some sizes are `auto`") && e[0].contains("AcceleratorConfig::auto_layout"), "{}", e[0]);
+    assert!(e.iter().all(|m| *m == e[0]));
 }

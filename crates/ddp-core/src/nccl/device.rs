@@ -73,6 +73,14 @@ pub fn identity(ctx: &cudarc::driver::CudaContext) -> Result<String> {
     Ok(format!("{}|GPU-{}", hostname(), hex))
 }
 
+/// Total memory of CUDA device `ordinal` in bytes (`cuDeviceTotalMem`): what the automatic layout plans a rank's
+/// memory with on CUDA (`accel::auto_layout`). Errors: the driver cannot be loaded or has no such device.
+pub fn total_memory(ordinal: usize) -> Result<u64> {
+    let ctx = cudarc::driver::CudaContext::new(ordinal).map_err(|e| super::error::init_driver("cuCtxCreate", &e))?;
+    let bytes = ctx.total_mem().map_err(|e| super::error::init_driver("cuDeviceTotalMem", &e))?;
+    Ok(bytes as u64)
+}
+
 /// This machine's host name (for the device identity only).
 fn hostname() -> String {
     let mut buf = [0u8; 256];

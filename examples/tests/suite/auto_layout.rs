@@ -1,0 +1,132 @@
+//! The automatic layout end to end (issue "ND-parallel IV"): `accel_gpt --predict` prints the cost model's peak
+//! memory per rank for the layout it runs, within ±25 % of the peak RSS the ranks measure, at the char-GPT's
+//! layouts (1 process, dp2, tp2, pp2 1F1B, dp_shard 2 FULL_SHARD; the run-to-run spread of a peak RSS is a few
+//! percent); `--parallelism auto` probes, chooses, prints
+//! why, and trains the choice; a memory no layout fits fails before training with what would.
+
+use super::gpt_tp::run_example;
+
+/// The default char-GPT (820 992 parameters) at a global batch of 32 sequences, 3 steps: its training state and
+/// activations are most of a rank's memory (the runtime's ~50 MiB is the rest).
+const MODEL: [&str; 8] = ["--steps", "3", "--log-every", "3", "--sample-len", "0", "--seed", "3"];
+
+/// `(predicted MiB, the largest measured peak RSS of a rank in MiB)` from an accel_gpt run's output.
+fn predicted_and_measured(out: &str) -> (f64, f64) {
+    let predicted = out
+        .lines()
+        .find_map(|l| l.split("auto_layout predicted: peak ").nth(1))
+        .and_then(|rest| rest.split(" MiB").next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no prediction in:\n{out}"));
+    let measured = out
+        .lines()
+        .filter_map(|l| l.split("peak RSS ").nth(1))
+        .filter_map(|rest| rest.split(" MiB").next()?.parse::<f64>().ok())
+        .fold(0.0, f64::max);
+    assert!(measured > 0.0, "no peak RSS in:\n{out}");
+    (predicted, measured)
+}
+
+#[test]
+fn the_predicted_peak_memory_is_within_a_quarter_of_the_measured_one() {
+    let bin = env!("CARGO_BIN_EXE_accel_gpt");
+    let layouts: [(&str, &[&str]); 5] = [
+        ("1 process", &["--nproc", "1", "--batch-size", "32"]),
+        ("dp2", &["--nproc", "2", "--batch-size", "16"]),
+        ("tp2", &["--nproc", "2", "--tp-size", "2", "--batch-size", "32"]),
+        // One micro-batch per stage (the default). With 4 micro-batches rank 0's peak measures 0.74× the predicted
+        // one (114.5 against 84.3 MiB: as if all 4 were in flight where 1F1B holds 2), an open discrepancy
+        // recorded in docs/benchmarks.md; with 2 and 8 the prediction is within 10 %.
+        ("pp2 1F1B", &["--nproc", "2", "--pp-size", "2", "--batch-size", "32"]),
+        (
+            "dp_shard 2 FULL_SHARD",
+            &["--nproc", "2", "--dp-shard-size", "2", "--sharding-strategy", "FULL_SHARD", "--batch-size", "16"],
+        ),
+    ];
+    let mut table = Vec::new();
+    for (name, flags) in layouts {
+        let out = run_example(bin, &[flags, &MODEL[..], &["--predict"]].concat());
+        let (predicted, measured) = predicted_and_measured(&out);
+        table.push((name, predicted, measured, predicted / measured));
+    }
+    let rows: Vec<String> =
+        table.iter().map(|(n, p, m, r)| format!("{n}: predicted {p:.1} MiB, measured {m:.1} MiB ({r:.2}×)")).collect();
+    for (name, _, _, ratio) in &table {
+        assert!((0.75..=1.25).contains(ratio), "{name} is off by more than 25 %:\n{}", rows.join("\n"));
+    }
+}
+
+#[test]
+fn parallelism_auto_chooses_explains_and_trains() {
+    let bin = env!("CARGO_BIN_EXE_accel_gpt");
+    let out = run_example(
+        bin,
+        &[
+            "--nproc",
+            "2",
+            "--parallelism",
+            "auto",
+            "--global-batch-size",
+            "16",
+            "--steps",
+            "2",
+            "--log-every",
+            "1",
+            "--sample-len",
+            "0",
+        ],
+    );
+    for expected in [
+        "[rank 0] auto layout probe measured in",
+        "[rank 0] auto layout for 2 processes (1 machine × 2 processes): model n_layer 4, d_model 128",
+        "[rank 0] chosen: ",
+        "[rank 0] runners-up (the fastest fitting layout of each other shape):",
+        "[rank 0] auto_layout flags: --tp-size ",
+        "[rank 0] auto_layout predicted: peak ",
+        "global batch 16 sequences",
+        "[rank 0] accel_gpt done: 2 steps",
+    ] {
+        assert!(out.contains(expected), "missing {expected:?} in:\n{out}");
+    }
+    // The flags it prints run the same layout without auto.
+    let flags = out.lines().find_map(|l| l.split("auto_layout flags: ").nth(1)).unwrap();
+    let args: Vec<&str> = flags.split_whitespace().collect();
+    let pinned = run_example(
+        bin,
+        &[&["--nproc", "2", "--steps", "2", "--log-every", "1", "--sample-len", "0"], &args[..]].concat(),
+    );
+    let banner = |text: &str| {
+        text.lines()
+            .find(|l| l.contains("accel_gpt: config"))
+            .map(|l| l.split(" | ").nth(2).map(str::to_string))
+            .unwrap()
+    };
+    assert_eq!(banner(&pinned), banner(&out), "auto:\n{out}\npinned:\n{pinned}");
+    assert_eq!(super::gpt_tp::logged_losses(&pinned), super::gpt_tp::logged_losses(&out));
+
+    // Layout flags next to auto are refused, naming them.
+    let refused = std::process::Command::new(bin)
+        .args(["--nproc", "2", "--parallelism", "auto", "--tp-size", "2"])
+        .env_remove("RANK")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && text.contains("--parallelism auto chooses the layout, and --tp-size 2"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_memory_nothing_fits_fails_before_training_with_what_would() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_accel_gpt"))
+        .args(["--nproc", "2", "--parallelism", "auto", "--steps", "1", "--sample-len", "0"])
+        .env_remove("RANK")
+        .env("ACCEL_AUTO_LAYOUT_MEMORY", "40MiB")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "{text}");
+    assert!(text.contains("The smallest memory per process that would fit is"), "{text}");
+    assert!(!text.contains("step 1/1"), "nothing trained:\n{text}");
+}
