@@ -321,6 +321,22 @@ cmd_status() {
 now_ms() { echo $(($(date +%s%N) / 1000000)); }
 secs() { printf '%d.%03d s' $(($1 / 1000)) $(($1 % 1000)); }
 
+# `accel launch FLAGS…` on machines 0 and 1 at once, each one's output in $log_dir/NAME<i>.log (check's $log_dir);
+# ends the check when a launcher fails, with the tail of its log.
+launch_both() {
+    local name=$1 i rc=0 pids=()
+    shift
+    for i in 0 1; do
+        timeout -k 10 120 bash "$self" launch "$i" -- "$@" >"$log_dir/$name$i.log" 2>&1 9>&- &
+        pids+=($!)
+    done
+    for i in 0 1; do
+        wait "${pids[$i]}" ||
+            { echo "check: machine $i's launcher ($name) exited with $?:" >&2; tail -n 30 "$log_dir/$name$i.log" >&2; rc=1; }
+    done
+    ((rc == 0)) || exit 1
+}
+
 cmd_check() {
     local r=100mbit
     while (($#)); do
@@ -379,19 +395,10 @@ cmd_check() {
     local i
     for i in 0 1; do before+=($(link_bytes "$i")); done
     echo "check: dp2 × tp2 over 2 machines (2 processes each), batch 4 per replica"
-    local t_run pids=() rc=0
+    local t_run
     t_run=$(now_ms)
-    for i in 0 1; do
-        RUST_LOG=ddp_core::cpu=debug timeout -k 10 120 bash "$self" launch "$i" -- --cpu --num_processes 4 \
-            --parallelism_config_dp_replicate_size 2 --parallelism_config_tp_size 2 \
-            "$gpt" "${gpt_args[@]}" --batch-size 4 >"$log_dir/machine$i.log" 2>&1 9>&- &
-        pids+=($!)
-    done
-    for i in 0 1; do
-        wait "${pids[$i]}" ||
-            { echo "check: machine $i's launcher exited with $?:" >&2; tail -n 30 "$log_dir/machine$i.log" >&2; rc=1; }
-    done
-    ((rc == 0)) || exit 1
+    RUST_LOG=ddp_core::cpu=debug launch_both machine --cpu --num_processes 4 \
+        --parallelism_config_dp_replicate_size 2 --parallelism_config_tp_size 2 "$gpt" "${gpt_args[@]}" --batch-size 4
     local multi_ms=$(($(now_ms) - t_run))
     for i in 0 1; do after+=($(link_bytes "$i")); done
 
@@ -479,17 +486,7 @@ cmd_check() {
     # far slower than the all-reduce inside one), and the chooser must keep tp inside a machine (tp ≤ 2 processes).
     echo
     echo "check: --parallelism auto over the 2 machines"
-    pids=()
-    for i in 0 1; do
-        timeout -k 10 120 bash "$self" launch "$i" -- --cpu --num_processes 4 "$gpt" "${gpt_args[@]/#$steps/2}" \
-            --parallelism auto --global-batch-size 8 >"$log_dir/auto$i.log" 2>&1 9>&- &
-        pids+=($!)
-    done
-    for i in 0 1; do
-        wait "${pids[$i]}" ||
-            { echo "check: machine $i's auto launcher exited with $?:" >&2; tail -n 30 "$log_dir/auto$i.log" >&2; rc=1; }
-    done
-    ((rc == 0)) || exit 1
+    launch_both auto --cpu --num_processes 4 "$gpt" "${gpt_args[@]/#$steps/2}" --parallelism auto --global-batch-size 8
     local probe chosen flags
     probe=$(grep -m1 '^\[rank 0\] auto layout probe' "$log_dir/auto0.log" || true)
     chosen=$(grep -m1 '^\[rank 0\] chosen: ' "$log_dir/auto0.log" | sed 's/^\[rank 0\] //' || true)

@@ -360,6 +360,8 @@ fn train(args: &Args) -> anyhow::Result<()> {
     let varmap = VarMap::new();
     let stages = acc.pipeline_stages(gpt_cfg.n_layer, None)?; // accel: the blocks this rank holds (all at pp 1)
     GptStages::new(gpt_cfg, &acc.param_builder(&varmap), &stages)?; // accel: drawn from the seed, split over tp
+    // This rank's share of the model (its stages' blocks, split over tp), before any sharding: ZeRO's Ψ below.
+    let held_parameters: usize = varmap.all_vars().iter().map(|v| v.elem_count()).sum();
     let opt = AdamW::new(AdamWConfig { lr: args.lr, weight_decay: 0.1, ..Default::default() })?;
     let prepared = acc.prepare_model(&varmap)?; // accel: gradient sync over dp, fp32 masters (sharded over dp_shard)
                                                 // accel: the model computes with the prepared parameters (under FULL_SHARD gathered at each use)
@@ -533,7 +535,7 @@ fn train(args: &Args) -> anyhow::Result<()> {
     if dp > 1 {
         // Payload per group (what the ranks pass in), and what ring algorithms send, next to ZeRO's per-step
         // volumes (§7: 2Ψ for DDP, ZeRO-1 and ZeRO-2 without accumulation, 3Ψ for FULL_SHARD; times (n−1)/n).
-        let psi = 4 * gpt_cfg.num_parameters() / (tp.size() * pp); // this rank's fp32 share of the model, bytes
+        let psi = 4 * held_parameters; // this rank's fp32 share of the model, bytes
         let steps = match measured {
             Some((_, s0)) if step > s0 => step - s0,
             _ => step.max(1),
