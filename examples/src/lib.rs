@@ -193,6 +193,8 @@ pub struct ModelLayout {
     pub schedule: Option<accel::pipeline::ScheduleKind>,
     /// Micro-batches per pipeline step (`None`: one per stage).
     pub microbatches: Option<usize>,
+    /// Model stages per pp rank (`None`: the config's default, 2 for Interleaved1F1B, else 1).
+    pub virtual_stages: Option<usize>,
     /// Data-parallel ranks sharding the model (1: none).
     pub dp_shard: usize,
     /// What they shard (`None`: the config's default, SHARD_GRAD_OP).
@@ -216,6 +218,9 @@ impl ModelLayout {
         }
         if let Some(m) = self.microbatches {
             p = p.with_pp_microbatches(m);
+        }
+        if let Some(v) = self.virtual_stages {
+            p = p.with_pp_virtual_stages(v);
         }
         p
     }

@@ -139,6 +139,10 @@ struct Args {
     /// step, from a start-up probe of the machines), to set beside the measured figures.
     #[arg(long)]
     predict: bool,
+    /// Blocks per pipeline stage, comma-separated (`pp × stages per rank` of them, summing to --n-layer; default:
+    /// the even split, or under --parallelism auto the chosen one).
+    #[arg(long, value_delimiter = ',')]
+    layers_per_stage: Option<Vec<usize>>,
 }
 
 fn main() -> std::process::ExitCode {
@@ -229,6 +233,9 @@ fn check_unset_under_auto(layout: &layout_args::LayoutArgs) -> anyhow::Result<()
     if let Some(s) = layout.sharding_strategy {
         given.push(format!("--sharding-strategy {s}"));
     }
+    if let Some(v) = layout.pp_virtual_stages {
+        given.push(format!("--pp-virtual-stages {v}"));
+    }
     anyhow::ensure!(
         given.is_empty(),
         "--parallelism auto chooses the layout, and {} would fix part of it: drop {}, or drop --parallelism auto \
@@ -244,10 +251,21 @@ fn run() -> anyhow::Result<()> {
     if args.parallelism.is_some() {
         check_unset_under_auto(&args.layout)?;
         anyhow::ensure!(
+            args.layers_per_stage.is_none(),
+            "--layers-per-stage is chosen by --parallelism auto: drop it (or drop auto to give the split)"
+        );
+        anyhow::ensure!(
             args.gradient_accumulation_steps.is_none(),
             "--gradient-accumulation-steps is chosen by --parallelism auto: drop it (set --global-batch-size)"
         );
     } else {
+        if let Some(list) = &args.layers_per_stage {
+            anyhow::ensure!(
+                list.iter().all(|&n| n > 0),
+                "--layers-per-stage {list:?}: every stage needs at least one block (a stage without blocks has no \
+                 parameters to train here); move a block to it or use fewer stages"
+            );
+        }
         // Check the model against the sizes once, here, before any worker starts (76 = the shipped vocabulary;
         // the vocabulary never constrains tp).
         args.layout.check(args.nproc, args.n_layer, "--batch-size", args.batch_size)?;
@@ -291,6 +309,13 @@ fn layout_flags(layout: &accel::auto_layout::Layout) -> String {
     }
     if let (true, Some(kind)) = (layout.pp > 1, layout.schedule) {
         flags += &format!(" --pp-schedule {kind} --microbatches {}", layout.microbatches);
+        if layout.virtual_stages > 1 {
+            flags += &format!(" --pp-virtual-stages {}", layout.virtual_stages);
+        }
+        if let Some(list) = &layout.layers_per_stage {
+            let list: Vec<String> = list.iter().map(ToString::to_string).collect();
+            flags += &format!(" --layers-per-stage {}", list.join(","));
+        }
     }
     flags += &format!(
         " --batch-size {} --gradient-accumulation-steps {}",
@@ -358,9 +383,10 @@ fn train(args: &Args) -> anyhow::Result<()> {
         DataLoaderConfig { batch_size, shuffle: true, seed: args.seed, drop_last: true, ..Default::default() };
 
     let varmap = VarMap::new();
-    let stages = acc.pipeline_stages(gpt_cfg.n_layer, None)?; // accel: the blocks this rank holds (all at pp 1)
+    // accel: the blocks this rank holds (all at pp 1)
+    let stages = acc.pipeline_stages(gpt_cfg.n_layer, args.layers_per_stage.as_deref())?;
     GptStages::new(gpt_cfg, &acc.param_builder(&varmap), &stages)?; // accel: drawn from the seed, split over tp
-    // This rank's share of the model (its stages' blocks, split over tp), before any sharding: ZeRO's Ψ below.
+                                                                    // This rank's share of the model (its stages' blocks, split over tp), before any sharding: ZeRO's Ψ below.
     let held_parameters: usize = varmap.all_vars().iter().map(|v| v.elem_count()).sum();
     let opt = AdamW::new(AdamWConfig { lr: args.lr, weight_decay: 0.1, ..Default::default() })?;
     let prepared = acc.prepare_model(&varmap)?; // accel: gradient sync over dp, fp32 masters (sharded over dp_shard)

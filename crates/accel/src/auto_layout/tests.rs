@@ -518,15 +518,15 @@ fn ties_go_to_the_simpler_layout_then_to_less_memory() {
     let choice = choose(&model, &tight, &train, &no_overhead()).unwrap();
     assert_eq!(choice.best.layout.sharding, ShardOptim, "{choice}");
 
-    // GPipe and 1F1B at pp 4 with 4 micro-batches: the same time and the same peak (the first rank holds all 4
-    // micro-batches either way): 1F1B, the default, is the simpler.
+    // GPipe and 1F1B at pp 4 with 4 micro-batches: the same time; 1F1B holds no more than GPipe on any rank (the
+    // first rank holds all 4 micro-batches either way) and is the simpler.
     let (model, cluster, train) = needs_tp_or_pp(Link::new(20e-6, 2e9));
     let choice = choose(&model, &cluster, &train, &no_overhead()).unwrap();
     assert_eq!((choice.best.layout.pp, choice.best.layout.schedule), (4, Some(ScheduleKind::OneFOneB)), "{choice}");
     let gpipe = choice.runners_up.iter().find(|c| c.layout.schedule == Some(ScheduleKind::GPipe)).unwrap();
     assert_eq!((gpipe.layout.pp, gpipe.layout.tp), (4, 1));
     assert_eq!((gpipe.time.total * 1e9).round(), (choice.best.time.total * 1e9).round());
-    assert_eq!(gpipe.peak_memory(), choice.best.peak_memory());
+    assert!(gpipe.peak_memory() >= choice.best.peak_memory());
 }
 
 #[test]
@@ -632,4 +632,28 @@ fn full_shard_and_checkpointing_apply_to_pipeline_stages_and_tied_embeddings_sum
     let tied = char_gpt().with_tied_embeddings(true);
     let extra = all_reduce_time(2, (76 * 128 * 4) as f64, &link);
     assert!((dp(&tied) - dp(&model) - extra).abs() < 1e-12, "{} {} {extra}", dp(&tied), dp(&model));
+}
+
+/// A much slower machine still gets a block: every pipeline stage holds at least one (a stage without blocks has
+/// no parameters for the program to build; found when the probe measured two simulated machines at different
+/// speeds and the split came out [2, 1, 0, 1]).
+#[test]
+fn an_uneven_split_leaves_no_stage_without_blocks() {
+    let link = Link::new(20e-6, 2e9);
+    let fast =
+        Machine { processes: 1, memory_per_process: 1 << 40, flops_per_process: 1e10, intra: link, op_latency: 0.0 };
+    let slow = Machine { flops_per_process: 1e8, ..fast };
+    let cluster = ClusterSpec { machines: vec![fast, fast, slow, fast], inter: link };
+    let train = TrainSpec::new(8, &[1], Precision::Fp32).with_strategies(&[NoShard]).with_parallel_forms(false, true);
+    let a = no_overhead();
+    let layout =
+        Layout { pp: 4, schedule: Some(ScheduleKind::OneFOneB), microbatches: 8, ..flat(1, 1, 1, NoShard, 1, 1) };
+    for n_layer in [4, 8] {
+        let model = ModelSpec::gpt(n_layer, 128, 4, 512, 76, 64);
+        let c = evaluate(&model, &cluster, &train, &a, &layout).unwrap();
+        let blocks: Vec<usize> = c.ranks.iter().map(|r| r.layers).collect();
+        assert!(blocks.iter().all(|&n| n >= 1), "{blocks:?}");
+        assert_eq!(blocks.iter().sum::<usize>(), n_layer);
+        assert_eq!(blocks[2], 1, "the slow machine's stage holds the fewest: {blocks:?}");
+    }
 }

@@ -18,6 +18,10 @@ pub struct LayoutArgs {
     /// Micro-batches per pipeline step (default: one per stage); must divide the batch size.
     #[arg(long)]
     pub microbatches: Option<usize>,
+    /// Model stages per pp rank (default: 2 for Interleaved1F1B, else 1). Passed to the workers as
+    /// PARALLELISM_CONFIG_PP_VIRTUAL_STAGES.
+    #[arg(long)]
+    pub pp_virtual_stages: Option<usize>,
     /// Data-parallel processes that shard the model (ZeRO / FSDP; must divide the data-parallel processes); the
     /// rest replicate it (HSDP). Passed to the workers as PARALLELISM_CONFIG_DP_SHARD_SIZE.
     #[arg(long, default_value_t = 1)]
@@ -36,6 +40,7 @@ impl LayoutArgs {
             pp: self.pp_size,
             schedule: self.pp_schedule,
             microbatches: self.microbatches,
+            virtual_stages: self.pp_virtual_stages,
             dp_shard: self.dp_shard_size,
             sharding: self.sharding_strategy,
         }
@@ -61,8 +66,12 @@ impl LayoutArgs {
         if p.pp_size <= 1 {
             let first = !ddp_core::launcher::is_worker()
                 || matches!(ddp_core::env::DistEnv::detect_from_env(), Ok(Some(env)) if env.rank == 0);
-            if first && (layout.schedule.is_some() || layout.microbatches.is_some()) {
-                eprintln!("warning: --pp-schedule and --microbatches only apply with --pp-size above 1: ignored");
+            let pipeline_flags = layout.schedule.is_some() || layout.microbatches.is_some();
+            if first && (pipeline_flags || layout.virtual_stages.is_some()) {
+                eprintln!(
+                    "warning: --pp-schedule, --microbatches and --pp-virtual-stages only apply with --pp-size above 1: \
+                     ignored"
+                );
             }
             return Ok(());
         }
