@@ -23,7 +23,11 @@
 //!   rank's gradient slots (candle returns a backward's gradients together): Ψ_r·param when the slots cannot be
 //!   those very tensors — more than one micro-batch per step (they are added), ZeRO-2 (they are reduce-scattered
 //!   into chunks), or slots of another width (fp32 slots of 16-bit gradients). Conservative: a segmented backward
-//!   frees it segment by segment.
+//!   frees it segment by segment. Under ZeRO-1 and -2 also the flat rank-major buffer the gradients are packed
+//!   into for the reduce-scatter, Ψ_r·grad (accel's `FlatShards`: a copy).
+//! - `gathered` under FULL_SHARD is also at least the stage's whole fp32 parameters, Ψ_r·4: accel draws a stage
+//!   whole before it shards it (measured: the large char-GPT's FULL_SHARD ranks peaked 60–130 MiB above the
+//!   training terms without this).
 //! - `activations`: per micro-batch, the rank's blocks × [`ModelSpec::block_activation_bytes`] plus the
 //!   embedding's (first stage) and the head's and loss's (last stage) — or, with recomputation, each block's input
 //!   ([`ModelSpec::checkpointed_block_bytes`]) plus the full activations of the blocks alive while they are
@@ -132,10 +136,14 @@ pub(crate) fn rank_memory(
     } else {
         let outside = if first { model.embedding_params_per_rank(t) } else { 0 }
             + if last { model.head_params_per_rank(t, p) } else { 0 };
-        (block + outside) * param + block * param
+        // accel draws the stage whole (fp32) before it shards it: the larger of that and one unit at a time.
+        ((block + outside) * param + block * param).max(psi * 4)
     };
-    let grad_buffer =
+    let backward =
         if z < 3 && (layout.microbatches_per_step() > 1 || z == 2 || grad != param) { psi * param } else { 0 };
+    // ZeRO-1 and -2 pack the gradients into one rank-major flat buffer for the reduce-scatter (a copy).
+    let packed = if z == 1 || z == 2 { psi * grad } else { 0 };
+    let grad_buffer = backward + packed;
 
     let b = layout.micro_batch_size;
     let extras = if first { model.embedding_activation_bytes(b, e) } else { 0 }

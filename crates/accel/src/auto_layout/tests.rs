@@ -28,7 +28,8 @@ fn mid_gpt() -> ModelSpec {
 }
 
 fn no_overhead() -> Assumptions {
-    Assumptions { runtime_overhead_bytes: 0, ..Assumptions::default() }
+    // The hand-computed figures below use a 10 % margin (the default is 20 %).
+    Assumptions { runtime_overhead_bytes: 0, memory_margin: 0.1, ..Assumptions::default() }
 }
 
 /// A pp 1 layout.
@@ -127,20 +128,24 @@ fn memory_per_sharding_stage_matches_hand_computed_bytes() {
     assert_eq!(ddp.total(), 23_073_344);
 
     let zero1 = memory(flat(1, 2, 1, ShardOptim, 4, 1));
-    assert_eq!(zero1, MemoryBreakdown { optimizer: 8 * HALF, ..want });
-    assert_eq!(zero1.total(), 19_789_376);
+    // The gradients packed into the flat buffer of the reduce-scatter: at 2 ranks in fp32 that copy costs what
+    // halving the moments saves (as measured: ZeRO-1's peak sits at DDP's).
+    assert_eq!(zero1, MemoryBreakdown { optimizer: 8 * HALF, grad_buffer: 4 * PSI, ..want });
+    assert_eq!(zero1.total(), 23_073_344);
 
     let zero2 = memory(flat(1, 2, 1, ShardGradOp, 4, 1));
-    // The whole micro-batch gradient exists before its reduce-scatter.
-    assert_eq!(zero2, MemoryBreakdown { grads: 4 * HALF, optimizer: 8 * HALF, grad_buffer: 4 * PSI, ..want });
-    assert_eq!(zero2.total(), 21_431_360);
+    // The whole micro-batch gradient exists before its reduce-scatter, and its packed copy.
+    assert_eq!(zero2, MemoryBreakdown { grads: 4 * HALF, optimizer: 8 * HALF, grad_buffer: 8 * PSI, ..want });
+    assert_eq!(zero2.total(), 24_715_328);
 
     let zero3 = memory(flat(1, 2, 1, FullShard, 4, 1));
-    // One block (198 272) gathered with the embeddings (17 920) and the head (9 984), plus the block's gradient;
-    // units recomputed: each block keeps its input (131 072), one block is whole while recomputed.
-    let gathered = (198_272 + 17_920 + 9_984) * 4 + 198_272 * 4;
+    // One block (198 272) gathered with the embeddings (17 920) and the head (9 984), plus the block's gradient —
+    // less than the whole model accel draws in fp32 before sharding it, which bounds the term; units recomputed:
+    // each block keeps its input (131 072), one block is whole while recomputed.
+    let one_unit = (198_272 + 17_920 + 9_984) * 4 + 198_272 * 4;
+    let gathered = 4 * PSI;
     let activations = 4 * 131_072 + 131_072 + 417_792 + 2_097_152;
-    assert_eq!((gathered, activations), (1_697_792, 3_170_304));
+    assert_eq!((one_unit, gathered, activations), (1_697_792, 3_283_968, 3_170_304));
     assert_eq!(
         zero3,
         MemoryBreakdown {
@@ -153,7 +158,7 @@ fn memory_per_sharding_stage_matches_hand_computed_bytes() {
             overhead: 1_000_000,
         }
     );
-    assert_eq!(zero3.total(), 12_436_032);
+    assert_eq!(zero3.total(), 14_022_208);
 
     // Accumulating 2 micro-batches under DDP: the second's gradients are added to the slots.
     let train2 = TrainSpec::new(16, &[4], Precision::Fp32);
@@ -367,12 +372,12 @@ fn slow_links_everywhere_prefer_pipeline_stages_over_tp() {
     assert!(with_tp.time.tp_comm > choice.best.time.total - choice.best.time.compute, "{choice}");
 }
 
-/// 4 processes of one machine, the program has neither tp nor pp: DDP, ZeRO-1 and ZeRO-2 do not fit 1.5 GiB,
-/// FULL_SHARD does.
+/// 4 processes of one machine, the program has neither tp nor pp: DDP, ZeRO-1 and ZeRO-2 do not fit 2 GiB,
+/// FULL_SHARD over 2 does not either (8Ψ of state and the 4Ψ drawn before sharding), FULL_SHARD over 4 does.
 #[test]
 fn a_model_too_large_for_one_process_is_fully_sharded() {
     let model = mid_gpt();
-    let cluster = one_machine(4, 3 << 29, Link::new(1e-6, 20e9));
+    let cluster = one_machine(4, 1 << 31, Link::new(1e-6, 20e9));
     let train = TrainSpec::new(8, &[1, 2], Precision::Fp32).with_parallel_forms(false, false);
     let a = no_overhead();
     let choice = choose(&model, &cluster, &train, &a).unwrap();
@@ -457,7 +462,7 @@ fn when_nothing_fits_the_error_names_the_smallest_memory_that_would() {
     let model = char_gpt();
     let cluster = one_machine(1, 10_000_000, Link::new(1e-6, 1e9));
     let train = TrainSpec::new(4, &[1, 4], Precision::Fp32).with_parallel_forms(false, false);
-    let a = Assumptions { runtime_overhead_bytes: 1_000_000, ..Assumptions::default() };
+    let a = Assumptions { runtime_overhead_bytes: 1_000_000, memory_margin: 0.1, ..Assumptions::default() };
     let e = choose(&model, &cluster, &train, &a).unwrap_err();
     let AutoLayoutError::NothingFits { needed_per_process, more_machines, considered, least_memory, fastest, .. } = &e
     else {
@@ -500,9 +505,10 @@ fn no_layout_for_the_batch_names_the_rules_and_the_nearest_batch() {
     assert!(reasons.iter().any(|r| r.starts_with("pipeline not allowed")), "{reasons:?}");
 }
 
-/// Free communication: DDP, ZeRO-1 and ZeRO-2 take the same time; ZeRO-1 holds the least (fp32: 12Ψ against
-/// ZeRO-2's 10Ψ + a whole micro-batch gradient and DDP's 16Ψ). Equal time goes to the simpler layout (DDP: sharding
-/// buys nothing where everything fits, and costs copies the model does not see), then to less memory.
+/// Free communication: DDP, ZeRO-1 and ZeRO-2 take the same time; at 2 fp32 ranks ZeRO-1's packed gradients cost
+/// what halving the moments saves (16Ψ either way) and ZeRO-2 holds more (a whole micro-batch gradient and its
+/// packed copy). Equal time goes to the simpler layout (DDP: sharding buys nothing where everything fits, and its
+/// copies cost time the α–β model does not see), then to less memory; when DDP does not fit, FULL_SHARD does.
 #[test]
 fn ties_go_to_the_simpler_layout_then_to_less_memory() {
     let model = char_gpt();
@@ -512,11 +518,11 @@ fn ties_go_to_the_simpler_layout_then_to_less_memory() {
     assert_eq!((choice.best.layout.dp_shard, choice.best.layout.sharding), (1, NoShard), "{choice}");
     let zero1 = choice.runners_up.iter().find(|c| c.layout.sharding == ShardOptim).unwrap();
     assert_eq!((zero1.time.total * 1e9).round(), (choice.best.time.total * 1e9).round());
-    assert!(zero1.peak_memory() < choice.best.peak_memory());
-    // Where DDP does not fit and ZeRO-1 does, memory decides.
+    assert!(zero1.peak_memory() <= choice.best.peak_memory());
+    // Where DDP does not fit and a sharded layout does, memory decides.
     let tight = one_machine(2, choice.best.peak_memory() * 10 / 9 - 1, Link::new(0.0, 1e30));
     let choice = choose(&model, &tight, &train, &no_overhead()).unwrap();
-    assert_eq!(choice.best.layout.sharding, ShardOptim, "{choice}");
+    assert_eq!(choice.best.layout.sharding, FullShard, "{choice}");
 
     // GPipe and 1F1B at pp 4 with 4 micro-batches: the same time; 1F1B holds no more than GPipe on any rank (the
     // first rank holds all 4 micro-batches either way) and is the simpler.
