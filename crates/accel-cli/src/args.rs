@@ -151,7 +151,7 @@ pub struct LaunchArgs {
     /// start-up, from the program's model description, each process's memory (or ACCEL_AUTO_LAYOUT_MEMORY) and
     /// the links it measures (PARALLELISM_CONFIG_*_SIZE=auto; accel::auto_layout). Sizes given by
     /// --parallelism-config-* stay fixed.
-    #[arg(long, value_name = "auto", value_parser = ["auto"])]
+    #[arg(long, value_name = "auto", value_parser = ["auto"], ignore_case = true)]
     pub parallelism: Option<String>,
     /// Data-parallel replicas (PARALLELISM_CONFIG_DP_REPLICATE_SIZE; overrides the config file's
     /// `parallelism_config` block). With every size 1 (the default) the job is data parallel over all processes.
@@ -159,7 +159,7 @@ pub struct LaunchArgs {
           value_parser = clap::value_parser!(u64).range(1..))]
     pub parallelism_config_dp_replicate_size: Option<u64>,
     /// Sharded data-parallel size (PARALLELISM_CONFIG_DP_SHARD_SIZE): the training state split over this many
-    /// ranks as --fsdp-sharding-strategy says, alone, with dp_replicate (HSDP) or tp; not with pp yet.
+    /// ranks as --fsdp-sharding-strategy says, alone, with dp_replicate (HSDP), tp or pp.
     #[arg(long, alias = "parallelism_config_dp_shard_size", value_name = "N",
           value_parser = clap::value_parser!(u64).range(1..))]
     pub parallelism_config_dp_shard_size: Option<u64>,

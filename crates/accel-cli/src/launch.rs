@@ -102,8 +102,12 @@ impl LaunchPlan {
         let parallelism = resolve_parallelism(flags, file, num_processes)?;
         if let Some(p) = &parallelism {
             check_parallelism(p, num_processes)?;
-            warnings.extend(unused_pipeline_warning(p));
-            warnings.extend(unused_sharding_warning(p, flags, file, num_processes));
+            if p.is_auto() {
+                warnings.extend(chosen_under_auto_warning(p, flags, file));
+            } else {
+                warnings.extend(unused_pipeline_warning(p));
+                warnings.extend(unused_sharding_warning(p, flags, file, num_processes));
+            }
         }
         Ok(LaunchPlan {
             num_processes,
@@ -213,6 +217,7 @@ impl LaunchPlan {
             processes: self.num_processes,
             machines: self.num_machines,
             layout,
+            auto_layout: self.parallelism.as_ref().filter(|p| p.is_auto()).map(ParallelismConfig::layout_string),
             sharding: self.parallelism.as_ref().and_then(ParallelismConfig::sharding_string),
             pipeline: self.parallelism.as_ref().and_then(ParallelismConfig::pipeline_string),
             mixed_precision: self.mixed_precision.to_string(),
@@ -520,6 +525,36 @@ fn parallelism_flags_given(flags: &LaunchArgs) -> bool {
         || flags.fsdp_sharding_strategy.is_some()
 }
 
+/// Under `auto` sizes the workers' chooser picks the sharding strategy and the pipeline's schedule, micro-batches
+/// and stages per rank too: a warning naming those the flags or the file gave, which are not used.
+fn chosen_under_auto_warning(
+    p: &ParallelismConfig,
+    flags: &LaunchArgs,
+    file: Option<&AccelerateConfig>,
+) -> Option<String> {
+    let default = ParallelismConfig::default();
+    let mut given = Vec::new();
+    if flags.fsdp_sharding_strategy.is_some() || file.is_some_and(AccelerateConfig::sets_sharding_strategy) {
+        given.push(format!("fsdp_sharding_strategy {}", p.sharding_strategy));
+    }
+    if p.pp_schedule != default.pp_schedule {
+        given.push(format!("pipeline_parallel_schedule {}", p.pp_schedule));
+    }
+    if let Some(m) = p.pp_microbatches {
+        given.push(format!("pipeline_parallel_microbatches {m}"));
+    }
+    if let Some(v) = p.pp_virtual_stages {
+        given.push(format!("pipeline_parallel_virtual_stages {v}"));
+    }
+    (!given.is_empty()).then(|| {
+        format!(
+            "{}: not used — with `auto` sizes the workers choose the sharding strategy and the pipeline's schedule, \
+             micro-batches and stages per rank as well (fix the sizes to run these settings)",
+            given.join(", ")
+        )
+    })
+}
+
 /// A warning for pipeline settings (schedule other than 1F1B, micro-batches, virtual stages) in a layout with pp 1,
 /// which nothing reads.
 fn unused_pipeline_warning(p: &ParallelismConfig) -> Option<String> {
@@ -803,9 +838,24 @@ mod tests {
         let back = accel::AcceleratorConfig::from_lookup(|k| get(k).map(str::to_string)).unwrap();
         assert_eq!(back.parallelism, accel::ParallelismConfig::auto());
         // A size given by its flag stays fixed; one that cannot divide the processes is refused before launch.
+        assert!(p.warnings.is_empty(), "{:?}", p.warnings);
         let tp2 = LaunchArgs { parallelism_config_tp_size: Some(2), ..auto.clone() };
-        let p = LaunchPlan::resolve(&tp2, None).unwrap().parallelism.unwrap();
+        let plan = LaunchPlan::resolve(&tp2, None).unwrap();
+        // The banner says what is fixed and that the rest is chosen, not a layout the workers will not run.
+        assert!(
+            plan.banner()
+                .settings()
+                .contains("| dp_replicate auto × dp_shard auto × tp 2 × pp auto (chosen at start-up) |"),
+            "{}",
+            plan.banner().settings()
+        );
+        let p = plan.parallelism.unwrap();
         assert_eq!(p.fixed_sizes(), [None, None, Some(2), None]);
+        // A strategy or schedule next to auto is chosen anyway: said once, not "dp_shard_size is 1".
+        let strategy = LaunchArgs { fsdp_sharding_strategy: Some(accel::ShardingStrategy::FullShard), ..auto.clone() };
+        let w = LaunchPlan::resolve(&strategy, None).unwrap().warnings;
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].starts_with("fsdp_sharding_strategy FULL_SHARD: not used — with `auto` sizes"), "{w:?}");
         let tp3 = LaunchArgs { parallelism_config_tp_size: Some(3), ..auto };
         let e = LaunchPlan::resolve(&tp3, None).unwrap_err().to_string();
         assert!(e.contains("the fixed sizes multiply to 3, which does not divide the 4 processes"), "{e}");

@@ -832,6 +832,7 @@ impl Accelerator {
             processes: self.world_size(),
             machines,
             layout: self.mesh().shape(),
+            auto_layout: None,
             sharding: self.inner.parallelism.sharding_string(),
             pipeline: self.inner.parallelism.pipeline_string(),
             mixed_precision: self.mixed_precision().to_string(),

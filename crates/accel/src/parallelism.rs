@@ -619,7 +619,10 @@ impl ParallelismConfig {
         let sharding = self.sharding_string().map(|s| format!(" ({s})")).unwrap_or_default();
         format!(
             "dp_replicate {} × dp_shard {}{sharding} × tp {} × pp {}",
-            self.dp_replicate_size, self.dp_shard_size, self.tp_size, self.pp_size
+            size_text(self.dp_replicate_size),
+            size_text(self.dp_shard_size),
+            size_text(self.tp_size),
+            size_text(self.pp_size)
         )
     }
 

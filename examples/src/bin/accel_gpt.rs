@@ -129,7 +129,7 @@ struct Args {
     /// micro-batches and their size at start-up, from the model, each process's memory (detected, or
     /// ACCEL_AUTO_LAYOUT_MEMORY) and the links it measures (accel::auto_layout); it prints the choice and why.
     /// Replaces the layout flags and --batch-size; the global batch is --global-batch-size.
-    #[arg(long, value_parser = ["auto"])]
+    #[arg(long, value_parser = ["auto"], ignore_case = true)]
     parallelism: Option<String>,
     /// Sequences per optimizer step over all replicas under an automatic layout (default: --batch-size × the
     /// processes, what data parallelism over all of them would train).
@@ -248,6 +248,12 @@ fn check_unset_under_auto(layout: &layout_args::LayoutArgs) -> anyhow::Result<()
 
 fn run() -> anyhow::Result<()> {
     let args = accel_examples::parse_args!(Args); // a bad command line is reported once under a launcher
+    if args.parallelism.is_none() && args.global_batch_size.is_some() {
+        bail!(
+            "--global-batch-size applies with --parallelism auto; without it the global batch is --batch-size × the \
+             data-parallel processes × --gradient-accumulation-steps"
+        );
+    }
     if args.parallelism.is_some() {
         check_unset_under_auto(&args.layout)?;
         anyhow::ensure!(

@@ -119,6 +119,7 @@ fn train(cli: &Cli) -> Result<()> {
             processes: world,
             machines,
             layout: ddp_core::MeshShape::new(1, world, 1, 1)?,
+            auto_layout: None,
             sharding: None,
             pipeline: None,
             mixed_precision: "no".into(),

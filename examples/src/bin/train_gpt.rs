@@ -23,7 +23,7 @@
 use std::path::PathBuf;
 
 use accel_examples::gpt::{to_candle, GptConfig, GptStages};
-use anyhow::Context;
+use anyhow::{bail, Context};
 use clap::Parser;
 use rand::SeedableRng;
 use trainer::{losses, IntervalStrategy, SaveStrategy, Trainer, TrainingArguments, TrainingArgumentsCli};
@@ -58,6 +58,9 @@ struct Cli {
     /// Characters to generate at the end (0: none).
     #[arg(long, default_value_t = 300)]
     sample_len: usize,
+    /// Not supported by the Trainer yet: the automatic layout runs at level 2 (`accel_gpt --parallelism auto`).
+    #[arg(long, value_name = "auto")]
+    parallelism: Option<String>,
     #[command(flatten)]
     train: TrainingArgumentsCli,
 }
@@ -99,7 +102,13 @@ fn model_config(cli: &Cli, vocab_size: usize) -> GptConfig {
 
 fn run() -> anyhow::Result<()> {
     let cli = accel_examples::parse_args!(Cli); // a bad command line is reported once under a launcher
-                                                // Check everything once, here, before any worker starts: one clear message instead of one per rank.
+    if let Some(p) = &cli.parallelism {
+        bail!(
+            "--parallelism {p}: the Trainer does not choose layouts yet; run the automatic layout with accel_gpt \
+             --parallelism auto, then give train_gpt the layout it prints (auto_layout flags: …)"
+        );
+    }
+    // Check everything once, here, before any worker starts: one clear message instead of one per rank.
     cli.train.resolve(defaults())?;
     let batch = cli.train.resolve(defaults())?.per_device_train_batch_size;
     cli.layout.check(cli.nproc, model_config(&cli, 76).n_layer, "--per-device-train-batch-size", batch)?;

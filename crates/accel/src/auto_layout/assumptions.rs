@@ -17,11 +17,15 @@ pub struct Assumptions {
     pub runtime_overhead_bytes: u64,
     /// How many runners-up a [`super::Choice`] reports (the fastest fitting layout of each other shape). Default 4.
     pub runners_up: usize,
+    /// Predicted step times within this fraction of the fastest fitting one count as equal, and the simplest of
+    /// those layouts is chosen (then the one needing least memory). Default 0.01: the probe's noise moves
+    /// predictions by more than that between runs, so a smaller difference would choose by noise.
+    pub tie_tolerance: f64,
 }
 
 impl Default for Assumptions {
     fn default() -> Self {
-        Assumptions { memory_margin: 0.2, runtime_overhead_bytes: 128 << 20, runners_up: 4 }
+        Assumptions { memory_margin: 0.2, runtime_overhead_bytes: 128 << 20, runners_up: 4, tie_tolerance: 0.01 }
     }
 }
 

@@ -1,6 +1,7 @@
 //! The chooser: every layout costed ([`evaluate`]), those that do not fit some rank's memory dropped, the rest
-//! ranked by predicted step time — ties to less memory, then to the simpler layout (fewer parallel dimensions, a
-//! lower ZeRO stage, fewer pipeline ranks, …; [`Layout`]'s order) — and the best returned with the runners-up of
+//! ranked by predicted step time; among those within [`Assumptions::tie_tolerance`] of the fastest the simplest
+//! layout is chosen (fewer parallel dimensions, a lower ZeRO stage, fewer pipeline ranks, …; [`Layout`]'s order),
+//! then the one needing least memory — and the best returned with the runners-up of
 //! other shapes and the reasons ([`Choice`], whose `Display` is the printed "why"); or, when nothing fits, an
 //! [`AutoLayoutError`] naming what would.
 //!
@@ -108,7 +109,7 @@ impl Candidate {
         (self.time.total * 1e9).round() as u64
     }
 
-    /// The ranking: step time, then peak memory, then the simpler layout.
+    /// The ranking of the runners-up: step time, then the simpler layout, then peak memory.
     fn sort_key(&self) -> (u64, impl Ord, u64) {
         // Equal predicted times go to the simpler layout (fewer dimensions, a lower ZeRO stage, …), then to less
         // memory: a layout that already fits gains nothing from more sharding, and the copies sharding adds are
@@ -274,11 +275,19 @@ pub fn choose(
     candidates.sort_by_cached_key(Candidate::sort_key);
     let considered = candidates.len();
     let fitting: Vec<Candidate> = candidates.iter().filter(|c| c.fits()).cloned().collect();
-    let Some(best) = fitting.first().cloned() else {
+    let Some(fastest) = fitting.first() else {
         return Err(nothing_fits(model, cluster, train, assumptions, &candidates));
     };
+    // Within the tolerance of the fastest, the simplest layout, then the one needing least memory.
+    let limit = fastest.time.total * (1.0 + assumptions.tie_tolerance.max(0.0));
+    let best = fitting
+        .iter()
+        .filter(|c| c.time.total <= limit)
+        .min_by_key(|c| (c.layout.complexity(), c.peak_memory(), c.time_ns()))
+        .cloned()
+        .expect("the fastest is within its own tolerance");
     let mut runners_up: Vec<Candidate> = Vec::new();
-    for c in &fitting[1..] {
+    for c in &fitting {
         if runners_up.len() == assumptions.runners_up {
             break;
         }
@@ -517,10 +526,14 @@ impl std::fmt::Display for Choice {
         if !self.runners_up.is_empty() {
             writeln!(f, "runners-up (the fastest fitting layout of each other shape):")?;
             for r in &self.runners_up {
-                let slower = (r.time.total / best.time.total - 1.0) * 100.0;
+                // Signed: a runner-up within the tie tolerance may be predicted slightly faster than the choice.
+                let slower = match (r.time.total / best.time.total - 1.0) * 100.0 {
+                    d if d.abs() < 0.05 => 0.0,
+                    d => d,
+                };
                 writeln!(
                     f,
-                    "  {}: step {} (+{slower:.1} %), peak {}",
+                    "  {}: step {} ({slower:+.1} %), peak {}",
                     r.layout,
                     r.time,
                     units::bytes(r.peak_memory())

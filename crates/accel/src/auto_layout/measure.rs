@@ -45,7 +45,7 @@ pub const FLOPS_PROBE_SECONDS: f64 = 0.05;
 pub struct ClusterProbe {
     /// The machines, their memory and FLOP/s per process, the links.
     pub spec: ClusterSpec,
-    /// Where each machine's memory per process came from (`"given (ACCEL_AUTO_LAYOUT_MEMORY)"`, `"cgroup limit
+    /// Where each machine's memory per process came from (`"given by ACCEL_AUTO_LAYOUT_MEMORY or the program"`, `"cgroup limit
     /// 350 MiB shared by 1 process"`, `"RAM 23.4 GiB shared by 4 processes"`, `"CUDA device 0: 80 GiB"`).
     pub memory_source: Vec<String>,
     /// The all-reduce probe of each machine with more than one process (`None` for the others).
@@ -176,7 +176,7 @@ pub fn probe_cluster(
         let m = machine_of[r];
         let local = ranks_on(m).count();
         let (bytes, why) = match fact(r, 2) as u8 {
-            2 => (fact(r, 1), format!("given ({MEMORY_ENV})")),
+            2 => (fact(r, 1), format!("given by {MEMORY_ENV} or the program")),
             1 => (fact(r, 1), format!("device memory {}", units::bytes(fact(r, 1) as u64))),
             _ => {
                 let share = fact(r, 1) / local as f64;

@@ -663,3 +663,33 @@ fn an_uneven_split_leaves_no_stage_without_blocks() {
         assert_eq!(blocks[2], 1, "the slow machine's stage holds the fewest: {blocks:?}");
     }
 }
+
+/// Predicted times within the tie tolerance of the fastest go to the simplest layout: the choice does not flip
+/// between layouts on differences far below the probe's noise. Without a tolerance the fastest wins.
+#[test]
+fn near_ties_go_to_the_simplest_layout() {
+    let model = char_gpt();
+    let cluster = one_machine(4, 1 << 30, Link::new(5e-6, 1e9));
+    let train = TrainSpec::new(32, &[8], Precision::Fp32).with_parallel_forms(false, false);
+    let exact = Assumptions { tie_tolerance: 0.0, ..no_overhead() };
+    let fastest = choose(&model, &cluster, &train, &exact).unwrap().best;
+    let tolerant = Assumptions { tie_tolerance: 0.01, ..no_overhead() };
+    let chosen = choose(&model, &cluster, &train, &tolerant).unwrap().best;
+    assert!(chosen.time.total <= fastest.time.total * 1.01);
+    // Every layout within 1 % of the fastest is at least as complex as the chosen one.
+    let (layouts, _) = enumerate(&model, 4, &train);
+    for l in &layouts {
+        let c = evaluate(&model, &cluster, &train, &tolerant, l).unwrap();
+        if c.fits() && c.time.total <= fastest.time.total * 1.01 {
+            assert!(
+                c.layout.complexity() >= chosen.layout.complexity(),
+                "{} is simpler than {}",
+                c.layout,
+                chosen.layout
+            );
+        }
+    }
+    // Here the α–β model predicts HSDP (two rings of 2) a hair faster than DDP (one ring of 4); DDP is chosen.
+    assert_eq!((chosen.layout.dp_replicate, chosen.layout.dp_shard), (4, 1), "{}", chosen.layout);
+    assert!(fastest.time.total < chosen.time.total, "{} vs {}", fastest.layout, chosen.layout);
+}

@@ -31,6 +31,10 @@ pub struct RunBanner {
     pub machines: usize,
     /// The device mesh: dp_replicate × dp_shard × tp × pp.
     pub layout: MeshShape,
+    /// When the sizes are left to the program's automatic layout (accel's `auto` sizes), what is fixed of them
+    /// (`dp_replicate auto × dp_shard auto × tp 2 × pp auto`): printed instead of `layout`, with `(chosen at
+    /// start-up)`. `None` otherwise.
+    pub auto_layout: Option<String>,
     /// What the dp_shard group shards when dp_shard > 1, printed after dp_shard in parentheses (`FULL_SHARD`:
     /// accel's `ParallelismConfig::sharding_string`); `None` without sharding.
     pub sharding: Option<String>,
@@ -53,14 +57,16 @@ impl RunBanner {
         let l = &self.layout;
         let sharding = self.sharding.as_ref().map(|s| format!(" ({s})")).unwrap_or_default();
         let pipeline = self.pipeline.as_ref().map(|p| format!(" ({p})")).unwrap_or_default();
+        let layout = match &self.auto_layout {
+            Some(sizes) => format!("{sizes} (chosen at start-up)"),
+            None => format!(
+                "dp_replicate {} × dp_shard {}{sharding} × tp {} × pp {}{pipeline}",
+                l.dp_replicate, l.dp_shard, l.tp, l.pp
+            ),
+        };
         format!(
-            "{} × {machines} | dp_replicate {} × dp_shard {}{sharding} × tp {} × pp {}{pipeline} | mixed precision {} \
-             | gradient accumulation {} | backend {}",
+            "{} × {machines} | {layout} | mixed precision {} | gradient accumulation {} | backend {}",
             plural(self.processes, "process"),
-            l.dp_replicate,
-            l.dp_shard,
-            l.tp,
-            l.pp,
             self.mixed_precision,
             self.gradient_accumulation_steps,
             self.backend
@@ -107,6 +113,7 @@ mod tests {
             processes: 4,
             machines: 2,
             layout: MeshShape::new(1, 2, 1, 2).unwrap(),
+            auto_layout: None,
             sharding: None,
             pipeline: None,
             mixed_precision: "bf16".into(),
