@@ -532,20 +532,11 @@ fn chosen_under_auto_warning(
     flags: &LaunchArgs,
     file: Option<&AccelerateConfig>,
 ) -> Option<String> {
-    let default = ParallelismConfig::default();
     let mut given = Vec::new();
     if flags.fsdp_sharding_strategy.is_some() || file.is_some_and(AccelerateConfig::sets_sharding_strategy) {
         given.push(format!("fsdp_sharding_strategy {}", p.sharding_strategy));
     }
-    if p.pp_schedule != default.pp_schedule {
-        given.push(format!("pipeline_parallel_schedule {}", p.pp_schedule));
-    }
-    if let Some(m) = p.pp_microbatches {
-        given.push(format!("pipeline_parallel_microbatches {m}"));
-    }
-    if let Some(v) = p.pp_virtual_stages {
-        given.push(format!("pipeline_parallel_virtual_stages {v}"));
-    }
+    given.extend(pipeline_settings_given(p));
     (!given.is_empty()).then(|| {
         format!(
             "{}: not used — with `auto` sizes the workers choose the sharding strategy and the pipeline's schedule, \
@@ -555,15 +546,11 @@ fn chosen_under_auto_warning(
     })
 }
 
-/// A warning for pipeline settings (schedule other than 1F1B, micro-batches, virtual stages) in a layout with pp 1,
-/// which nothing reads.
-fn unused_pipeline_warning(p: &ParallelismConfig) -> Option<String> {
-    if p.pp_size > 1 {
-        return None;
-    }
-    let default = ParallelismConfig::default();
+/// The pipeline settings `p` sets to other than their defaults, as `key value` (a schedule other than 1F1B, the
+/// micro-batches, the virtual stages).
+fn pipeline_settings_given(p: &ParallelismConfig) -> Vec<String> {
     let mut set = Vec::new();
-    if p.pp_schedule != default.pp_schedule {
+    if p.pp_schedule != ParallelismConfig::default().pp_schedule {
         set.push(format!("pipeline_parallel_schedule {}", p.pp_schedule));
     }
     if let Some(m) = p.pp_microbatches {
@@ -572,6 +559,16 @@ fn unused_pipeline_warning(p: &ParallelismConfig) -> Option<String> {
     if let Some(v) = p.pp_virtual_stages {
         set.push(format!("pipeline_parallel_virtual_stages {v}"));
     }
+    set
+}
+
+/// A warning for pipeline settings (schedule other than 1F1B, micro-batches, virtual stages) in a layout with pp 1,
+/// which nothing reads.
+fn unused_pipeline_warning(p: &ParallelismConfig) -> Option<String> {
+    if p.pp_size > 1 {
+        return None;
+    }
+    let set = pipeline_settings_given(p);
     (!set.is_empty()).then(|| {
         format!(
             "{} only {} to pipeline parallelism and pp_size is 1: ignored (set --parallelism-config-pp-size or \
