@@ -388,7 +388,8 @@ cmd_check() {
     mkdir -p "$log_dir/hf_home"
     export HF_HOME=$log_dir/hf_home
     local steps=5
-    local -a gpt_args=(--data-dir "$PWD/data/shakespeare" --seed 1234 --steps "$steps" --log-every 1 --sample-len 0
+    # The model and data of every run here; the step count is each run's own.
+    local -a gpt_args=(--data-dir "$PWD/data/shakespeare" --seed 1234 --log-every 1 --sample-len 0
         --block-size 16 --d-model 64 --n-layer 2 --d-ff 128 --lr 1e-2)
 
     local -a before=() after=()
@@ -398,13 +399,14 @@ cmd_check() {
     local t_run
     t_run=$(now_ms)
     RUST_LOG=ddp_core::cpu=debug launch_both machine --cpu --num_processes 4 \
-        --parallelism_config_dp_replicate_size 2 --parallelism_config_tp_size 2 "$gpt" "${gpt_args[@]}" --batch-size 4
+        --parallelism_config_dp_replicate_size 2 --parallelism_config_tp_size 2 "$gpt" "${gpt_args[@]}" \
+        --steps "$steps" --batch-size 4
     local multi_ms=$(($(now_ms) - t_run))
     for i in 0 1; do after+=($(link_bytes "$i")); done
 
     echo "check: the same run in one process, batch 8"
     env -u RANK -u PARALLELISM_CONFIG_TP_SIZE -u PARALLELISM_CONFIG_PP_SIZE -u PARALLELISM_CONFIG_DP_REPLICATE_SIZE \
-        "$gpt" "${gpt_args[@]}" --batch-size 8 >"$log_dir/single.log" 2>&1 ||
+        "$gpt" "${gpt_args[@]}" --steps "$steps" --batch-size 8 >"$log_dir/single.log" 2>&1 ||
         { echo "check: the single-process run failed:" >&2; tail -n 30 "$log_dir/single.log" >&2; exit 1; }
 
     # Per-step losses: rank 0's lines on machine 0, the single process's lines. Every comparison runs; the check
@@ -486,7 +488,7 @@ cmd_check() {
     # far slower than the all-reduce inside one), and the chooser must keep tp inside a machine (tp ≤ 2 processes).
     echo
     echo "check: --parallelism auto over the 2 machines"
-    launch_both auto --cpu --num_processes 4 "$gpt" "${gpt_args[@]/#$steps/2}" --parallelism auto --global-batch-size 8
+    launch_both auto --cpu --num_processes 4 "$gpt" "${gpt_args[@]}" --steps 2 --parallelism auto --global-batch-size 8
     local probe chosen flags
     probe=$(grep -m1 '^\[rank 0\] auto layout probe' "$log_dir/auto0.log" || true)
     chosen=$(grep -m1 '^\[rank 0\] chosen: ' "$log_dir/auto0.log" | sed 's/^\[rank 0\] //' || true)

@@ -1033,7 +1033,6 @@ fn joins_a_job(layout: Option<&ddp_core::DistEnv>) -> bool {
     layout.is_some_and(|env| env.world_size > 1)
 }
 
-/// The CPU when asked for (or when CUDA is not built in), else CUDA device `local_rank`.
 /// When a parallel size is `auto`: probes the machines, chooses the layout for the program's request, prints the
 /// decision on rank 0, and returns the config with the chosen settings (collective over `pg`). Otherwise `cfg`
 /// as it is.
@@ -1095,6 +1094,7 @@ fn completed_auto_layout_request(
     )
 }
 
+/// The CPU when asked for (or when CUDA is not built in), else CUDA device `local_rank`.
 fn pick_device(cfg: &AcceleratorConfig, local_rank: usize) -> Result<Device> {
     if cfg.cpu {
         return Ok(Device::Cpu);

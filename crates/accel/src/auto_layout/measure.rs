@@ -411,11 +411,27 @@ pub fn parse_memory(value: &str) -> Result<u64> {
         _ => 0,
     };
     match number.parse::<f64>() {
-        Ok(n) if n > 0.0 && n.is_finite() && scale > 0 => Ok((n * scale as f64) as u64),
+        Ok(n) if n.is_finite() && scale > 0 && n * scale as f64 >= 1.0 => Ok((n * scale as f64) as u64),
         _ => Err(AccelError::Config {
             key: MEMORY_ENV.into(),
             value: value.into(),
             reason: "expected a memory size per process such as 350MiB, 8GiB or a number of bytes".into(),
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_memory;
+
+    #[test]
+    fn memory_sizes_read_with_binary_units_and_bad_ones_name_the_variable() {
+        for (text, bytes) in [("350MiB", 350 << 20), ("2G", 2 << 30), ("350mb", 350 << 20), (" 1048576 ", 1 << 20)] {
+            assert_eq!(parse_memory(text).unwrap(), bytes, "{text}");
+        }
+        for bad in ["abc", "0", "-5MiB", "0.5", "12 parsecs", ""] {
+            let e = parse_memory(bad).unwrap_err().to_string();
+            assert!(e.contains("ACCEL_AUTO_LAYOUT_MEMORY") && e.contains("such as 350MiB"), "{bad}: {e}");
+        }
     }
 }
