@@ -9,7 +9,7 @@
 //!
 //! Products (f32, contiguous operands, `m×k · k×n`): the forward `x·Wᵀ` of the first and second layer
 //! (`128×784 · 784×512`, `128×512 · 512×512`), and the first layer's weight gradient `gᵀ·x` (`512×128 · 128×784`).
-//! Reported per product: the median over `--reps` calls after `--warmup`, in µs, and GFLOP/s (`2·m·k·n`).
+//! `--product MxKxN` (repeated) times other shapes. Reported per product: the median over `--reps` calls after `--warmup`, in µs, and GFLOP/s (`2·m·k·n`).
 
 use std::time::Instant;
 
@@ -32,6 +32,23 @@ struct Cli {
     /// One JSON object per product instead of the table.
     #[arg(long)]
     json: bool,
+    /// Time these products instead of the MLP's three, each `MxKxN` (`m×k · k×n`; repeat the flag), e.g. the
+    /// large char-GPT's `--product 512x512x2048` (8 × 64 tokens through `c_fc`).
+    #[arg(long = "product", value_parser = parse_product)]
+    products: Vec<(usize, usize, usize)>,
+}
+
+/// `MxKxN` → `(m, k, n)`, each at least 1.
+fn parse_product(s: &str) -> Result<(usize, usize, usize), String> {
+    let dims: Vec<usize> = s
+        .split(['x', 'X', '×'])
+        .map(|d| d.trim().parse::<usize>())
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("`{s}`: {e}; a product is written MxKxN, e.g. 512x512x2048"))?;
+    match dims[..] {
+        [m, k, n] if m > 0 && k > 0 && n > 0 => Ok((m, k, n)),
+        _ => Err(format!("`{s}`: a product is written MxKxN with three sizes of at least 1, e.g. 512x512x2048")),
+    }
 }
 
 /// `(name, m, k, n)` of each product.
@@ -40,7 +57,11 @@ const PRODUCTS: [(&str, usize, usize, usize); 3] =
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    for (name, m, k, n) in PRODUCTS {
+    let products: Vec<(String, usize, usize, usize)> = match cli.products.is_empty() {
+        true => PRODUCTS.iter().map(|(name, m, k, n)| (name.to_string(), *m, *k, *n)).collect(),
+        false => cli.products.iter().map(|&(m, k, n)| (format!("{m}x{k}x{n}"), m, k, n)).collect(),
+    };
+    for (name, m, k, n) in products {
         let a = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
         let b = Tensor::randn(0f32, 1.0, (k, n), &Device::Cpu)?;
         let mut times = Vec::with_capacity(cli.reps);

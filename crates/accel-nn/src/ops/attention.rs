@@ -16,7 +16,7 @@
 //!
 //! The sequences of a batch run in parallel on rayon's pool (one task each), each product on its task's thread.
 
-use super::cpu::{gemm_into, MatMut, MatRef, Threads};
+use super::cpu::{gemm_into, MatMut, MatRef};
 use super::cpu_f32::{fast_path, storage_f32, tensor_f32};
 use super::softmax::{softmax_backward_in_place, softmax_in_place};
 use crate::{NnError, Result};
@@ -101,12 +101,12 @@ impl<'a> Sequence<'a> {
     /// `out`'s columns of head `h` (`[s, hd]`, rows `d` apart) `= a[s×k] · b[k×hd]`, on this thread.
     fn product_into_head(&self, out: &mut [f32], h: usize, a: MatRef<'_>, b: MatRef<'_>, k: usize) {
         let dst = MatMut { data: out, offset: h * self.hd, rs: self.d };
-        gemm_into(dst, a, b, self.s, self.hd, k, false, Threads::One);
+        gemm_into(dst, a, b, self.s, self.hd, k, false);
     }
 
     /// `out[s×s] = a[s×hd] · b[hd×s]` (one head's scores or their gradient), on this thread.
     fn square(&self, out: &mut [f32], a: MatRef<'_>, b: MatRef<'_>) {
-        gemm_into(MatMut { data: out, offset: 0, rs: self.s }, a, b, self.s, self.s, self.hd, false, Threads::One);
+        gemm_into(MatMut { data: out, offset: 0, rs: self.s }, a, b, self.s, self.s, self.hd, false);
     }
 
     /// `p[s×s] = softmax(scale · Q Kᵀ)` of head `h`, causal: row `i` holds keys `0..=i`, exact zeros after.

@@ -19,7 +19,7 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Module, Resul
 use candle_nn::VarBuilder;
 
 use super::autocast::{round_bf16, round_bf16_in_place, rounded_bf16};
-use super::cpu::{gemm, has_rows_view, with_f32, MatRef, RowsView};
+use super::cpu::{gemm_new, has_rows_view, with_f32, MatRef, RowsView};
 
 /// The activation applied to a linear layer's output inside the fused op.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -144,20 +144,20 @@ impl LinearOp {
         let xv = RowsView::of(x.1).ok_or_else(|| candle_core::Error::Msg("linear: x rows do not merge".into()))?;
         let wv = RowsView::of(w.1).ok_or_else(|| candle_core::Error::Msg("linear: weight must be 2-D".into()))?;
         let (n, in_dim, out_dim) = (xv.rows, xv.cols, wv.rows);
-        let mut y = vec![0f32; n * out_dim];
         // y[n×out] = x[n×in] · wᵀ[in×out]; under autocast on bf16-rounded copies (the rounding is O(n·in +
         // out·in) against the product's O(n·in·out)).
-        if self.bf16 {
+        let mut y = if self.bf16 {
             let (xr, wr) = (rounded_rows(x.0, &xv), rounded_rows(w.0, &wv));
             let (xm, wm) = (
                 MatRef { data: &xr, offset: 0, rs: in_dim, cs: 1 },
                 MatRef { data: &wr, offset: 0, rs: in_dim, cs: 1 },
             );
-            gemm(&mut y, xm, wm.t(), n, out_dim, in_dim, false);
+            let y = gemm_new(xm, wm.t(), n, out_dim, in_dim);
             *self.rounded_x.lock().unwrap_or_else(|e| e.into_inner()) = Some(xr);
+            y
         } else {
-            gemm(&mut y, MatRef::rows(x.0, &xv), MatRef::rows(w.0, &wv).t(), n, out_dim, in_dim, false);
-        }
+            gemm_new(MatRef::rows(x.0, &xv), MatRef::rows(w.0, &wv).t(), n, out_dim, in_dim)
+        };
         let bias: Option<Vec<f32>> = b.map(|(data, l)| {
             let (off, s) = (l.start_offset(), l.stride()[0]);
             let at = |j: usize| data[off + j * s];
@@ -253,8 +253,7 @@ impl LinearOp {
                 let wv = RowsView::of(wl).expect("weight is 2-D");
                 let dx = if x.track_op() {
                     // dx[n×in] = g'[n×out] · w[out×in]
-                    let mut dx = vec![0f32; n * in_dim];
-                    gemm(&mut dx, g_mat, MatRef::rows(wd, &wv), n, in_dim, out_dim, false);
+                    let mut dx = gemm_new(g_mat, MatRef::rows(wd, &wv), n, in_dim, out_dim);
                     if self.bf16 {
                         round_bf16_in_place(&mut dx);
                     }
@@ -264,11 +263,9 @@ impl LinearOp {
                 };
                 let dw = if w.track_op() {
                     // dw[out×in] = g'ᵀ[out×n] · x[n×in]
-                    let mut dw = vec![0f32; out_dim * in_dim];
-                    with_f32(&x_data, "linear backward", "x", |xd, xl| {
+                    let mut dw = with_f32(&x_data, "linear backward", "x", |xd, xl| {
                         let xv = RowsView::of(xl).expect("x rows merge (checked forward)");
-                        gemm(&mut dw, g_mat.t(), MatRef::rows(xd, &xv), out_dim, in_dim, n, false);
-                        Ok(())
+                        Ok(gemm_new(g_mat.t(), MatRef::rows(xd, &xv), out_dim, in_dim, n))
                     })?;
                     if self.bf16 {
                         round_bf16_in_place(&mut dw);
