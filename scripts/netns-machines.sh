@@ -12,7 +12,8 @@
 # the link. Here ranks of one machine see one /dev/shm (shared memory between them), ranks of different machines
 # see different ones (TCP through the veth, at --rate). The backend never looks at the hostname; each machine gets
 # its own anyway (UTS namespace, `accel-m0`, …, listed in each machine's /etc/hosts) as a real cluster would.
-# Machines share everything else: the CPUs, the file system, the PID space.
+# Machines share everything else: the CPUs, the file system, the PID space, the cgroup hierarchies (mounted again
+# inside each machine, where `ip netns exec`'s own /sys hides them, so a memory cgroup can cap a rank there too).
 #
 #   scripts/netns-machines.sh up [--machines N (default 2)] [--rate RATE (default 100mbit)] [--port P (default 29500)]
 #   scripts/netns-machines.sh exec I COMMAND [ARGS...]      # COMMAND inside machine I (0-based), in the caller's
@@ -188,6 +189,11 @@ cmd_up() {
     (umask 077 && od -An -tx1 -N16 /dev/urandom | tr -d ' \n' >"$state/run_token")
     machines=$n
     port=$p
+    # The host's cgroup file systems (`exec` mounts them again inside each machine): a tmpfs at /sys/fs/cgroup
+    # (cgroup v1's usual layout) first, then each hierarchy, in the host's mount order.
+    awk '$2 == "/sys/fs/cgroup" && $3 == "tmpfs" {print $3, $2, $4}
+         $2 ~ /^\/sys\/fs\/cgroup/ && ($3 == "cgroup" || $3 == "cgroup2") {print $3, $2, $4}' /proc/self/mounts \
+        >"$state/cgroup-mounts"
 
     # Built in a subshell under `set -e`: if any step fails, what was made so far is removed again.
     set +e
@@ -249,9 +255,21 @@ in_machine() {
     shift
     ns=$(machine_ns "$i")
     cd "$caller_dir"
-    exec ip netns exec "$ns" unshare --mount --uts --propagation private -- sh -c \
-        'mount --bind "$1" /dev/shm && echo "$2" >/proc/sys/kernel/hostname && shift 2 && exec "$@"' \
-        sh "$state/m$i/shm" "$ns" "$@"
+    # `ip netns exec` mounts a sysfs of the namespace over /sys, which hides the host's cgroup file systems: the
+    # machine mounts them again from the list `up` recorded (the same hierarchies, so a cgroup made inside is the
+    # host's cgroup; a memory limit set on it holds, and the start-up probe reads it as on a real machine).
+    exec ip netns exec "$ns" unshare --mount --uts --propagation private -- sh -c '
+        mount --bind "$1" /dev/shm && echo "$2" >/proc/sys/kernel/hostname || exit 1
+        if [ -f "$3" ]; then
+            while read -r fstype dir opts; do
+                case $fstype in
+                    tmpfs) mount -t tmpfs -o "$opts" cgroup_root "$dir" ;;
+                    *) mkdir -p "$dir" && mount -t "$fstype" -o "$opts" cgroup "$dir" ;;
+                esac 2>/dev/null || true
+            done <"$3"
+        fi
+        shift 3
+        exec "$@"' sh "$state/m$i/shm" "$ns" "$state/cgroup-mounts" "$@"
 }
 
 cmd_exec() {

@@ -473,8 +473,9 @@ fn rdzv_warning(flags: &LaunchArgs, file: Option<&AccelerateConfig>) -> Option<S
     })
 }
 
-/// Refuses, before any worker starts, a layout that does not fit `num_processes` and pipeline settings that do not
-/// fit pp: one message saying what would run, instead of every rank failing with it.
+/// Refuses, before any worker starts, a layout that does not fit `num_processes`, pipeline settings that do not
+/// fit pp, and under `auto` a memory size (`ACCEL_AUTO_LAYOUT_MEMORY`) the workers could not read: one message
+/// saying what would run, instead of every rank failing with it.
 fn check_parallelism(p: &ParallelismConfig, num_processes: usize) -> CliResult<()> {
     if p.is_auto() {
         // The workers choose the open sizes; the fixed ones must leave a whole number of processes to them.
@@ -490,6 +491,12 @@ fn check_parallelism(p: &ParallelismConfig, num_processes: usize) -> CliResult<(
                 ),
             }
             .into());
+        }
+        // The memory the workers' chooser is told, read once here rather than refused by every worker.
+        if let Ok(memory) = std::env::var(accel::auto_layout::MEMORY_ENV) {
+            if !memory.trim().is_empty() {
+                accel::auto_layout::parse_memory(&memory)?;
+            }
         }
         return Ok(());
     }

@@ -577,3 +577,32 @@ fn launch_max_restarts_reruns_a_failed_group() {
         .success()
         .stdout(predicate::str::contains("second-attempt"));
 }
+
+#[test]
+fn launch_under_auto_reads_the_memory_it_passes_on_once_before_any_worker_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    // A size the workers' chooser could not read: refused by the launcher, naming the variable; nothing runs.
+    accel(dir.path())
+        .env("ACCEL_AUTO_LAYOUT_MEMORY", "lots")
+        .args(["launch", "-n", "2", "--parallelism", "auto", "sh", "-c", "echo worker-ran"])
+        .assert()
+        .failure()
+        .stdout(predicate::str::contains("worker-ran").not())
+        .stderr(predicate::str::contains("ACCEL_AUTO_LAYOUT_MEMORY").and(predicate::str::contains("350MiB")));
+    // A readable one reaches the workers unchanged.
+    accel(dir.path())
+        .env("ACCEL_AUTO_LAYOUT_MEMORY", "350MiB")
+        .args([
+            "launch",
+            "-n",
+            "2",
+            "--parallelism",
+            "auto",
+            "sh",
+            "-c",
+            "echo worker-memory=$ACCEL_AUTO_LAYOUT_MEMORY",
+        ])
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("worker-memory=350MiB"));
+}

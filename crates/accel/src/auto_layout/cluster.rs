@@ -48,6 +48,15 @@ pub struct Machine {
     /// Fixed seconds per operator call besides its FLOPs (the framework's dispatch, a kernel launch): what makes
     /// many small micro-batches slower than few large ones. 0 in [`ClusterSpec::uniform`]; the probe measures it.
     pub op_latency: f64,
+    /// Seconds a blocking collective or send between this machine's processes costs beyond its α–β time while
+    /// they compute: waiting for a peer the operating system has not scheduled yet, when the machine runs more
+    /// processes than it has cores (a few milliseconds then; about 0 otherwise). 0 in [`ClusterSpec::uniform`];
+    /// the probe measures it.
+    pub sync_latency: f64,
+    /// Bytes per second one process moves through element-wise work (2 read, 1 written), while the others do the
+    /// same: what accumulating gradients over micro-batches costs. `f64::INFINITY` (free) in
+    /// [`ClusterSpec::uniform`]; the probe measures it.
+    pub memory_bandwidth: f64,
 }
 
 /// The machines of a job, in rank order (machine 0 holds ranks `0..processes₀`, machine 1 the next, …), and the
@@ -72,7 +81,15 @@ impl ClusterSpec {
     ) -> Self {
         ClusterSpec {
             machines: vec![
-                Machine { processes, memory_per_process, flops_per_process, intra, op_latency: 0.0 };
+                Machine {
+                    processes,
+                    memory_per_process,
+                    flops_per_process,
+                    intra,
+                    op_latency: 0.0,
+                    sync_latency: 0.0,
+                    memory_bandwidth: f64::INFINITY,
+                };
                 machines
             ],
             inter,
@@ -116,6 +133,18 @@ impl ClusterSpec {
             }
             if !(m.op_latency.is_finite() && m.op_latency >= 0.0) {
                 return bad(format!("machine {i}: {} s per operator call; give a finite number ≥ 0", m.op_latency));
+            }
+            if m.memory_bandwidth.is_nan() || m.memory_bandwidth <= 0.0 {
+                return bad(format!(
+                    "machine {i}: {} bytes/s of memory bandwidth; give a number > 0",
+                    m.memory_bandwidth
+                ));
+            }
+            if !(m.sync_latency.is_finite() && m.sync_latency >= 0.0) {
+                return bad(format!(
+                    "machine {i}: {} s of synchronisation per collective; give a finite number ≥ 0",
+                    m.sync_latency
+                ));
             }
             if !(m.flops_per_process.is_finite() && m.flops_per_process > 0.0) {
                 return bad(format!("machine {i}: {} FLOP/s per process; give a positive number", m.flops_per_process));

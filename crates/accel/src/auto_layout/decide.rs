@@ -47,7 +47,8 @@ fn probe_for(
     };
     let m = &request.model;
     let rows = request.train.micro_batch_sizes.iter().copied().max().unwrap_or(1) * m.seq_len;
-    let probe = probe_cluster(pg, device, (rows, m.d_model, m.d_ff), memory)?;
+    let gradient_bytes = usize::try_from(m.total_params().saturating_mul(4)).unwrap_or(usize::MAX);
+    let probe = probe_cluster(pg, device, (rows, m.d_model, m.d_ff), gradient_bytes, memory)?;
     let mut assumptions = request.assumptions;
     if !request.fixed_overhead && probe.baseline_rss > 0 {
         assumptions.runtime_overhead_bytes = probe.baseline_rss;

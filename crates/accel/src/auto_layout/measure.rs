@@ -21,6 +21,12 @@
 //! - **Links**: within each machine, [`ddp_core::probe::all_reduce_probe`] over its ranks (the collectives' own
 //!   path: shared memory or the device); across machines, [`ddp_core::probe::ping_pong`] between machine 0's first
 //!   rank and each other machine's first rank (the TCP path), the slowest kept.
+//! - **Memory bandwidth per process**: an element-wise add of buffers of the model's gradient size (at most
+//!   16 MiB) timed on every rank at once (what accumulating a gradient over micro-batches moves), the machine's
+//!   slowest rank's.
+//! - **Synchronisation under load**: inside each machine, rounds of a ~2 ms product then a one-element
+//!   all-reduce on every rank at once; a round's time beyond the product's is the wait for peers the operating
+//!   system has not scheduled yet (milliseconds when processes outnumber cores), the machine's slowest rank's.
 //! - **Runtime overhead**: each process's resident memory when the probe runs (the program, its libraries, the
 //!   communicator's buffers; before the model), the largest kept: the chooser's
 //!   [`super::Assumptions::runtime_overhead_bytes`] unless the request fixes it.
@@ -68,9 +74,13 @@ impl std::fmt::Display for ClusterProbe {
                 Some(_) => format!(", all-reduce link {}", m.intra),
                 None => String::new(),
             };
+            let sync = match &self.intra[i] {
+                Some(_) => format!(", {} per collective while computing", units::seconds(m.sync_latency)),
+                None => String::new(),
+            };
             write!(
                 f,
-                "{}machine {i}: {} × {} ({}), {:.3e} FLOP/s and {} per operator call each{link}",
+                "{}machine {i}: {} × {} ({}), {:.3e} FLOP/s and {} per operator call each{link}{sync}",
                 if i == 0 { " " } else { "; " },
                 units::plural(m.processes, "process", "processes"),
                 units::bytes(m.memory_per_process),
@@ -85,6 +95,9 @@ impl std::fmt::Display for ClusterProbe {
         write!(f, "; resident memory before the model {}", units::bytes(self.baseline_rss))
     }
 }
+
+/// The f64s each rank all-gathers (RankFacts' from `cgroup_limit` on).
+const FACTS: usize = 7;
 
 /// What one rank contributes to the probe, as the f64s and i64s it all-gathers.
 struct RankFacts {
@@ -101,10 +114,12 @@ struct RankFacts {
     rss: f64,
     flops: f64,
     op_latency: f64,
+    memory_bandwidth: f64,
 }
 
 /// Measures the cluster (module documentation). `matmul` is the probe's product shape `(rows, d_model, d_ff)`;
-/// `memory_per_process`: the given memory, which replaces the detection.
+/// `gradient_bytes` the model's gradient (the bandwidth probe's buffers take its size, at most
+/// [`BANDWIDTH_PROBE_BYTES`]); `memory_per_process`: the given memory, which replaces the detection.
 ///
 /// Errors: backend failures (naming the probe), a job whose machines' ranks are not consecutive, a CUDA device
 /// whose memory cannot be read without the `nccl` feature (set [`MEMORY_ENV`]).
@@ -112,6 +127,7 @@ pub fn probe_cluster(
     pg: &ProcessGroup,
     device: &Device,
     matmul: (usize, usize, usize),
+    gradient_bytes: usize,
     memory_per_process: Option<u64>,
 ) -> Result<ClusterProbe> {
     let start = Instant::now();
@@ -129,20 +145,34 @@ pub fn probe_cluster(
     pg.barrier()?;
     let flops = measure_flops(device, matmul)?;
     let op_latency = measure_op_latency(device)?;
+    // Before the bandwidth probe, whose buffers the allocator may keep (they are not the program's).
+    let rss = resident_bytes().unwrap_or(0) as f64;
+    let memory_bandwidth = measure_memory_bandwidth(device, gradient_bytes)?;
     let facts = RankFacts {
         machine: stable_hash(&format!("{}|{}", hostname(), node_rank())),
         cgroup,
         cgroup_limit,
         ram,
         source,
-        rss: resident_bytes().unwrap_or(0) as f64,
+        rss,
         flops,
         op_latency,
+        memory_bandwidth,
     };
     let world = pg.world_size();
     let ints = all_gather(pg, &[facts.machine, facts.cgroup])?;
-    let floats =
-        all_gather(pg, &[facts.cgroup_limit, facts.ram, facts.source, facts.rss, facts.flops, facts.op_latency])?;
+    let floats = all_gather(
+        pg,
+        &[
+            facts.cgroup_limit,
+            facts.ram,
+            facts.source,
+            facts.rss,
+            facts.flops,
+            facts.op_latency,
+            facts.memory_bandwidth,
+        ],
+    )?;
     let machine_keys: Vec<i64> = (0..world).map(|r| ints[2 * r]).collect();
     // Machines in order of their first rank; each machine's ranks must be consecutive.
     let mut machine_of = vec![0usize; world];
@@ -165,7 +195,7 @@ pub fn probe_cluster(
         }
     }
     let n_machines = first_rank.len();
-    let fact = |r: usize, k: usize| floats[6 * r + k];
+    let fact = |r: usize, k: usize| floats[FACTS * r + k];
 
     // Memory per process and its source, per machine: the smallest rank's.
     let mut memory = vec![u64::MAX; n_machines];
@@ -210,6 +240,7 @@ pub fn probe_cluster(
     }
     let flops_of = |m: usize| ranks_on(m).map(|r| fact(r, 4)).fold(f64::INFINITY, f64::min);
     let op_latency_of = |m: usize| ranks_on(m).map(|r| fact(r, 5)).fold(0.0, f64::max);
+    let bandwidth_of = |m: usize| ranks_on(m).map(|r| fact(r, 6)).fold(f64::INFINITY, f64::min);
     let baseline_rss = (0..world).map(|r| fact(r, 3) as u64).max().unwrap_or(0);
 
     // Links within each machine: an all-reduce probe over its ranks (every machine at once, on its own group).
@@ -222,6 +253,13 @@ pub fn probe_cluster(
         }
         _ => [f64::NAN, f64::NAN],
     };
+    // Synchronisation under load, inside each machine (every machine at once): see `measure_sync_latency`.
+    let sync = match &local_group {
+        Some(g) if g.world_size() > 1 => measure_sync_latency(g, device, (matmul.1, matmul.2), flops)?,
+        _ => 0.0,
+    };
+    let syncs = all_gather(pg, &[sync])?;
+    let sync_of = |m: usize| ranks_on(m).map(|r| syncs[r]).fold(0.0, f64::max);
     let links = all_gather(pg, &mine)?;
     let intra: Vec<Option<LinkEstimate>> = first_rank
         .iter()
@@ -265,6 +303,8 @@ pub fn probe_cluster(
             memory_per_process: memory[m],
             flops_per_process: flops_of(m),
             op_latency: op_latency_of(m),
+            sync_latency: sync_of(m),
+            memory_bandwidth: bandwidth_of(m),
             intra: intra[m].as_ref().map(to_link).unwrap_or(fallback),
         })
         .collect();
@@ -314,8 +354,72 @@ fn measure_op_latency(device: &Device) -> Result<f64> {
     Ok(times[times.len() / 2])
 }
 
+/// Bytes per second one process moves through an element-wise add of two buffers of `bytes` (the model's
+/// gradient, at most [`BANDWIDTH_PROBE_BYTES`], at least 64 KiB: the caches the accumulation of this model's
+/// gradient sees, without the probe raising a small program's peak memory) into a third (2 read, 1 written, as a
+/// gradient accumulated over micro-batches), all ranks at once so that processes sharing memory channels measure
+/// their share, for about [`BANDWIDTH_PROBE_SECONDS`] (one untimed first).
+fn measure_memory_bandwidth(device: &Device, bytes: usize) -> Result<f64> {
+    let bytes = bytes.clamp(64 << 10, BANDWIDTH_PROBE_BYTES);
+    let n = bytes / 4;
+    let a = Tensor::ones(n, DType::F32, device)?;
+    let b = Tensor::ones(n, DType::F32, device)?;
+    drop((&a + &b)?);
+    let start = Instant::now();
+    let mut adds = 0u64;
+    while start.elapsed().as_secs_f64() < BANDWIDTH_PROBE_SECONDS || adds == 0 {
+        let c = (&a + &b)?;
+        device.synchronize()?;
+        drop(c);
+        adds += 1;
+    }
+    Ok(3.0 * (4 * n) as f64 * adds as f64 / start.elapsed().as_secs_f64().max(1e-9))
+}
+
+/// The largest buffers of [`measure_memory_bandwidth`], bytes each.
+pub const BANDWIDTH_PROBE_BYTES: usize = 16 << 20;
+
+/// Seconds [`measure_memory_bandwidth`] runs.
+pub const BANDWIDTH_PROBE_SECONDS: f64 = 0.02;
+
 /// Calls [`measure_op_latency`] times (about a millisecond on a CPU).
 pub const OP_LATENCY_SAMPLES: usize = 201;
+
+/// Seconds of computation between two synchronisations in [`measure_sync_latency`] (at the rank's measured
+/// FLOP/s: about a tensor-parallel half-block of a small micro-batch).
+pub const SYNC_PROBE_CHUNK_SECONDS: f64 = 0.002;
+
+/// Rounds of [`measure_sync_latency`] (after one untimed round).
+pub const SYNC_PROBE_ROUNDS: usize = 16;
+
+/// Seconds a blocking collective costs beyond its α–β time while the group's processes compute: every rank of
+/// `group` (one machine's) runs [`SYNC_PROBE_ROUNDS`] rounds of a product of about [`SYNC_PROBE_CHUNK_SECONDS`]
+/// at its measured `flops` (`[rows, k] × [k, n]`, `rows` sized to it) followed by a one-element all-reduce over
+/// the group, as tensor parallelism alternates computation and all-reduces. A round's wall time minus the
+/// product's time at `flops` is the wait for the peers: about α when every process has a core, a scheduling
+/// delay (milliseconds) when they share cores and a peer must first be run again. Never negative.
+fn measure_sync_latency(group: &ProcessGroup, device: &Device, (k, n): (usize, usize), flops: f64) -> Result<f64> {
+    let (k, n) = (k.max(1), n.max(1));
+    let rows = ((SYNC_PROBE_CHUNK_SECONDS * flops / (2.0 * (k * n) as f64)).round() as usize).clamp(1, 4096);
+    let chunk = 2.0 * (rows * k * n) as f64 / flops.max(1.0);
+    let a = Tensor::ones((rows, k), DType::F32, device)?;
+    let b = Tensor::ones((k, n), DType::F32, device)?;
+    let mut one = [1.0f32];
+    let mut round = || -> Result<()> {
+        let c = a.matmul(&b)?;
+        device.synchronize()?;
+        drop(c);
+        group.all_reduce(&mut one, ddp_core::ReduceOp::Sum)?;
+        Ok(())
+    };
+    round()?;
+    let start = Instant::now();
+    for _ in 0..SYNC_PROBE_ROUNDS {
+        round()?;
+    }
+    let per_round = start.elapsed().as_secs_f64() / SYNC_PROBE_ROUNDS as f64;
+    Ok((per_round - chunk).max(0.0))
+}
 
 /// CUDA (or another accelerator) device memory in bytes; with the `nccl` feature from the driver.
 fn device_memory(device: &Device) -> Result<u64> {

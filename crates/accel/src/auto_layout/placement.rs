@@ -96,6 +96,8 @@ pub struct Placement {
     memory: Vec<u64>,
     flops: Vec<f64>,
     op_latency: Vec<f64>,
+    sync_latency: Vec<f64>,
+    memory_bandwidth: Vec<f64>,
     machines: Vec<BTreeSet<usize>>,
     /// Per group kind, per pp rank: the slowest link of its groups there.
     links: Vec<(GroupKind, Vec<GroupLink>)>,
@@ -111,6 +113,8 @@ impl Placement {
         let mut memory = vec![u64::MAX; p];
         let mut flops = vec![f64::INFINITY; p];
         let mut op_latency = vec![0.0f64; p];
+        let mut sync_latency = vec![0.0f64; p];
+        let mut memory_bandwidth = vec![f64::INFINITY; p];
         let mut machines = vec![BTreeSet::new(); p];
         for (rank, &m) in machine_of.iter().enumerate() {
             let pp_rank = rank / (r * s * t);
@@ -118,6 +122,8 @@ impl Placement {
             memory[pp_rank] = memory[pp_rank].min(machine.memory_per_process);
             flops[pp_rank] = flops[pp_rank].min(machine.flops_per_process);
             op_latency[pp_rank] = op_latency[pp_rank].max(machine.op_latency);
+            sync_latency[pp_rank] = sync_latency[pp_rank].max(machine.sync_latency);
+            memory_bandwidth[pp_rank] = memory_bandwidth[pp_rank].min(machine.memory_bandwidth);
             machines[pp_rank].insert(m);
         }
         let mut placement = Placement {
@@ -127,6 +133,8 @@ impl Placement {
             memory,
             flops,
             op_latency,
+            sync_latency,
+            memory_bandwidth,
             machines,
             links: Vec::new(),
         };
@@ -168,6 +176,17 @@ impl Placement {
     /// The largest fixed cost per operator call among pp rank `pp_rank`'s processes, seconds.
     pub fn op_latency_of(&self, pp_rank: usize) -> f64 {
         self.op_latency[pp_rank]
+    }
+
+    /// The largest synchronisation cost per blocking collective or send among pp rank `pp_rank`'s processes
+    /// ([`super::Machine::sync_latency`]), seconds.
+    pub fn sync_latency_of(&self, pp_rank: usize) -> f64 {
+        self.sync_latency[pp_rank]
+    }
+
+    /// The smallest memory bandwidth per process among pp rank `pp_rank`'s processes, bytes/s.
+    pub fn memory_bandwidth_of(&self, pp_rank: usize) -> f64 {
+        self.memory_bandwidth[pp_rank]
     }
 
     /// The machines pp rank `pp_rank`'s processes are on.

@@ -394,7 +394,15 @@ fn a_model_too_large_for_one_process_is_fully_sharded() {
 /// only pipeline stages split the model.
 fn uneven(big: u64, small: u64) -> (ModelSpec, ClusterSpec, TrainSpec) {
     let link = Link::new(20e-6, 2e9);
-    let big = Machine { processes: 1, memory_per_process: big, flops_per_process: 1e13, intra: link, op_latency: 0.0 };
+    let big = Machine {
+        processes: 1,
+        memory_per_process: big,
+        flops_per_process: 1e13,
+        intra: link,
+        op_latency: 0.0,
+        sync_latency: 0.0,
+        memory_bandwidth: f64::INFINITY,
+    };
     let small = Machine { memory_per_process: small, ..big };
     let cluster = ClusterSpec { machines: vec![big, small], inter: link };
     let train = TrainSpec::new(8, &[1], Precision::Fp32).with_strategies(&[NoShard]).with_parallel_forms(false, true);
@@ -646,8 +654,15 @@ fn full_shard_and_checkpointing_apply_to_pipeline_stages_and_tied_embeddings_sum
 #[test]
 fn an_uneven_split_leaves_no_stage_without_blocks() {
     let link = Link::new(20e-6, 2e9);
-    let fast =
-        Machine { processes: 1, memory_per_process: 1 << 40, flops_per_process: 1e10, intra: link, op_latency: 0.0 };
+    let fast = Machine {
+        processes: 1,
+        memory_per_process: 1 << 40,
+        flops_per_process: 1e10,
+        intra: link,
+        op_latency: 0.0,
+        sync_latency: 0.0,
+        memory_bandwidth: f64::INFINITY,
+    };
     let slow = Machine { flops_per_process: 1e8, ..fast };
     let cluster = ClusterSpec { machines: vec![fast, fast, slow, fast], inter: link };
     let train = TrainSpec::new(8, &[1], Precision::Fp32).with_strategies(&[NoShard]).with_parallel_forms(false, true);
@@ -692,4 +707,74 @@ fn near_ties_go_to_the_simplest_layout() {
     // Here the α–β model predicts HSDP (two rings of 2) a hair faster than DDP (one ring of 4); DDP is chosen.
     assert_eq!((chosen.layout.dp_replicate, chosen.layout.dp_shard), (4, 1), "{}", chosen.layout);
     assert!(fastest.time.total < chosen.time.total, "{} vs {}", fastest.layout, chosen.layout);
+}
+
+/// The measured synchronisation cost is paid once per blocking collective and send: tp 2 over 2 micro-batches of
+/// accumulation pays it for 4 all-reduces per block, one for the embedding, one for the head's input and three
+/// for the vocab-parallel loss, per micro-batch, plus the step's data-parallel reduction (none at dp 1); a
+/// pipeline pays it per send; data parallelism once per step.
+#[test]
+fn synchronisation_under_load_is_paid_per_collective_and_send() {
+    let model = char_gpt();
+    let train = TrainSpec::new(4, &[1, 2, 4], Precision::Fp32);
+    let a = no_overhead();
+    let link = Link::new(0.0, 1e12);
+    let cluster = |sync: f64| {
+        let mut c = one_machine(2, 1 << 40, link);
+        c.machines[0].sync_latency = sync;
+        c
+    };
+    let sync = 0.003;
+    let tp2 = flat(1, 1, 2, NoShard, 2, 2);
+    let quiet = evaluate(&model, &cluster(0.0), &train, &a, &tp2).unwrap().time;
+    let loaded = evaluate(&model, &cluster(sync), &train, &a, &tp2).unwrap().time;
+    let per_microbatch = 4.0 * 4.0 + 1.0 + 1.0 + 3.0;
+    assert!((loaded.tp_comm - quiet.tp_comm - 2.0 * per_microbatch * sync).abs() < 1e-12, "{loaded} vs {quiet}");
+    assert_eq!((loaded.compute, loaded.dp_comm), (quiet.compute, quiet.dp_comm));
+    // pp 2, GPipe, 4 micro-batches: each rank sends one activation or one gradient per micro-batch.
+    let pp2 = Layout {
+        pp: 2,
+        schedule: Some(crate::pipeline::ScheduleKind::GPipe),
+        microbatches: 4,
+        micro_batch_size: 1,
+        ..flat(1, 1, 1, NoShard, 1, 1)
+    };
+    let quiet = evaluate(&model, &cluster(0.0), &train, &a, &pp2).unwrap().time;
+    let loaded = evaluate(&model, &cluster(sync), &train, &a, &pp2).unwrap().time;
+    assert!((loaded.pp_comm - quiet.pp_comm - 4.0 * sync).abs() < 1e-12, "{loaded} vs {quiet}");
+    // DDP: one all-reduce per step.
+    let ddp = flat(2, 1, 1, NoShard, 2, 1);
+    let quiet = evaluate(&model, &cluster(0.0), &train, &a, &ddp).unwrap().time;
+    let loaded = evaluate(&model, &cluster(sync), &train, &a, &ddp).unwrap().time;
+    assert!((loaded.dp_comm - quiet.dp_comm - sync).abs() < 1e-12, "{loaded} vs {quiet}");
+}
+
+/// Accumulating gradients over m micro-batches moves 3 · (m − 1) · Ψ_r · 4 bytes at the measured bandwidth:
+/// the rank's whole gradient without sharding, its shard under ZeRO-2.
+#[test]
+fn gradient_accumulation_costs_memory_traffic_per_extra_micro_batch() {
+    let model = char_gpt();
+    let train = TrainSpec::new(8, &[1, 2, 4], Precision::Fp32);
+    let a = no_overhead();
+    let link = Link::new(0.0, 1e12);
+    let bandwidth = 1e9;
+    let cluster = |bw: f64| {
+        let mut c = one_machine(2, 1 << 40, link);
+        c.machines[0].memory_bandwidth = bw;
+        c
+    };
+    let psi = model.total_params() as f64;
+    for (layout, held) in [
+        (flat(2, 1, 1, NoShard, 1, 4), psi),
+        (flat(1, 2, 1, ShardGradOp, 1, 4), model.params_on_rank(1, 1, 0, 4) as f64 / 2.0),
+    ] {
+        let free = evaluate(&model, &cluster(f64::INFINITY), &train, &a, &layout).unwrap().time;
+        let paid = evaluate(&model, &cluster(bandwidth), &train, &a, &layout).unwrap().time;
+        let expected = 3.0 * 3.0 * held * 4.0 / bandwidth;
+        assert!((paid.compute - free.compute - expected).abs() < 1e-9, "{layout}: {paid} vs {free}, {expected}");
+    }
+    // One micro-batch accumulates nothing.
+    let one = flat(2, 1, 1, NoShard, 4, 1);
+    let free = evaluate(&model, &cluster(f64::INFINITY), &train, &a, &one).unwrap().time;
+    assert_eq!(evaluate(&model, &cluster(bandwidth), &train, &a, &one).unwrap().time.compute, free.compute);
 }

@@ -20,6 +20,16 @@
 //!   the parameters for the forward and again for the recomputation and reduce-scatters the gradients; with
 //!   dp_replicate > 1 (HSDP) each reduced shard is all-reduced over dp_replicate.
 //!
+//! - gradient accumulation: with `m` micro-batches per step, each after the first adds the rank's gradients
+//!   (its shard under ZeRO-2/3) into the sum: `(m − 1)/m · 3 · Ψ_r·grad / bandwidth` per micro-batch, at the
+//!   probe's element-wise memory bandwidth ([`super::Machine::memory_bandwidth`]), counted as compute.
+//!
+//! **Synchronisation under load**: every blocking collective and every send above also costs the machine's
+//! [`super::Machine::sync_latency`] (measured by the probe: the wait for a peer the operating system has not
+//! scheduled yet while the machine's processes compute; milliseconds when processes outnumber cores, about 0
+//! otherwise) — per tp all-reduce, per send, per sharded collective of a micro-batch (FULL_SHARD: per gathered
+//! unit, its blocks and the embeddings/head), and per step's reduction.
+//!
 //! **Per step**: DDP all-reduces `Ψ_r·grad` over dp once; ZeRO-1 reduce-scatters once (+ HSDP's all-reduce) and
 //! all-gathers the updated parameters; ZeRO-2 all-gathers them; FULL_SHARD nothing more. In volume (ZeRO §7):
 //! 2Ψ for DDP, ZeRO-1 and ZeRO-2 at one micro-batch, (k + 1)Ψ for ZeRO-2 over k micro-batches, 3Ψ per micro-batch
@@ -158,13 +168,22 @@ impl TimeModel<'_> {
         // Operator calls of one forward: each block's, the head's; the backward counts as two forwards.
         let ops = OPS_PER_BLOCK * layers as f64 + if last { OPS_PER_HEAD } else { 0.0 };
         let compute = passes * (forward / self.placement.flops_of(r) + ops * self.placement.op_latency_of(r));
+        // Accumulating this rank's gradients (its shard under ZeRO-2/3) over the step's micro-batches: every one
+        // after the first adds into the sum (2 buffers read, 1 written), spread over the micro-batches here.
+        let m = layout.microbatches_per_step() as f64;
+        let held = model.params_on_rank(t, p, r, layers) as f64
+            / if layout.zero_stage() >= 2 { layout.dp_shard } else { 1 } as f64;
+        let accumulate = (m - 1.0) / m * 3.0 * held * bytes.grad as f64 / self.placement.memory_bandwidth_of(r);
+        let compute = compute + accumulate;
 
         let bsh = tokens * model.d_model as f64 * bytes.activation as f64;
+        let sync = self.placement.sync_latency_of(r);
         let tp = if t > 1 {
             let link = self.placement.link(GroupKind::Tp, r).link;
             let per_block = if recompute { 6.0 } else { 4.0 };
             let n = layers as f64 * per_block + f64::from(u8::from(first)) + f64::from(u8::from(last));
-            n * all_reduce_time(t, bsh, &link) + if last { 3.0 * all_reduce_time(t, tokens * 4.0, &link) } else { 0.0 }
+            let small = if last { 3.0 } else { 0.0 };
+            n * all_reduce_time(t, bsh, &link) + small * all_reduce_time(t, tokens * 4.0, &link) + (n + small) * sync
         } else {
             0.0
         };
@@ -176,10 +195,10 @@ impl TimeModel<'_> {
             for j in 0..v {
                 let stage = r + j * p;
                 if stage + 1 < p * v {
-                    pp += send_time(bsh, &next);
+                    pp += send_time(bsh, &next) + sync;
                 }
                 if stage > 0 {
-                    pp += send_time(bsh, &prev);
+                    pp += send_time(bsh, &prev) + sync;
                 }
             }
         }
@@ -190,9 +209,12 @@ impl TimeModel<'_> {
         let rep_link = self.placement.link(GroupKind::DpReplicate, r).link;
         let grads = psi * bytes.grad as f64;
         let reduce = reduce_scatter_time(s, grads, &shard_link) + all_reduce_time(rep, grads / s as f64, &rep_link);
+        let reduce_syncs = if rep > 1 { 2.0 } else { 1.0 };
+        // FULL_SHARD gathers unit by unit (each block, and the embeddings or the head on the first and last stage).
+        let units = layers as f64 + f64::from(u8::from(first)) + f64::from(u8::from(last));
         let dp = match layout.zero_stage() {
-            2 => reduce,
-            3 => 2.0 * all_gather_time(s, psi * bytes.param as f64, &shard_link) + reduce,
+            2 => reduce + reduce_syncs * sync,
+            3 => 2.0 * all_gather_time(s, psi * bytes.param as f64, &shard_link) + reduce + 3.0 * units * sync,
             _ => 0.0,
         };
         MicroBatchTime { compute, tp, pp, dp }
@@ -207,14 +229,16 @@ impl TimeModel<'_> {
         let link = |kind| self.placement.link(kind, r).link;
         let grads = psi * bytes.grad as f64;
         let gather = all_gather_time(s, psi * bytes.param as f64, &link(GroupKind::DpShard));
+        let sync = if layout.dp() > 1 { self.placement.sync_latency_of(r) } else { 0.0 };
         let reduction = match layout.zero_stage() {
-            0 => all_reduce_time(layout.dp(), grads, &link(GroupKind::Dp)),
+            0 => all_reduce_time(layout.dp(), grads, &link(GroupKind::Dp)) + sync,
             1 => {
                 reduce_scatter_time(s, grads, &link(GroupKind::DpShard))
                     + all_reduce_time(rep, grads / s as f64, &link(GroupKind::DpReplicate))
                     + gather
+                    + if rep > 1 { 3.0 } else { 2.0 } * sync
             }
-            2 => gather,
+            2 => gather + sync,
             _ => 0.0,
         };
         let tied = if model.tied_embeddings && p > 1 && (r == 0 || r + 1 == p) {
