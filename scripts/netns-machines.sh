@@ -189,8 +189,9 @@ cmd_up() {
     (umask 077 && od -An -tx1 -N16 /dev/urandom | tr -d ' \n' >"$state/run_token")
     machines=$n
     port=$p
-    # The host's cgroup file systems (`exec` mounts them again inside each machine): a tmpfs at /sys/fs/cgroup
-    # (cgroup v1's usual layout) first, then each hierarchy, in the host's mount order.
+    # The host's cgroup file systems (`exec` mounts them again inside each machine), in the host's mount order: a
+    # tmpfs at /sys/fs/cgroup (cgroup v1's usual layout; mounted writable inside, where the hierarchies need
+    # their mount points made), each hierarchy.
     awk '$2 == "/sys/fs/cgroup" && $3 == "tmpfs" {print $3, $2, $4}
          $2 ~ /^\/sys\/fs\/cgroup/ && ($3 == "cgroup" || $3 == "cgroup2") {print $3, $2, $4}' /proc/self/mounts \
         >"$state/cgroup-mounts"
@@ -263,9 +264,11 @@ in_machine() {
         if [ -f "$3" ]; then
             while read -r fstype dir opts; do
                 case $fstype in
-                    tmpfs) mount -t tmpfs -o "$opts" cgroup_root "$dir" ;;
+                    tmpfs) mount -t tmpfs -o "$(echo "$opts" | sed "s/^ro,/rw,/; s/,ro,/,rw,/; s/,ro\$/,rw/")" \
+                        cgroup_root "$dir" ;;
                     *) mkdir -p "$dir" && mount -t "$fstype" -o "$opts" cgroup "$dir" ;;
-                esac 2>/dev/null || true
+                esac 2>/dev/null ||
+                    echo "netns-machines: could not mount the host cgroup file system $dir inside $2: memory cgroup limits are not seen there" >&2
             done <"$3"
         fi
         shift 3

@@ -76,7 +76,7 @@ pub(crate) fn with_f32<R>(t: &Tensor, op: &str, what: &str, f: impl FnOnce(&[f32
     }
 }
 
-/// A strided matrix operand of [`gemm()`](fn@gemm): `ptr[offset + i·rs + j·cs]` is element `(i, j)`.
+/// A strided matrix operand of [`gemm_new`] and [`gemm_into`]: `ptr[offset + i·rs + j·cs]` is element `(i, j)`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct MatRef<'a> {
     pub data: &'a [f32],

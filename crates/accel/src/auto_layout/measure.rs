@@ -80,13 +80,14 @@ impl std::fmt::Display for ClusterProbe {
             };
             write!(
                 f,
-                "{}machine {i}: {} × {} ({}), {:.3e} FLOP/s and {} per operator call each{link}{sync}",
+                "{}machine {i}: {} × {} ({}), {:.3e} FLOP/s, {} per operator call and {:.1} GB/s element-wise each{link}{sync}",
                 if i == 0 { " " } else { "; " },
                 units::plural(m.processes, "process", "processes"),
                 units::bytes(m.memory_per_process),
                 self.memory_source[i],
                 m.flops_per_process,
-                units::seconds(m.op_latency)
+                units::seconds(m.op_latency),
+                m.memory_bandwidth / 1e9
             )?;
         }
         if self.inter.is_some() {
@@ -255,7 +256,10 @@ pub fn probe_cluster(
     };
     // Synchronisation under load, inside each machine (every machine at once): see `measure_sync_latency`.
     let sync = match &local_group {
-        Some(g) if g.world_size() > 1 => measure_sync_latency(g, device, (matmul.1, matmul.2), flops)?,
+        Some(g) if g.world_size() > 1 => {
+            let quiet = super::time::all_reduce_time(g.world_size(), 4.0, &Link::new(mine[0], mine[1]));
+            measure_sync_latency(g, device, (matmul.1, matmul.2), flops, quiet)?
+        }
         _ => 0.0,
     };
     let syncs = all_gather(pg, &[sync])?;
@@ -396,9 +400,16 @@ pub const SYNC_PROBE_ROUNDS: usize = 16;
 /// `group` (one machine's) runs [`SYNC_PROBE_ROUNDS`] rounds of a product of about [`SYNC_PROBE_CHUNK_SECONDS`]
 /// at its measured `flops` (`[rows, k] × [k, n]`, `rows` sized to it) followed by a one-element all-reduce over
 /// the group, as tensor parallelism alternates computation and all-reduces. A round's wall time minus the
-/// product's time at `flops` is the wait for the peers: about α when every process has a core, a scheduling
-/// delay (milliseconds) when they share cores and a peer must first be run again. Never negative.
-fn measure_sync_latency(group: &ProcessGroup, device: &Device, (k, n): (usize, usize), flops: f64) -> Result<f64> {
+/// product's time at `flops` and minus `quiet`, the all-reduce's own α–β time on the idle group (which the cost
+/// model already counts), is the wait for the peers: about 0 when every process has a core, a scheduling delay
+/// (milliseconds) when they share cores and a peer must first be run again. Never negative.
+fn measure_sync_latency(
+    group: &ProcessGroup,
+    device: &Device,
+    (k, n): (usize, usize),
+    flops: f64,
+    quiet: f64,
+) -> Result<f64> {
     let (k, n) = (k.max(1), n.max(1));
     let rows = ((SYNC_PROBE_CHUNK_SECONDS * flops / (2.0 * (k * n) as f64)).round() as usize).clamp(1, 4096);
     let chunk = 2.0 * (rows * k * n) as f64 / flops.max(1.0);
@@ -418,7 +429,7 @@ fn measure_sync_latency(group: &ProcessGroup, device: &Device, (k, n): (usize, u
         round()?;
     }
     let per_round = start.elapsed().as_secs_f64() / SYNC_PROBE_ROUNDS as f64;
-    Ok((per_round - chunk).max(0.0))
+    Ok((per_round - chunk - if quiet.is_finite() { quiet } else { 0.0 }).max(0.0))
 }
 
 /// CUDA (or another accelerator) device memory in bytes; with the `nccl` feature from the driver.

@@ -28,7 +28,8 @@
 //! [`super::Machine::sync_latency`] (measured by the probe: the wait for a peer the operating system has not
 //! scheduled yet while the machine's processes compute; milliseconds when processes outnumber cores, about 0
 //! otherwise) — per tp all-reduce, per send, per sharded collective of a micro-batch (FULL_SHARD: per gathered
-//! unit, its blocks and the embeddings/head), and per step's reduction.
+//! unit, its blocks and the embeddings/head, HSDP's all-reduce included), per step's reduction and per tied
+//! embeddings' all-reduce.
 //!
 //! **Per step**: DDP all-reduces `Ψ_r·grad` over dp once; ZeRO-1 reduce-scatters once (+ HSDP's all-reduce) and
 //! all-gathers the updated parameters; ZeRO-2 all-gathers them; FULL_SHARD nothing more. In volume (ZeRO §7):
@@ -214,7 +215,11 @@ impl TimeModel<'_> {
         let units = layers as f64 + f64::from(u8::from(first)) + f64::from(u8::from(last));
         let dp = match layout.zero_stage() {
             2 => reduce + reduce_syncs * sync,
-            3 => 2.0 * all_gather_time(s, psi * bytes.param as f64, &shard_link) + reduce + 3.0 * units * sync,
+            3 => {
+                2.0 * all_gather_time(s, psi * bytes.param as f64, &shard_link)
+                    + reduce
+                    + (2.0 + reduce_syncs) * units * sync
+            }
             _ => 0.0,
         };
         MicroBatchTime { compute, tp, pp, dp }
@@ -243,7 +248,7 @@ impl TimeModel<'_> {
         };
         let tied = if model.tied_embeddings && p > 1 && (r == 0 || r + 1 == p) {
             let embedding = (model.vocab_per_rank(t) * model.d_model as u64 * bytes.grad) as f64;
-            all_reduce_time(2, embedding, &link(GroupKind::Tied))
+            all_reduce_time(2, embedding, &link(GroupKind::Tied)) + self.placement.sync_latency_of(r)
         } else {
             0.0
         };
