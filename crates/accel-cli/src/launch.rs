@@ -493,11 +493,7 @@ fn check_parallelism(p: &ParallelismConfig, num_processes: usize) -> CliResult<(
             .into());
         }
         // The memory the workers' chooser is told, read once here rather than refused by every worker.
-        if let Ok(memory) = std::env::var(accel::auto_layout::MEMORY_ENV) {
-            if !memory.trim().is_empty() {
-                accel::auto_layout::parse_memory(&memory)?;
-            }
-        }
+        accel::auto_layout::memory_from_env()?;
         return Ok(());
     }
     p.resolve(num_processes)?;

@@ -4,7 +4,7 @@
 //! every rank decides the same. The Accelerator applies a decision (`Accelerator::new`); nothing here knows its
 //! config.
 
-use super::measure::{parse_memory, probe_cluster, MEMORY_ENV};
+use super::measure::{memory_from_env, probe_cluster};
 use super::request::{AutoLayoutDecision, AutoLayoutRequest};
 use super::train::{Checkpointing, Precision, StateBytes};
 use super::{choose, evaluate, Candidate, ClusterProbe, Layout};
@@ -32,7 +32,7 @@ pub fn completed_request(
     r
 }
 
-/// Probes the cluster for `request`: the memory given by the request, else [`MEMORY_ENV`], else detected; the
+/// Probes the cluster for `request`: the memory given by the request, else [`super::MEMORY_ENV`], else detected; the
 /// runtime overhead measured unless the request fixes it.
 fn probe_for(
     pg: &ProcessGroup,
@@ -41,9 +41,7 @@ fn probe_for(
 ) -> Result<(ClusterProbe, super::Assumptions)> {
     let memory = match request.memory_per_process {
         Some(m) => Some(m),
-        None => {
-            std::env::var(MEMORY_ENV).ok().filter(|v| !v.trim().is_empty()).map(|v| parse_memory(&v)).transpose()?
-        }
+        None => memory_from_env()?,
     };
     let m = &request.model;
     let rows = request.train.micro_batch_sizes.iter().copied().max().unwrap_or(1) * m.seq_len;

@@ -510,6 +510,13 @@ fn stable_hash(s: &str) -> i64 {
     h as i64
 }
 
+/// The memory per process [`MEMORY_ENV`] gives: `None` when it is unset or blank.
+///
+/// Errors: [`parse_memory`]'s, naming the variable.
+pub fn memory_from_env() -> Result<Option<u64>> {
+    std::env::var(MEMORY_ENV).ok().filter(|v| !v.trim().is_empty()).map(|v| parse_memory(&v)).transpose()
+}
+
 /// Parses a memory size: `350MiB`, `8GiB`, `2G`, `512M`, `1048576` (bytes); binary units either way.
 ///
 /// Errors: [`AccelError::Config`] naming [`MEMORY_ENV`] and the value.

@@ -109,7 +109,7 @@ pub use decide::{completed_request, decide, predict};
 pub use enumerate::{enumerate, Rejections};
 pub use error::AutoLayoutError;
 pub use layout::Layout;
-pub use measure::{parse_memory, probe_cluster, ClusterProbe, FLOPS_PROBE_SECONDS, MEMORY_ENV};
+pub use measure::{memory_from_env, parse_memory, probe_cluster, ClusterProbe, FLOPS_PROBE_SECONDS, MEMORY_ENV};
 pub use memory::{in_flight_chunks, MemoryBreakdown};
 pub use model::{ActivationSpec, ModelSpec};
 pub use placement::{GroupKind, GroupLink, LinkClass, Placement};

@@ -172,8 +172,8 @@ impl TimeModel<'_> {
         // Accumulating this rank's gradients (its shard under ZeRO-2/3) over the step's micro-batches: every one
         // after the first adds into the sum (2 buffers read, 1 written), spread over the micro-batches here.
         let m = layout.microbatches_per_step() as f64;
-        let held = model.params_on_rank(t, p, r, layers) as f64
-            / if layout.zero_stage() >= 2 { layout.dp_shard } else { 1 } as f64;
+        let psi = model.params_on_rank(t, p, r, layers) as f64;
+        let held = psi / if layout.zero_stage() >= 2 { layout.dp_shard } else { 1 } as f64;
         let accumulate = (m - 1.0) / m * 3.0 * held * bytes.grad as f64 / self.placement.memory_bandwidth_of(r);
         let compute = compute + accumulate;
 
@@ -204,7 +204,6 @@ impl TimeModel<'_> {
             }
         }
 
-        let psi = model.params_on_rank(t, p, r, layers) as f64;
         let (s, rep) = (layout.dp_shard, layout.dp_replicate);
         let shard_link = self.placement.link(GroupKind::DpShard, r).link;
         let rep_link = self.placement.link(GroupKind::DpReplicate, r).link;
