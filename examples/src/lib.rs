@@ -617,6 +617,8 @@ pub mod docs {
     pub struct Guide03Trainer;
     #[doc = include_str!("../../docs/guide/04-nd-parallel.md")]
     pub struct Guide04NdParallel;
+    #[doc = include_str!("../../docs/guide/05-your-model.md")]
+    pub struct Guide05YourModel;
     #[doc = include_str!("../../docs/guide/cli.md")]
     pub struct GuideCli;
     #[doc = include_str!("../../docs/guide/topics/mixed-precision.md")]

@@ -146,6 +146,10 @@ pub struct LaunchArgs {
     /// Accelerate's debug mode for the workers (ACCELERATE_DEBUG_MODE=true: collective checks).
     #[arg(long)]
     pub debug: bool,
+    /// Print which parameter the parallel plan gives which style (and its shape per rank), once, when the program
+    /// prepares a model built with accel::nn's builder (ACCEL_PRINT_PLAN=1).
+    #[arg(long, alias = "print_plan")]
+    pub print_plan: bool,
     /// `auto`: the workers' Accelerator chooses every parallel size the other flags and the config file leave open
     /// — dp_replicate × dp_shard × tp × pp, the sharding strategy, the pipeline schedule and micro-batches — at
     /// start-up, from the program's model description, each process's memory (or ACCEL_AUTO_LAYOUT_MEMORY) and

@@ -304,6 +304,7 @@ pub const PARALLELISM_KEYS: &[&str] = &[
     "parallelism_config_dp_replicate_size",
     "parallelism_config_dp_shard_size",
     "parallelism_config_pp_size",
+    "parallelism_config_tp_plan",
     "parallelism_config_tp_size",
     "pipeline_parallel_microbatches",
     "pipeline_parallel_schedule",
@@ -616,6 +617,14 @@ fn check_value(key: &str, value: &serde_json::Value) -> Result<(), String> {
                                 v.is_null() || whole(v, 1)
                             }
                             "parallelism_config_cp_size" => whole(v, 1),
+                            "parallelism_config_tp_plan" => {
+                                if let Err(e) = serde_json::from_value::<accel::plan::ParallelPlan>(v.clone()) {
+                                    return Err(format!(
+                                        "a mapping from module-path patterns to parallel styles for `{k}` ({e})"
+                                    ));
+                                }
+                                true
+                            }
                             // Any other key is a size: a number, or `auto` (chosen at start-up).
                             _ => whole(v, 1) || v.as_str().is_some_and(|s| s.trim().eq_ignore_ascii_case("auto")),
                         };
@@ -1085,6 +1094,28 @@ mod tests {
         lib.sort_unstable();
         ours.sort_unstable();
         assert_eq!(ours, lib);
+    }
+
+    #[test]
+    fn the_parallelism_block_carries_a_tp_plan_to_the_workers() {
+        let text = "num_processes: 2\nparallelism_config:\n  parallelism_config_tp_size: 2\n  \
+                    parallelism_config_tp_plan:\n    fc1: colwise\n    fc2: rowwise\n";
+        let p = AccelerateConfig::parse(text, Path::new("x.yaml")).unwrap().config.parallelism_config.unwrap();
+        let plan = p.tp_plan.clone().unwrap();
+        let rules: Vec<(String, String)> = plan.rules().map(|(p, s)| (p.to_string(), s.to_string())).collect();
+        assert_eq!(rules, [("fc1".to_string(), "colwise".to_string()), ("fc2".to_string(), "rowwise".to_string())]);
+        let env = p.env_vars();
+        let carried = env.iter().find(|(k, _)| k == accel::parallelism::TP_PLAN_ENV).unwrap();
+        assert_eq!(carried.1, r#"{"fc1":"colwise","fc2":"rowwise"}"#);
+        let yaml = AccelerateConfig { parallelism_config: Some(p), ..AccelerateConfig::default() }.to_yaml().unwrap();
+        assert!(yaml.contains("parallelism_config_tp_plan:"), "{yaml}");
+        let bad = "parallelism_config:\n  parallelism_config_tp_plan:\n    fc1: sideways\n";
+        let e = AccelerateConfig::parse(bad, Path::new("x.yaml")).unwrap_err().to_string();
+        assert!(
+            e.contains("a mapping from module-path patterns to parallel styles for `parallelism_config_tp_plan`"),
+            "{e}"
+        );
+        assert!(e.contains("\"sideways\""), "{e}");
     }
 
     #[test]

@@ -49,6 +49,8 @@ pub struct LaunchPlan {
     pub use_cpu: bool,
     /// Accelerate debug mode.
     pub debug: bool,
+    /// Workers print the parallel plan as applied (`--print-plan`).
+    pub print_plan: bool,
     /// CUDA_VISIBLE_DEVICES for the workers (`None` or `all`: unchanged).
     pub gpu_ids: Option<String>,
     /// Pin workers to their cores.
@@ -119,6 +121,7 @@ impl LaunchPlan {
             gradient_accumulation_steps,
             use_cpu,
             debug: flags.debug || file.is_some_and(|f| f.debug),
+            print_plan: flags.print_plan,
             gpu_ids,
             enable_cpu_affinity: flags.enable_cpu_affinity || file.is_some_and(|f| f.enable_cpu_affinity),
             num_cpu_threads_per_process: flags.num_cpu_threads_per_process.map(|n| n as usize),
@@ -163,6 +166,9 @@ impl LaunchPlan {
         }
         if self.enable_cpu_affinity {
             env.push((CPU_AFFINITY_ENV.to_string(), "1".to_string()));
+        }
+        if self.print_plan {
+            env.push((accel::plan::PRINT_PLAN_ENV.to_string(), "1".to_string()));
         }
         if let Some(n) = self.num_cpu_threads_per_process {
             env.push(("OMP_NUM_THREADS".to_string(), n.to_string()));
@@ -1283,6 +1289,7 @@ mod tests {
             num_processes: Some(2),
             num_cpu_threads_per_process: Some(3),
             enable_cpu_affinity: true,
+            print_plan: true,
             ..flags("p")
         };
         let p = LaunchPlan::resolve(&f, Some(&file)).unwrap();
@@ -1291,6 +1298,9 @@ mod tests {
         let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
         assert_eq!((get("ACCELERATE_USE_CPU"), get("OMP_NUM_THREADS")), (Some("false"), Some("3")));
         assert_eq!((get("RAYON_NUM_THREADS"), get("ACCELERATE_CPU_AFFINITY")), (Some("3"), Some("1")));
+        assert_eq!(get(accel::plan::PRINT_PLAN_ENV), Some("1"), "--print-plan reaches the workers");
+        let quiet = LaunchPlan::resolve(&LaunchArgs { num_processes: Some(2), ..flags("p") }, Some(&file)).unwrap();
+        assert!(!quiet.worker_env().iter().any(|(k, _)| k == accel::plan::PRINT_PLAN_ENV));
 
         let e = LaunchPlan::resolve(&LaunchArgs { multi_gpu: true, ..flags("p") }, None).unwrap_err().to_string();
         assert!(e.contains("--multi_gpu needs at least 2 processes"), "{e}");

@@ -69,3 +69,14 @@ impl NnError {
         NnError::Json { context: context.into(), source }
     }
 }
+
+/// An accel-nn error inside a function that returns candle's `Result` (a candle `Module`'s `forward` calling a
+/// fused op): candle's own errors come back unwrapped, every other error wrapped whole, so `?` works.
+impl From<NnError> for candle_core::Error {
+    fn from(e: NnError) -> Self {
+        match e {
+            NnError::Candle(e) => e,
+            e => candle_core::Error::wrap(e),
+        }
+    }
+}

@@ -67,6 +67,9 @@ struct Inner {
     trackers: Mutex<Trackers>,
     /// The Accelerator's RNG (seeded by `set_seed`); its state is checkpointed per rank.
     rng: Mutex<ChaCha8Rng>,
+    /// Which builder made each parameter not yet prepared (`var_builder`, `builder`): what `prepare_model` checks
+    /// the plan and the layout against.
+    provenance: Arc<crate::nn::Provenance>,
     /// On the CPU: bf16 autocast set on the creating thread (on under bf16, off otherwise), put back as it was when
     /// the Accelerator goes (see [`Accelerator::compute_dtype`]).
     _autocast: Option<accel_nn::ops::autocast::Bf16Guard>,
@@ -178,6 +181,7 @@ impl Accelerator {
                 prepared: Mutex::new(Prepared::default()),
                 trackers: Mutex::new(Trackers::default()),
                 rng: Mutex::new(ChaCha8Rng::seed_from_u64(0)),
+                provenance: Arc::default(),
             }),
         };
         if let Some(seed) = seed {
@@ -322,10 +326,37 @@ impl Accelerator {
         self.inner.config.gradient_accumulation_steps
     }
 
-    /// A `VarBuilder` over `varmap` that creates parameters in the compute dtype on the Accelerator's device:
-    /// build the model with it, then call [`Accelerator::prepare_model`].
+    /// A candle `VarBuilder` over `varmap` that creates parameters in the compute dtype on the Accelerator's
+    /// device, each drawn from the config's seed (0 without one) per name with the distribution candle asks for
+    /// ([`crate::nn::seeded_var_builder`]: candle's own initialisers cannot be seeded), so a model written the
+    /// candle way starts from the same weights in every run. Build the model with it, then call
+    /// [`Accelerator::prepare_model`]. Such a model trains under DDP, ZeRO-1 and ZeRO-2; for tensor or pipeline
+    /// parallelism or FULL_SHARD build it with [`Accelerator::builder`] (the same calls).
     pub fn var_builder(&self, varmap: &VarMap) -> VarBuilder<'static> {
-        VarBuilder::from_varmap(varmap, self.compute_dtype(), self.device())
+        let seed = self.inner.config.seed.unwrap_or(0);
+        let record = self.inner.provenance.clone();
+        crate::nn::recorded_var_builder(varmap, seed, self.compute_dtype(), self.device(), record)
+    }
+
+    /// An [`crate::nn::VarBuilder`] over `varmap`: candle's builder vocabulary (`pp`, `get`, and `accel::nn`'s
+    /// `linear`, `embedding`, `layer_norm`, `rms_norm`, …), every parameter drawn from the config's seed per name
+    /// on the full model, each layer split over [`Accelerator::tensor_parallel`] as `plan` says — or as the
+    /// config's plan says when it has one (`ParallelismConfig::tp_plan`, a YAML config's
+    /// `parallelism_config_tp_plan`), which replaces the model's default. Build the model with it, then call
+    /// [`Accelerator::prepare_model`], which checks that every rule of the plan matched a layer and, with
+    /// `ACCEL_PRINT_PLAN=1`, prints which parameter got which style (main process).
+    pub fn builder(&self, varmap: &VarMap, plan: crate::plan::ParallelPlan) -> crate::nn::VarBuilder {
+        let plan = self.inner.config.parallelism.tp_plan.clone().unwrap_or(plan);
+        let vb = crate::nn::VarBuilder::from_param_builder(self.param_builder(varmap), plan);
+        // The builder asks this Accelerator which pipeline stages a staged model's rank holds (a weak handle: a
+        // builder kept alive does not keep the Accelerator).
+        let accelerator = Arc::downgrade(&self.inner);
+        vb.set_stages(Box::new(move |n_blocks| match accelerator.upgrade() {
+            Some(inner) => Accelerator { inner }.pipeline_stages(n_blocks, None),
+            None => Err(AccelError::Usage("the Accelerator that made this builder is gone".into())),
+        }));
+        self.inner.provenance.add_book(vb.book().clone());
+        vb
     }
 
     /// A [`ParamBuilder`] over `varmap` for tensor-parallel models: parameters drawn on the full model from the
@@ -386,6 +417,22 @@ impl Accelerator {
                 )));
             }
         }
+        let ids: Vec<candle_core::TensorId> = lock(varmap.data()).values().map(|v| v.as_tensor().id()).collect();
+        let target = crate::nn::Target {
+            tp_size: self.mesh().tp().world_size(),
+            pp_size: self.mesh().pp().world_size(),
+            full_shard: self.inner.config.parallelism.sharding_strategy == crate::ShardingStrategy::FullShard
+                && self.mesh().group(ddp_core::MeshDim::DpShard).world_size() > 1,
+        };
+        let books = self.inner.provenance.check(&ids, &target)?;
+        crate::nn::Provenance::check_rules(&books, self.mesh().pp())?;
+        if let Some(report) = crate::nn::Provenance::report(&books, target.tp_size) {
+            if self.is_main_process()
+                && std::env::var(crate::plan::PRINT_PLAN_ENV).is_ok_and(|v| v != "0" && !v.is_empty())
+            {
+                self.print(report.trim_end());
+            }
+        }
         let num_params = {
             let vars = lock(varmap.data());
             let prepared = lock(&self.inner.prepared);
@@ -412,6 +459,12 @@ impl Accelerator {
             varmap,
         )?;
         adjust(&mut model);
+        // FULL_SHARD took the weights into chunks: the accel::nn layers gather theirs from the prepared model now.
+        if model.is_fully_sharded() {
+            for book in &books {
+                book.gather_from(Arc::new(model.clone()))?;
+            }
+        }
         lock(&self.inner.prepared).models.push(model.clone());
         Ok(model)
     }

@@ -123,3 +123,15 @@ impl AccelError {
         AccelError::Json { context: context.into(), source }
     }
 }
+
+/// An accel error inside a function that returns candle's `Result` (a candle `Module`'s `forward`, a model
+/// builder written the candle way): candle's own errors come back unwrapped, every other error wrapped whole, so
+/// `?` works in both directions and the message is kept.
+impl From<AccelError> for candle_core::Error {
+    fn from(e: AccelError) -> Self {
+        match e {
+            AccelError::Candle(e) => e,
+            e => candle_core::Error::wrap(e),
+        }
+    }
+}

@@ -65,6 +65,9 @@ pub const DP_REPLICATE_SIZE_ENV: &str = "PARALLELISM_CONFIG_DP_REPLICATE_SIZE";
 pub const DP_SHARD_SIZE_ENV: &str = "PARALLELISM_CONFIG_DP_SHARD_SIZE";
 /// Environment variable: tensor-parallel size (Accelerate's name).
 pub const TP_SIZE_ENV: &str = "PARALLELISM_CONFIG_TP_SIZE";
+/// Environment variable: the tensor-parallel plan as a JSON map from module-path patterns to styles
+/// ([`ParallelismConfig::tp_plan`]).
+pub const TP_PLAN_ENV: &str = "PARALLELISM_CONFIG_TP_PLAN";
 /// Environment variable: context-parallel size (Accelerate's name).
 pub const CP_SIZE_ENV: &str = "PARALLELISM_CONFIG_CP_SIZE";
 /// Environment variable: pipeline-parallel size (ours, in Accelerate's naming scheme).
@@ -93,6 +96,7 @@ pub const YAML_KEYS: &[&str] = &[
     "parallelism_config_dp_replicate_size",
     "parallelism_config_dp_shard_size",
     "parallelism_config_pp_size",
+    "parallelism_config_tp_plan",
     "parallelism_config_tp_size",
     "pipeline_parallel_microbatches",
     "pipeline_parallel_schedule",
@@ -173,6 +177,11 @@ pub struct ParallelismConfig {
     /// `accel launch` passes it as `FSDP_SHARDING_STRATEGY` ([`SHARDING_STRATEGY_ENV`]).
     #[serde(skip)]
     pub sharding_strategy: ShardingStrategy,
+    /// The tensor-parallel plan (`parallelism_config_tp_plan`: a map from module-path patterns to styles, as
+    /// transformers writes a `tp_plan`; [`crate::plan`]), which replaces the model's default plan in
+    /// [`crate::Accelerator::builder`]; `None`: the model's own. Carried to workers as [`TP_PLAN_ENV`] (JSON).
+    #[serde(rename = "parallelism_config_tp_plan", default, skip_serializing_if = "Option::is_none")]
+    pub tp_plan: Option<crate::plan::ParallelPlan>,
 }
 
 /// A size from a config file: a whole number ≥ 1, or `auto` ([`ParallelismConfig::AUTO`]).
@@ -232,6 +241,7 @@ impl Default for ParallelismConfig {
             pp_schedule: ScheduleKind::default(),
             pp_virtual_stages: None,
             sharding_strategy: ShardingStrategy::default(),
+            tp_plan: None,
         }
     }
 }
@@ -390,6 +400,16 @@ impl ParallelismConfig {
         if let Some(v) = get(PP_VIRTUAL_STAGES_ENV) {
             self.pp_virtual_stages = Some(whole_number(PP_VIRTUAL_STAGES_ENV, v, "model stages per pp rank")?);
         }
+        if let Some(v) = get(TP_PLAN_ENV).filter(|v| !v.trim().is_empty()) {
+            self.tp_plan = Some(serde_json::from_str(&v).map_err(|e| AccelError::Config {
+                key: TP_PLAN_ENV.into(),
+                value: v.clone(),
+                reason: format!(
+                    "{e}; expected a JSON map from module-path patterns to styles, e.g. \
+                     {{\"layers.*.mlp.up_proj\": \"colwise\", \"layers.*.mlp.down_proj\": \"rowwise\"}}"
+                ),
+            })?);
+        }
         if let Some(v) = get(SHARDING_STRATEGY_ENV).filter(|v| !v.trim().is_empty()) {
             self.sharding_strategy = v.parse().map_err(|_| AccelError::Config {
                 key: SHARDING_STRATEGY_ENV.into(),
@@ -429,6 +449,9 @@ impl ParallelismConfig {
         }
         if self.dp_shard_size > 1 {
             env.push((SHARDING_STRATEGY_ENV.to_string(), self.sharding_strategy.name().to_string()));
+        }
+        if let Some(plan) = &self.tp_plan {
+            env.push((TP_PLAN_ENV.to_string(), serde_json::to_string(plan).expect("a plan serialises")));
         }
         env
     }

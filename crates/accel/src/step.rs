@@ -628,9 +628,10 @@ fn missing_gradients(model: &PreparedModel, missing: Vec<String>) -> Result<()> 
     if model.is_fully_sharded() && missing.len() == model.names().len() {
         return Err(AccelError::Usage(
             "FULL_SHARD: no parameter of the prepared model got a gradient — the forward pass used weights built \
-             before prepare_model replaced them with this rank's chunks; build the model for training from \
-             model.param_builder() after prepare_model (it gathers the weights at each use). A model built from a \
-             candle VarBuilder cannot: use SHARD_GRAD_OP (the Trainer's fsdp \"shard_grad_op\") for it"
+             before prepare_model replaced them with this rank's chunks; build the model with \
+             accelerator.builder (accel::nn's layers gather their weights at each use), or for training from \
+             model.param_builder() after prepare_model. A model built from a candle VarBuilder cannot: use \
+             SHARD_GRAD_OP (the Trainer's fsdp \"shard_grad_op\") for it"
                 .into(),
         ));
     }

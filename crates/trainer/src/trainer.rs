@@ -393,7 +393,8 @@ where
         let acc = self.build_accelerator()?;
         self.args.finalize()?;
         let varmap = VarMap::new();
-        let vb = crate::init::seeded_var_builder(&varmap, self.args.seed, acc.compute_dtype(), acc.device());
+        // Drawn from args.seed (the Accelerator's seed) per name, as the parameter builder below draws.
+        let vb = acc.var_builder(&varmap);
         // Parameters drawn from args.seed (the Accelerator's seed), split over the mesh's tp group.
         let pb = acc.param_builder(&varmap);
         let tp = pb.tp().clone();

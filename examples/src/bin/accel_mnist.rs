@@ -112,7 +112,7 @@ fn train(cli: &Cli) -> anyhow::Result<()> {
     let varmap = VarMap::new();
     let model = Mlp::with_hidden(acc.var_builder(&varmap), &cli.hidden)?; // accel: device and dtype from acc
 
-    // candle's CPU RNG cannot be seeded: draw the initial weights from a seeded stream, as ddp_mnist does.
+    // The initial weights ddp_mnist (level 1) draws, so the two levels compare bit for bit.
     seed_parameters(&varmap, cli.seed)?;
     let opt = AdamW::new(AdamWConfig { weight_decay: 0.0, ..AdamWConfig::new(cli.lr) })?;
     let (_prepared, mut opt, train_loader) = acc.prepare(&varmap, opt, train_loader)?; // accel: DDP, shards, masters

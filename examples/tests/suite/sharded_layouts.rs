@@ -728,7 +728,8 @@ fn full_shard_refuses_stale_weights_and_models_that_keep_them() {
         Ok(acc.backward(&gpt.loss(x, y)?).unwrap_err().to_string())
     });
     assert!(
-        unbuilt[0].contains("build the model for training from model.param_builder() after prepare_model"),
+        unbuilt[0]
+            .contains("build the model with accelerator.builder (accel::nn's layers gather their weights at each use)"),
         "{}",
         unbuilt[0]
     );

@@ -67,6 +67,7 @@ fn reads_a_two_machine_fsdp_file_and_warns_about_what_accel_ignores() {
             pp_schedule: Default::default(),
             pp_virtual_stages: None,
             sharding_strategy: ShardingStrategy::ShardGradOp,
+            tp_plan: None,
         })
     );
     // FSDP2's `fsdp_reshard_after_forward: true` is FULL_SHARD; the FSDP keys accel has no use for are named once.

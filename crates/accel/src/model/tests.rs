@@ -353,14 +353,16 @@ fn a_parameter_built_outside_the_param_builder_must_be_the_same_on_every_tp_rank
                     ..AcceleratorConfig::default()
                 };
                 let acc = Accelerator::with_process_group(cfg, pg).unwrap();
-                // A replica built by candle, the same on both ranks: prepared, and registered as replicated.
+                // A replica built by candle beside a tensor-parallel model (ParamBuilder::var_builder, for layers
+                // with no parallel form), the same on both ranks: prepared, and registered as replicated.
                 let replicas = VarMap::new();
-                acc.var_builder(&replicas).get_with_hints(3, "ln.weight", candle_nn::Init::Const(1.0)).unwrap();
+                let pb = acc.param_builder(&replicas);
+                pb.var_builder().get_with_hints(3, "ln.weight", candle_nn::Init::Const(1.0)).unwrap();
                 acc.prepare_model(&replicas).unwrap();
                 let ln = acc.tensor_parallel().registered(&replicas.data().lock().unwrap()["ln.weight"]);
                 // A shard made by hand (each rank its own values) beside another replica: refused, named.
                 let mixed = VarMap::new();
-                let vb = acc.var_builder(&mixed);
+                let vb = acc.param_builder(&mixed).var_builder();
                 vb.get_with_hints(3, "ln2.weight", candle_nn::Init::Const(1.0)).unwrap();
                 vb.get_with_hints((2, 3), "w_local", candle_nn::Init::Const(rank as f64)).unwrap();
                 let err = acc.prepare_model(&mixed).unwrap_err().to_string();

@@ -34,6 +34,48 @@ pub enum ParamInit {
         /// Half-width.
         bound: f64,
     },
+    /// Every element `value`.
+    Constant(f64),
+    /// Normal(mean, std²).
+    Gaussian {
+        /// Mean.
+        mean: f64,
+        /// Standard deviation.
+        std: f64,
+    },
+    /// Uniform(lo, up).
+    Range {
+        /// Lower bound.
+        lo: f64,
+        /// Upper bound (> lo).
+        up: f64,
+    },
+}
+
+impl ParamInit {
+    /// candle-nn's initialiser `init` for a parameter whose *full* (single-process) shape is `full_shape`: the same
+    /// distribution candle would draw from (Kaiming's fan and gain from the full shape, He et al. 2015, as
+    /// `candle_nn::Init::Kaiming` computes them), drawn from the builder's seeded per-name stream instead of
+    /// candle's unseedable RNG.
+    pub fn from_candle(init: candle_nn::Init, full_shape: &Shape) -> Self {
+        use candle_nn::init::NormalOrUniform;
+        match init {
+            candle_nn::Init::Const(0.0) => ParamInit::Zeros,
+            candle_nn::Init::Const(1.0) => ParamInit::Ones,
+            candle_nn::Init::Const(c) => ParamInit::Constant(c),
+            candle_nn::Init::Randn { mean: 0.0, stdev } => ParamInit::Normal { std: stdev },
+            candle_nn::Init::Randn { mean, stdev } => ParamInit::Gaussian { mean, std: stdev },
+            candle_nn::Init::Uniform { lo, up } if lo == -up => ParamInit::Uniform { bound: up },
+            candle_nn::Init::Uniform { lo, up } => ParamInit::Range { lo, up },
+            candle_nn::Init::Kaiming { dist, fan, non_linearity } => {
+                let std = non_linearity.gain() / (fan.for_shape(full_shape).max(1) as f64).sqrt();
+                match dist {
+                    NormalOrUniform::Normal => ParamInit::Normal { std },
+                    NormalOrUniform::Uniform => ParamInit::Uniform { bound: 3f64.sqrt() * std },
+                }
+            }
+        }
+    }
 }
 
 /// Creates parameters in a `VarMap` (see the module documentation) — or, built by
@@ -143,6 +185,21 @@ impl ParamBuilder {
             None => VarBuilder::from_varmap(&self.varmap, self.dtype, &self.device),
         };
         self.path.iter().fold(vb, |vb, p| vb.pp(p))
+    }
+
+    /// The builder's prefix, the dotted path its `pp` calls made (`layers.3.self_attn`; empty at the root).
+    pub fn prefix(&self) -> String {
+        self.path.join(".")
+    }
+
+    /// Parameter `name` under this prefix if it already exists (created by this builder or another over the same
+    /// `VarMap`), or — for a builder handing out a prepared model's parameters — if the prepared model has it.
+    pub(crate) fn existing(&self, name: &str) -> Option<Tensor> {
+        let full_name = self.full_name(name);
+        match &self.lookup {
+            Some(source) => source.get(&full_name).ok(),
+            None => lock(self.varmap.data()).get(&full_name).map(|v| v.as_tensor().clone()),
+        }
     }
 
     /// The full dotted name of parameter `name` under this builder's prefix.
@@ -268,8 +325,8 @@ impl SourceBackend {
             return Err(candle_core::Error::Msg(format!(
                 "param_builder: `{name}` requested through a candle VarBuilder from a FULL_SHARD model: a candle layer \
                  keeps the weights it is built with, which would go stale after the first optimizer step; build \
-                 the model's parts from the ParamBuilder inside the forward that uses them (as CharGpt does), or \
-                 use SHARD_GRAD_OP (the Trainer's fsdp \"shard_grad_op\")"
+                 the model with accelerator.builder(&varmap, plan) (accel::nn, whose layers fetch their weights at \
+                 each forward), or use SHARD_GRAD_OP (the Trainer's fsdp \"shard_grad_op\")"
             )));
         }
         Ok(())
@@ -294,7 +351,7 @@ impl candle_nn::var_builder::SimpleBackend for SourceBackend {
 }
 
 /// The tp sizes that divide `size`, as a readable list.
-fn divisors(size: usize) -> String {
+pub(crate) fn divisors(size: usize) -> String {
     let d: Vec<String> = (1..=size).filter(|d| size.is_multiple_of(*d)).map(|d| d.to_string()).collect();
     if d.is_empty() {
         "none".into()
@@ -305,12 +362,12 @@ fn divisors(size: usize) -> String {
 
 /// 64-bit FNV-1a: the stream number of a parameter name (stable across runs, platforms and Rust versions,
 /// unlike `DefaultHasher`).
-fn fnv1a(name: &str) -> u64 {
+pub(crate) fn fnv1a(name: &str) -> u64 {
     name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
 /// The full f32 tensor of parameter `full_name` (on the CPU), drawn from its own stream.
-fn draw_full(seed: u64, full_name: &str, shape: &Shape, init: ParamInit) -> Result<Tensor> {
+pub(crate) fn draw_full(seed: u64, full_name: &str, shape: &Shape, init: ParamInit) -> Result<Tensor> {
     let n = shape.elem_count();
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     rng.set_stream(fnv1a(full_name));
@@ -322,6 +379,24 @@ fn draw_full(seed: u64, full_name: &str, shape: &Shape, init: ParamInit) -> Resu
     let values: Vec<f32> = match init {
         ParamInit::Zeros => vec![0.0; n],
         ParamInit::Ones => vec![1.0; n],
+        ParamInit::Constant(c) => vec![c as f32; n],
+        ParamInit::Gaussian { mean, std } => {
+            if !(std.is_finite() && std >= 0.0 && mean.is_finite()) {
+                return Err(bad("std", std));
+            }
+            let normal = Normal::new(mean as f32, std as f32).map_err(|_| bad("std", std))?;
+            (0..n).map(|_| normal.sample(&mut rng)).collect()
+        }
+        ParamInit::Range { lo, up } => {
+            if !(lo.is_finite() && up.is_finite() && lo < up) {
+                return Err(AccelError::InvalidArgument(format!(
+                    "tensor parallel: parameter `{full_name}`: a uniform range [{lo}, {up}) needs finite bounds with \
+                     lo < up"
+                )));
+            }
+            let uniform = Uniform::new(lo as f32, up as f32).map_err(|_| bad("bound", up))?;
+            (0..n).map(|_| rng.sample(uniform)).collect()
+        }
         ParamInit::Normal { std } => {
             if !(std.is_finite() && std >= 0.0) {
                 return Err(bad("std", std));

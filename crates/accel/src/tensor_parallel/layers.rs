@@ -18,8 +18,11 @@ use ddp_core::functional::{copy_to_group, gather_from_group, reduce_from_group};
 pub struct ParallelLinearConfig {
     /// Add a bias (default true).
     pub bias: bool,
-    /// Initialisation of the full weight (default Normal(0, 0.02²), GPT-2's); the bias starts at zero.
+    /// Initialisation of the full weight (default Normal(0, 0.02²), GPT-2's).
     pub init: ParamInit,
+    /// Initialisation of the full bias (default zeros, GPT-2's; candle-nn's `linear` draws
+    /// Uniform(−1/√in, 1/√in)).
+    pub bias_init: ParamInit,
     /// Column-parallel only: all-gather the output so every rank gets `[.., out]` (default false: `[.., out/tp]`).
     pub gather_output: bool,
     /// Column-parallel only: pad `out` up to a multiple of tp instead of refusing it (vocabulary heads; the padded
@@ -32,6 +35,7 @@ impl Default for ParallelLinearConfig {
         ParallelLinearConfig {
             bias: true,
             init: ParamInit::Normal { std: 0.02 },
+            bias_init: ParamInit::Zeros,
             gather_output: false,
             pad_output: false,
         }
@@ -65,9 +69,9 @@ impl ColumnParallelLinear {
         let bias = if !cfg.bias {
             None
         } else if cfg.pad_output {
-            Some(pb.sharded_padded("bias", out_dim, 0, ParamInit::Zeros)?)
+            Some(pb.sharded_padded("bias", out_dim, 0, cfg.bias_init)?)
         } else {
-            Some(pb.sharded("bias", out_dim, 0, ParamInit::Zeros)?)
+            Some(pb.sharded("bias", out_dim, 0, cfg.bias_init)?)
         };
         Ok(ColumnParallelLinear { weight, bias, tp: pb.tp().clone(), gather_output: cfg.gather_output, out_dim })
     }
@@ -86,6 +90,18 @@ impl ColumnParallelLinear {
             gather_output: false,
             out_dim: embedding.vocab_size,
         }
+    }
+
+    /// A layer over `weight` and `bias` already laid out (this rank's pieces): what `accel::nn`'s `Linear`
+    /// computes with after fetching its parameters (gathered under FULL_SHARD).
+    pub(crate) fn from_parts(
+        weight: Tensor,
+        bias: Option<Tensor>,
+        tp: &TensorParallel,
+        gather_output: bool,
+        out_dim: usize,
+    ) -> Self {
+        ColumnParallelLinear { weight, bias, tp: tp.clone(), gather_output, out_dim }
     }
 
     /// This rank's weight, `[out_padded/tp, in]`.
@@ -135,8 +151,13 @@ impl RowParallelLinear {
     /// sizes and the tp sizes that divide); a name already in the `VarMap`.
     pub fn new(pb: &ParamBuilder, in_dim: usize, out_dim: usize, cfg: ParallelLinearConfig) -> Result<Self> {
         let weight = pb.sharded("weight", (out_dim, in_dim), 1, cfg.init)?;
-        let bias = if cfg.bias { Some(pb.replicated("bias", out_dim, ParamInit::Zeros)?) } else { None };
+        let bias = if cfg.bias { Some(pb.replicated("bias", out_dim, cfg.bias_init)?) } else { None };
         Ok(RowParallelLinear { weight, bias, tp: pb.tp().clone() })
+    }
+
+    /// A layer over `weight` and `bias` already laid out (see `ColumnParallelLinear::from_parts`).
+    pub(crate) fn from_parts(weight: Tensor, bias: Option<Tensor>, tp: &TensorParallel) -> Self {
+        RowParallelLinear { weight, bias, tp: tp.clone() }
     }
 
     /// This rank's weight, `[out, in/tp]`.
@@ -183,6 +204,11 @@ impl VocabParallelEmbedding {
         Ok(VocabParallelEmbedding { weight, tp: pb.tp().clone(), vocab_size })
     }
 
+    /// An embedding over `weight`, this rank's rows (see `ColumnParallelLinear::from_parts`).
+    pub(crate) fn from_parts(weight: Tensor, tp: &TensorParallel, vocab_size: usize) -> Self {
+        VocabParallelEmbedding { weight, tp: tp.clone(), vocab_size }
+    }
+
     /// This rank's rows of the weight, `[padded_vocab/tp, dim]`.
     pub fn weight(&self) -> &Tensor {
         &self.weight
@@ -202,6 +228,26 @@ impl VocabParallelEmbedding {
         // Ids another rank owns were clamped into this rank's range: zero their rows so only the owner counts.
         let emb = emb.broadcast_mul(&mask.to_dtype(emb.dtype())?.unsqueeze(D::Minus1)?)?;
         Ok(reduce_from_group(&emb, self.tp.group())?)
+    }
+}
+
+/// The layers as candle modules (the inherent `forward`s, with accel's error type, behind candle's): they compose
+/// with `candle_nn::seq`, `Tensor::apply` and a user's own `Module`s.
+impl Module for ColumnParallelLinear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        Ok(ColumnParallelLinear::forward(self, x)?)
+    }
+}
+
+impl Module for RowParallelLinear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        Ok(RowParallelLinear::forward(self, x)?)
+    }
+}
+
+impl Module for VocabParallelEmbedding {
+    fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        Ok(VocabParallelEmbedding::forward(self, ids)?)
     }
 }
 

@@ -11,6 +11,7 @@ mod optim;
 mod overlap;
 mod parallelism;
 mod pipeline;
+mod plan;
 mod ranks;
 mod resume;
 mod sharded;

@@ -3,8 +3,10 @@
 //! that GA = k with batch b gives the same parameters as GA = 1 with batch k·b, on 2 ranks and on 1 — and the
 //! per-micro-batch-mean normalisation (the pre-4.46 HF Trainer bug) would not.
 //!
-//! Tolerance: 1e-5 relative (denominator floored at 1e-3). The runs see the same samples in every optimizer step
-//! but sum them in a different order, so only f32 rounding differs; SGD keeps that rounding from being amplified.
+//! Tolerance: 3e-5 relative (denominator floored at 1e-3). The runs see the same samples in every optimizer step
+//! but sum them in a different order, so only f32 rounding differs; SGD keeps that rounding from being amplified,
+//! though 8 steps at learning rate 0.5 grow it to ~100 ulps (1.2e-5 measured). The normalisation bug the test
+//! guards against moves the parameters by more than 1e-3, 30× the tolerance.
 
 use std::path::Path;
 
@@ -13,7 +15,7 @@ use accel::dist::ProcessGroup;
 use trainer::losses::{self, LossOutput};
 use trainer::{OptimizerKind, ReportTo, SaveStrategy, Trainer, TrainingArguments};
 
-const TOLERANCE: f64 = 1e-5;
+const TOLERANCE: f64 = 3e-5;
 
 fn args(out: &Path, batch: usize, ga: usize) -> TrainingArguments {
     TrainingArguments {
