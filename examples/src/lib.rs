@@ -1,7 +1,8 @@
 //! Shared pieces of the MNIST examples (the same task written at each level of accel-rs):
 //!
-//! - [`Mlp`]: a multi-layer perceptron 784 → hidden… → 10 with ReLU, built from a candle `VarBuilder` so the
-//!   level-1 (raw ddp-core), level-2 (Accelerator) and level-3 (Trainer) programs train the exact same model.
+//! - [`Mlp`]: a multi-layer perceptron 784 → hidden… → 10 with ReLU — from candle's `VarBuilder` at level 1 (raw
+//!   ddp-core), from accel's builder at levels 2 (Accelerator) and 3 (Trainer) — so the three programs train
+//!   the exact same model.
 //! - [`load_mnist`]: the shipped MNIST subsets (`data/mnist/{train10k,t10k}-*-idx*-ubyte.gz`) as tensors on a
 //!   device, read by the library's one loader ([`accel::data::load_mnist`], which the level-2/3 examples call
 //!   directly for a `TensorDataset`).
@@ -47,15 +48,27 @@ pub const DEFAULT_HIDDEN: &[usize] = &[256];
 /// The input (pixels in `[0, 1]`) is first standardised with the fixed constants [`MNIST_MEAN`] / [`MNIST_STD`]
 /// (`(x − mean) / std`, as torchvision's MNIST examples do); it has no parameters and makes AdamW converge in
 /// fewer epochs. Parameters are named `fc1.weight` (shape `[h1, 784]`), `fc1.bias` (`[h1]`), `fc2.weight`, … in
-/// the `VarBuilder`'s namespace, initialised by candle_nn's `linear` (Kaiming-normal weights, uniform bias;
-/// call [`seed_parameters`] for a reproducible PyTorch-style init). The dtype and device are those of the
-/// `VarBuilder`. Each layer is a [`accel_nn::ops::linear::Linear`] with its ReLU fused (one candle custom op
-/// forward and backward on the CPU in f32, candle's own ops elsewhere; `ACCEL_FUSED_OPS=0` switches it off).
-/// The forward pass marks a backward-segment cut ([`ddp_core::segments::cut`]) between layers, for DDP's
-/// overlapped backward.
-#[derive(Debug, Clone)]
+/// the builder's namespace, initialised as candle_nn's `linear` does (Kaiming-normal weights, uniform bias;
+/// call [`seed_parameters`] for PyTorch's init). The dtype and device are those of the builder. Each layer
+/// has its ReLU fused (one candle custom op forward and backward on the CPU in f32, candle's own ops elsewhere;
+/// `ACCEL_FUSED_OPS=0` switches it off). The forward pass marks a backward-segment cut
+/// ([`ddp_core::segments::cut`]) between layers, for DDP's overlapped backward.
+///
+/// Two builders make the same model: candle's `VarBuilder` ([`Mlp::with_hidden`], level 1: no accel types) and
+/// accel's ([`Mlp::on_builder`], levels 2 and 3), whose layers fetch their weights at each forward — so the
+/// model trains under every data-parallel layout, FULL_SHARD (an Accelerate FSDP config) included.
+#[derive(Clone)]
 pub struct Mlp {
-    layers: Vec<Linear>,
+    layers: Vec<MlpLayer>,
+}
+
+/// One layer of an [`Mlp`], as the builder that made it holds it.
+#[derive(Clone)]
+enum MlpLayer {
+    /// From candle's `VarBuilder`: the weights it was built with.
+    Candle(Linear),
+    /// From `accel::nn`'s builder: weights fetched at each forward (gathered under FULL_SHARD).
+    Planned(accel::nn::Linear),
 }
 
 impl Mlp {
@@ -64,25 +77,48 @@ impl Mlp {
         Self::with_hidden(vb, DEFAULT_HIDDEN)
     }
 
-    /// A model 784 → `hidden[0]` → … → 10. An empty `hidden` gives multinomial logistic regression (784-10).
+    /// A model 784 → `hidden[0]` → … → 10 from candle's builder. An empty `hidden` gives multinomial logistic
+    /// regression (784-10).
     pub fn with_hidden(vb: VarBuilder, hidden: &[usize]) -> candle_core::Result<Self> {
-        let widths: Vec<usize> =
-            std::iter::once(MNIST_PIXELS).chain(hidden.iter().copied()).chain([MNIST_CLASSES]).collect();
-        let last = widths.len() - 2;
-        let layers = widths
-            .windows(2)
-            .enumerate()
-            .map(|(i, w)| {
-                let act = if i == last { Activation::None } else { Activation::Relu };
-                Ok(Linear::new_vb(w[0], w[1], vb.pp(format!("fc{}", i + 1)))?.with_activation(act))
+        let layers = Self::layer_sizes(hidden)
+            .map(|(name, (in_dim, out_dim), act)| {
+                Ok(MlpLayer::Candle(Linear::new_vb(in_dim, out_dim, vb.pp(name))?.with_activation(act)))
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(Self { layers })
     }
+
+    /// The same model from accel's builder (`acc.builder(&varmap, Mlp::plan())`, or the Trainer's
+    /// `Trainer::with_plan`): the same names, shapes and initial distribution.
+    pub fn on_builder(vb: accel::nn::VarBuilder, hidden: &[usize]) -> candle_core::Result<Self> {
+        let layers = Self::layer_sizes(hidden)
+            .map(|(name, (in_dim, out_dim), act)| {
+                Ok(MlpLayer::Planned(accel::nn::linear(in_dim, out_dim, vb.pp(name))?.with_activation(act)))
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Self { layers })
+    }
+
+    /// The model's parallel plan: none of its rules (every layer replicated), as data parallelism — replicated
+    /// or sharded, FULL_SHARD included — needs; at tp > 1 the builder refuses it, naming `fc1`.
+    pub fn plan() -> accel::plan::ParallelPlan {
+        accel::plan::ParallelPlan::default()
+    }
+
+    /// `(name, (in, out), activation)` of each layer: `fc1` … `fcN`, ReLU on all but the last.
+    fn layer_sizes(hidden: &[usize]) -> impl Iterator<Item = (String, (usize, usize), Activation)> {
+        let widths: Vec<usize> =
+            std::iter::once(MNIST_PIXELS).chain(hidden.iter().copied()).chain([MNIST_CLASSES]).collect();
+        let last = widths.len() - 2;
+        (0..=last).map(move |i| {
+            let act = if i == last { Activation::None } else { Activation::Relu };
+            (format!("fc{}", i + 1), (widths[i], widths[i + 1]), act)
+        })
+    }
 }
 
 impl Module for Mlp {
-    /// `xs`: `[batch, 784]` (the VarBuilder's dtype) → logits `[batch, 10]`.
+    /// `xs`: `[batch, 784]` (the builder's dtype) → logits `[batch, 10]`.
     fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
         let mut h = xs.affine(1.0 / MNIST_STD, -MNIST_MEAN / MNIST_STD)?;
         for (i, layer) in self.layers.iter().enumerate() {
@@ -93,7 +129,10 @@ impl Module for Mlp {
                 h = ddp_core::segments::cut(&h)?;
             }
             // ReLU fused into every layer but the last.
-            h = layer.forward(&h)?;
+            h = match layer {
+                MlpLayer::Candle(l) => l.forward(&h)?,
+                MlpLayer::Planned(l) => l.forward(&h)?,
+            };
         }
         Ok(h)
     }

@@ -58,11 +58,17 @@ use crate::state::{LogEntry, LossTallyState, TrainerState, TRAINER_STATE_NAME};
 
 /// Builds the model from a `VarBuilder` (device, dtype and seeded initialisation chosen by the trainer).
 pub type ModelInit<M> = Box<dyn Fn(VarBuilder<'static>) -> candle_core::Result<M> + Send>;
-/// The one model builder the Trainer keeps: it is handed both the Accelerator's `ParamBuilder` and the trainer's
-/// seeded `VarBuilder` over the same VarMap ([`crate::init::seeded_var_builder`]: `Trainer::new`'s models keep
-/// their seeded candle-nn initialisation), and each constructor's wrapper uses the one its closure wants.
-/// Pipelined models ([`Trainer::new_pipelined`]) also get the stages this rank holds.
-type InitFn<M> = Box<dyn Fn(&ParamBuilder, VarBuilder<'static>, &[Stage]) -> candle_core::Result<M> + Send>;
+/// What the Trainer's one model builder is handed at setup: the Accelerator and the VarMap the parameters go into,
+/// a `ParamBuilder` (the Accelerator's, or for a FULL_SHARD rebuild the prepared model's) and the pipeline stages
+/// this rank holds; each constructor's wrapper makes the builder its closure wants from them.
+struct Builders<'a> {
+    acc: &'a Accelerator,
+    varmap: &'a VarMap,
+    pb: &'a ParamBuilder,
+    stages: &'a [Stage],
+}
+/// The one model builder the Trainer keeps.
+type InitFn<M> = Box<dyn Fn(&Builders) -> candle_core::Result<M> + Send>;
 /// A pipelined model as a [`StagedModel`] (what [`Trainer::new_pipelined`] records, so the training step can drive
 /// the model's stages without a bound on every trainer's model type).
 type AsStaged<M> = for<'a> fn(&'a M) -> &'a dyn StagedModel;
@@ -124,6 +130,10 @@ pub(crate) struct Runtime<M, D> {
 pub struct Trainer<M, D> {
     pub(crate) args: TrainingArguments,
     model_init: InitFn<M>,
+    /// The model takes its parameters from a `ParamBuilder` when built, so under FULL_SHARD it is built again from
+    /// the prepared model's, which gathers them (`new_parallel`, `new_pipelined`; a model on `accel::nn`'s builder
+    /// fetches its parameters at each forward and is built once).
+    rebuild_when_fully_sharded: bool,
     pipelined: Option<Pipelined<M>>,
     train_dataset: Arc<D>,
     pub(crate) eval_dataset: Option<Arc<D>>,
@@ -217,7 +227,7 @@ where
     where
         F: Fn(VarBuilder<'static>) -> candle_core::Result<M> + Send + 'static,
     {
-        let init: InitFn<M> = Box::new(move |_pb, vb, _stages| model_init(vb));
+        let init: InitFn<M> = Box::new(move |b: &Builders| model_init(b.acc.var_builder(b.varmap)));
         Self::with_init(args, init, train_dataset, eval_dataset, loss)
     }
 
@@ -263,7 +273,49 @@ where
     where
         F: Fn(&ParamBuilder) -> candle_core::Result<M> + Send + 'static,
     {
-        let init: InitFn<M> = Box::new(move |pb, _vb, _stages| model_init(pb));
+        let init: InitFn<M> = Box::new(move |b: &Builders| model_init(b.pb));
+        let mut t = Self::with_init(args, init, train_dataset, eval_dataset, loss);
+        t.rebuild_when_fully_sharded = true;
+        t
+    }
+
+    /// Like [`Trainer::new`], for a model written on [`accel::nn`]'s builder — candle's calls (`pp`, `linear`,
+    /// `embedding`, `layer_norm`, `rms_norm`, `get`) on `accel::nn::VarBuilder` — laid out by `plan` (or by the
+    /// config's `parallelism_config_tp_plan`, which replaces it): every parameter drawn from `args.seed` per name
+    /// on the full model, each linear and embedding split over the tp group as the plan says, and under FULL_SHARD
+    /// (`fsdp: "full_shard"`, an Accelerate FSDP config) each weight gathered when the forward uses it — the model
+    /// is built once and its code is the same at every layout. With an empty plan
+    /// (`ParallelPlan::default()`) every layer is replicated: DDP, ZeRO-1/2, FULL_SHARD and HSDP; a linear at
+    /// tp > 1 then needs a rule, and setup says which.
+    ///
+    /// ```no_run
+    /// use accel::nn::{linear, Activation, Module, VarBuilder};
+    /// use accel::plan::{ParallelPlan, ParallelStyle};
+    /// use trainer::{losses, Trainer, TrainingArguments};
+    /// # fn data() -> accel::data::TensorDataset { unimplemented!() }
+    /// # fn main() -> trainer::Result<()> {
+    /// let plan = ParallelPlan::default().with("fc1", ParallelStyle::Colwise).with("fc2", ParallelStyle::Rowwise);
+    /// let mlp = |vb: VarBuilder| -> candle_core::Result<_> {
+    ///     let fc1 = linear(784, 256, vb.pp("fc1"))?.with_activation(Activation::Relu);
+    ///     let fc2 = linear(256, 10, vb.pp("fc2"))?;
+    ///     Ok(candle_nn::seq().add(fc1).add(fc2))
+    /// };
+    /// let mut t = Trainer::with_plan(TrainingArguments::default(), plan, mlp, data(), None, losses::CrossEntropy);
+    /// t.train()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn with_plan<F>(
+        args: TrainingArguments,
+        plan: accel::plan::ParallelPlan,
+        model_init: F,
+        train_dataset: D,
+        eval_dataset: Option<D>,
+        loss: impl Loss + 'static,
+    ) -> Self
+    where
+        F: Fn(accel::nn::VarBuilder) -> candle_core::Result<M> + Send + 'static,
+    {
+        let init: InitFn<M> = Box::new(move |b: &Builders| model_init(b.acc.builder(b.varmap, plan.clone())));
         Self::with_init(args, init, train_dataset, eval_dataset, loss)
     }
 
@@ -288,8 +340,9 @@ where
         F: Fn(&ParamBuilder, &[Stage]) -> candle_core::Result<M> + Send + 'static,
         M: StagedModel,
     {
-        let init: InitFn<M> = Box::new(move |pb, _vb, stages| model_init(pb, stages));
+        let init: InitFn<M> = Box::new(move |b: &Builders| model_init(b.pb, b.stages));
         let mut t = Self::with_init(args, init, train_dataset, eval_dataset, loss);
+        t.rebuild_when_fully_sharded = true;
         t.pipelined = Some(Pipelined { layers, as_staged: as_staged::<M> });
         t
     }
@@ -304,6 +357,7 @@ where
         Trainer {
             args,
             model_init,
+            rebuild_when_fully_sharded: false,
             pipelined: None,
             train_dataset: Arc::new(train_dataset),
             eval_dataset: eval_dataset.map(Arc::new),
@@ -393,9 +447,7 @@ where
         let acc = self.build_accelerator()?;
         self.args.finalize()?;
         let varmap = VarMap::new();
-        // Drawn from args.seed (the Accelerator's seed) per name, as the parameter builder below draws.
-        let vb = acc.var_builder(&varmap);
-        // Parameters drawn from args.seed (the Accelerator's seed), split over the mesh's tp group.
+        // Parameters drawn from args.seed (the Accelerator's seed) per name, split over the mesh's tp group.
         let pb = acc.param_builder(&varmap);
         let tp = pb.tp().clone();
         let stages = match &self.pipelined {
@@ -410,16 +462,17 @@ where
             }
             None => Vec::new(),
         };
-        let model = (self.model_init)(&pb, vb, &stages)?;
+        let model = (self.model_init)(&Builders { acc: &acc, varmap: &varmap, pb: &pb, stages: &stages })?;
         let prepared = acc.prepare_model(&varmap)?;
-        // FULL_SHARD: prepare_model replaced the weights with this rank's chunks; the model is built again from
-        // the prepared model's builder, which gathers each weight when the forward uses it (a model built from a
-        // candle VarBuilder cannot: it keeps its weights, and the builder refuses it, saying so).
-        let model = match prepared.is_fully_sharded() {
+        // FULL_SHARD: prepare_model replaced the weights with this rank's chunks; a model that took its
+        // parameters from a ParamBuilder is built again from the prepared model's, which gathers each weight when
+        // the forward uses it. (A model on accel::nn's builder fetches its weights at each forward by itself; one
+        // built from a candle VarBuilder keeps its weights and was refused by prepare_model, saying so.)
+        let model = match prepared.is_fully_sharded() && self.rebuild_when_fully_sharded {
             true => {
                 drop(model);
                 let pb = prepared.param_builder();
-                (self.model_init)(&pb, pb.var_builder(), &stages)?
+                (self.model_init)(&Builders { acc: &acc, varmap: &varmap, pb: &pb, stages: &stages })?
             }
             false => model,
         };

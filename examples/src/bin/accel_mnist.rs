@@ -110,7 +110,8 @@ fn train(cli: &Cli) -> anyhow::Result<()> {
 
     // guide:begin model
     let varmap = VarMap::new();
-    let model = Mlp::with_hidden(acc.var_builder(&varmap), &cli.hidden)?; // accel: device and dtype from acc
+    let vb = acc.builder(&varmap, Mlp::plan()); // accel: device, dtype and layout (FULL_SHARD too) from acc
+    let model = Mlp::on_builder(vb, &cli.hidden)?;
 
     // The initial weights ddp_mnist (level 1) draws, so the two levels compare bit for bit.
     seed_parameters(&varmap, cli.seed)?;

@@ -177,7 +177,8 @@ fn hp_search(cli: &Cli, file: &std::path::Path) -> anyhow::Result<()> {
             false => cli.hidden.clone(),
         };
         let (train, validation) = train_validation(cli).map_err(|e| trainer::TrainerError::Usage(format!("{e:#}")))?;
-        Ok(Trainer::new(args, move |vb| Mlp::with_hidden(vb, &hidden), train, Some(validation), losses::CrossEntropy)
+        let mlp = move |vb| Mlp::on_builder(vb, &hidden);
+        Ok(Trainer::with_plan(args, Mlp::plan(), mlp, train, Some(validation), losses::CrossEntropy)
             .compute_metrics(metrics::classification))
     })?;
     let Some(summary) = summary else { return Ok(()) }; // a trial's process: its trial is done
@@ -206,9 +207,10 @@ fn worker(cli: Cli) -> anyhow::Result<()> {
 
     // guide:begin model
     let hidden = cli.hidden.clone();
-    let mut trainer = Trainer::new(
+    let mut trainer = Trainer::with_plan(
         args,
-        move |vb| Mlp::with_hidden(vb, &hidden),
+        Mlp::plan(),
+        move |vb| Mlp::on_builder(vb, &hidden),
         train_set,
         Some(validation_set),
         losses::CrossEntropy,

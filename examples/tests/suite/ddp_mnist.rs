@@ -101,3 +101,58 @@ fn slurm_tasks_form_one_job() {
     assert!(outputs[0].contains("/10000), "), "{}", outputs[0]);
     assert!(!outputs[1].contains("epoch 1/1"), "only rank 0 prints:\n{}", outputs[1]);
 }
+
+/// An Accelerate FSDP config (FULL_SHARD over the 2 processes, the variables `accel launch --config_file` sets for
+/// one) trains the level-2 and level-3 programs — their MLP is built on accel's builder, so its layers fetch the
+/// gathered weights at each forward — to the same printed losses and accuracies as plain DDP (with 2 ranks a
+/// reduce-scatter sums the same two numbers an all-reduce does).
+#[test]
+fn an_fsdp_config_trains_the_mnist_programs_as_ddp_does() {
+    let out_dir = tempfile::tempdir().unwrap();
+    let run = |bin: &str, full_shard: bool| {
+        let mut cmd = Command::new(bin);
+        cmd.args(["--nproc", "2", "--hidden", "32"]).env_remove("RANK").env("RUST_BACKTRACE", "0");
+        if bin.ends_with("train_mnist") {
+            let dir = out_dir.path().join(if full_shard { "full_shard" } else { "ddp" });
+            cmd.args(["--num-train-epochs", "1", "--output-dir", dir.to_str().unwrap()]);
+        } else {
+            cmd.args(["--epochs", "1"]);
+        }
+        if full_shard {
+            cmd.env("FSDP_SHARDING_STRATEGY", "FULL_SHARD").env("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2");
+        }
+        let out = cmd.output().expect("running an MNIST example");
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "{bin} (FULL_SHARD {full_shard}) failed:\n{text}");
+        let layout =
+            if full_shard { "dp_replicate 1 × dp_shard 2 (FULL_SHARD)" } else { "dp_replicate 2 × dp_shard 1" };
+        assert!(text.contains(layout), "{bin}: the banner shows {layout}:\n{text}");
+        // Rank 0's losses and accuracies: its decimal figures up to a line's timings (`eval_runtime`, …), less
+        // the durations (a figure followed by `s`).
+        let figures = |l: &str| {
+            let words: Vec<&str> = l
+                .split("runtime")
+                .next()
+                .unwrap()
+                .split([' ', ',', '|', '(', ')', ';'])
+                .filter(|w| !w.is_empty())
+                .collect();
+            let timed = |i: usize| words.get(i + 1) == Some(&"s");
+            (0..words.len())
+                .filter(|&i| words[i].contains('.') && words[i].parse::<f64>().is_ok() && !timed(i))
+                .map(|i| words[i].to_string())
+                .collect::<Vec<_>>()
+        };
+        let lines: Vec<Vec<String>> = text
+            .lines()
+            .filter(|l| l.starts_with("[rank 0]") && (l.contains("loss") || l.contains("accuracy")))
+            .filter(|l| !l.contains("train_runtime"))
+            .map(figures)
+            .collect();
+        assert!(lines.len() >= 2 && lines.iter().all(|f| !f.is_empty()), "{bin}: figures found:\n{text}");
+        lines
+    };
+    for bin in [env!("CARGO_BIN_EXE_accel_mnist"), env!("CARGO_BIN_EXE_train_mnist")] {
+        assert_eq!(run(bin, true), run(bin, false), "{bin}: FULL_SHARD vs DDP");
+    }
+}

@@ -33,6 +33,7 @@ pub struct Linear {
     in_dim: usize,
     out_dim: usize,
     tp: TensorParallel,
+    activation: Activation,
 }
 
 /// A linear layer with a bias (candle-nn's `linear`: weight Kaiming-normal over the input features, bias
@@ -92,7 +93,8 @@ impl Linear {
         }
         let mut held = vb.record(LayerKind::Linear, style, rule, &params).into_iter();
         let (weight, bias) = (held.next().expect("a weight"), held.next());
-        Ok(Linear { weight, bias, style, path: vb.prefix(), in_dim, out_dim, tp: vb.tp().clone() })
+        let (path, tp) = (vb.prefix(), vb.tp().clone());
+        Ok(Linear { weight, bias, style, path, in_dim, out_dim, tp, activation: Activation::None })
     }
 
     /// A head whose weight is `embedding`'s (weight tying, Press & Wolf 2017): `[vocab, d]` → logits `[.., vocab]`,
@@ -107,7 +109,17 @@ impl Linear {
             in_dim: embedding.hidden_size,
             out_dim: embedding.vocab_size,
             tp: embedding.tp.clone(),
+            activation: Activation::None,
         }
+    }
+
+    /// The same layer with `activation` applied to its output (`relu(x Wᵀ + b)`): fused into the product for a
+    /// replicated layer (`accel_nn::ops::linear`, one kernel forward and backward on the CPU in f32), after it
+    /// otherwise — on this rank's columns for a column-wise layer (an element-wise function of its own outputs),
+    /// after the sum for a row-wise one.
+    pub fn with_activation(mut self, activation: Activation) -> Self {
+        self.activation = activation;
+        self
     }
 
     /// This rank's weight (see the type's table for its shape); under FULL_SHARD gathered for this call.
@@ -129,13 +141,15 @@ impl Linear {
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (weight, bias) = (self.weight()?, self.bias()?);
-        match self.style {
-            ParallelStyle::Replicate => Ok(accel_nn::ops::linear::linear(x, &weight, bias.as_ref(), Activation::None)?),
+        let y = match self.style {
+            ParallelStyle::Replicate => {
+                return accel_nn::ops::linear::linear(x, &weight, bias.as_ref(), self.activation)
+            }
             ParallelStyle::Colwise | ParallelStyle::VocabParallel => {
-                Ok(ColumnParallelLinear::from_parts(weight, bias, &self.tp, false, self.out_dim).forward(x)?)
+                ColumnParallelLinear::from_parts(weight, bias, &self.tp, false, self.out_dim).forward(x)?
             }
             ParallelStyle::ColwiseRep => {
-                Ok(ColumnParallelLinear::from_parts(weight, bias, &self.tp, true, self.out_dim).forward(x)?)
+                ColumnParallelLinear::from_parts(weight, bias, &self.tp, true, self.out_dim).forward(x)?
             }
             ParallelStyle::Rowwise => {
                 let local = weight.dim(1)?;
@@ -149,8 +163,12 @@ impl Module for Linear {
                     ))
                     .into());
                 }
-                Ok(RowParallelLinear::from_parts(weight, bias, &self.tp).forward(x)?)
+                RowParallelLinear::from_parts(weight, bias, &self.tp).forward(x)?
             }
+        };
+        match self.activation {
+            Activation::None => Ok(y),
+            Activation::Relu => y.relu(),
         }
     }
 }

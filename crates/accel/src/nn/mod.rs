@@ -81,6 +81,7 @@ mod provenance;
 mod staged;
 mod unit;
 
+pub use accel_nn::ops::linear::Activation;
 pub use builder::{LayerKind, PlannedLayer, VarBuilder};
 pub use candle_core::{Module, ModuleT};
 pub use candle_nn::{Init, LayerNormConfig};

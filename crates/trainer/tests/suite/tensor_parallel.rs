@@ -2,7 +2,9 @@
 //! `losses::VocabParallelCrossEntropy`: a bigram language model (vocab-parallel embedding → column-parallel head
 //! with a padded vocabulary) trained by the Trainer is reproducible for a seed, learns, and evaluates its loss;
 //! split over tp2 and dp2 × tp2 (ranks as threads) it logs the single process's losses with the global batch
-//! held fixed; a tp-split model's evaluation refuses `compute_metrics`.
+//! held fixed; a tp-split model's evaluation refuses `compute_metrics`. `Trainer::with_plan` (a model on
+//! `accel::nn`'s builder, laid out by a plan) logs the single process's losses at dp 2, FULL_SHARD, tp 2 and
+//! dp 2 × tp 2.
 
 use std::path::Path;
 
@@ -182,5 +184,63 @@ fn compute_metrics_is_refused_for_a_tp_split_model() {
     });
     for e in errors {
         assert!(e.contains("split over 2 tensor-parallel ranks") && e.contains("drop compute_metrics"), "{e}");
+    }
+}
+
+/// `Trainer::with_plan`: one model written on `accel::nn`'s builder (candle's calls; no style in its code), laid
+/// out by a plan (`fc1` column-wise, `fc2` row-wise), logs the single process's training losses at dp 2, FULL_SHARD
+/// 2 (`fsdp: "full_shard"`), tp 2 and dp 2 × tp 2 (relative 1e-5: sums in another order), the global batch held at
+/// 16 — built once, at every layout.
+#[test]
+fn with_plan_trains_one_model_at_every_layout_like_one_process() {
+    use crate::common::{classification_data, CLASSES, FEATURES};
+    use accel::nn::{linear, Activation};
+    use accel::plan::{ParallelPlan, ParallelStyle};
+
+    let run = |world: usize, layout: ParallelismConfig, fsdp: Option<&'static str>, per_device: usize| {
+        run_ranks(world, move |pg| {
+            let dir = tempfile::tempdir().unwrap();
+            let args = TrainingArguments {
+                per_device_train_batch_size: per_device,
+                fsdp: fsdp.map(str::to_string),
+                max_steps: 8,
+                logging_steps: 2.0,
+                ..args(dir.path())
+            };
+            let plan = ParallelPlan::default().with("fc1", ParallelStyle::Colwise).with("fc2", ParallelStyle::Rowwise);
+            let mlp = |vb: accel::nn::VarBuilder| -> candle_core::Result<candle_nn::Sequential> {
+                let fc1 = linear(FEATURES, 8, vb.pp("fc1"))?.with_activation(Activation::Relu);
+                Ok(candle_nn::seq().add(fc1).add(linear(8, CLASSES, vb.pp("fc2"))?))
+            };
+            let data = classification_data(64);
+            let mut t = Trainer::with_plan(args, plan, mlp, data, None, losses::cross_entropy)
+                .process_group(pg)
+                .parallelism_config(layout.clone());
+            t.train().unwrap();
+            let p = t.accelerator().unwrap().parallelism_config();
+            let shape =
+                (p.dp_replicate_size, p.dp_shard_size, p.tp_size, t.prepared_model().unwrap().is_fully_sharded());
+            let losses: Vec<f64> = t.state().log_history.iter().filter_map(|e| e.get("loss")).collect();
+            (shape, losses)
+        })
+    };
+    let (_, reference) = run(1, ParallelismConfig::default(), None, 16).pop().unwrap();
+    assert_eq!(reference.len(), 4, "{reference:?}");
+    assert!(reference.windows(2).any(|w| w[0] != w[1]), "the losses move: {reference:?}");
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * b.abs().max(1e-3);
+    let tp2 = ParallelismConfig::default().with_tp_size(2);
+    for (world, layout, fsdp, per_device, shape) in [
+        (2, ParallelismConfig::default(), None, 8, (2, 1, 1, false)),
+        (2, ParallelismConfig::default(), Some("full_shard"), 8, (1, 2, 1, true)),
+        (2, tp2.clone(), None, 16, (1, 1, 2, false)),
+        (4, tp2.with_dp_replicate_size(2), None, 8, (2, 1, 2, false)),
+    ] {
+        for (rank, (got_shape, losses)) in run(world, layout, fsdp, per_device).into_iter().enumerate() {
+            assert_eq!(got_shape, shape, "rank {rank}");
+            assert!(
+                losses.len() == reference.len() && losses.iter().zip(&reference).all(|(a, b)| close(*a, *b)),
+                "{shape:?} rank {rank}: losses {losses:?} vs one process {reference:?}"
+            );
+        }
     }
 }
