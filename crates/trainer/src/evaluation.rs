@@ -191,7 +191,7 @@ where
         for batch in loader.iter() {
             let batch = batch?;
             steps += 1;
-            if let Some(as_staged) = rt.staged {
+            if let Some(staged) = &rt.staged {
                 // Through the stages (forward only); the loss is the last stage's, the same on every pp rank.
                 let rows = batch.len();
                 let keep = rows - acc.padding_in_batch().min(rows);
@@ -205,7 +205,7 @@ where
                         )
                     })?;
                     let tp = &rt.tp;
-                    let sum = acc.pipeline_forward(as_staged(&rt.model), &cast_input(&x, dtype)?, &t, |y, t| {
+                    let sum = acc.pipeline_forward(staged.of(&rt.model), &cast_input(&x, dtype)?, &t, |y, t| {
                         Ok(self.loss.compute_parallel(&outputs_f32(y.clone()).map_err(accel_error)?, t, tp)?.loss_sum)
                     })?;
                     loss_sum += f64::from(sum.to_scalar::<f32>()?);

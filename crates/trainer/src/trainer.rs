@@ -67,8 +67,8 @@ struct Builders<'a> {
     pb: &'a ParamBuilder,
     stages: &'a [Stage],
 }
-/// The one model builder the Trainer keeps.
-type InitFn<M> = Box<dyn Fn(&Builders) -> candle_core::Result<M> + Send>;
+/// The one model builder the Trainer keeps: the model, and the stages `accel::nn::staged` built for it, if any.
+type InitFn<M> = Box<dyn Fn(&Builders) -> candle_core::Result<(M, Option<accel::nn::SharedStagedModel>)> + Send>;
 /// A pipelined model as a [`StagedModel`] (what [`Trainer::new_pipelined`] records, so the training step can drive
 /// the model's stages without a bound on every trainer's model type).
 type AsStaged<M> = for<'a> fn(&'a M) -> &'a dyn StagedModel;
@@ -81,6 +81,23 @@ struct Pipelined<M> {
 
 fn as_staged<M: StagedModel>(m: &M) -> &dyn StagedModel {
     m
+}
+
+/// How the training step reaches a pipelined model's stages: through the model itself (`new_pipelined`'s
+/// `StagedModel` bound), or through the handle the builder kept on what `accel::nn::staged` built (`with_plan`).
+pub(crate) enum StagedView<M> {
+    Typed(AsStaged<M>),
+    Built(accel::nn::SharedStagedModel),
+}
+
+impl<M> StagedView<M> {
+    /// The stages of `model`.
+    pub(crate) fn of<'a>(&'a self, model: &'a M) -> &'a dyn StagedModel {
+        match self {
+            StagedView::Typed(as_staged) => as_staged(model),
+            StagedView::Built(staged) => staged.as_ref(),
+        }
+    }
 }
 /// Computes metrics from everything predicted on the evaluation set (gathered from all processes).
 pub type ComputeMetrics = Box<dyn Fn(&EvalPrediction) -> Result<Metrics> + Send>;
@@ -103,9 +120,10 @@ pub(crate) struct Runtime<M, D> {
     pub(crate) tp: TensorParallel,
     pub(crate) varmap: VarMap,
     pub(crate) model: M,
-    /// The model as stages, when built by [`Trainer::new_pipelined`]: training and evaluation then go through
-    /// the Accelerator's pipeline calls (at every pp size, pp 1 included).
-    pub(crate) staged: Option<AsStaged<M>>,
+    /// The model as stages, when built by [`Trainer::new_pipelined`] (at every pp size, pp 1 included) or by
+    /// [`Trainer::with_plan`] with `accel::nn::staged` under pp: training and evaluation then go through the
+    /// Accelerator's pipeline calls.
+    pub(crate) staged: Option<StagedView<M>>,
     pub(crate) prepared: PreparedModel,
     pub(crate) optimizer: AcceleratedOptimizer<TrainerOptimizer>,
     pub(crate) train_loader: DataLoader<D>,
@@ -134,6 +152,8 @@ pub struct Trainer<M, D> {
     /// the prepared model's, which gathers them (`new_parallel`, `new_pipelined`; a model on `accel::nn`'s builder
     /// fetches its parameters at each forward and is built once).
     rebuild_when_fully_sharded: bool,
+    /// Built by [`Trainer::with_plan`]: under pp the model's stages come from `accel::nn::staged`.
+    builds_on_plan: bool,
     pipelined: Option<Pipelined<M>>,
     train_dataset: Arc<D>,
     pub(crate) eval_dataset: Option<Arc<D>>,
@@ -190,6 +210,16 @@ pub(crate) fn fire(
     }
 }
 
+/// The error for a model laid out over pipeline stages that it does not declare; `how` names the way to declare
+/// them for the constructor in use.
+fn not_staged(acc: &Accelerator, how: &str) -> TrainerError {
+    TrainerError::Usage(format!(
+        "the processes are laid out with pp_size {} (pipeline parallelism) but this trainer's model is not cut into \
+         stages: declare its blocks with {how} (each rank then builds its stages only), or set pp_size 1",
+        acc.mesh().pp().world_size()
+    ))
+}
+
 /// A Trainer error met inside an Accelerator callback, carried as an Accelerator error (its message kept).
 pub(crate) fn accel_error(e: TrainerError) -> accel::AccelError {
     match e {
@@ -227,7 +257,7 @@ where
     where
         F: Fn(VarBuilder<'static>) -> candle_core::Result<M> + Send + 'static,
     {
-        let init: InitFn<M> = Box::new(move |b: &Builders| model_init(b.acc.var_builder(b.varmap)));
+        let init: InitFn<M> = Box::new(move |b: &Builders| Ok((model_init(b.acc.var_builder(b.varmap))?, None)));
         Self::with_init(args, init, train_dataset, eval_dataset, loss)
     }
 
@@ -273,7 +303,7 @@ where
     where
         F: Fn(&ParamBuilder) -> candle_core::Result<M> + Send + 'static,
     {
-        let init: InitFn<M> = Box::new(move |b: &Builders| model_init(b.pb));
+        let init: InitFn<M> = Box::new(move |b: &Builders| Ok((model_init(b.pb)?, None)));
         let mut t = Self::with_init(args, init, train_dataset, eval_dataset, loss);
         t.rebuild_when_fully_sharded = true;
         t
@@ -284,7 +314,9 @@ where
     /// config's `parallelism_config_tp_plan`, which replaces it): every parameter drawn from `args.seed` per name
     /// on the full model, each linear and embedding split over the tp group as the plan says, and under FULL_SHARD
     /// (`fsdp: "full_shard"`, an Accelerate FSDP config) each weight gathered when the forward uses it — the model
-    /// is built once and its code is the same at every layout. With an empty plan
+    /// is built once and its code is the same at every layout. Under pipeline parallelism the model declares its
+    /// blocks with [`accel::nn::staged`] and the Trainer drives the stages the builder made (the loss must count
+    /// its items from the targets, as for [`Trainer::new_pipelined`]). With an empty plan
     /// (`ParallelPlan::default()`) every layer is replicated: DDP, ZeRO-1/2, FULL_SHARD and HSDP; a linear at
     /// tp > 1 then needs a rule, and setup says which.
     ///
@@ -315,8 +347,14 @@ where
     where
         F: Fn(accel::nn::VarBuilder) -> candle_core::Result<M> + Send + 'static,
     {
-        let init: InitFn<M> = Box::new(move |b: &Builders| model_init(b.acc.builder(b.varmap, plan.clone())));
-        Self::with_init(args, init, train_dataset, eval_dataset, loss)
+        let init: InitFn<M> = Box::new(move |b: &Builders| {
+            let vb = b.acc.builder(b.varmap, plan.clone());
+            let model = model_init(vb.clone())?;
+            Ok((model, vb.staged_model()))
+        });
+        let mut t = Self::with_init(args, init, train_dataset, eval_dataset, loss);
+        t.builds_on_plan = true;
+        t
     }
 
     /// Like [`Trainer::new_parallel`], for a model written as a sequence of `layers` blocks that can be cut into
@@ -340,7 +378,7 @@ where
         F: Fn(&ParamBuilder, &[Stage]) -> candle_core::Result<M> + Send + 'static,
         M: StagedModel,
     {
-        let init: InitFn<M> = Box::new(move |b: &Builders| model_init(b.pb, b.stages));
+        let init: InitFn<M> = Box::new(move |b: &Builders| Ok((model_init(b.pb, b.stages)?, None)));
         let mut t = Self::with_init(args, init, train_dataset, eval_dataset, loss);
         t.rebuild_when_fully_sharded = true;
         t.pipelined = Some(Pipelined { layers, as_staged: as_staged::<M> });
@@ -358,6 +396,7 @@ where
             args,
             model_init,
             rebuild_when_fully_sharded: false,
+            builds_on_plan: false,
             pipelined: None,
             train_dataset: Arc::new(train_dataset),
             eval_dataset: eval_dataset.map(Arc::new),
@@ -450,19 +489,20 @@ where
         // Parameters drawn from args.seed (the Accelerator's seed) per name, split over the mesh's tp group.
         let pb = acc.param_builder(&varmap);
         let tp = pb.tp().clone();
+        let pipelined = acc.pipeline_schedule().is_some();
         let stages = match &self.pipelined {
             Some(p) => acc.pipeline_stages(p.layers, None)?,
-            None if acc.pipeline_schedule().is_some() => {
-                return Err(TrainerError::Usage(format!(
-                    "the processes are laid out with pp_size {} (pipeline parallelism) but this trainer's model is \
-                     not cut into stages: build the trainer with Trainer::new_pipelined (a model of blocks, each \
-                     rank building its stages), or set pp_size 1",
-                    acc.mesh().pp().world_size()
-                )))
-            }
+            None if pipelined && !self.builds_on_plan => return Err(not_staged(&acc, "Trainer::new_pipelined")),
             None => Vec::new(),
         };
-        let model = (self.model_init)(&Builders { acc: &acc, varmap: &varmap, pb: &pb, stages: &stages })?;
+        let (model, built_stages) =
+            (self.model_init)(&Builders { acc: &acc, varmap: &varmap, pb: &pb, stages: &stages })?;
+        let staged = match (&self.pipelined, built_stages) {
+            (Some(p), _) => Some(StagedView::Typed(p.as_staged)),
+            (None, Some(built)) if pipelined => Some(StagedView::Built(built)),
+            (None, None) if pipelined => return Err(not_staged(&acc, "accel::nn::staged")),
+            (None, _) => None,
+        };
         let prepared = acc.prepare_model(&varmap)?;
         // FULL_SHARD: prepare_model replaced the weights with this rank's chunks; a model that took its
         // parameters from a ParamBuilder is built again from the prepared model's, which gathers each weight when
@@ -472,7 +512,7 @@ where
             true => {
                 drop(model);
                 let pb = prepared.param_builder();
-                (self.model_init)(&Builders { acc: &acc, varmap: &varmap, pb: &pb, stages: &stages })?
+                (self.model_init)(&Builders { acc: &acc, varmap: &varmap, pb: &pb, stages: &stages })?.0
             }
             false => model,
         };
@@ -492,7 +532,6 @@ where
             std::fs::create_dir_all(&self.args.output_dir)
                 .map_err(|e| TrainerError::io(format!("creating output_dir {}", self.args.output_dir.display()), e))?;
         }
-        let staged = self.pipelined.as_ref().map(|p| p.as_staged);
         self.rt = Some(Runtime {
             acc,
             tp,
@@ -1066,14 +1105,14 @@ where
         let rows: usize = window.iter().map(Batch::len).sum();
         let local_items: usize = counts.iter().sum();
         let scale = self.loss_scale(acc, local_items, rows)?;
-        if let Some(as_staged) = rt.staged {
+        if let Some(staged) = &rt.staged {
             // Each pipeline micro-batch's loss sum × the window's scale, summed; the call returns that sum (the
             // same on every pp rank), so this rank's share of the window's loss sum is it ÷ scale.
             let (dtype, tp) = (acc.compute_dtype(), &rt.tp);
             acc.accumulate_window(window.len(), |i| {
                 let b = &window[i];
                 let scaled = acc.pipeline_backward_sum(
-                    as_staged(&rt.model),
+                    staged.of(&rt.model),
                     &cast_input(&b.inputs, dtype)?,
                     &b.targets,
                     |y, t| {

@@ -88,7 +88,12 @@ pub(crate) struct PlanBook {
     source: RwLock<Option<Arc<dyn ParamSource>>>,
     /// Which pipeline stages of a model of `n` blocks this rank holds (the Accelerator's, for a builder it made).
     stages: std::sync::OnceLock<StageOracle>,
+    /// The model `accel::nn::staged` built here, as the pipeline runs it.
+    staged: Mutex<Option<SharedStagedModel>>,
 }
+
+/// A staged model shared between its owner and the builder's record.
+pub type SharedStagedModel = Arc<dyn crate::pipeline::StagedModel + Send + Sync>;
 
 /// The stages of a model of `n` blocks this rank holds.
 pub(crate) type StageOracle = Box<dyn Fn(usize) -> Result<Vec<crate::pipeline::Stage>> + Send + Sync>;
@@ -169,6 +174,11 @@ impl PlanBook {
         units.len() - 1
     }
 
+    /// Records the staged model built on this book (the last one, if a program builds several).
+    pub(crate) fn set_staged(&self, model: SharedStagedModel) {
+        *lock(&self.staged) = Some(model);
+    }
+
     /// The prefix of unit `index`, if there is one.
     pub(crate) fn unit(&self, index: usize) -> Option<String> {
         lock(&self.units).get(index).cloned()
@@ -223,6 +233,7 @@ impl VarBuilder {
             units: Mutex::default(),
             source: RwLock::default(),
             stages: std::sync::OnceLock::new(),
+            staged: Mutex::default(),
         };
         VarBuilder { pb, book: Arc::new(book) }
     }
@@ -245,6 +256,13 @@ impl VarBuilder {
             Some(oracle) => Ok(oracle(n_blocks)?),
             None => Ok(vec![crate::pipeline::Stage { index: 0, num_stages: 1, layers: 0..n_blocks }]),
         }
+    }
+
+    /// The model [`crate::nn::staged`] built on this builder (or on a `pp` or clone of it), as the pipeline
+    /// schedules run it ([`crate::Accelerator::pipeline_backward`]); `None` before, or for a model not declared
+    /// as stages. What lets a caller that made the builder — the Trainer — drive the model it did not write.
+    pub fn staged_model(&self) -> Option<SharedStagedModel> {
+        lock(&self.book.staged).clone()
     }
 
     /// A builder whose names get `s.` in front (candle's `VarBuilder::pp`).

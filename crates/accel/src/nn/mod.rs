@@ -82,7 +82,7 @@ mod staged;
 mod unit;
 
 pub use accel_nn::ops::linear::Activation;
-pub use builder::{LayerKind, PlannedLayer, VarBuilder};
+pub use builder::{LayerKind, PlannedLayer, SharedStagedModel, VarBuilder};
 pub use candle_core::{Module, ModuleT};
 pub use candle_nn::{Init, LayerNormConfig};
 pub use layers::{

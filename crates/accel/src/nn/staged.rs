@@ -6,6 +6,7 @@ use super::unit::{unit, Unit};
 use crate::pipeline::{Stage, StagedModel};
 use crate::{AccelError, Result};
 use candle_core::{Module, Tensor};
+use std::sync::Arc;
 
 /// A model as a sequence of blocks (torchtitan's `module_fqns_per_model_part`, a decoder's embedding, layers and
 /// head), cut into pipeline stages by the Accelerator (the config's pp size and schedule; the blocks split evenly,
@@ -19,8 +20,15 @@ use candle_core::{Module, Tensor};
 /// Built by [`staged`]. `I`, `B`, `O` are candle modules: `I` reads the model's input (ids `[b, s]`), the blocks
 /// map activations to activations of the same shape, `O` gives what the loss reads (logits).
 pub struct Staged<I, B, O> {
-    parts: Vec<Part<I, B, O>>,
+    /// Shared with the builder's record ([`VarBuilder::staged_model`]): the Trainer runs the pipeline through it.
+    parts: Arc<Vec<Part<I, B, O>>>,
     num_stages: usize,
+}
+
+impl<I, B, O> Clone for Staged<I, B, O> {
+    fn clone(&self) -> Self {
+        Staged { parts: self.parts.clone(), num_stages: self.num_stages }
+    }
 }
 
 struct Part<I, B, O> {
@@ -39,6 +47,9 @@ struct Part<I, B, O> {
 /// hold). Parameters keep their single-process names, so every layout starts from the same weights and saves the
 /// same checkpoint.
 ///
+/// The builder keeps a handle on the result ([`VarBuilder::staged_model`]), through which a caller that only has
+/// the builder — the Trainer — runs the pipeline.
+///
 /// Errors: more stages than blocks (naming both), and each part's own.
 pub fn staged<I, B, O>(
     vb: &VarBuilder,
@@ -47,7 +58,12 @@ pub fn staged<I, B, O>(
     input: impl FnOnce(VarBuilder) -> candle_core::Result<I>,
     block: impl Fn(VarBuilder) -> candle_core::Result<B>,
     output: impl FnOnce(VarBuilder, Option<&I>) -> candle_core::Result<O>,
-) -> candle_core::Result<Staged<I, B, O>> {
+) -> candle_core::Result<Staged<I, B, O>>
+where
+    I: Module + Send + Sync + 'static,
+    B: Module + Clone + Send + Sync + 'static,
+    O: Module + Send + Sync + 'static,
+{
     let stages = vb.stages(n_blocks)?;
     let num_stages = stages.first().map_or(1, |s| s.num_stages);
     let (mut input, mut output) = (Some(input), Some(output));
@@ -68,7 +84,9 @@ pub fn staged<I, B, O>(
         };
         parts.push(Part { stage, input: first, blocks, output: last });
     }
-    Ok(Staged { parts, num_stages })
+    let model = Staged { parts: Arc::new(parts), num_stages };
+    vb.book().set_staged(Arc::new(model.clone()));
+    Ok(model)
 }
 
 impl<I, B, O> Staged<I, B, O> {
@@ -118,7 +136,7 @@ impl<I: Module, B: Module + Clone + 'static, O: Module> Staged<I, B, O> {
 /// [`crate::Accelerator::pipeline_backward`]).
 impl<I: Module, B: Module + Clone + 'static, O: Module> Module for Staged<I, B, O> {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        match &self.parts[..] {
+        match &self.parts.as_slice() {
             [whole] if self.is_whole() => self.run(whole, x),
             _ => Err(AccelError::Usage(format!(
                 "this rank holds pipeline stages {:?} of {}, not the whole model: run them with \
