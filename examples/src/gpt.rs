@@ -15,9 +15,12 @@
 //!
 //! Layer norms, the position embedding and the row-parallel biases are replicated (every tp rank holds them
 //! whole). No dropout and no weight tying, so a tp run computes exactly what the single process computes up to
-//! floating-point summation order. Every parameter is created through accel's
-//! [`ParamBuilder`]: drawn on the full model from one seed (per parameter name), each rank keeping its slice, so
-//! every layout starts from the same weights. Initialisation follows GPT-2: Normal(0, 0.02²) for the embeddings and
+//! floating-point summation order. The model is written once on [`accel::nn`]'s builder — candle's calls, no
+//! parallel style in its code — and laid out from outside by [`CharGpt::plan`] (Megatron's split above) and the
+//! Accelerator's sizes: its blocks are [`accel::nn::Unit`]s (FULL_SHARD gathers each as a whole, activation
+//! checkpointing recomputes it) declared with [`accel::nn::staged`] (the Accelerator cuts the pipeline stages;
+//! each rank builds only its own). Every parameter is drawn on the full model from one seed (per parameter name),
+//! each rank keeping its slice, so every layout starts from the same weights. Initialisation follows GPT-2: Normal(0, 0.02²) for the embeddings and
 //! linear weights, Normal(0, (0.02/√(2·n_layer))²) for the two residual projections, zero biases, layer norms at
 //! weight 1, bias 0.
 //!
@@ -28,11 +31,10 @@
 //! The default model for the examples ([`GptConfig::small`], Shakespeare's 76 characters): d_model 128, 4 heads,
 //! 4 layers, context 64, d_ff 512 — 820 992 parameters ([`GptConfig::num_parameters`]).
 
+use accel::nn::{self, Init, LinearInit, Module, Staged, VarBuilder};
 use accel::pipeline::{Stage, StagedModel};
-use accel::tensor_parallel::{
-    dropout, vocab_parallel_cross_entropy, ColumnParallelLinear, ParallelLinearConfig, ParamBuilder, ParamInit,
-    RowParallelLinear, ShardedDim, TensorParallel, VocabParallelEmbedding,
-};
+use accel::plan::{ParallelPlan, ParallelStyle};
+use accel::tensor_parallel::{vocab_parallel_cross_entropy, TensorParallel};
 use accel::{AccelError, Result};
 use candle_core::{DType, Device, IndexOp, Tensor};
 use rand::Rng;
@@ -167,266 +169,235 @@ fn config_error(key: &str, value: usize, reason: String) -> AccelError {
     AccelError::Config { key: format!("GptConfig.{key}"), value: value.to_string(), reason }
 }
 
-/// `LayerNorm(d)` with replicated `weight` (ones) and `bias` (zeros), eps 1e-5 (PyTorch's default), computed by
-/// [`accel_nn::ops::layer_norm::layer_norm`] (fused on the CPU in f32; candle-nn's `layer_norm_slow` elsewhere, in
-/// f32 for bf16/f16 inputs).
-#[derive(Clone)]
-struct LayerNorm {
-    weight: Tensor,
-    bias: Tensor,
+/// GPT-2's initialisation: Normal(0, 0.02²) weights, zero biases; the two projections that write into the
+/// residual stream scaled by 1/√(2·n_layer).
+fn gpt2_init(std: f64, bias: bool) -> LinearInit {
+    LinearInit { weight: Init::Randn { mean: 0.0, stdev: std }, bias: bias.then_some(Init::Const(0.0)) }
 }
 
-impl LayerNorm {
-    fn new(pb: &ParamBuilder, d: usize) -> Result<Self> {
-        Ok(LayerNorm {
-            weight: pb.replicated("weight", d, ParamInit::Ones)?,
-            bias: pb.replicated("bias", d, ParamInit::Zeros)?,
+/// The standard deviation of the residual projections' weights.
+fn residual_std(cfg: &GptConfig) -> f64 {
+    0.02 / ((2 * cfg.n_layer) as f64).sqrt()
+}
+
+/// The embeddings: `wte` (its vocabulary rows split over tp by the plan) + `wpe` `[block, d]` (replicated), then
+/// dropout. Ids `[b, s]` u32 → `[b, s, d]`.
+#[derive(Clone)]
+struct Embed {
+    wte: nn::Embedding,
+    wpe: nn::Embedding,
+    drop: nn::Dropout,
+    block_size: usize,
+}
+
+impl Embed {
+    fn new(cfg: &GptConfig, vb: &VarBuilder) -> candle_core::Result<Self> {
+        let std = Init::Randn { mean: 0.0, stdev: 0.02 };
+        Ok(Embed {
+            wte: nn::embedding_init(cfg.vocab_size, cfg.d_model, std, vb.pp("wte"))?,
+            wpe: nn::embedding_init(cfg.block_size, cfg.d_model, std, vb.pp("wpe"))?,
+            drop: nn::dropout(cfg.dropout, vb.pp("drop"))?,
+            block_size: cfg.block_size,
         })
     }
+}
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(accel_nn::ops::layer_norm::layer_norm(x, &self.weight, &self.bias, 1e-5)?)
+impl Module for Embed {
+    fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let (_b, s) = ids.dims2()?;
+        if s == 0 || s > self.block_size {
+            return Err(candle_core::Error::Msg(format!(
+                "CharGpt: a sequence of {s} tokens; the model reads 1 to block_size = {} tokens",
+                self.block_size
+            )));
+        }
+        let x = self.wte.forward(ids)?.broadcast_add(&self.wpe.embeddings()?.narrow(0, 0, s)?)?;
+        self.drop.forward_split(&x, None)
     }
 }
 
-/// Causal self-attention with this rank's `n_head / tp` heads.
+/// Causal self-attention: q, k, v → softmax(q kᵀ/√hd) v over this rank's heads → c_proj, dropout. `[b, s, d]` →
+/// `[b, s, d]`.
 #[derive(Clone)]
 struct Attention {
-    q: ColumnParallelLinear,
-    k: ColumnParallelLinear,
-    v: ColumnParallelLinear,
-    c_proj: RowParallelLinear,
-    tp: TensorParallel,
+    q: nn::Linear,
+    k: nn::Linear,
+    v: nn::Linear,
+    c_proj: nn::Linear,
+    /// The heads this rank computes: the builder's count (whole heads per tp rank), never the global config's.
     local_heads: usize,
     head_dim: usize,
-    /// Dropout on the output (the residual branch): probability and site.
-    dropout: (f64, u64),
+    drop: nn::Dropout,
 }
 
 impl Attention {
-    fn new(pb: &ParamBuilder, cfg: &GptConfig, layer: usize) -> Result<Self> {
-        let d = cfg.d_model;
-        let col = ParallelLinearConfig::default();
-        let proj = ParallelLinearConfig { init: residual_init(cfg), ..Default::default() };
+    fn new(cfg: &GptConfig, vb: &VarBuilder) -> candle_core::Result<Self> {
+        let (d, init) = (cfg.d_model, gpt2_init(0.02, true));
         Ok(Attention {
-            q: ColumnParallelLinear::new(&pb.pp("q"), d, d, col)?,
-            k: ColumnParallelLinear::new(&pb.pp("k"), d, d, col)?,
-            v: ColumnParallelLinear::new(&pb.pp("v"), d, d, col)?,
-            c_proj: RowParallelLinear::new(&pb.pp("c_proj"), d, d, proj)?,
-            tp: pb.tp().clone(),
-            local_heads: cfg.n_head / pb.tp().size(),
+            q: nn::linear_init(d, d, init, vb.pp("q"))?,
+            k: nn::linear_init(d, d, init, vb.pp("k"))?,
+            v: nn::linear_init(d, d, init, vb.pp("v"))?,
+            c_proj: nn::linear_init(d, d, gpt2_init(residual_std(cfg), true), vb.pp("c_proj"))?,
+            local_heads: vb.local_heads(cfg.n_head)?,
             head_dim: cfg.head_dim(),
-            dropout: (cfg.dropout, site(layer, 0)),
+            drop: nn::dropout(cfg.dropout, vb.pp("drop"))?,
         })
-    }
-
-    /// `x` `[b, s, d]` replicated → `[b, s, d]` replicated.
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        // One f for the three projections: their input gradients are summed locally, then all-reduced once.
-        let x = ddp_core::functional::copy_to_group(x, self.tp.group())?;
-        let (q, k, v) = (self.q.forward_copied(&x)?, self.k.forward_copied(&x)?, self.v.forward_copied(&x)?);
-        // softmax(q kᵀ / √hd) v per head, keys after the query masked; the heads stay side by side in the last
-        // dimension, where the projections put them and c_proj reads them.
-        let scale = 1.0 / (self.head_dim as f64).sqrt();
-        let y = accel_nn::ops::attention::causal_self_attention(&q, &k, &v, self.local_heads, scale)?;
-        dropout(&self.c_proj.forward(&y)?, self.dropout.0, self.dropout.1, None)
     }
 }
 
-/// `c_proj(GELU(c_fc(x)))`: d → d_ff/tp per rank → d (summed by g).
+impl Module for Attention {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        // Under tp the three projections share one copy of x to the group (their input gradients are summed,
+        // then all-reduced once): accel::nn does that for column-wise layers reading the same input.
+        let (q, k, v) = (self.q.forward(x)?, self.k.forward(x)?, self.v.forward(x)?);
+        // The heads stay side by side in the last dimension, where the projections put them and c_proj reads them.
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let y = accel_nn::ops::attention::causal_self_attention(&q, &k, &v, self.local_heads, scale)?;
+        self.drop.forward_split(&self.c_proj.forward(&y)?, None)
+    }
+}
+
+/// `c_proj(dropout(GELU(c_fc(x))))`, then dropout: d → d_ff → d.
 #[derive(Clone)]
 struct Mlp {
-    c_fc: ColumnParallelLinear,
-    c_proj: RowParallelLinear,
-    p: f64,
-    /// Dropout sites: the hidden activation (this rank's `d_ff / tp` features of `d_ff`) and the output.
-    hidden: (u64, ShardedDim),
-    output: u64,
+    c_fc: nn::Linear,
+    c_proj: nn::Linear,
+    drop_hidden: nn::Dropout,
+    drop: nn::Dropout,
 }
 
 impl Mlp {
-    fn new(pb: &ParamBuilder, cfg: &GptConfig, layer: usize) -> Result<Self> {
-        let proj = ParallelLinearConfig { init: residual_init(cfg), ..Default::default() };
-        let local = cfg.d_ff / pb.tp().size();
+    fn new(cfg: &GptConfig, vb: &VarBuilder) -> candle_core::Result<Self> {
         Ok(Mlp {
-            c_fc: ColumnParallelLinear::new(&pb.pp("c_fc"), cfg.d_model, cfg.d_ff, ParallelLinearConfig::default())?,
-            c_proj: RowParallelLinear::new(&pb.pp("c_proj"), cfg.d_ff, cfg.d_model, proj)?,
-            p: cfg.dropout,
-            hidden: (site(layer, 1), ShardedDim { dim: 2, full: cfg.d_ff, start: pb.tp().rank() * local }),
-            output: site(layer, 2),
+            c_fc: nn::linear_init(cfg.d_model, cfg.d_ff, gpt2_init(0.02, true), vb.pp("c_fc"))?,
+            c_proj: nn::linear_init(cfg.d_ff, cfg.d_model, gpt2_init(residual_std(cfg), true), vb.pp("c_proj"))?,
+            drop_hidden: nn::dropout(cfg.dropout, vb.pp("drop_hidden"))?,
+            drop: nn::dropout(cfg.dropout, vb.pp("drop"))?,
         })
     }
+}
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+impl Module for Mlp {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let h = accel_nn::ops::activation::gelu(&self.c_fc.forward(x)?)?;
-        let h = dropout(&h, self.p, self.hidden.0, Some(self.hidden.1))?;
-        dropout(&self.c_proj.forward(&h)?, self.p, self.output, None)
+        // The hidden activation may be split over tp (by c_fc's style): its mask is its slice of the whole one.
+        let h = self.drop_hidden.forward_split(&h, self.c_fc.output_split(&h)?)?;
+        self.drop.forward_split(&self.c_proj.forward(&h)?, None)
     }
 }
 
-/// The dropout site of place `k` of block `layer` (site 0 is the embedding).
-fn site(layer: usize, k: u64) -> u64 {
-    16 * (layer as u64 + 1) + k
-}
-
-/// GPT-2's scaled initialisation of the projections that write into the residual stream.
-fn residual_init(cfg: &GptConfig) -> ParamInit {
-    ParamInit::Normal { std: 0.02 / ((2 * cfg.n_layer) as f64).sqrt() }
-}
-
+/// One pre-norm transformer block, `h.{i}`.
 #[derive(Clone)]
 struct Block {
-    ln_1: LayerNorm,
+    ln_1: nn::LayerNorm,
     attn: Attention,
-    ln_2: LayerNorm,
+    ln_2: nn::LayerNorm,
     mlp: Mlp,
 }
 
 impl Block {
-    /// Block `h.{layer}`'s parameters through `pb` (already at `h.{layer}`).
-    fn new(pb: &ParamBuilder, cfg: &GptConfig, layer: usize) -> Result<Self> {
+    fn new(cfg: &GptConfig, vb: &VarBuilder) -> candle_core::Result<Self> {
         Ok(Block {
-            ln_1: LayerNorm::new(&pb.pp("ln_1"), cfg.d_model)?,
-            attn: Attention::new(&pb.pp("attn"), cfg, layer)?,
-            ln_2: LayerNorm::new(&pb.pp("ln_2"), cfg.d_model)?,
-            mlp: Mlp::new(&pb.pp("mlp"), cfg, layer)?,
+            ln_1: nn::layer_norm(cfg.d_model, 1e-5, vb.pp("ln_1"))?,
+            attn: Attention::new(cfg, &vb.pp("attn"))?,
+            ln_2: nn::layer_norm(cfg.d_model, 1e-5, vb.pp("ln_2"))?,
+            mlp: Mlp::new(cfg, &vb.pp("mlp"))?,
         })
     }
+}
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+impl Module for Block {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let x = (x + self.attn.forward(&self.ln_1.forward(x)?)?)?;
-        Ok((&x + self.mlp.forward(&self.ln_2.forward(&x)?)?)?)
+        &x + self.mlp.forward(&self.ln_2.forward(&x)?)?
+    }
+}
+
+/// The final norm and the head: `[b, s, d]` → this rank's logits `[b, s, padded_vocab / tp]`.
+#[derive(Clone)]
+struct Head {
+    ln_f: nn::LayerNorm,
+    lm_head: nn::Linear,
+}
+
+impl Head {
+    /// A tied head reads `wte`'s weight: the first stage's embedding when this rank holds it, else its own copy
+    /// of `wte.weight` (same name, same per-name stream: the same values; the Accelerator sums the two copies'
+    /// gradients).
+    fn new(cfg: &GptConfig, vb: &VarBuilder, embed: Option<&Embed>) -> candle_core::Result<Self> {
+        let lm_head = match (cfg.tie_embeddings, embed) {
+            (true, Some(embed)) => nn::Linear::tied(&embed.wte),
+            (true, None) => nn::Linear::tied(&nn::embedding_init(
+                cfg.vocab_size,
+                cfg.d_model,
+                Init::Randn { mean: 0.0, stdev: 0.02 },
+                vb.pp("wte"),
+            )?),
+            (false, _) => nn::linear_init(cfg.d_model, cfg.vocab_size, gpt2_init(0.02, false), vb.pp("lm_head"))?,
+        };
+        Ok(Head { ln_f: nn::layer_norm(cfg.d_model, 1e-5, vb.pp("ln_f"))?, lm_head })
+    }
+}
+
+impl Module for Head {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.lm_head.forward(&self.ln_f.forward(x)?)
     }
 }
 
 /// The char-level GPT (see the module documentation). Parameter names (single-process, unpadded shapes):
 /// `wte.weight` `[vocab, d]`, `wpe.weight` `[block, d]`, `h.{i}.ln_1.{weight,bias}`,
 /// `h.{i}.attn.{q,k,v,c_proj}.{weight,bias}`, `h.{i}.ln_2.*`, `h.{i}.mlp.{c_fc,c_proj}.{weight,bias}`,
-/// `ln_f.{weight,bias}`, `lm_head.weight` `[vocab, d]`.
+/// `ln_f.{weight,bias}`, `lm_head.weight` `[vocab, d]` (none when tied).
 ///
-/// The same type holds one pipeline stage ([`CharGpt::new_stage`]): a run of blocks, with the embeddings on the
-/// first stage and `ln_f` and the head on the last.
+/// As one rank holds it: the whole model without pipeline parallelism, else the parts of this rank's stages (the
+/// embeddings on the first, `ln_f` and the head on the last) — what [`accel::Accelerator::pipeline_backward`]
+/// runs ([`StagedModel`]).
+#[derive(Clone)]
 pub struct CharGpt {
     cfg: GptConfig,
-    /// The embeddings (first stage only).
-    embed: Option<Held<(VocabParallelEmbedding, Tensor)>>,
-    blocks: Vec<Held<Block>>,
-    /// The blocks this model holds, `h.{start}` … `h.{end − 1}`.
-    layers: std::ops::Range<usize>,
-    /// The final norm and the head (last stage only).
-    head: Option<Held<(LayerNorm, ColumnParallelLinear)>>,
+    model: Staged<Embed, Block, Head>,
     tp: TensorParallel,
     device: Device,
 }
 
-/// A part of the model as it holds it: built, or — from a prepared FULL_SHARD model's gathering builder — built
-/// from the builder at each forward, so its weights are gathered for that forward only (a block inside its own
-/// unit: gathered again for its backward, never kept).
-#[derive(Clone)]
-enum Held<T> {
-    Built(T),
-    Gathered(ParamBuilder),
-}
-
-impl<T> Held<T> {
-    /// `build(pb)` now when `pb` creates or looks parameters up, at each use when it gathers them.
-    fn new(pb: ParamBuilder, build: impl FnOnce(&ParamBuilder) -> Result<T>) -> Result<Self> {
-        Ok(match pb.gathers() {
-            true => Held::Gathered(pb),
-            false => Held::Built(build(&pb)?),
-        })
-    }
-}
-
-/// The embeddings `wte` (vocabulary-parallel) and `wpe` `[block, d]`.
-fn build_embed(pb: &ParamBuilder, cfg: &GptConfig) -> Result<(VocabParallelEmbedding, Tensor)> {
-    let emb = ParamInit::Normal { std: 0.02 };
-    let wte = VocabParallelEmbedding::new(&pb.pp("wte"), cfg.vocab_size, cfg.d_model, emb)?;
-    let wpe = pb.pp("wpe").replicated("weight", (cfg.block_size, cfg.d_model), emb)?;
-    Ok((wte, wpe))
-}
-
-/// `ln_f` and the head; a tied head reuses `embed`'s weight, or without it (a last stage apart from the first, or
-/// a FULL_SHARD head gathered on its own) its own copy of `wte.weight` (same name, same per-name stream: the same
-/// values; the Accelerator sums the two copies' gradients).
-fn build_head(
-    pb: &ParamBuilder,
-    cfg: &GptConfig,
-    embed: Option<&VocabParallelEmbedding>,
-) -> Result<(LayerNorm, ColumnParallelLinear)> {
-    let ln_f = LayerNorm::new(&pb.pp("ln_f"), cfg.d_model)?;
-    let lm_head = match (cfg.tie_embeddings, embed) {
-        (true, Some(wte)) => ColumnParallelLinear::tied(wte),
-        (true, None) => ColumnParallelLinear::tied(&VocabParallelEmbedding::new(
-            &pb.pp("wte"),
-            cfg.vocab_size,
-            cfg.d_model,
-            ParamInit::Normal { std: 0.02 },
-        )?),
-        (false, _) => {
-            let head = ParallelLinearConfig { bias: false, pad_output: true, ..Default::default() };
-            ColumnParallelLinear::new(&pb.pp("lm_head"), cfg.d_model, cfg.vocab_size, head)?
-        }
-    };
-    Ok((ln_f, lm_head))
-}
-
-/// Which part of the model a pipeline stage holds: its blocks, and whether it is the first stage (embeddings)
-/// and the last (final norm, head, loss).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StagePart {
-    /// Blocks `h.{start}` … `h.{end − 1}`.
-    pub layers: std::ops::Range<usize>,
-    /// The first stage: it embeds the ids.
-    pub first: bool,
-    /// The last stage: it computes the logits.
-    pub last: bool,
-}
-
 impl CharGpt {
-    /// Builds the model's parameters through `pb` (its dtype, device, tp group and seed) — or, with a prepared
-    /// model's `PreparedModel::param_builder`, takes them from it (the same tensors; under FULL_SHARD nothing is
-    /// gathered here: every forward gathers the embeddings and the head for itself and each block inside its own
-    /// unit, so the model built once stays current across optimizer steps).
-    ///
-    /// Errors: [`GptConfig::validate`] for `pb.tp().size()`; a parameter name already in the builder's VarMap.
-    pub fn new(cfg: GptConfig, pb: &ParamBuilder) -> Result<Self> {
-        Self::new_stage(cfg, pb, StagePart { layers: 0..cfg.n_layer, first: true, last: true })
+    /// The model's parallel plan (Megatron-LM's split): the token embedding and the head vocab-parallel, q, k, v
+    /// and c_fc column-wise, the two c_proj row-wise; the norms and `wpe` replicated (no rule). At tp = 1 it
+    /// changes nothing.
+    pub fn plan(cfg: &GptConfig) -> ParallelPlan {
+        let mut plan = ParallelPlan::default()
+            .with("wte", ParallelStyle::VocabParallel)
+            .with("h.*.attn.q", ParallelStyle::Colwise)
+            .with("h.*.attn.k", ParallelStyle::Colwise)
+            .with("h.*.attn.v", ParallelStyle::Colwise)
+            .with("h.*.attn.c_proj", ParallelStyle::Rowwise)
+            .with("h.*.mlp.c_fc", ParallelStyle::Colwise)
+            .with("h.*.mlp.c_proj", ParallelStyle::Rowwise);
+        if !cfg.tie_embeddings {
+            plan = plan.with("lm_head", ParallelStyle::VocabParallel);
+        }
+        plan
     }
 
-    /// Builds one pipeline stage: only `part`'s parameters, drawn from the same per-name streams as the whole
-    /// model's (so every pipeline layout starts from the single-process weights) under the same names.
+    /// Builds the parts of the model this rank holds through `vb` (from `acc.builder(&varmap, CharGpt::plan(&cfg))`,
+    /// or [`VarBuilder::new`] without an Accelerator): its dtype, device, tp group, seed and pipeline stages. Built
+    /// once, before `prepare_model`, at every layout (under FULL_SHARD the layers fetch their gathered weights at
+    /// each forward by themselves).
     ///
-    /// Errors: [`GptConfig::validate`]; blocks outside `0..n_layer`.
-    pub fn new_stage(cfg: GptConfig, pb: &ParamBuilder, part: StagePart) -> Result<Self> {
-        cfg.validate(pb.tp().size())?;
-        if part.layers.end > cfg.n_layer {
-            return Err(AccelError::InvalidArgument(format!(
-                "CharGpt::new_stage: blocks {:?} of a model of {} layers",
-                part.layers, cfg.n_layer
-            )));
-        }
-        let embed = match part.first {
-            true => Some(Held::new(pb.clone(), |pb| build_embed(pb, &cfg))?),
-            false => None,
-        };
-        let blocks = part
-            .layers
-            .clone()
-            .map(|i| Held::new(pb.pp("h").pp(i), |pb| Block::new(pb, &cfg, i)))
-            .collect::<Result<Vec<_>>>()?;
-        let head = match part.last {
-            true => Some(Held::new(pb.clone(), |pb| {
-                let wte = match &embed {
-                    Some(Held::Built((wte, _))) => Some(wte),
-                    _ => None,
-                };
-                build_head(pb, &cfg, wte)
-            })?),
-            false => None,
-        };
-        let (tp, device) = (pb.tp().clone(), pb.device().clone());
-        Ok(CharGpt { cfg, embed, blocks, layers: part.layers, head, tp, device })
+    /// Errors: [`GptConfig::validate`] for `vb.tp().size()`; more pipeline stages than blocks; a parameter name
+    /// already in the builder's VarMap.
+    pub fn new(cfg: GptConfig, vb: &VarBuilder) -> Result<Self> {
+        cfg.validate(vb.tp().size())?;
+        let model = nn::staged(
+            vb,
+            cfg.n_layer,
+            "h",
+            |vb| Embed::new(&cfg, &vb),
+            |vb| Block::new(&cfg, &vb),
+            |vb, embed| Head::new(&cfg, &vb, embed),
+        )?;
+        Ok(CharGpt { cfg, model, tp: vb.tp().clone(), device: vb.device().clone() })
     }
 
     /// The sizes.
@@ -439,6 +410,16 @@ impl CharGpt {
         &self.tp
     }
 
+    /// The stages this rank holds.
+    pub fn stages(&self) -> Vec<&Stage> {
+        self.model.stages()
+    }
+
+    /// Whether this rank holds the whole model (no pipeline parallelism).
+    pub fn is_whole(&self) -> bool {
+        self.model.is_whole()
+    }
+
     /// The vocabulary padded to a multiple of the tp size (the head's full output width).
     pub fn padded_vocab(&self) -> usize {
         self.cfg.vocab_size.div_ceil(self.tp.size()) * self.tp.size()
@@ -449,93 +430,10 @@ impl CharGpt {
     /// `r · padded_vocab/tp ..`, the padding columns (`≥ vocab_size`) are zero-weight logits (0) that
     /// [`vocab_parallel_cross_entropy`] and [`CharGpt::generate`] ignore.
     ///
-    /// Errors: `ids` not 2-D, `s` 0 or longer than the context; an id outside the vocabulary.
+    /// Errors: `ids` not 2-D, `s` 0 or longer than the context; an id outside the vocabulary; a rank holding only
+    /// some pipeline stages (run those with `stage_forward`).
     pub fn logits(&self, ids: &Tensor) -> Result<Tensor> {
-        if self.embed.is_none() || self.head.is_none() {
-            return Err(AccelError::InvalidArgument(format!(
-                "CharGpt::logits on a pipeline stage (blocks {:?}): run the stages with stage_forward",
-                self.layers
-            )));
-        }
-        self.stage_forward(ids)
-    }
-
-    /// This stage's forward: `input` is the ids `[b, s]` u32 on the first stage, else the previous stage's
-    /// output `[b, s, d_model]`; returns the logits (as [`CharGpt::logits`]) on the last stage, else `[b, s,
-    /// d_model]` for the next.
-    ///
-    /// Errors: as [`CharGpt::logits`] on the first stage.
-    pub fn stage_forward(&self, input: &Tensor) -> Result<Tensor> {
-        let mut x = match &self.embed {
-            Some(held) => {
-                let (_b, s) = input.dims2()?;
-                if s == 0 || s > self.cfg.block_size {
-                    return Err(AccelError::InvalidArgument(format!(
-                        "CharGpt: a sequence of {s} tokens; the model reads 1 to block_size = {} tokens",
-                        self.cfg.block_size
-                    )));
-                }
-                let gathered;
-                let (wte, wpe) = match held {
-                    Held::Built(e) => e,
-                    Held::Gathered(pb) => {
-                        gathered = build_embed(pb, &self.cfg)?;
-                        &gathered
-                    }
-                };
-                dropout(&wte.forward(input)?.broadcast_add(&wpe.narrow(0, 0, s)?)?, self.cfg.dropout, 0, None)?
-            }
-            None => input.clone(),
-        };
-        for (k, (held, layer)) in self.blocks.iter().zip(self.layers.clone()).enumerate() {
-            let block = match held {
-                Held::Built(block) => block,
-                Held::Gathered(pb) => {
-                    // FULL_SHARD: the block's weights are gathered inside the unit, so they live only while it
-                    // computes (and again while its backward does). The unit after it is prefetched while it
-                    // computes; when the backward recomputes it, the unit before it (the next to be recomputed).
-                    let gathered = |j: Option<usize>| match j.and_then(|j| self.blocks.get(j)) {
-                        Some(Held::Gathered(pb)) => Some(pb.clone()),
-                        _ => None,
-                    };
-                    if let Some(next) = gathered(Some(k + 1)) {
-                        next.prefetch()?;
-                    }
-                    let (pb, cfg, before) = (pb.clone(), self.cfg, gathered(k.checked_sub(1)));
-                    let recomputing = std::cell::Cell::new(false);
-                    x = accel::activation_checkpoint::unit(&x, move |x| {
-                        if recomputing.replace(true) {
-                            if let Some(before) = &before {
-                                before.prefetch().map_err(to_candle)?;
-                            }
-                        }
-                        Block::new(&pb, &cfg, layer).and_then(|b| b.forward(x)).map_err(to_candle)
-                    })?;
-                    continue;
-                }
-            };
-            if accel::activation_checkpoint::enabled() {
-                // Activation checkpointing: the block keeps no activations and is recomputed in the backward pass
-                // (its own cuts before and after it, as the cut below).
-                let block = block.clone();
-                x = accel::activation_checkpoint::block(&x, move |x| block.forward(x).map_err(to_candle))?;
-                continue;
-            }
-            // A backward-segment cut before each block (the identity unless the forward pass is recorded): the
-            // gradient all-reduce of the blocks after it starts while the backward pass computes this one.
-            x = ddp_core::segments::cut(&x)?;
-            x = block.forward(&x)?;
-        }
-        let gathered;
-        let (ln_f, lm_head) = match &self.head {
-            None => return Ok(x),
-            Some(Held::Built(h)) => h,
-            Some(Held::Gathered(pb)) => {
-                gathered = build_head(pb, &self.cfg, None)?;
-                &gathered
-            }
-        };
-        lm_head.forward(&ln_f.forward(&x)?)
+        Ok(self.model.forward(ids)?)
     }
 
     /// Mean next-character cross entropy: `ids`, `targets` `[b, s]` u32 → scalar f32, the mean over the `b · s`
@@ -560,6 +458,12 @@ impl CharGpt {
             &self.tp,
             self.cfg.vocab_size,
         )
+    }
+
+    /// The mean next-character cross entropy of the last stage's `logits` against `targets` (the loss function
+    /// to give `pipeline_backward`; it only reads the sizes and the tp group, so any rank computes it).
+    pub fn loss_of(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        Ok(self.token_losses_of(logits, targets)?.mean_all()?)
     }
 
     /// The full-vocabulary logits of the last position, `[vocab_size]` f32: this rank's columns gathered from the
@@ -593,56 +497,7 @@ impl CharGpt {
         }
         Ok(ids.split_off(prompt.len()))
     }
-}
 
-/// The char-GPT cut into pipeline stages, as one rank holds it: a [`CharGpt`] part for each of the rank's
-/// [`Stage`]s (one, or `v` under interleaved 1F1B), what [`accel::Accelerator::pipeline_backward`] runs. Without
-/// pipeline parallelism it is one part holding the whole model.
-pub struct GptStages {
-    /// `(stage index, part)`, in stage order.
-    parts: Vec<(usize, CharGpt)>,
-}
-
-impl GptStages {
-    /// Builds the parts of `stages` (from [`accel::Accelerator::pipeline_stages`] for `cfg.n_layer` blocks)
-    /// through `pb`: only their parameters, under the single-process names.
-    ///
-    /// Errors: [`CharGpt::new_stage`]'s; no stage.
-    pub fn new(cfg: GptConfig, pb: &ParamBuilder, stages: &[Stage]) -> Result<Self> {
-        if stages.is_empty() {
-            return Err(AccelError::InvalidArgument("GptStages::new: no stage to build".into()));
-        }
-        let parts = stages
-            .iter()
-            .map(|s| {
-                let part = StagePart { layers: s.layers.clone(), first: s.is_first(), last: s.is_last() };
-                Ok((s.index, CharGpt::new_stage(cfg, pb, part)?))
-            })
-            .collect::<Result<_>>()?;
-        Ok(GptStages { parts })
-    }
-
-    /// The part of stage `stage`, if this rank holds it.
-    pub fn part(&self, stage: usize) -> Option<&CharGpt> {
-        self.parts.iter().find(|(s, _)| *s == stage).map(|(_, p)| p)
-    }
-
-    /// The whole model, when this rank holds every stage (no pipeline parallelism).
-    pub fn whole(&self) -> Option<&CharGpt> {
-        match &self.parts[..] {
-            [(_, p)] if p.embed.is_some() && p.head.is_some() => Some(p),
-            _ => None,
-        }
-    }
-
-    /// The mean next-character cross entropy of the last stage's `logits` against `targets` (the loss function
-    /// to give `pipeline_backward`; it only reads the sizes and the tp group, so any part computes it).
-    pub fn loss_of(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        Ok(self.parts[0].1.token_losses_of(logits, targets)?.mean_all()?)
-    }
-}
-
-impl GptStages {
     /// Samples `n` characters after `prompt` at any layout (as [`CharGpt::generate`]): with the whole model on
     /// this rank, every rank samples (the tp peers in step, `rng` seeded alike); under pipeline parallelism the
     /// whole model is gathered from the stages (`prepared.state_dict()`, collective: every rank calls this) and
@@ -656,35 +511,28 @@ impl GptStages {
         temperature: f64,
         rng: &mut impl Rng,
     ) -> Result<Option<Vec<u32>>> {
-        if let Some(whole) = self.whole() {
-            return whole.generate(prompt, n, temperature, rng).map(Some);
+        if self.is_whole() {
+            return self.generate(prompt, n, temperature, rng).map(Some);
         }
         let weights = prepared.state_dict()?;
         if !main {
             return Ok(None);
         }
-        whole_model(*self.parts[0].1.config(), &weights)?.generate(prompt, n, temperature, rng).map(Some)
+        whole_model(self.cfg, &weights)?.generate(prompt, n, temperature, rng).map(Some)
     }
 }
 
-/// The whole model as a candle module (the Trainer's `ModuleT`): `forward(ids)` = [`CharGpt::logits`]; an
-/// error on a rank that holds only some stages (the Trainer drives those through [`StagedModel`]).
-impl candle_core::Module for GptStages {
+/// The whole model's logits as a candle module (the Trainer's `ModuleT`): `forward(ids)` = [`CharGpt::logits`];
+/// an error on a rank that holds only some stages (those run through [`StagedModel`]).
+impl Module for CharGpt {
     fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        match self.whole() {
-            Some(whole) => whole.logits(ids).map_err(to_candle),
-            None => Err(candle_core::Error::Msg(
-                "GptStages::forward on a rank holding only some pipeline stages; run them with stage_forward".into(),
-            )),
-        }
+        self.model.forward(ids)
     }
 }
 
-impl StagedModel for GptStages {
+impl StagedModel for CharGpt {
     fn stage_forward(&self, stage: usize, input: &Tensor) -> Result<Tensor> {
-        self.part(stage)
-            .ok_or_else(|| AccelError::InvalidArgument(format!("GptStages: this rank does not hold stage {stage}")))?
-            .stage_forward(input)
+        self.model.stage_forward(stage, input)
     }
 }
 
@@ -695,7 +543,7 @@ impl StagedModel for GptStages {
 pub fn whole_model(cfg: GptConfig, weights: &std::collections::BTreeMap<String, Tensor>) -> Result<CharGpt> {
     let varmap = candle_nn::VarMap::new();
     let tp = TensorParallel::new(ddp_core::ProcessGroup::single_process()?);
-    let model = CharGpt::new(cfg, &ParamBuilder::new(&varmap, &tp, 0, DType::F32, &Device::Cpu))?;
+    let model = CharGpt::new(cfg, &VarBuilder::new(&varmap, &tp, 0, DType::F32, &Device::Cpu, CharGpt::plan(&cfg)))?;
     for (name, var) in accel::lock(varmap.data()).iter() {
         let t = weights
             .get(name)
@@ -722,13 +570,6 @@ fn sample(logits: &[f32], temperature: f64, rng: &mut impl Rng) -> u32 {
         u -= w;
     }
     argmax()
-}
-
-/// The model as a candle module for the Trainer: `forward(ids)` = [`CharGpt::logits`].
-impl candle_core::Module for CharGpt {
-    fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        self.logits(ids).map_err(to_candle)
-    }
 }
 
 /// An accel error as a candle error (the Trainer's model builder returns candle results); candle's own errors are
@@ -762,8 +603,8 @@ mod tests {
     fn build(cfg: GptConfig, seed: u64) -> (CharGpt, VarMap) {
         let varmap = VarMap::new();
         let tp = TensorParallel::new(ProcessGroup::single_process().unwrap());
-        let pb = ParamBuilder::new(&varmap, &tp, seed, DType::F32, &Device::Cpu);
-        (CharGpt::new(cfg, &pb).unwrap(), varmap)
+        let vb = VarBuilder::new(&varmap, &tp, seed, DType::F32, &Device::Cpu, CharGpt::plan(&cfg));
+        (CharGpt::new(cfg, &vb).unwrap(), varmap)
     }
 
     #[test]

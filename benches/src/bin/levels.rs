@@ -31,7 +31,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use accel::data::{Dataset, TextDataset};
-use accel::tensor_parallel::{ParamBuilder, TensorParallel};
+use accel::nn;
+use accel::tensor_parallel::TensorParallel;
 use accel::{Accelerator, AcceleratorConfig, DataLoader, DataLoaderConfig};
 use accel_examples::gpt::{to_candle, CharGpt, GptConfig};
 use accel_examples::{correct_count, default_data_dir, load_mnist, seed_parameters, Mlp, Mnist};
@@ -382,7 +383,8 @@ fn gpt_candle(cli: &Cli) -> Result<Outcome> {
     let (train, val, cfg) = gpt_datasets(cli)?;
     let varmap = VarMap::new();
     let tp = TensorParallel::new(ProcessGroup::single_process()?);
-    let model = CharGpt::new(cfg, &ParamBuilder::new(&varmap, &tp, cli.seed, DType::F32, &Device::Cpu))?;
+    let model =
+        CharGpt::new(cfg, &nn::VarBuilder::new(&varmap, &tp, cli.seed, DType::F32, &Device::Cpu, CharGpt::plan(&cfg)))?;
     let vars = varmap.all_vars();
     let mut opt = AdamW::new(AdamWConfig::new(cli.lr))?;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(cli.seed);
@@ -534,7 +536,8 @@ fn gpt_ddp(cli: &Cli) -> Result<Outcome> {
     let varmap = VarMap::new();
     // Data parallel only: the model's own tensor-parallel group is this process alone.
     let tp = TensorParallel::new(ProcessGroup::single_process()?);
-    let model = CharGpt::new(cfg, &ParamBuilder::new(&varmap, &tp, cli.seed, DType::F32, &Device::Cpu))?;
+    let model =
+        CharGpt::new(cfg, &nn::VarBuilder::new(&varmap, &tp, cli.seed, DType::F32, &Device::Cpu, CharGpt::plan(&cfg)))?;
     let (ddp, vars) = ddp_setup(cli, &pg, &varmap)?;
     let mut opt = AdamW::new(AdamWConfig::new(cli.lr))?;
     let mut sampler = DistributedSampler::for_group(train.len(), &pg)?.seed(cli.seed).drop_last(true);
@@ -642,7 +645,7 @@ fn gpt_accel(cli: &Cli) -> Result<Outcome> {
         ..Default::default()
     };
     let varmap = VarMap::new();
-    let model = CharGpt::new(cfg, &acc.param_builder(&varmap))?;
+    let model = CharGpt::new(cfg, &acc.builder(&varmap, CharGpt::plan(&cfg)))?;
     let opt = AdamW::new(AdamWConfig::new(cli.lr))?;
     let (_prepared, mut opt, loader) = acc.prepare(&varmap, opt, DataLoader::new(train, loader_cfg))?;
     let mut losses = Vec::new();
@@ -763,9 +766,10 @@ fn gpt_trainer(cli: &Cli) -> Result<Outcome> {
         dataloader_drop_last: true,
         ..training_args(cli, out.clone())
     };
-    let t = Trainer::new_parallel(
+    let t = Trainer::with_plan(
         args,
-        move |pb| CharGpt::new(cfg, pb).map_err(to_candle),
+        CharGpt::plan(&cfg),
+        move |vb| CharGpt::new(cfg, &vb).map_err(to_candle),
         train,
         None,
         losses::VocabParallelCrossEntropy { vocab_size: cfg.vocab_size },

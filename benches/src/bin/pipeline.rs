@@ -20,15 +20,17 @@
 //! receives; no optimizer step), each rank starting after a barrier. The bubble of a rank is `1 − (its forward and
 //! backward time) / (its step's wall time)`; the median over the timed steps is printed. The model is
 //! `GptConfig::small` with `--layers-per-rank` × pp layers (default 2 per rank: 4 layers at pp 2, which is
-//! `GptConfig::small` itself, 8 at pp 4), cut into stages by `CharGpt::new_stage` (GPipe and 1F1B: one stage per
+//! `GptConfig::small` itself, 8 at pp 4), its stages given to the builder (`VarBuilder::with_stages`; GPipe and 1F1B: one stage per
 //! rank; interleaved 1F1B: 2 stages per rank); the data the shipped Shakespeare text. With more ranks than cores the
 //! processes share cores: the measured bubble is then not the schedule's alone (a rank also waits for a core).
 
 use accel::data::CharVocab;
+use accel::nn::VarBuilder;
 use accel::pipeline::{run_schedule, simulate, split_layers, Action, Costs, PipelineLinks, PipelineModel};
 use accel::pipeline::{PipelineSchedule, ScheduleKind, ShapeBook, SimReport, Span};
-use accel::tensor_parallel::{ParamBuilder, TensorParallel};
-use accel_examples::gpt::{CharGpt, GptConfig, StagePart};
+use accel::pipeline::{Stage, StagedModel};
+use accel::tensor_parallel::TensorParallel;
+use accel_examples::gpt::{CharGpt, GptConfig};
 use anyhow::Context;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
@@ -418,7 +420,7 @@ fn batch(ids: &[u32], n: usize, len: usize) -> anyhow::Result<(Tensor, Tensor)> 
 
 /// This rank's stages of the char-GPT.
 struct Stages {
-    parts: Vec<(usize, CharGpt)>,
+    model: CharGpt,
     varmap: VarMap,
     m: usize,
     x: Tensor,
@@ -439,22 +441,18 @@ impl Stages {
         let layers = split_layers(cfg.n_layer, stages, None)?;
         let varmap = VarMap::new();
         let tp = TensorParallel::new(ProcessGroup::single_process()?);
-        let pb = ParamBuilder::new(&varmap, &tp, 0, DType::F32, &Device::Cpu);
-        let parts = (pg.rank()..stages)
+        // This rank's stages, given to the builder outright (this bench runs its own schedule, not the
+        // Accelerator's).
+        let mine: Vec<Stage> = (pg.rank()..stages)
             .step_by(schedule.pp)
-            .map(|s| {
-                let part = StagePart { layers: layers[s].clone(), first: s == 0, last: s == stages - 1 };
-                Ok((s, CharGpt::new_stage(cfg, &pb, part)?))
-            })
-            .collect::<anyhow::Result<Vec<_>>>()?;
+            .map(|s| Stage { index: s, num_stages: stages, layers: layers[s].clone() })
+            .collect();
+        let vb = VarBuilder::new(&varmap, &tp, 0, DType::F32, &Device::Cpu, CharGpt::plan(&cfg)).with_stages(mine);
+        let model = CharGpt::new(cfg, &vb)?;
         let tokens = x.elem_count();
         // The simulator's view of the same schedule must run (a check, not a measurement).
         simulate(schedule, Costs::default())?;
-        Ok(Stages { parts, varmap, m, x, y, tokens })
-    }
-
-    fn part(&self, stage: usize) -> &CharGpt {
-        &self.parts.iter().find(|(s, _)| *s == stage).expect("a stage of this rank").1
+        Ok(Stages { model, varmap, m, x, y, tokens })
     }
 
     fn rows(&self, t: &Tensor, mb: usize) -> candle_core::Result<Tensor> {
@@ -469,12 +467,11 @@ impl PipelineModel for Stages {
             Some(t) => t.clone(),
             None => self.rows(&self.x, mb)?,
         };
-        self.part(stage).stage_forward(&input)
+        self.model.stage_forward(stage, &input)
     }
     fn loss(&mut self, mb: usize, output: &Tensor) -> accel::Result<Tensor> {
-        let last = self.parts.last().expect("a stage").0;
         let targets = self.rows(&self.y, mb)?;
-        let sum = self.part(last).token_losses_of(output, &targets)?.sum_all()?;
+        let sum = self.model.token_losses_of(output, &targets)?.sum_all()?;
         Ok((sum / self.tokens as f64)?)
     }
     fn parameters(&self) -> Vec<Var> {

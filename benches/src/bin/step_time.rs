@@ -27,7 +27,7 @@
 
 use std::time::Instant;
 
-use accel::tensor_parallel::{ParamBuilder, TensorParallel};
+use accel::tensor_parallel::TensorParallel;
 use accel_examples::gpt::{CharGpt, GptConfig};
 use accel_examples::{seed_parameters, Mlp};
 use accel_nn::optim::{grads_for, AdamW, AdamWConfig, Optimizer};
@@ -142,8 +142,10 @@ impl Variant {
             }
             ModelKind::Gpt => {
                 let tp = TensorParallel::new(ProcessGroup::single_process()?);
-                let pb = ParamBuilder::new(&varmap, &tp, cli.seed, DType::F32, &Device::Cpu);
-                Model::Gpt(Box::new(CharGpt::new(GptConfig::small(GPT_VOCAB), &pb)?))
+                let cfg = GptConfig::small(GPT_VOCAB);
+                let vb =
+                    accel::nn::VarBuilder::new(&varmap, &tp, cli.seed, DType::F32, &Device::Cpu, CharGpt::plan(&cfg));
+                Model::Gpt(Box::new(CharGpt::new(cfg, &vb)?))
             }
         };
         let opt = AdamW::new(AdamWConfig::new(1e-3))?;

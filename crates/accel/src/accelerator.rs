@@ -351,8 +351,8 @@ impl Accelerator {
         // The builder asks this Accelerator which pipeline stages a staged model's rank holds (a weak handle: a
         // builder kept alive does not keep the Accelerator).
         let accelerator = Arc::downgrade(&self.inner);
-        vb.set_stages(Box::new(move |n_blocks| match accelerator.upgrade() {
-            Some(inner) => Accelerator { inner }.pipeline_stages(n_blocks, None),
+        vb.set_stages(Box::new(move |n_blocks, listed| match accelerator.upgrade() {
+            Some(inner) => Accelerator { inner }.pipeline_stages(n_blocks, listed),
             None => Err(AccelError::Usage("the Accelerator that made this builder is gone".into())),
         }));
         self.inner.provenance.add_book(vb.book().clone());

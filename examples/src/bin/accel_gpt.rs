@@ -17,9 +17,10 @@
 //! Without RANK in the environment and with `--nproc N > 1` the program launches N copies of itself with
 //! `PARALLELISM_CONFIG_TP_SIZE = --tp-size` and `PARALLELISM_CONFIG_DP_REPLICATE_SIZE = N / tp` (Accelerate's
 //! variables; under `accel launch` its flags set them); the Accelerator lays the N ranks out as
-//! `pp × dp × tp` (tp innermost: ranks 0-1 are one tp group at dp2 × tp2; pp outermost), `accelerator.
-//! pipeline_stages` tells each rank which blocks it builds (the embedding on the first stage, the head on the
-//! last), `accelerator.param_builder` splits them over the tp group, and `accelerator.pipeline_backward` runs each
+//! `pp × dp × tp` (tp innermost: ranks 0-1 are one tp group at dp2 × tp2; pp outermost), and the model, written
+//! once, is laid out from outside: `accelerator.builder(&varmap, CharGpt::plan(&cfg))` builds on each rank the
+//! blocks of its pipeline stages (the embedding on the first stage, the head on the last), split over the tp group
+//! as the plan says, and `accelerator.pipeline_backward` runs each
 //! batch's micro-batches through the schedule (at pp 1 it is the plain forward, loss and overlapped backward). The
 //! data loader shards by the data-parallel rank only, so the tp and pp peers read the same batches;
 //! `--batch-size` is per data-parallel replica (a multiple of the micro-batches under pp), and the global batch is
@@ -36,7 +37,7 @@
 use accel::data::{CharVocab, TextDataset};
 use accel::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, DataLoader, DataLoaderConfig, MixedPrecision};
 use accel::{Dataset, ReduceKind};
-use accel_examples::gpt::{GptConfig, GptStages};
+use accel_examples::gpt::{CharGpt, GptConfig};
 use anyhow::{bail, Context};
 use candle_core::Tensor;
 use candle_nn::VarMap;
@@ -294,7 +295,7 @@ fn run() -> anyhow::Result<()> {
 
 /// What the automatic layout needs to know of this program: the GPT's shape, the global batch, the micro-batch
 /// sizes it may split it into (any divisor), and that it runs every layout (tp layers, pipeline stages, every
-/// sharding strategy — its model is built from the prepared builder — and every schedule).
+/// sharding strategy — its layers fetch their weights at each use — and every schedule).
 fn auto_layout_request(cfg: &GptConfig, global_batch: usize) -> accel::auto_layout::AutoLayoutRequest {
     use accel::auto_layout::{ActivationSpec, AutoLayoutRequest, Checkpointing, ModelSpec, Precision, TrainSpec};
     let model = ModelSpec::gpt(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.d_ff, cfg.vocab_size, cfg.block_size)
@@ -389,15 +390,20 @@ fn train(args: &Args) -> anyhow::Result<()> {
         DataLoaderConfig { batch_size, shuffle: true, seed: args.seed, drop_last: true, ..Default::default() };
 
     let varmap = VarMap::new();
-    // accel: the blocks this rank holds (all at pp 1)
-    let stages = acc.pipeline_stages(gpt_cfg.n_layer, args.layers_per_stage.as_deref())?;
-    GptStages::new(gpt_cfg, &acc.param_builder(&varmap), &stages)?; // accel: drawn from the seed, split over tp
-                                                                    // This rank's share of the model (its stages' blocks, split over tp), before any sharding: ZeRO's Ψ below.
+    // accel: the model written once, laid out by its plan and the sizes: each rank builds its pipeline stages'
+    // blocks (all at pp 1), split over tp, every parameter drawn from the seed on the full model
+    let mut vb = acc.builder(&varmap, CharGpt::plan(&gpt_cfg));
+    if let Some(list) = &args.layers_per_stage {
+        vb = vb.with_layers_per_stage(list.clone());
+    }
+    let model = CharGpt::new(gpt_cfg, &vb)?;
+    let stages: Vec<accel::pipeline::Stage> = model.stages().into_iter().cloned().collect();
+    // This rank's share of the model (its stages' blocks, split over tp), before any sharding: ZeRO's Ψ below.
     let held_parameters: usize = varmap.all_vars().iter().map(|v| v.elem_count()).sum();
     let opt = AdamW::new(AdamWConfig { lr: args.lr, weight_decay: 0.1, ..Default::default() })?;
-    let prepared = acc.prepare_model(&varmap)?; // accel: gradient sync over dp, fp32 masters (sharded over dp_shard)
-                                                // accel: the model computes with the prepared parameters (under FULL_SHARD gathered at each use)
-    let model = GptStages::new(gpt_cfg, &prepared.param_builder(), &stages)?;
+    // accel: gradient sync over dp, fp32 masters (sharded over dp_shard); under FULL_SHARD the layers gather their
+    // weights at each use from here on
+    let prepared = acc.prepare_model(&varmap)?;
     let mut opt = acc.prepare_optimizer(&prepared, opt)?;
     let mut loader = acc.prepare_data_loader(DataLoader::new(data, loader_cfg))?; // accel: sharded by the dp rank
     if loader.is_empty() {

@@ -4,7 +4,8 @@
 //! largest magnitude of the reference tensor (summation order differs: the row-parallel sums and the
 //! all-reduces add partial products in another order). The vocabulary of 11 is padded to 12 columns at tp 2 / 4.
 
-use accel::tensor_parallel::{ParamBuilder, ParamLayout, TensorParallel};
+use accel::nn::VarBuilder;
+use accel::tensor_parallel::{ParamLayout, TensorParallel};
 use accel_examples::gpt::{CharGpt, GptConfig};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarMap;
@@ -45,8 +46,8 @@ fn batch() -> (Tensor, Tensor) {
 fn run_rank(pg: ProcessGroup) -> RankResult {
     let tp = TensorParallel::new(pg);
     let varmap = VarMap::new();
-    let pb = ParamBuilder::new(&varmap, &tp, 7, DType::F32, &Device::Cpu);
-    let model = CharGpt::new(cfg(), &pb).unwrap();
+    let vb = VarBuilder::new(&varmap, &tp, 7, DType::F32, &Device::Cpu, CharGpt::plan(&cfg()));
+    let model = CharGpt::new(cfg(), &vb).unwrap();
     let (ids, targets) = batch();
     let local = model.logits(&ids).unwrap();
     assert_eq!(local.dims(), &[2, 7, model.padded_vocab() / tp.size()]);
@@ -145,7 +146,8 @@ fn generation_agrees_across_tp_ranks() {
     let generate = |pg: ProcessGroup| {
         let tp = TensorParallel::new(pg);
         let varmap = VarMap::new();
-        let model = CharGpt::new(cfg(), &ParamBuilder::new(&varmap, &tp, 7, DType::F32, &Device::Cpu)).unwrap();
+        let vb = VarBuilder::new(&varmap, &tp, 7, DType::F32, &Device::Cpu, CharGpt::plan(&cfg()));
+        let model = CharGpt::new(cfg(), &vb).unwrap();
         model.generate(&[1, 2, 3], 10, 0.8, &mut rand_chacha::ChaCha8Rng::seed_from_u64(42)).unwrap()
     };
     let single = generate(ProcessGroup::single_process().unwrap());

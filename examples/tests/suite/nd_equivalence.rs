@@ -142,7 +142,8 @@ pub(super) fn build(
     vocab_size: usize,
 ) -> anyhow::Result<(CharGpt, accel::PreparedModel, accel::AcceleratedOptimizer<AdamW>)> {
     let varmap = VarMap::new();
-    let gpt = CharGpt::new(model_config(vocab_size), &acc.param_builder(&varmap))?;
+    let cfg = model_config(vocab_size);
+    let gpt = CharGpt::new(cfg, &acc.builder(&varmap, CharGpt::plan(&cfg)))?;
     let model = acc.prepare_model(&varmap)?;
     let opt = acc.prepare_optimizer(&model, AdamW::new(AdamWConfig { lr: 3e-3, ..AdamWConfig::default() })?)?;
     Ok((gpt, model, opt))

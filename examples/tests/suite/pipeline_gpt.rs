@@ -4,11 +4,13 @@
 //! ops on the same values: each stage builds only its own parameters, from the same per-name streams), and the
 //! micro-batch losses are one process's. f32, no dropout; ranks are threads over loopback.
 
+use accel::nn::VarBuilder;
 use accel::pipeline::{
     run_schedule, split_layers, PipelineLinks, PipelineModel, PipelineSchedule, ScheduleKind, ShapeBook,
 };
-use accel::tensor_parallel::{ParamBuilder, TensorParallel};
-use accel_examples::gpt::{CharGpt, GptConfig, StagePart};
+use accel::pipeline::{Stage, StagedModel};
+use accel::tensor_parallel::TensorParallel;
+use accel_examples::gpt::{CharGpt, GptConfig};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
 use ddp_core::store::MemoryStore;
@@ -44,9 +46,9 @@ fn batch() -> (Tensor, Tensor) {
     (x, y)
 }
 
-fn builder(varmap: &VarMap) -> ParamBuilder {
+fn builder(varmap: &VarMap) -> VarBuilder {
     let tp = TensorParallel::new(ProcessGroup::single_process().unwrap());
-    ParamBuilder::new(varmap, &tp, SEED, DType::F32, &Device::Cpu)
+    VarBuilder::new(varmap, &tp, SEED, DType::F32, &Device::Cpu, CharGpt::plan(&cfg()))
 }
 
 /// A micro-batch's loss, normalised by every token of the step (once, before backward).
@@ -55,8 +57,8 @@ fn loss(model: &CharGpt, logits: &Tensor, targets: &Tensor) -> Tensor {
 }
 
 struct GptStages {
-    /// `(stage, model part)` of this rank.
-    stages: Vec<(usize, CharGpt)>,
+    /// This rank's stages of the model.
+    model: CharGpt,
     varmap: VarMap,
     m: usize,
     x: Tensor,
@@ -64,9 +66,6 @@ struct GptStages {
 }
 
 impl GptStages {
-    fn part(&self, stage: usize) -> &CharGpt {
-        &self.stages.iter().find(|(s, _)| *s == stage).expect("a stage of this rank").1
-    }
     fn rows(&self, t: &Tensor, mb: usize) -> Tensor {
         t.narrow(0, mb * BATCH / self.m, BATCH / self.m).unwrap()
     }
@@ -75,11 +74,10 @@ impl GptStages {
 impl PipelineModel for GptStages {
     fn forward(&mut self, stage: usize, mb: usize, input: Option<&Tensor>) -> accel::Result<Tensor> {
         let input = input.cloned().unwrap_or_else(|| self.rows(&self.x, mb));
-        self.part(stage).stage_forward(&input)
+        self.model.stage_forward(stage, &input)
     }
     fn loss(&mut self, mb: usize, output: &Tensor) -> accel::Result<Tensor> {
-        let last = self.stages.last().unwrap().0;
-        Ok(loss(self.part(last), output, &self.rows(&self.y, mb)))
+        Ok(loss(&self.model, output, &self.rows(&self.y, mb)))
     }
     fn parameters(&self) -> Vec<Var> {
         sorted_vars(&self.varmap).into_iter().map(|(_, v)| v).collect()
@@ -110,16 +108,14 @@ fn pipelined(kind: ScheduleKind, pp: usize, v: usize, m: usize) -> (Grads, Vec<f
                 let pg = ProcessGroup::from_store(store, rank, pp, opts).unwrap();
                 let links = PipelineLinks::new(&pg).unwrap();
                 let varmap = VarMap::new();
-                let pb = builder(&varmap);
-                let stages: Vec<(usize, CharGpt)> = (rank..pp * v)
+                // This rank's stages, given to the builder outright (the schedule runs without an Accelerator).
+                let stages: Vec<Stage> = (rank..pp * v)
                     .step_by(pp)
-                    .map(|s| {
-                        let part = StagePart { layers: parts[s].clone(), first: s == 0, last: s == pp * v - 1 };
-                        (s, CharGpt::new_stage(cfg(), &pb, part).unwrap())
-                    })
+                    .map(|s| Stage { index: s, num_stages: pp * v, layers: parts[s].clone() })
                     .collect();
+                let model = CharGpt::new(cfg(), &builder(&varmap).with_stages(stages)).unwrap();
                 let (x, y) = batch();
-                let mut model = GptStages { stages, varmap: varmap.clone(), m, x, y };
+                let mut model = GptStages { model, varmap: varmap.clone(), m, x, y };
                 let step = run_schedule(&schedule, &links, &mut model, &mut ShapeBook::default()).unwrap();
                 let grads: Grads = sorted_vars(&varmap)
                     .into_iter()
@@ -186,8 +182,8 @@ fn char_gpt_stages_give_one_process_gradients_and_losses() {
 #[test]
 fn a_stage_holds_only_its_own_parameters() {
     let varmap = VarMap::new();
-    let part = StagePart { layers: 1..3, first: false, last: false };
-    CharGpt::new_stage(cfg(), &builder(&varmap), part).unwrap();
+    let middle = Stage { index: 1, num_stages: 3, layers: 1..3 };
+    CharGpt::new(cfg(), &builder(&varmap).with_stages(vec![middle])).unwrap();
     let names: Vec<String> = sorted_vars(&varmap).into_iter().map(|(n, _)| n).collect();
     assert!(names.iter().all(|n| n.starts_with("h.1.") || n.starts_with("h.2.")), "{names:?}");
     assert_eq!(names.len(), 2 * 16, "16 tensors per block (2 layer norms, q, k, v, c_proj, c_fc, c_proj)");

@@ -18,7 +18,7 @@ use super::nd_equivalence::{
 };
 use accel::pipeline::ScheduleKind;
 use accel::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, ParallelismConfig};
-use accel_examples::gpt::{GptConfig, GptStages};
+use accel_examples::gpt::{CharGpt, GptConfig};
 use candle_core::{Device, Tensor};
 use candle_nn::VarMap;
 use std::collections::BTreeMap;
@@ -67,10 +67,9 @@ struct Trained {
 fn build(
     acc: &Accelerator,
     cfg: GptConfig,
-) -> anyhow::Result<(GptStages, accel::PreparedModel, accel::AcceleratedOptimizer<AdamW>)> {
-    let stages = acc.pipeline_stages(cfg.n_layer, None)?;
+) -> anyhow::Result<(CharGpt, accel::PreparedModel, accel::AcceleratedOptimizer<AdamW>)> {
     let varmap = VarMap::new();
-    let gpt = GptStages::new(cfg, &acc.param_builder(&varmap), &stages)?;
+    let gpt = CharGpt::new(cfg, &acc.builder(&varmap, CharGpt::plan(&cfg)))?;
     let model = acc.prepare_model(&varmap)?;
     let opt = acc.prepare_optimizer(&model, AdamW::new(AdamWConfig { lr: 3e-3, ..AdamWConfig::default() })?)?;
     Ok((gpt, model, opt))
@@ -88,7 +87,7 @@ fn accumulation_steps(acc: &Accelerator, ids: &[u32], step: usize) -> Vec<(Tenso
 /// One optimizer step over `steps[from..]`; returns the mean loss of those and the gradient norm.
 fn one_step(
     acc: &Accelerator,
-    gpt: &GptStages,
+    gpt: &CharGpt,
     opt: &mut accel::AcceleratedOptimizer<AdamW>,
     steps: &[(Tensor, Tensor)],
 ) -> anyhow::Result<(f64, Option<f64>)> {
@@ -329,7 +328,7 @@ fn a_pp2_checkpoint_resumes_exactly_and_loads_into_one_process() {
         let (gpt, model, _opt) = build(&acc, model_config(vocab))?;
         model.load_state_dict(&accel::state::load_safetensors(&file, acc.device())?)?;
         let (x, y) = &accumulation_steps(&acc, &i, 2)[0];
-        Ok(gpt.whole().expect("one process holds the whole model").loss(x, y)?.to_scalar::<f32>()?)
+        Ok(gpt.loss(x, y)?.to_scalar::<f32>()?)
     })
     .remove(0);
     let rel = ((one - pp_loss[0]) / pp_loss[0]).abs();
@@ -449,9 +448,9 @@ fn programs_that_do_not_split_their_model_are_refused() {
     let (_, vocab) = corpus();
     let layout = (2, 1, 1, 1, ScheduleKind::OneFOneB, 2);
     let errors = run(2, config(layout), move |acc| {
-        // The whole model on every rank, never asking for stages.
+        // A model on every rank whole, never asking for stages.
         let varmap = VarMap::new();
-        let _gpt = accel_examples::gpt::CharGpt::new(model_config(vocab), &acc.param_builder(&varmap))?;
+        acc.param_builder(&varmap).replicated("weight", (4, 4), accel::ParamInit::Zeros)?;
         let not_split = acc.prepare_model(&varmap).unwrap_err().to_string();
         // Asked, built, prepared: backward on a loss is refused, an odd batch named.
         let (gpt, _model, _opt) = build(&acc, model_config(vocab))?;
@@ -492,7 +491,7 @@ fn windows(ids: &[u32], start: usize, n: usize) -> accel::TensorDataset {
 /// What a Trainer run logged: the training losses, the gradient norms and the final eval loss.
 type Logged = (Vec<f64>, Vec<f64>, f64);
 
-/// The Trainer on `world` ranks laid out as `layout` (None: the classic `Trainer::new_parallel`), 6 steps of
+/// The Trainer (`Trainer::with_plan`) on `world` ranks laid out as `layout` (None: no parallelism config), 6 steps of
 /// a global batch of 16 sequences (`16 / dp` per replica), logging every 2, evaluating every 3.
 fn trainer_run(world: usize, layout: Option<Layout>, ids: Arc<Vec<u32>>, vocab: usize) -> Vec<Logged> {
     run_groups(world, move |pg| {
@@ -526,42 +525,28 @@ fn trainer_run(world: usize, layout: Option<Layout>, ids: Arc<Vec<u32>>, vocab: 
             .with_dp_replicate_size(dp)
             .with_pp_schedule(kind)
             .with_pp_microbatches(m.max(pp));
-        let state = match layout {
-            None => {
-                let mut t = trainer::Trainer::new_parallel(
-                    args,
-                    move |pb| accel_examples::gpt::CharGpt::new(cfg, pb).map_err(to_candle),
-                    train,
-                    Some(eval),
-                    loss,
-                )
-                .process_group(pg);
-                t.train()?;
-                t.state().clone()
-            }
-            Some(_) => {
-                let mut t = trainer::Trainer::new_pipelined(
-                    args,
-                    cfg.n_layer,
-                    move |pb, stages| GptStages::new(cfg, pb, stages).map_err(to_candle),
-                    train,
-                    Some(eval),
-                    loss,
-                )
-                .process_group(pg)
-                .parallelism_config(parallelism);
-                t.train()?;
-                t.state().clone()
-            }
-        };
+        let mut t = trainer::Trainer::with_plan(
+            args,
+            CharGpt::plan(&cfg),
+            move |vb| CharGpt::new(cfg, &vb).map_err(to_candle),
+            train,
+            Some(eval),
+            loss,
+        )
+        .process_group(pg);
+        if layout.is_some() {
+            t = t.parallelism_config(parallelism);
+        }
+        t.train()?;
+        let state = t.state().clone();
         let get = |k: &str| -> Vec<f64> { state.log_history.iter().filter_map(|e| e.get(k)).collect() };
         let evals = get("eval_loss");
         Ok((get("loss"), get("grad_norm"), *evals.last().expect("evaluated")))
     })
 }
 
-/// The Trainer drives the pipeline (`Trainer::new_pipelined`): at pp 1 it logs exactly what the classic
-/// `new_parallel` trainer logs, and pp2 (1F1B, interleaved), dp2 × pp2 and tp2 × pp2 with accumulation log the
+/// The Trainer drives the pipeline over the stages the model declared (`Trainer::with_plan`): at pp 1 it logs exactly
+/// what the trainer without a parallelism config logs, and pp2 (1F1B, interleaved), dp2 × pp2 and tp2 × pp2 with accumulation log the
 /// single process's training losses, gradient norms and eval loss (relative 1e-5).
 #[test]
 fn the_trainer_trains_every_pipeline_layout_like_one_process() {
@@ -572,7 +557,7 @@ fn the_trainer_trains_every_pipeline_layout_like_one_process() {
     let one = trainer_run(1, Some((1, 1, 1, 1, OneFOneB, 1)), ids.clone(), vocab).remove(0);
     assert_eq!((classic.0.len(), classic.1.len()), (3, 3), "{classic:?}");
     assert!(classic.0[2] < classic.0[0], "the model learns: {:?}", classic.0);
-    assert_eq!(one, classic, "new_pipelined at pp 1 vs new_parallel");
+    assert_eq!(one, classic, "pp 1 vs no parallelism config");
     for layout in [
         (2, 1, 1, 1, OneFOneB, 2),
         (2, 1, 1, 2, Interleaved1F1B, 4),
@@ -618,10 +603,10 @@ fn trainer_checkpointed(
         };
         let cfg = model_config(vocab);
         let to_candle = accel_examples::gpt::to_candle;
-        let mut t = trainer::Trainer::new_pipelined(
+        let mut t = trainer::Trainer::with_plan(
             args,
-            cfg.n_layer,
-            move |pb, stages| GptStages::new(cfg, pb, stages).map_err(to_candle),
+            CharGpt::plan(&cfg),
+            move |vb| CharGpt::new(cfg, &vb).map_err(to_candle),
             windows(&ids, 0, 64),
             None,
             trainer::losses::VocabParallelCrossEntropy { vocab_size: vocab },
@@ -688,10 +673,15 @@ fn the_trainer_refuses_what_a_pipeline_cannot_do() {
     let (i, p) = (ids.clone(), pp2.clone());
     let errors = run_groups(2, move |pg| {
         let dir = tempfile::tempdir()?;
-        let cfg = model_config(vocab);
-        let mut whole = trainer::Trainer::new_parallel(
+        // A model on the builder not declared as stages (no accel::nn::staged).
+        let bigram = move |vb: accel::nn::VarBuilder| -> candle_core::Result<candle_nn::Sequential> {
+            let wte = accel::nn::embedding(vocab, 8, vb.pp("wte"))?;
+            Ok(candle_nn::seq().add(wte).add(accel::nn::linear(8, vocab, vb.pp("head"))?))
+        };
+        let mut whole = trainer::Trainer::with_plan(
             one_step_args(dir.path()),
-            move |pb| accel_examples::gpt::CharGpt::new(cfg, pb).map_err(to_candle),
+            accel::plan::ParallelPlan::default(),
+            bigram,
             windows(&i, 0, 8),
             None,
             trainer::losses::VocabParallelCrossEntropy { vocab_size: vocab },
@@ -702,15 +692,15 @@ fn the_trainer_refuses_what_a_pipeline_cannot_do() {
     });
     for e in errors {
         assert!(e.contains("pp_size 2 (pipeline parallelism) but this trainer's model is not cut into stages"), "{e}");
-        assert!(e.contains("Trainer::new_pipelined"), "{e}");
+        assert!(e.contains("accel::nn::staged"), "{e}");
     }
     let errors = run_groups(2, move |pg| {
         let dir = tempfile::tempdir()?;
         let cfg = model_config(vocab);
-        let mut t = trainer::Trainer::new_pipelined(
+        let mut t = trainer::Trainer::with_plan(
             one_step_args(dir.path()),
-            cfg.n_layer,
-            move |pb, stages| GptStages::new(cfg, pb, stages).map_err(to_candle),
+            CharGpt::plan(&cfg),
+            move |vb| CharGpt::new(cfg, &vb).map_err(to_candle),
             windows(&ids, 0, 8),
             Some(windows(&ids, 100, 4)),
             trainer::losses::VocabParallelCrossEntropy { vocab_size: vocab },

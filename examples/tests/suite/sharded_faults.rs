@@ -71,8 +71,8 @@ impl Stateful for Progress {
     }
 }
 
-/// One rank's training program: the char-GPT built from the prepared model's `param_builder()` (what FULL_SHARD
-/// needs), AdamW, and its registered progress.
+/// One rank's training program: the char-GPT (built once, on the Accelerator's builder: under FULL_SHARD its layers
+/// gather their weights at each use), AdamW, and its registered progress.
 struct Program {
     gpt: CharGpt,
     model: accel::PreparedModel,
@@ -82,9 +82,9 @@ struct Program {
 
 fn build(acc: &Accelerator, vocab: usize) -> anyhow::Result<Program> {
     let varmap = VarMap::new();
-    CharGpt::new(model_config(vocab), &acc.param_builder(&varmap))?;
+    let cfg = model_config(vocab);
+    let gpt = CharGpt::new(cfg, &acc.builder(&varmap, CharGpt::plan(&cfg)))?;
     let model = acc.prepare_model(&varmap)?;
-    let gpt = CharGpt::new(model_config(vocab), &model.param_builder())?;
     let opt = acc.prepare_optimizer(&model, AdamW::new(AdamWConfig { lr: 3e-3, ..AdamWConfig::default() })?)?;
     let progress = Arc::new(Mutex::new(Progress::default()));
     acc.register_for_checkpointing(progress.clone());

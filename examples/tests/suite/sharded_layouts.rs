@@ -59,13 +59,13 @@ fn optimizer_bytes(opt: &accel::AcceleratedOptimizer<AdamW>) -> anyhow::Result<u
     Ok(opt.optimizer().state_dict()?.tensors.values().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum())
 }
 
-/// The model drawn whole from `SEED`, prepared, and built for training from the prepared model's `param_builder()`
-/// (which FULL_SHARD needs; every layout trains the same way from it), with its optimizer.
+/// The model built once on the Accelerator's builder (drawn whole from `SEED`; under FULL_SHARD its layers gather
+/// their weights at each use), prepared, with its optimizer.
 fn build_prepared(acc: &Accelerator, vocab: usize) -> anyhow::Result<Built> {
     let varmap = VarMap::new();
-    CharGpt::new(model_config(vocab), &acc.param_builder(&varmap))?;
+    let cfg = model_config(vocab);
+    let gpt = CharGpt::new(cfg, &acc.builder(&varmap, CharGpt::plan(&cfg)))?;
     let model = acc.prepare_model(&varmap)?;
-    let gpt = CharGpt::new(model_config(vocab), &model.param_builder())?;
     let opt = acc.prepare_optimizer(&model, AdamW::new(AdamWConfig { lr: 3e-3, ..AdamWConfig::default() })?)?;
     Ok((gpt, model, opt))
 }
@@ -394,11 +394,9 @@ fn train_segmented(
     vocab: usize,
     dropout: f64,
 ) -> anyhow::Result<(Vec<f64>, BTreeMap<String, Tensor>)> {
-    use accel_examples::gpt::GptStages;
     let cfg = GptConfig { dropout, ..model_config(vocab) };
-    let stages = acc.pipeline_stages(cfg.n_layer, None)?;
     let varmap = VarMap::new();
-    let gpt = GptStages::new(cfg, &acc.param_builder(&varmap), &stages)?;
+    let gpt = CharGpt::new(cfg, &acc.builder(&varmap, CharGpt::plan(&cfg)))?;
     let model = acc.prepare_model(&varmap)?;
     let mut opt = acc.prepare_optimizer(&model, AdamW::new(AdamWConfig { lr: 3e-3, ..AdamWConfig::default() })?)?;
     let mut values = Vec::new();
@@ -518,9 +516,10 @@ fn the_trainers_gradient_checkpointing_recomputes_the_blocks_and_logs_the_same_l
             };
             let (x, y) = to_tensors(&global_batch(&i, 0), &Device::Cpu);
             let cfg = model_config(vocab);
-            let mut t = trainer::Trainer::new_parallel(
+            let mut t = trainer::Trainer::with_plan(
                 args,
-                move |pb| CharGpt::new(cfg, pb).map_err(accel_examples::gpt::to_candle),
+                CharGpt::plan(&cfg),
+                move |vb| CharGpt::new(cfg, &vb).map_err(accel_examples::gpt::to_candle),
                 accel::TensorDataset::new(x, y)?,
                 None,
                 trainer::losses::VocabParallelCrossEntropy { vocab_size: vocab },
@@ -551,17 +550,16 @@ enum Backward {
     Segmented,
 }
 
-/// `STEPS` optimizer steps of the char-GPT built once from the prepared model's `param_builder()` (what FULL_SHARD
-/// needs; any layout trains the same way), clipped to norm 1.
+/// `STEPS` optimizer steps of the char-GPT built once on the Accelerator's builder (any layout trains the same
+/// way), clipped to norm 1.
 fn train_prepared(acc: &Accelerator, ids: &[u32], vocab: usize, backward: Backward) -> anyhow::Result<Trained> {
     let cfg = model_config(vocab);
     let varmap = VarMap::new();
     // Drawn whole once (the same weights as every layout), then handed to prepare_model: under FULL_SHARD the
-    // VarMap keeps only this rank's chunks.
-    CharGpt::new(cfg, &acc.param_builder(&varmap))?;
+    // VarMap keeps only this rank's chunks, and the layers gather their weights at each use.
+    let gpt = CharGpt::new(cfg, &acc.builder(&varmap, CharGpt::plan(&cfg)))?;
     let model = acc.prepare_model(&varmap)?;
     let mut opt = acc.prepare_optimizer(&model, AdamW::new(AdamWConfig { lr: 3e-3, ..AdamWConfig::default() })?)?;
-    let gpt = CharGpt::new(cfg, &model.param_builder())?;
     let (mut losses, mut grad_norms) = (Vec::new(), Vec::new());
     for step in 0..STEPS {
         let micro = micro_batches(acc, ids, step);
@@ -638,14 +636,14 @@ fn full_shard_trains_like_ddp_with_parameters_resting_as_chunks() {
     let i = ids.clone();
     let resting = run(2, config_with((1, 2, 1, 1), ShardingStrategy::FullShard), move |acc| {
         let varmap = VarMap::new();
-        CharGpt::new(model_config(vocab), &acc.param_builder(&varmap))?;
+        let cfg = model_config(vocab);
+        let gpt = CharGpt::new(cfg, &acc.builder(&varmap, CharGpt::plan(&cfg)))?;
         let model = acc.prepare_model(&varmap)?;
         let shard = acc.mesh().group(ddp_core::MeshDim::DpShard).clone();
         let (x, y) = &micro_batches(&acc, &i, 0)[0];
         // Gathers per micro-batch: a plain backward gathers each parameter once; a segmented one gathers each
         // block's 16 parameters again for its backward (the unit recomputed), the 5 others once; the next unit's
         // are prefetched (FSDP's forward and backward prefetch).
-        let gpt = CharGpt::new(model_config(vocab), &model.param_builder())?;
         let mut gathers = Vec::new();
         for segmented in [false, true] {
             let (before, prefetched, recomputed) = (
@@ -721,11 +719,19 @@ fn full_shard_refuses_stale_weights_and_models_that_keep_them() {
     let cfg = config_with((1, 2, 1, 1), ShardingStrategy::FullShard);
     let ids2 = Arc::new(corpus().0);
     let unbuilt = run(2, cfg, move |acc| {
+        // A layer of the lower-level ParamBuilder, built before prepare_model and kept: its weight is the whole
+        // tensor prepare_model replaced by this rank's chunk.
         let varmap = VarMap::new();
-        let gpt = CharGpt::new(model_config(vocab), &acc.param_builder(&varmap))?;
+        let fc = accel::tensor_parallel::ColumnParallelLinear::new(
+            &acc.param_builder(&varmap).pp("fc"),
+            8,
+            8,
+            accel::tensor_parallel::ParallelLinearConfig::default(),
+        )?;
         acc.prepare_model(&varmap)?;
-        let (x, y) = &micro_batches(&acc, &ids2, 0)[0];
-        Ok(acc.backward(&gpt.loss(x, y)?).unwrap_err().to_string())
+        let _ = &ids2;
+        let x = Tensor::ones((2, 8), candle_core::DType::F32, &Device::Cpu)?;
+        Ok(acc.backward(&fc.forward(&x)?.sum_all()?).unwrap_err().to_string())
     });
     assert!(
         unbuilt[0]
@@ -806,17 +812,14 @@ fn a_full_shard_checkpoint_resumes_at_other_process_counts() {
     }
 }
 
-/// 3 optimizer steps of the char-GPT cut into `pp` stages (`tie` its embeddings), each rank's stages built from the
-/// prepared model's builder, every batch through `pipeline_backward` (1F1B over 2 micro-batches); returns each
+/// 3 optimizer steps of the char-GPT cut into `pp` stages (`tie` its embeddings), each rank building its stages on
+/// the Accelerator's builder, every batch through `pipeline_backward` (1F1B over 2 micro-batches); returns each
 /// step's clipped norm and the whole model's weights.
 fn train_pipelined(acc: &Accelerator, ids: &[u32], vocab: usize, tie: bool) -> anyhow::Result<Trained> {
-    use accel_examples::gpt::GptStages;
     let cfg = GptConfig { tie_embeddings: tie, ..model_config(vocab) };
-    let stages = acc.pipeline_stages(cfg.n_layer, None)?;
     let varmap = VarMap::new();
-    GptStages::new(cfg, &acc.param_builder(&varmap), &stages)?;
+    let gpt = CharGpt::new(cfg, &acc.builder(&varmap, CharGpt::plan(&cfg)))?;
     let model = acc.prepare_model(&varmap)?;
-    let gpt = GptStages::new(cfg, &model.param_builder(), &stages)?;
     let mut opt = acc.prepare_optimizer(&model, AdamW::new(AdamWConfig { lr: 3e-3, ..AdamWConfig::default() })?)?;
     let (mut losses, mut grad_norms) = (Vec::new(), Vec::new());
     for step in 0..3 {

@@ -68,8 +68,9 @@ impl PreparedModel {
             }
             Err(format!(
                 "FULL_SHARD: parameter `{name}` was gathered before optimizer step {} and used after it (a stale \
-                 copy); build the model's parts from model.param_builder() inside the forward that uses them, not \
-                 once before training (CharGpt does; a candle layer built from a VarBuilder keeps its weights)",
+                 copy); build the model with accelerator.builder (accel::nn's layers fetch their weights at each \
+                 use), or a ParamBuilder model's parts from model.param_builder() inside the forward that uses \
+                 them (a candle layer built from a VarBuilder keeps its weights)",
                 gathered_at + 1
             ))
         });

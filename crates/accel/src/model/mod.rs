@@ -306,7 +306,8 @@ impl PreparedModel {
     }
 
     /// A [`crate::ParamBuilder`] handing out this model's parameters by name instead of creating them: build the
-    /// model's layers from it in the forward pass (`CharGpt::new(cfg, &model.param_builder())`). Each call returns
+    /// model's layers from it in the forward pass (what a model written on the `ParamBuilder` does under FULL_SHARD;
+    /// `accel::nn`'s layers do it themselves). Each call returns
     /// this rank's piece in the compute dtype — the prepared `Var`'s tensor, or under FULL_SHARD the whole
     /// parameter all-gathered from the dp_shard ranks' chunks at that moment, whose gradient is reduce-scattered
     /// back to the chunks by the backward pass ([`ddp_core::functional::gather_shards`]). Required under

@@ -19,6 +19,11 @@ pub(crate) struct Param {
 }
 
 impl Param {
+    /// The record of the builder that made the parameter.
+    pub(crate) fn book(&self) -> &Arc<PlanBook> {
+        &self.book
+    }
+
     /// The parameter now: the tensor held, or (FULL_SHARD) its chunks gathered — a copy for this use, whose
     /// gradient the backward pass reduce-scatters into this rank's chunk.
     pub(crate) fn get(&self) -> Result<Tensor> {
@@ -88,15 +93,21 @@ pub(crate) struct PlanBook {
     source: RwLock<Option<Arc<dyn ParamSource>>>,
     /// Which pipeline stages of a model of `n` blocks this rank holds (the Accelerator's, for a builder it made).
     stages: std::sync::OnceLock<StageOracle>,
-    /// The model `accel::nn::staged` built here, as the pipeline runs it.
-    staged: Mutex<Option<SharedStagedModel>>,
+    /// The blocks per stage the program lists for the oracle (`VarBuilder::with_layers_per_stage`).
+    layers_per_stage: Mutex<Option<Vec<usize>>>,
+    /// Stages given outright (`VarBuilder::with_stages`), which the oracle is then not asked for.
+    fixed_stages: Mutex<Option<Vec<crate::pipeline::Stage>>>,
+    /// The model `accel::nn::staged` built here, as the pipeline runs it (weak: the model holds this record).
+    staged: Mutex<Option<std::sync::Weak<dyn crate::pipeline::StagedModel + Send + Sync>>>,
+    /// The last input a column-wise layer copied to the tp group, and the copy (see [`PlanBook::copy_for_columns`]).
+    column_input: Mutex<Option<(TensorId, Tensor)>>,
 }
 
 /// A staged model shared between its owner and the builder's record.
 pub type SharedStagedModel = Arc<dyn crate::pipeline::StagedModel + Send + Sync>;
 
-/// The stages of a model of `n` blocks this rank holds.
-pub(crate) type StageOracle = Box<dyn Fn(usize) -> Result<Vec<crate::pipeline::Stage>> + Send + Sync>;
+/// The stages of a model of `n` blocks this rank holds, the blocks split as listed (or evenly).
+pub(crate) type StageOracle = Box<dyn Fn(usize, Option<&[usize]>) -> Result<Vec<crate::pipeline::Stage>> + Send + Sync>;
 
 impl PlanBook {
     /// Whether any of `ids` was made through this book.
@@ -174,8 +185,35 @@ impl PlanBook {
         units.len() - 1
     }
 
+    /// Megatron's *f* (`copy_to_group`: the identity forward, an all-reduce of the gradient backward) for a
+    /// column-wise layer's input `x`, shared by the column-wise layers that read the same `x` one after another —
+    /// attention's q, k and v, an MLP's gate and up: their input gradients are summed before the one all-reduce,
+    /// as a fused QKV layer's would be (Megatron-LM's single *f* per block half), instead of one all-reduce each.
+    /// `keep`: remember the copy for the next layer (a column-wise layer); the copy is forgotten when a layer of
+    /// another kind runs ([`PlanBook::forget_column_input`]), so it never outlives the block that made it.
+    /// Sharing is by tensor identity: a hit is always the same tensor.
+    pub(crate) fn copy_for_columns(&self, x: &Tensor, tp: &TensorParallel, keep: bool) -> Result<Tensor> {
+        if tp.size() == 1 {
+            return Ok(x.clone());
+        }
+        let mut last = lock(&self.column_input);
+        if let Some((id, copied)) = last.as_ref() {
+            if *id == x.id() {
+                return Ok(copied.clone());
+            }
+        }
+        let copied = ddp_core::functional::copy_to_group(x, tp.group())?;
+        *last = keep.then(|| (x.id(), copied.clone()));
+        Ok(copied)
+    }
+
+    /// Forgets the column-wise layers' shared input copy (a layer of another kind ran).
+    pub(crate) fn forget_column_input(&self) {
+        *lock(&self.column_input) = None;
+    }
+
     /// Records the staged model built on this book (the last one, if a program builds several).
-    pub(crate) fn set_staged(&self, model: SharedStagedModel) {
+    pub(crate) fn set_staged(&self, model: std::sync::Weak<dyn crate::pipeline::StagedModel + Send + Sync>) {
         *lock(&self.staged) = Some(model);
     }
 
@@ -233,7 +271,10 @@ impl VarBuilder {
             units: Mutex::default(),
             source: RwLock::default(),
             stages: std::sync::OnceLock::new(),
+            layers_per_stage: Mutex::default(),
+            fixed_stages: Mutex::default(),
             staged: Mutex::default(),
+            column_input: Mutex::default(),
         };
         VarBuilder { pb, book: Arc::new(book) }
     }
@@ -247,22 +288,45 @@ impl VarBuilder {
         let _ = self.book.stages.set(oracle);
     }
 
-    /// The pipeline stages of a model of `n_blocks` blocks this rank holds: the Accelerator's
-    /// (`Accelerator::pipeline_stages`: the config's pp size and schedule, the blocks split evenly or as the
-    /// automatic layout split them) for a builder it made; one stage holding every block otherwise. Errors: more
-    /// stages than blocks.
+    /// The pipeline stages of a model of `n_blocks` blocks this rank holds: those given by
+    /// [`VarBuilder::with_stages`]; else the Accelerator's (`Accelerator::pipeline_stages`: the config's pp size and
+    /// schedule, the blocks split as [`VarBuilder::with_layers_per_stage`] lists them, or as the automatic layout
+    /// split them, or evenly) for a builder it made; else one stage holding every block. Errors: more stages than
+    /// blocks, a list that does not fit.
     pub fn stages(&self, n_blocks: usize) -> candle_core::Result<Vec<crate::pipeline::Stage>> {
-        match self.book.stages.get() {
-            Some(oracle) => Ok(oracle(n_blocks)?),
-            None => Ok(vec![crate::pipeline::Stage { index: 0, num_stages: 1, layers: 0..n_blocks }]),
+        if let Some(stages) = lock(&self.book.fixed_stages).clone() {
+            return Ok(stages);
         }
+        let listed = lock(&self.book.layers_per_stage).clone();
+        match self.book.stages.get() {
+            Some(oracle) => Ok(oracle(n_blocks, listed.as_deref())?),
+            None => {
+                let ranges = crate::pipeline::split_layers(n_blocks, 1, listed.as_deref())?;
+                Ok(vec![crate::pipeline::Stage { index: 0, num_stages: 1, layers: ranges[0].clone() }])
+            }
+        }
+    }
+
+    /// The same builder, asking for the blocks split over the pipeline stages as `layers_per_stage` lists them
+    /// (torchtitan's `pipeline_parallel_layers_per_stage`, one count per stage, 0 allowed) instead of evenly.
+    pub fn with_layers_per_stage(self, layers_per_stage: Vec<usize>) -> Self {
+        *lock(&self.book.layers_per_stage) = Some(layers_per_stage);
+        self
+    }
+
+    /// The same builder, building the parts of `stages` (a pipeline runtime of the program's own, without the
+    /// Accelerator's schedule).
+    pub fn with_stages(self, stages: Vec<crate::pipeline::Stage>) -> Self {
+        *lock(&self.book.fixed_stages) = Some(stages);
+        self
     }
 
     /// The model [`crate::nn::staged`] built on this builder (or on a `pp` or clone of it), as the pipeline
     /// schedules run it ([`crate::Accelerator::pipeline_backward`]); `None` before, or for a model not declared
-    /// as stages. What lets a caller that made the builder — the Trainer — drive the model it did not write.
+    /// as stages, or once the model is dropped. What lets a caller that made the builder — the Trainer — drive the
+    /// model it did not write.
     pub fn staged_model(&self) -> Option<SharedStagedModel> {
-        lock(&self.book.staged).clone()
+        lock(&self.book.staged).as_ref().and_then(std::sync::Weak::upgrade)
     }
 
     /// A builder whose names get `s.` in front (candle's `VarBuilder::pp`).

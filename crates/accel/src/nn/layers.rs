@@ -5,13 +5,13 @@
 use super::builder::{LayerKind, Param, VarBuilder};
 use crate::plan::ParallelStyle;
 use crate::tensor_parallel::{
-    dropout as tp_dropout, ColumnParallelLinear, ParallelLinearConfig, ParamInit, RowParallelLinear, TensorParallel,
-    VocabParallelEmbedding,
+    dropout as tp_dropout, ColumnParallelLinear, ParallelLinearConfig, ParamInit, RowParallelLinear, ShardedDim,
+    TensorParallel, VocabParallelEmbedding,
 };
 use crate::{AccelError, Result};
 use accel_nn::ops::linear::Activation;
 use candle_core::{DType, Module, ModuleT, Shape, Tensor, D};
-use candle_nn::LayerNormConfig;
+use candle_nn::{Init, LayerNormConfig};
 
 /// A linear layer `y = x Wᵀ + b` (`weight` `[out, in]`, `bias` `[out]`), split over the tp group as the plan says:
 ///
@@ -51,15 +51,33 @@ pub fn linear_no_bias(in_dim: usize, out_dim: usize, vb: VarBuilder) -> candle_c
 
 /// A linear layer with or without bias (candle-nn's `linear_b`). Errors: as [`linear`].
 pub fn linear_b(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> candle_core::Result<Linear> {
-    Ok(Linear::build(in_dim, out_dim, bias, &vb)?)
+    let bias = bias.then(|| Init::Uniform { lo: -1.0 / (in_dim as f64).sqrt(), up: 1.0 / (in_dim as f64).sqrt() });
+    Ok(Linear::build(in_dim, out_dim, LinearInit { weight: candle_nn::init::DEFAULT_KAIMING_NORMAL, bias }, &vb)?)
+}
+
+/// The initial distributions of a linear layer's parameters, for [`linear_init`] (candle-nn's `linear` draws a
+/// Kaiming-normal weight and a Uniform(±1/√in) bias; GPT-2 draws Normal(0, 0.02²) and zeros).
+#[derive(Debug, Clone, Copy)]
+pub struct LinearInit {
+    /// The weight's distribution, over its full `[out, in]` shape (Kaiming's fan is the full layer's).
+    pub weight: Init,
+    /// The bias's distribution; `None`: no bias.
+    pub bias: Option<Init>,
+}
+
+/// A linear layer whose parameters are drawn from `init` (by name, from the run's seed, on the full shape) instead
+/// of candle's defaults; otherwise [`linear`] (the plan's style, its errors).
+pub fn linear_init(in_dim: usize, out_dim: usize, init: LinearInit, vb: VarBuilder) -> candle_core::Result<Linear> {
+    Ok(Linear::build(in_dim, out_dim, init, &vb)?)
 }
 
 impl Linear {
-    fn build(in_dim: usize, out_dim: usize, bias: bool, vb: &VarBuilder) -> Result<Self> {
+    fn build(in_dim: usize, out_dim: usize, init: LinearInit, vb: &VarBuilder) -> Result<Self> {
         let (style, rule) = vb.style_for(LayerKind::Linear, &[out_dim, in_dim])?;
         let full = Shape::from((out_dim, in_dim));
-        let init = ParamInit::from_candle(candle_nn::init::DEFAULT_KAIMING_NORMAL, &full);
-        let bias_init = ParamInit::Uniform { bound: 1.0 / (in_dim as f64).sqrt() };
+        let bias = init.bias.is_some();
+        let bias_init = init.bias.map_or(ParamInit::Zeros, |b| ParamInit::from_candle(b, &Shape::from(out_dim)));
+        let init = ParamInit::from_candle(init.weight, &full);
         let cfg = ParallelLinearConfig { bias, init, bias_init, gather_output: false, pad_output: false };
         let pb = vb.param_builder();
         let in_plan = |e: AccelError| match e {
@@ -140,18 +158,28 @@ impl Linear {
 
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let book = self.weight.book();
         let (weight, bias) = (self.weight()?, self.bias()?);
+        let column = |keep: bool, gather: bool| -> Result<Tensor> {
+            let x = book.copy_for_columns(x, &self.tp, keep)?;
+            ColumnParallelLinear::from_parts(weight.clone(), bias.clone(), &self.tp, gather, self.out_dim)
+                .forward_copied(&x)
+        };
         let y = match self.style {
+            ParallelStyle::Colwise => column(true, false)?,
+            ParallelStyle::ColwiseRep => column(true, true)?,
+            ParallelStyle::VocabParallel => {
+                // The model's last layer: its input copy is not kept past it.
+                let y = column(false, false)?;
+                book.forget_column_input();
+                y
+            }
             ParallelStyle::Replicate => {
-                return accel_nn::ops::linear::linear(x, &weight, bias.as_ref(), self.activation)
-            }
-            ParallelStyle::Colwise | ParallelStyle::VocabParallel => {
-                ColumnParallelLinear::from_parts(weight, bias, &self.tp, false, self.out_dim).forward(x)?
-            }
-            ParallelStyle::ColwiseRep => {
-                ColumnParallelLinear::from_parts(weight, bias, &self.tp, true, self.out_dim).forward(x)?
+                book.forget_column_input();
+                return accel_nn::ops::linear::linear(x, &weight, bias.as_ref(), self.activation);
             }
             ParallelStyle::Rowwise => {
+                book.forget_column_input();
                 let local = weight.dim(1)?;
                 let width = x.dim(D::Minus1)?;
                 if width != local {
@@ -173,6 +201,20 @@ impl Module for Linear {
     }
 }
 
+impl Linear {
+    /// Where this layer's output `y` (`[.., features]`) sits in the single-process output when it is split over
+    /// the tp group (column-wise, vocab-parallel: this rank's slice of the last dimension), for a dropout whose
+    /// mask must be the single-process mask's slice ([`Dropout::forward_split`]); `None` for a whole output.
+    pub fn output_split(&self, y: &Tensor) -> candle_core::Result<Option<ShardedDim>> {
+        if !matches!(self.style, ParallelStyle::Colwise | ParallelStyle::VocabParallel) || self.tp.size() == 1 {
+            return Ok(None);
+        }
+        let dim = y.rank() - 1;
+        let local = y.dim(dim)?;
+        Ok(Some(ShardedDim { dim, full: local * self.tp.size(), start: self.tp.rank() * local }))
+    }
+}
+
 /// A token embedding (`weight` `[vocab, d]`): ids `[..]` (an integer dtype) → `[.., d]`. Replicated, or under
 /// `vocab_parallel` (also `rowwise`, torchtitan's name for it) split by vocabulary rows, padded to a multiple of
 /// tp, each rank looking up its ids and the pieces summed over the group.
@@ -190,13 +232,19 @@ pub struct Embedding {
 /// the run's seed). Errors: a plan style other than `vocab_parallel`, `rowwise` or `replicate`; a name already
 /// taken.
 pub fn embedding(in_size: usize, out_size: usize, vb: VarBuilder) -> candle_core::Result<Embedding> {
-    Ok(Embedding::build(in_size, out_size, &vb)?)
+    embedding_init(in_size, out_size, Init::Randn { mean: 0.0, stdev: 1.0 }, vb)
+}
+
+/// An embedding whose weight is drawn from `init` (GPT-2: Normal(0, 0.02²)) instead of candle's Normal(0, 1);
+/// otherwise [`embedding`].
+pub fn embedding_init(in_size: usize, out_size: usize, init: Init, vb: VarBuilder) -> candle_core::Result<Embedding> {
+    Ok(Embedding::build(in_size, out_size, init, &vb)?)
 }
 
 impl Embedding {
-    fn build(vocab: usize, d: usize, vb: &VarBuilder) -> Result<Self> {
+    fn build(vocab: usize, d: usize, init: Init, vb: &VarBuilder) -> Result<Self> {
         let (style, rule) = vb.style_for(LayerKind::Embedding, &[vocab, d])?;
-        let init = ParamInit::Normal { std: 1.0 };
+        let init = ParamInit::from_candle(init, &Shape::from((vocab, d)));
         let pb = vb.param_builder();
         let dense = style == ParallelStyle::Replicate;
         let weight = match dense {
@@ -221,6 +269,7 @@ impl Embedding {
 
 impl Module for Embedding {
     fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        self.weight.book().forget_column_input();
         let weight = self.embeddings()?;
         match self.dense {
             true => candle_nn::Embedding::new(weight, self.hidden_size).forward(ids),
@@ -280,6 +329,7 @@ impl LayerNorm {
 
 impl Module for LayerNorm {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.weight.book().forget_column_input();
         let (weight, bias) = (self.weight()?, self.bias()?);
         if let (true, Some(bias)) = (self.remove_mean, &bias) {
             return Ok(accel_nn::ops::layer_norm::layer_norm(x, &weight, bias, self.eps)?);
@@ -324,8 +374,9 @@ impl Module for RmsNorm {
 
 /// Dropout whose mask is the single-process mask at every layout ([`crate::tensor_parallel::dropout`]), at a site
 /// named by its builder path. `forward_t(x, true)` drops inside a training step's dropout context (outside one,
-/// and with `train` false, the identity). For a replicated activation (the mask of a split one needs its shard:
-/// call [`crate::tensor_parallel::dropout`] with a [`crate::tensor_parallel::ShardedDim`]).
+/// and with `train` false, the identity), for an activation every tp rank holds whole; an activation a
+/// column-wise layer split goes through [`Dropout::forward_split`], which draws this rank's slice of the
+/// single-process mask.
 #[derive(Debug, Clone, Copy)]
 pub struct Dropout {
     p: f64,
@@ -341,8 +392,17 @@ pub fn dropout(p: f64, vb: VarBuilder) -> candle_core::Result<Dropout> {
         ))
         .into());
     }
-    // Sites below 2^32 are the hand-numbered ones (the char-GPT's); a path's hash lives above them.
+    // Sites below 2^32 are the hand-numbered ones of `tensor_parallel::dropout`'s callers; a path's hash lives
+    // above them.
     Ok(Dropout { p, site: crate::tensor_parallel::fnv1a(&vb.prefix()) | (1 << 32) })
+}
+
+impl Dropout {
+    /// Training-mode dropout of `x`, split as `split` says (from the layer that made it,
+    /// [`Linear::output_split`]; `None`: whole on every rank).
+    pub fn forward_split(&self, x: &Tensor, split: Option<ShardedDim>) -> candle_core::Result<Tensor> {
+        Ok(tp_dropout(x, self.p, self.site, split)?)
+    }
 }
 
 impl ModuleT for Dropout {
@@ -350,6 +410,6 @@ impl ModuleT for Dropout {
         if !train {
             return Ok(x.clone());
         }
-        Ok(tp_dropout(x, self.p, self.site, None)?)
+        self.forward_split(x, None)
     }
 }

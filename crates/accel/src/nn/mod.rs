@@ -81,13 +81,14 @@ mod provenance;
 mod staged;
 mod unit;
 
+pub use crate::tensor_parallel::ShardedDim;
 pub use accel_nn::ops::linear::Activation;
 pub use builder::{LayerKind, PlannedLayer, SharedStagedModel, VarBuilder};
 pub use candle_core::{Module, ModuleT};
 pub use candle_nn::{Init, LayerNormConfig};
 pub use layers::{
-    dropout, embedding, layer_norm, layer_norm_no_bias, linear, linear_b, linear_no_bias, rms_norm, Dropout, Embedding,
-    LayerNorm, Linear, RmsNorm,
+    dropout, embedding, embedding_init, layer_norm, layer_norm_no_bias, linear, linear_b, linear_init, linear_no_bias,
+    rms_norm, Dropout, Embedding, LayerNorm, Linear, LinearInit, RmsNorm,
 };
 pub use provenance::seeded_var_builder;
 pub(crate) use provenance::{recorded_var_builder, Provenance, Target};

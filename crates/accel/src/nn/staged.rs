@@ -20,15 +20,22 @@ use std::sync::Arc;
 /// Built by [`staged`]. `I`, `B`, `O` are candle modules: `I` reads the model's input (ids `[b, s]`), the blocks
 /// map activations to activations of the same shape, `O` gives what the loss reads (logits).
 pub struct Staged<I, B, O> {
-    /// Shared with the builder's record ([`VarBuilder::staged_model`]): the Trainer runs the pipeline through it.
-    parts: Arc<Vec<Part<I, B, O>>>,
-    num_stages: usize,
+    /// The builder's record keeps a weak handle on it ([`VarBuilder::staged_model`]: the Trainer runs the pipeline
+    /// through it); a strong one would be a cycle — the layers hold the record — and keep the model, and its
+    /// process groups' connections, alive after the program dropped it.
+    inner: Arc<Parts<I, B, O>>,
 }
 
 impl<I, B, O> Clone for Staged<I, B, O> {
     fn clone(&self) -> Self {
-        Staged { parts: self.parts.clone(), num_stages: self.num_stages }
+        Staged { inner: self.inner.clone() }
     }
+}
+
+/// The parts this rank holds, and how many stages the model has.
+struct Parts<I, B, O> {
+    parts: Vec<Part<I, B, O>>,
+    num_stages: usize,
 }
 
 struct Part<I, B, O> {
@@ -84,39 +91,40 @@ where
         };
         parts.push(Part { stage, input: first, blocks, output: last });
     }
-    let model = Staged { parts: Arc::new(parts), num_stages };
-    vb.book().set_staged(Arc::new(model.clone()));
-    Ok(model)
+    let inner = Arc::new(Parts { parts, num_stages });
+    let weak: std::sync::Weak<dyn StagedModel + Send + Sync> = Arc::downgrade(&inner) as _;
+    vb.book().set_staged(weak);
+    Ok(Staged { inner })
 }
 
 impl<I, B, O> Staged<I, B, O> {
     /// The stages this rank holds.
     pub fn stages(&self) -> Vec<&Stage> {
-        self.parts.iter().map(|p| &p.stage).collect()
+        self.inner.parts.iter().map(|p| &p.stage).collect()
     }
 
     /// The input part, when this rank holds the first stage.
     pub fn input(&self) -> Option<&I> {
-        self.parts.iter().find_map(|p| p.input.as_ref())
+        self.inner.parts.iter().find_map(|p| p.input.as_ref())
     }
 
     /// The output part, when this rank holds the last stage.
     pub fn output(&self) -> Option<&O> {
-        self.parts.iter().find_map(|p| p.output.as_ref())
+        self.inner.parts.iter().find_map(|p| p.output.as_ref())
     }
 
     /// The blocks this rank holds, with their indices in the whole model.
     pub fn blocks(&self) -> Vec<(usize, &B)> {
-        self.parts.iter().flat_map(|p| p.stage.layers.clone().zip(p.blocks.iter().map(Unit::inner))).collect()
+        self.inner.parts.iter().flat_map(|p| p.stage.layers.clone().zip(p.blocks.iter().map(Unit::inner))).collect()
     }
 
     /// Whether this rank holds the whole model (no pipeline parallelism).
     pub fn is_whole(&self) -> bool {
-        self.num_stages == 1
+        self.inner.num_stages == 1
     }
 }
 
-impl<I: Module, B: Module + Clone + 'static, O: Module> Staged<I, B, O> {
+impl<I: Module, B: Module + Clone + 'static, O: Module> Parts<I, B, O> {
     fn run(&self, part: &Part<I, B, O>, x: &Tensor) -> candle_core::Result<Tensor> {
         let mut x = match &part.input {
             Some(input) => input.forward(x)?,
@@ -136,25 +144,32 @@ impl<I: Module, B: Module + Clone + 'static, O: Module> Staged<I, B, O> {
 /// [`crate::Accelerator::pipeline_backward`]).
 impl<I: Module, B: Module + Clone + 'static, O: Module> Module for Staged<I, B, O> {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        match &self.parts.as_slice() {
-            [whole] if self.is_whole() => self.run(whole, x),
+        let inner = &self.inner;
+        match inner.parts.as_slice() {
+            [whole] if inner.num_stages == 1 => inner.run(whole, x),
             _ => Err(AccelError::Usage(format!(
                 "this rank holds pipeline stages {:?} of {}, not the whole model: run them with \
                  accelerator.pipeline_backward (or pipeline_forward)",
-                self.parts.iter().map(|p| p.stage.index).collect::<Vec<_>>(),
-                self.num_stages
+                inner.parts.iter().map(|p| p.stage.index).collect::<Vec<_>>(),
+                inner.num_stages
             ))
             .into()),
         }
     }
 }
 
-impl<I: Module, B: Module + Clone + 'static, O: Module> StagedModel for Staged<I, B, O> {
+impl<I: Module, B: Module + Clone + 'static, O: Module> StagedModel for Parts<I, B, O> {
     fn stage_forward(&self, stage: usize, input: &Tensor) -> Result<Tensor> {
         let part =
             self.parts.iter().find(|p| p.stage.index == stage).ok_or_else(|| {
                 AccelError::InvalidArgument(format!("this rank does not hold pipeline stage {stage}"))
             })?;
         Ok(self.run(part, input)?)
+    }
+}
+
+impl<I: Module, B: Module + Clone + 'static, O: Module> StagedModel for Staged<I, B, O> {
+    fn stage_forward(&self, stage: usize, input: &Tensor) -> Result<Tensor> {
+        self.inner.stage_forward(stage, input)
     }
 }

@@ -48,6 +48,7 @@ impl<M> Unit<M> {
 
 impl<M: Module + Clone + 'static> Module for Unit<M> {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.book.forget_column_input();
         if let Some(source) = self.book.source() {
             if let Some(next) = self.book.unit(self.index + 1) {
                 source.prefetch(&next)?;
