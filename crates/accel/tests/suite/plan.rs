@@ -582,3 +582,41 @@ fn the_layers_are_candle_modules() {
     let candle_w = candle_vm.data().lock().unwrap()["l1.weight"].as_tensor().flatten_all().unwrap().to_vec1::<f32>();
     assert_eq!(candle_w.unwrap(), w("l1.weight").flatten_all().unwrap().to_vec1::<f32>().unwrap());
 }
+
+/// Column-wise layers reading the same input one after another (attention's q, k and v) share one copy of it to
+/// the tp group: its gradient is summed over the three, then all-reduced once (Megatron's single *f*), not once
+/// per layer — and the input gradient is the single process's.
+#[test]
+fn column_wise_layers_reading_one_input_all_reduce_its_gradient_once() {
+    let plan = ParallelPlan::new()
+        .with("q", ParallelStyle::Colwise)
+        .with("k", ParallelStyle::Colwise)
+        .with("v", ParallelStyle::Colwise)
+        .with("o", ParallelStyle::Rowwise);
+    let run = |world: usize| {
+        let plan = plan.clone();
+        run_ranks(world, config(1, 1, world, ShardingStrategy::default()), move |acc| {
+            let varmap = VarMap::new();
+            let vb = acc.builder(&varmap, plan.clone());
+            let (q, k, v) =
+                (nn::linear(4, 8, vb.pp("q"))?, nn::linear(4, 8, vb.pp("k"))?, nn::linear(4, 8, vb.pp("v"))?);
+            let o = nn::linear(8, 4, vb.pp("o"))?;
+            let values: Vec<f32> = (0..12).map(|i| ((i * 7 % 5) as f32 - 2.0) / 3.0).collect();
+            let input = candle_core::Var::from_tensor(&Tensor::from_vec(values, (3, 4), &Device::Cpu)?)?;
+            let tp = acc.mesh().tp().clone();
+            let before = tp.traffic().all_reduce.calls;
+            let x = input.as_tensor();
+            let y = o.forward(&((q.forward(x)? * k.forward(x)?)? + v.forward(x)?)?)?;
+            let grads = y.sqr()?.sum_all()?.backward()?;
+            let calls = tp.traffic().all_reduce.calls - before;
+            Ok((calls, grads.get(x).expect("a gradient for the input").flatten_all()?.to_vec1::<f32>()?))
+        })
+    };
+    let (_, want) = run(1).remove(0);
+    for (rank, (calls, grad)) in run(2).into_iter().enumerate() {
+        // One all-reduce for o's forward (the row-wise sum), one for the shared input copy's gradient.
+        assert_eq!(calls, 2, "rank {rank}: all-reduces over the tp group");
+        let diff = grad.iter().zip(&want).map(|(a, b)| (a - b).abs() / b.abs().max(1e-3)).fold(0f32, f32::max);
+        assert!(diff < 1e-5, "rank {rank}: the input gradient differs from one process's by {diff:e}");
+    }
+}
