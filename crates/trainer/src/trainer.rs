@@ -247,6 +247,10 @@ where
     /// with `loss` (a closure or one of [`crate::losses`]). Nothing runs until [`Self::train`], [`Self::evaluate`] or
     /// [`Self::predict`]; those set up the Accelerator (from the environment — `accel launch` / torchrun
     /// variables — or [`Self::process_group`]), build the model with seeded initialisation and prepare it.
+    ///
+    /// `model_init` builds the model from candle's own `VarBuilder`: it trains under DDP, ZeRO-1 and ZeRO-2. For
+    /// every layout — tensor and pipeline parallelism, FULL_SHARD — build it from `accel::nn`'s builder (the same
+    /// calls) with [`Trainer::with_plan`].
     pub fn new<F>(
         args: TrainingArguments,
         model_init: F,

@@ -6,15 +6,15 @@
 //!
 //! - **Gathering at each use**: `PreparedModel::param_builder` hands the model a builder whose every parameter
 //!   request all-gathers the chunks (`ddp_core::functional::gather_shards`, whose backward reduce-scatters the
-//!   gradient into the chunk). A model builds its parts from it inside the forward that uses them (the char-GPT
-//!   holds its parts as "gathered at each forward" when its builder gathers).
-//! - **Units**: a block built inside `accel::activation_checkpoint::unit` keeps neither its gathered weights nor its
+//!   gradient into the chunk). `accel::nn`'s layers hold their weights as handles that ask it at each use (the
+//!   char-GPT's do); a model on the lower-level `ParamBuilder` builds its parts from it inside the forward.
+//! - **Units**: a block run inside `accel::activation_checkpoint::unit` (what `accel::nn::Unit` does) keeps neither its gathered weights nor its
 //!   activations after its forward (checkpointed); the backward pass gathers and recomputes it, and its weights'
 //!   gradients are reduce-scattered before the backward moves to the unit before it — FSDP's reshard after
 //!   forward.
 //! - **Prefetch** ([`Prefetcher`]): the model asks for the next unit's weights before running the current one
 //!   (`ParamBuilder::prefetch`; forward: the unit after, backward: the unit before), and a communication thread
-//!   gathers them over a second communicator meanwhile.
+//!   gathers them over a second communicator meanwhile (`accel::nn::Unit` asks; a `ParamBuilder` model calls it).
 //!
 //! So between steps a rank holds 1/dp_shard of the parameters, their gradients and their optimizer state; during a
 //! recorded (segmented) backward, the whole weights of one unit at a time plus those outside any unit (the
@@ -107,7 +107,7 @@ impl PreparedModel {
 pub(crate) struct Prefetcher {
     jobs: Mutex<Option<mpsc::Sender<Job>>>,
     /// Parameter index → where its gathered whole arrives.
-    ready: Mutex<HashMap<usize, mpsc::Receiver<Gathered>>>,
+    ready: Mutex<HashMap<usize, mpsc::Receiver<ddp_core::Result<Whole>>>>,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Gathers served by a prefetch.
     hits: AtomicU64,
@@ -118,8 +118,26 @@ pub(crate) struct Prefetcher {
 /// A gathered whole `[world · chunk]`, or why the gather failed.
 type Gathered = ddp_core::Result<Tensor>;
 
-/// One prefetch: each chunk (copied when it was asked for) and where its gathered whole goes.
-type Job = Vec<(Tensor, mpsc::Sender<Gathered>)>;
+/// One gather the thread runs.
+enum Gather {
+    /// A host f32 chunk (every FULL_SHARD chunk on the CPU), gathered into a buffer the calling thread allocated:
+    /// the whole is then allocated and freed by that one thread. Gathered into the thread's own allocations, it
+    /// would be freed by another thread, which an allocator with per-thread heaps (mimalloc, which the examples
+    /// use) reclaims late while the prefetch thread waits: under CPU contention a rank's peak grew by 18–26 MiB
+    /// (92 → 110–120 MiB for the small char-GPT, 3 steps) with it, and stayed at 93 MiB with this.
+    Host { chunk: Vec<f32>, whole: Vec<f32> },
+    /// Any other chunk (a device's), gathered by the group's tensor collective.
+    Tensor(Tensor),
+}
+
+/// What comes back from a [`Gather`].
+enum Whole {
+    Host(Vec<f32>),
+    Tensor(Tensor),
+}
+
+/// One prefetch: each gather and where its whole goes.
+type Job = Vec<(Gather, mpsc::Sender<ddp_core::Result<Whole>>)>;
 
 impl std::fmt::Debug for Prefetcher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -136,9 +154,15 @@ impl Prefetcher {
             .name("accel-fsdp-prefetch".into())
             .spawn(move || {
                 for job in rx {
-                    for (chunk, reply) in job {
+                    for (gather, reply) in job {
+                        let whole = match gather {
+                            Gather::Host { chunk, mut whole } => {
+                                group.all_gather(&chunk, &mut whole).map(|()| Whole::Host(whole))
+                            }
+                            Gather::Tensor(chunk) => group.all_gather_tensor(&chunk).map(Whole::Tensor),
+                        };
                         // A reply nobody waits for any more (dropped at an optimizer step) is fine to lose.
-                        let _ = reply.send(group.all_gather_tensor(&chunk));
+                        let _ = reply.send(whole);
                     }
                 }
             })
@@ -162,7 +186,15 @@ impl Prefetcher {
                 continue;
             }
             let (tx, rx) = mpsc::channel();
-            job.push((chunk.copy()?, tx));
+            let gather = match (chunk.device(), chunk.dtype(), chunk.rank()) {
+                (candle_core::Device::Cpu, candle_core::DType::F32, 1) => {
+                    let chunk = chunk.to_vec1::<f32>()?;
+                    let whole = vec![0f32; chunk.len() * self.group.world_size()];
+                    Gather::Host { chunk, whole }
+                }
+                _ => Gather::Tensor(chunk.copy()?),
+            };
+            job.push((gather, tx));
             ready.insert(i, rx);
         }
         if !job.is_empty() {
@@ -177,8 +209,15 @@ impl Prefetcher {
     pub(crate) fn take(&self, i: usize) -> Option<Gathered> {
         let rx = crate::lock(&self.ready).remove(&i)?;
         self.hits.fetch_add(1, Ordering::Relaxed);
-        Some(rx.recv().unwrap_or_else(|_| {
+        let whole = rx.recv().unwrap_or_else(|_| {
             Err(ddp_core::DdpError::InvalidArgument("FULL_SHARD prefetch: the prefetch thread is gone".into()))
+        });
+        Some(whole.and_then(|whole| match whole {
+            Whole::Host(values) => {
+                let n = values.len();
+                Ok(Tensor::from_vec(values, n, &candle_core::Device::Cpu)?)
+            }
+            Whole::Tensor(t) => Ok(t),
         }))
     }
 
