@@ -339,13 +339,13 @@ training_arguments! {
     per_device_eval_batch_size: usize = 8;
     /// Micro-batches per optimizer step.
     gradient_accumulation_steps: usize = 1;
-    /// Recompute each model block's activations in the backward pass instead of keeping them (the blocks the
-    /// model wraps in accel::activation_checkpoint::block; HF's gradient_checkpointing).
+    /// Recompute each model block's activations in the backward pass instead of keeping them (the model's
+    /// accel::nn units, or the blocks it wraps in accel::activation_checkpoint::block; HF's gradient_checkpointing).
     gradient_checkpointing: bool = false;
     /// Sharded data parallelism (HF's fsdp): words separated by spaces (or a list). One sharding word:
     /// shard_grad_op (ZeRO-2: gradients and optimizer state), shard_optim (ZeRO-1: optimizer state), no_shard
-    /// (plain DDP), full_shard (ZeRO-3: the parameters too; the model must be built from the ParamBuilder, as
-    /// Trainer::new_parallel and new_pipelined models are, not Trainer::new's VarBuilder models), hybrid_shard /
+    /// (plain DDP), full_shard (ZeRO-3: the parameters too; the model must be built on accel::nn's builder, as
+    /// Trainer::with_plan models are, not from Trainer::new's candle VarBuilder), hybrid_shard /
     /// hybrid_shard_zero2 (full_shard / shard_grad_op within dp_shard, replicated over dp_replicate: the layout
     /// must set both above 1); none = full_shard, as HF. auto_wrap is accepted and ignored (there is no wrapping
     /// policy to choose: the units are the model's own blocks); offload is refused. Unless the layout already has

@@ -205,7 +205,7 @@ where
                         )
                     })?;
                     let tp = &rt.tp;
-                    let sum = acc.pipeline_forward(staged.of(&rt.model), &cast_input(&x, dtype)?, &t, |y, t| {
+                    let sum = acc.pipeline_forward(staged.as_ref(), &cast_input(&x, dtype)?, &t, |y, t| {
                         Ok(self.loss.compute_parallel(&outputs_f32(y.clone()).map_err(accel_error)?, t, tp)?.loss_sum)
                     })?;
                     loss_sum += f64::from(sum.to_scalar::<f32>()?);

@@ -22,7 +22,7 @@
 //! communication. With `average_tokens_across_devices = false` each rank normalises by its own count (DDP then
 //! averages per-rank means, HF's behaviour with that flag).
 //!
-//! Tensor parallelism ([`Trainer::new_parallel`]): the `tp` ranks of a data-parallel replica see the same batch and
+//! Tensor parallelism ([`Trainer::with_plan`]): the `tp` ranks of a data-parallel replica see the same batch and
 //! return the same loss ([`crate::losses::Loss::compute_parallel`]), so summing counts over all `W = dp · tp`
 //! ranks counts each replica's items `tp` times: `GA · W / N = GA · dp / N_dp`, which the Accelerator's
 //! averaging over the `dp` ranks turns into the same `∇(Σ loss) / N_dp`; the logged means are unchanged too.
@@ -33,12 +33,12 @@ use std::time::Instant;
 
 use accel::data::{Batch, DataLoader, DataLoaderConfig, Dataset};
 use accel::dist::ProcessGroup;
+use accel::nn::SharedStagedModel;
 use accel::optim::AcceleratedOptimizer;
-use accel::pipeline::{Stage, StagedModel};
 use accel::scheduler::{warmup_steps_from, LrScheduler, Scheduler};
 use accel::segments::{self, BackwardSegments};
 use accel::state::Stateful;
-use accel::tensor_parallel::{ParamBuilder, TensorParallel};
+use accel::tensor_parallel::TensorParallel;
 use accel::{Accelerator, AcceleratorConfig, MixedPrecision, PreparedModel};
 use candle_core::{DType, ModuleT, Tensor};
 use candle_nn::{VarBuilder, VarMap};
@@ -58,47 +58,14 @@ use crate::state::{LogEntry, LossTallyState, TrainerState, TRAINER_STATE_NAME};
 
 /// Builds the model from a `VarBuilder` (device, dtype and seeded initialisation chosen by the trainer).
 pub type ModelInit<M> = Box<dyn Fn(VarBuilder<'static>) -> candle_core::Result<M> + Send>;
-/// What the Trainer's one model builder is handed at setup: the Accelerator and the VarMap the parameters go into,
-/// a `ParamBuilder` (the Accelerator's, or for a FULL_SHARD rebuild the prepared model's) and the pipeline stages
-/// this rank holds; each constructor's wrapper makes the builder its closure wants from them.
+/// What the Trainer's one model builder is handed at setup: the Accelerator and the VarMap the parameters go into
+/// (each constructor's wrapper makes the builder its closure wants from them).
 struct Builders<'a> {
     acc: &'a Accelerator,
     varmap: &'a VarMap,
-    pb: &'a ParamBuilder,
-    stages: &'a [Stage],
 }
 /// The one model builder the Trainer keeps: the model, and the stages `accel::nn::staged` built for it, if any.
-type InitFn<M> = Box<dyn Fn(&Builders) -> candle_core::Result<(M, Option<accel::nn::SharedStagedModel>)> + Send>;
-/// A pipelined model as a [`StagedModel`] (what [`Trainer::new_pipelined`] records, so the training step can drive
-/// the model's stages without a bound on every trainer's model type).
-type AsStaged<M> = for<'a> fn(&'a M) -> &'a dyn StagedModel;
-
-/// What [`Trainer::new_pipelined`] adds: the model's block count (to cut into stages) and how to see it as stages.
-struct Pipelined<M> {
-    layers: usize,
-    as_staged: AsStaged<M>,
-}
-
-fn as_staged<M: StagedModel>(m: &M) -> &dyn StagedModel {
-    m
-}
-
-/// How the training step reaches a pipelined model's stages: through the model itself (`new_pipelined`'s
-/// `StagedModel` bound), or through the handle the builder kept on what `accel::nn::staged` built (`with_plan`).
-pub(crate) enum StagedView<M> {
-    Typed(AsStaged<M>),
-    Built(accel::nn::SharedStagedModel),
-}
-
-impl<M> StagedView<M> {
-    /// The stages of `model`.
-    pub(crate) fn of<'a>(&'a self, model: &'a M) -> &'a dyn StagedModel {
-        match self {
-            StagedView::Typed(as_staged) => as_staged(model),
-            StagedView::Built(staged) => staged.as_ref(),
-        }
-    }
-}
+type InitFn<M> = Box<dyn Fn(&Builders) -> candle_core::Result<(M, Option<SharedStagedModel>)> + Send>;
 /// Computes metrics from everything predicted on the evaluation set (gathered from all processes).
 pub type ComputeMetrics = Box<dyn Fn(&EvalPrediction) -> Result<Metrics> + Send>;
 
@@ -120,10 +87,9 @@ pub(crate) struct Runtime<M, D> {
     pub(crate) tp: TensorParallel,
     pub(crate) varmap: VarMap,
     pub(crate) model: M,
-    /// The model as stages, when built by [`Trainer::new_pipelined`] (at every pp size, pp 1 included) or by
-    /// [`Trainer::with_plan`] with `accel::nn::staged` under pp: training and evaluation then go through the
-    /// Accelerator's pipeline calls.
-    pub(crate) staged: Option<StagedView<M>>,
+    /// Under pp, the stages the model declared with `accel::nn::staged` ([`Trainer::with_plan`]): training and
+    /// evaluation then go through the Accelerator's pipeline calls.
+    pub(crate) staged: Option<SharedStagedModel>,
     pub(crate) prepared: PreparedModel,
     pub(crate) optimizer: AcceleratedOptimizer<TrainerOptimizer>,
     pub(crate) train_loader: DataLoader<D>,
@@ -148,13 +114,6 @@ pub(crate) struct Runtime<M, D> {
 pub struct Trainer<M, D> {
     pub(crate) args: TrainingArguments,
     model_init: InitFn<M>,
-    /// The model takes its parameters from a `ParamBuilder` when built, so under FULL_SHARD it is built again from
-    /// the prepared model's, which gathers them (`new_parallel`, `new_pipelined`; a model on `accel::nn`'s builder
-    /// fetches its parameters at each forward and is built once).
-    rebuild_when_fully_sharded: bool,
-    /// Built by [`Trainer::with_plan`]: under pp the model's stages come from `accel::nn::staged`.
-    builds_on_plan: bool,
-    pipelined: Option<Pipelined<M>>,
     train_dataset: Arc<D>,
     pub(crate) eval_dataset: Option<Arc<D>>,
     pub(crate) loss: Arc<dyn Loss>,
@@ -210,12 +169,12 @@ pub(crate) fn fire(
     }
 }
 
-/// The error for a model laid out over pipeline stages that it does not declare; `how` names the way to declare
-/// them for the constructor in use.
-fn not_staged(acc: &Accelerator, how: &str) -> TrainerError {
+/// The error for a model laid out over pipeline stages that it does not declare.
+fn not_staged(acc: &Accelerator) -> TrainerError {
     TrainerError::Usage(format!(
         "the processes are laid out with pp_size {} (pipeline parallelism) but this trainer's model is not cut into \
-         stages: declare its blocks with {how} (each rank then builds its stages only), or set pp_size 1",
+         stages: build it with Trainer::with_plan on accel::nn's builder and declare its blocks with \
+         accel::nn::staged (each rank then builds its stages only), or set pp_size 1",
         acc.mesh().pp().world_size()
     ))
 }
@@ -265,54 +224,6 @@ where
         Self::with_init(args, init, train_dataset, eval_dataset, loss)
     }
 
-    /// Like [`Trainer::new`], for a model built from the Accelerator's [`ParamBuilder`]: tensor-parallel layers
-    /// ([`accel::tensor_parallel`]) split over the tp group of the Accelerator's mesh (`PARALLELISM_CONFIG_TP_SIZE`
-    /// / `accel launch --parallelism-config-tp-size`), every parameter drawn from `args.seed` on the full model.
-    /// The loss sees the tp group through [`Loss::compute_parallel`] (e.g.
-    /// [`crate::losses::VocabParallelCrossEntropy`] for a vocabulary-sharded head). Tp peers read the same
-    /// batches; the data is sharded over the data-parallel ranks only.
-    ///
-    /// Evaluation of a model split over tp > 1 ranks reports the loss only: `compute_metrics` and
-    /// [`Trainer::predict`] are refused (the outputs are shards).
-    ///
-    /// ```no_run
-    /// use accel::tensor_parallel::{ColumnParallelLinear, ParallelLinearConfig};
-    /// use trainer::{losses, Trainer, TrainingArguments};
-    /// # fn data() -> accel::data::TensorDataset { unimplemented!() }
-    /// # struct Head(ColumnParallelLinear);
-    /// # impl candle_core::Module for Head {
-    /// #     fn forward(&self, x: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
-    /// #         self.0.forward(x).map_err(candle_core::Error::wrap)
-    /// #     }
-    /// # }
-    /// # fn main() -> trainer::Result<()> {
-    /// let cfg = ParallelLinearConfig { pad_output: true, ..Default::default() };
-    /// let mut t = Trainer::new_parallel(
-    ///     TrainingArguments::default(),
-    ///     move |pb| ColumnParallelLinear::new(&pb.pp("head"), 16, 65, cfg).map(Head).map_err(candle_core::Error::wrap),
-    ///     data(),
-    ///     None,
-    ///     losses::VocabParallelCrossEntropy { vocab_size: 65 },
-    /// );
-    /// t.train()?;
-    /// # Ok(()) }
-    /// ```
-    pub fn new_parallel<F>(
-        args: TrainingArguments,
-        model_init: F,
-        train_dataset: D,
-        eval_dataset: Option<D>,
-        loss: impl Loss + 'static,
-    ) -> Self
-    where
-        F: Fn(&ParamBuilder) -> candle_core::Result<M> + Send + 'static,
-    {
-        let init: InitFn<M> = Box::new(move |b: &Builders| Ok((model_init(b.pb)?, None)));
-        let mut t = Self::with_init(args, init, train_dataset, eval_dataset, loss);
-        t.rebuild_when_fully_sharded = true;
-        t
-    }
-
     /// Like [`Trainer::new`], for a model written on [`accel::nn`]'s builder — candle's calls (`pp`, `linear`,
     /// `embedding`, `layer_norm`, `rms_norm`, `get`) on `accel::nn::VarBuilder` — laid out by `plan` (or by the
     /// config's `parallelism_config_tp_plan`, which replaces it): every parameter drawn from `args.seed` per name
@@ -320,7 +231,8 @@ where
     /// (`fsdp: "full_shard"`, an Accelerate FSDP config) each weight gathered when the forward uses it — the model
     /// is built once and its code is the same at every layout. Under pipeline parallelism the model declares its
     /// blocks with [`accel::nn::staged`] and the Trainer drives the stages the builder made (the loss must count
-    /// its items from the targets, as for [`Trainer::new_pipelined`]). With an empty plan
+    /// its items from the targets, [`Loss::count_items`]; evaluation then reports the loss only: the outputs live on the
+    /// last stage, so `compute_metrics` and `predict` are refused). With an empty plan
     /// (`ParallelPlan::default()`) every layer is replicated: DDP, ZeRO-1/2, FULL_SHARD and HSDP; a linear at
     /// tp > 1 then needs a rule, and setup says which.
     ///
@@ -356,37 +268,7 @@ where
             let model = model_init(vb.clone())?;
             Ok((model, vb.staged_model()))
         });
-        let mut t = Self::with_init(args, init, train_dataset, eval_dataset, loss);
-        t.builds_on_plan = true;
-        t
-    }
-
-    /// Like [`Trainer::new_parallel`], for a model written as a sequence of `layers` blocks that can be cut into
-    /// pipeline stages: `model_init` builds the [`Stage`]s this rank holds (from
-    /// [`Accelerator::pipeline_stages`]: every block at pp 1; under `PARALLELISM_CONFIG_PP_SIZE` /
-    /// `accel launch --parallelism-config-pp-size` a share of them, the embedding on the first stage and the head
-    /// on the last), and the trainer drives each micro-batch window through the configured schedule
-    /// ([`Accelerator::pipeline_backward_sum`]): the loss of every pipeline micro-batch is normalised by the
-    /// window's global item count before its backward, exactly as without pp. The loss must count its items
-    /// from the targets ([`Loss::count_items`]); evaluation reports the loss only under pp (the outputs live on
-    /// the last stage), so `compute_metrics` and `predict` are refused there.
-    pub fn new_pipelined<F>(
-        args: TrainingArguments,
-        layers: usize,
-        model_init: F,
-        train_dataset: D,
-        eval_dataset: Option<D>,
-        loss: impl Loss + 'static,
-    ) -> Self
-    where
-        F: Fn(&ParamBuilder, &[Stage]) -> candle_core::Result<M> + Send + 'static,
-        M: StagedModel,
-    {
-        let init: InitFn<M> = Box::new(move |b: &Builders| Ok((model_init(b.pb, b.stages)?, None)));
-        let mut t = Self::with_init(args, init, train_dataset, eval_dataset, loss);
-        t.rebuild_when_fully_sharded = true;
-        t.pipelined = Some(Pipelined { layers, as_staged: as_staged::<M> });
-        t
+        Self::with_init(args, init, train_dataset, eval_dataset, loss)
     }
 
     fn with_init(
@@ -399,9 +281,6 @@ where
         Trainer {
             args,
             model_init,
-            rebuild_when_fully_sharded: false,
-            builds_on_plan: false,
-            pipelined: None,
             train_dataset: Arc::new(train_dataset),
             eval_dataset: eval_dataset.map(Arc::new),
             loss: Arc::new(loss),
@@ -490,36 +369,17 @@ where
         let acc = self.build_accelerator()?;
         self.args.finalize()?;
         let varmap = VarMap::new();
-        // Parameters drawn from args.seed (the Accelerator's seed) per name, split over the mesh's tp group.
-        let pb = acc.param_builder(&varmap);
-        let tp = pb.tp().clone();
-        let pipelined = acc.pipeline_schedule().is_some();
-        let stages = match &self.pipelined {
-            Some(p) => acc.pipeline_stages(p.layers, None)?,
-            None if pipelined && !self.builds_on_plan => return Err(not_staged(&acc, "Trainer::new_pipelined")),
-            None => Vec::new(),
+        // The model's tensor-parallel group (one rank without tensor parallelism), for the loss.
+        let tp = acc.param_builder(&varmap).tp().clone();
+        let (model, built_stages) = (self.model_init)(&Builders { acc: &acc, varmap: &varmap })?;
+        let staged = match (acc.pipeline_schedule().is_some(), built_stages) {
+            (true, Some(stages)) => Some(stages),
+            (true, None) => return Err(not_staged(&acc)),
+            (false, _) => None,
         };
-        let (model, built_stages) =
-            (self.model_init)(&Builders { acc: &acc, varmap: &varmap, pb: &pb, stages: &stages })?;
-        let staged = match (&self.pipelined, built_stages) {
-            (Some(p), _) => Some(StagedView::Typed(p.as_staged)),
-            (None, Some(built)) if pipelined => Some(StagedView::Built(built)),
-            (None, None) if pipelined => return Err(not_staged(&acc, "accel::nn::staged")),
-            (None, _) => None,
-        };
+        // Under FULL_SHARD the VarMap keeps this rank's chunks from here on; a model on accel::nn's builder fetches
+        // its weights at each use, one built from a candle VarBuilder keeps them and is refused here, saying so.
         let prepared = acc.prepare_model(&varmap)?;
-        // FULL_SHARD: prepare_model replaced the weights with this rank's chunks; a model that took its
-        // parameters from a ParamBuilder is built again from the prepared model's, which gathers each weight when
-        // the forward uses it. (A model on accel::nn's builder fetches its weights at each forward by itself; one
-        // built from a candle VarBuilder keeps its weights and was refused by prepare_model, saying so.)
-        let model = match prepared.is_fully_sharded() && self.rebuild_when_fully_sharded {
-            true => {
-                drop(model);
-                let pb = prepared.param_builder();
-                (self.model_init)(&Builders { acc: &acc, varmap: &varmap, pb: &pb, stages: &stages })?.0
-            }
-            false => model,
-        };
         let optimizer = acc.prepare_optimizer(&prepared, TrainerOptimizer::from_args(&self.args)?)?;
         let cfg = DataLoaderConfig {
             batch_size: self.args.per_device_train_batch_size,
@@ -1115,15 +975,11 @@ where
             let (dtype, tp) = (acc.compute_dtype(), &rt.tp);
             acc.accumulate_window(window.len(), |i| {
                 let b = &window[i];
-                let scaled = acc.pipeline_backward_sum(
-                    staged.of(&rt.model),
-                    &cast_input(&b.inputs, dtype)?,
-                    &b.targets,
-                    |y, t| {
+                let scaled =
+                    acc.pipeline_backward_sum(staged.as_ref(), &cast_input(&b.inputs, dtype)?, &b.targets, |y, t| {
                         let out = self.loss.compute_parallel(&outputs_f32(y.clone()).map_err(accel_error)?, t, tp)?;
                         Ok(out.loss_sum.affine(scale, 0.0)?)
-                    },
-                )?;
+                    })?;
                 let sum = if scale > 0.0 { scaled.affine(1.0 / scale, 0.0)? } else { scaled.zeros_like()? };
                 add_detached(local_sum, &sum)
             })?;
@@ -1155,7 +1011,7 @@ where
         let acc = &rt.acc;
         if rt.staged.is_some() {
             return Err(TrainerError::Usage(
-                "a pipelined model (Trainer::new_pipelined) needs a loss that counts its items from the targets \
+                "a pipelined model needs a loss that counts its items from the targets \
                  (Loss::count_items): each micro-batch's backward runs before the pipeline's last stage could count \
                  the window; use one of trainer::losses or implement count_items"
                     .into(),

@@ -1,5 +1,5 @@
-//! `Trainer::new_parallel` (a model built from the Accelerator's `ParamBuilder`) and the tp-aware loss
-//! `losses::VocabParallelCrossEntropy`: a bigram language model (vocab-parallel embedding → column-parallel head
+//! `Trainer::with_plan` (a model on `accel::nn`'s builder, laid out by a plan) and the tp-aware loss
+//! `losses::VocabParallelCrossEntropy`: a bigram language model (vocab-parallel embedding → vocab-parallel head
 //! with a padded vocabulary) trained by the Trainer is reproducible for a seed, learns, and evaluates its loss;
 //! split over tp2 and dp2 × tp2 (ranks as threads) it logs the single process's losses with the global batch
 //! held fixed; a tp-split model's evaluation refuses `compute_metrics`. `Trainer::with_plan` (a model on
@@ -9,10 +9,9 @@
 use std::path::Path;
 
 use accel::data::TensorDataset;
-use accel::tensor_parallel::{
-    ColumnParallelLinear, ParallelLinearConfig, ParamBuilder, ParamInit, VocabParallelEmbedding,
-};
-use candle_core::{Device, Module, Tensor};
+use accel::nn::{self, Init, VarBuilder};
+use accel::plan::{ParallelPlan, ParallelStyle};
+use candle_core::{Device, Tensor};
 use trainer::{losses, IntervalStrategy, ReportTo, SaveStrategy, Trainer, TrainingArguments};
 
 use crate::common::{run_ranks, snapshot};
@@ -21,28 +20,16 @@ use accel::ParallelismConfig;
 const VOCAB: usize = 5;
 const SEQ: usize = 6;
 
-/// ids `[b, s]` → vocabulary-sharded logits `[b, s, padded / tp]`.
-struct Bigram {
-    wte: VocabParallelEmbedding,
-    head: ColumnParallelLinear,
+/// ids `[b, s]` → vocabulary-sharded logits `[b, s, padded / tp]`: a vocab-parallel embedding into a
+/// vocab-parallel head, on `accel::nn`'s builder, laid out by [`bigram_plan`].
+fn bigram(vb: VarBuilder) -> candle_core::Result<candle_nn::Sequential> {
+    let wte = nn::embedding_init(VOCAB, 8, Init::Randn { mean: 0.0, stdev: 0.5 }, vb.pp("wte"))?;
+    let head = nn::linear(8, VOCAB, vb.pp("head"))?;
+    Ok(candle_nn::seq().add(wte).add(head))
 }
 
-impl Bigram {
-    fn new(pb: &ParamBuilder) -> candle_core::Result<Self> {
-        let wrap = candle_core::Error::wrap;
-        let head_cfg = ParallelLinearConfig { pad_output: true, ..Default::default() };
-        Ok(Bigram {
-            wte: VocabParallelEmbedding::new(&pb.pp("wte"), VOCAB, 8, ParamInit::Normal { std: 0.5 }).map_err(wrap)?,
-            head: ColumnParallelLinear::new(&pb.pp("head"), 8, VOCAB, head_cfg).map_err(wrap)?,
-        })
-    }
-}
-
-impl Module for Bigram {
-    fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        let h = self.wte.forward(ids).map_err(candle_core::Error::wrap)?;
-        self.head.forward(&h).map_err(candle_core::Error::wrap)
-    }
+fn bigram_plan() -> ParallelPlan {
+    ParallelPlan::default().with("wte", ParallelStyle::VocabParallel).with("head", ParallelStyle::VocabParallel)
 }
 
 /// `n` sequences of a deterministic walk over the vocabulary: the next token is `(3 · t + 1) mod 5`, learnable
@@ -84,10 +71,11 @@ fn args(out: &Path) -> TrainingArguments {
     }
 }
 
-fn trainer(out: &Path) -> Trainer<Bigram, TensorDataset> {
-    Trainer::new_parallel(
+fn trainer(out: &Path) -> Trainer<candle_nn::Sequential, TensorDataset> {
+    Trainer::with_plan(
         args(out),
-        Bigram::new,
+        bigram_plan(),
+        bigram,
         walks(64),
         Some(walks(20)),
         losses::VocabParallelCrossEntropy { vocab_size: VOCAB },
@@ -98,7 +86,7 @@ fn trainer(out: &Path) -> Trainer<Bigram, TensorDataset> {
 /// Parameters come from the ParamBuilder, drawn from `args.seed`: two runs train to the same bits; the bigram
 /// is learnt (eval loss far below ln 5 = 1.61), and the loss is evaluated through `compute_parallel`.
 #[test]
-fn new_parallel_is_reproducible_and_learns() {
+fn with_plan_is_reproducible_and_learns() {
     let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let mut a = trainer(d1.path());
     let mut b = trainer(d2.path());
@@ -122,9 +110,10 @@ fn layout_run(world: usize, layout: ParallelismConfig, per_device: usize) -> Vec
         args.per_device_train_batch_size = per_device;
         args.eval_strategy = IntervalStrategy::Steps;
         args.eval_steps = Some(10.0);
-        let mut t = Trainer::new_parallel(
+        let mut t = Trainer::with_plan(
             args,
-            Bigram::new,
+            bigram_plan(),
+            bigram,
             walks(64),
             Some(walks(20)),
             losses::VocabParallelCrossEntropy { vocab_size: VOCAB },
@@ -170,9 +159,10 @@ fn compute_metrics_is_refused_for_a_tp_split_model() {
         let dir = tempfile::tempdir().unwrap();
         let mut args = args(dir.path());
         args.eval_strategy = IntervalStrategy::Steps;
-        let mut t = Trainer::new_parallel(
+        let mut t = Trainer::with_plan(
             args,
-            Bigram::new,
+            bigram_plan(),
+            bigram,
             walks(64),
             Some(walks(20)),
             losses::VocabParallelCrossEntropy { vocab_size: VOCAB },

@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::common::{classification_data, run_ranks, snapshot, Mlp, CLASSES, FEATURES};
-use accel::tensor_parallel::{ParamBuilder, ParamInit};
-use candle_core::{DType, Module, Tensor};
+use accel::plan::ParallelPlan;
+use candle_core::DType;
 use trainer::checkpoint::{checkpoint_dir, sorted_checkpoints, step_of};
 use trainer::metrics::{EvalPrediction, Metrics};
 use trainer::{losses, metrics, IntervalStrategy, ReportTo, SaveStrategy, Trainer, TrainerState, TrainingArguments};
@@ -274,83 +274,21 @@ fn fsdp_shards_over_the_data_parallel_processes() {
     assert_eq!(layouts, vec![(1, 2, 1, accel::ShardingStrategy::ShardOptim); 2]);
 }
 
-/// One linear layer's weights, `[out, in]` and `[out]`, built from a [`ParamBuilder`] (drawn from the seed, looked up
-/// in a prepared model, or under FULL_SHARD gathered now).
-struct Dense {
-    weight: Tensor,
-    bias: Tensor,
+/// The 6 → 16 → 3 MLP of [`Mlp`] on `accel::nn`'s builder (`Trainer::with_plan`), each layer a unit, which
+/// FULL_SHARD gathers and frees as a whole: the same code as at every other layout.
+fn nn_mlp(vb: accel::nn::VarBuilder) -> candle_core::Result<candle_nn::Sequential> {
+    use accel::nn::{linear, unit, Activation};
+    let fc1 = unit(vb.pp("fc1"), |vb| Ok(linear(FEATURES, 16, vb)?.with_activation(Activation::Relu)))?;
+    let fc2 = unit(vb.pp("fc2"), |vb| linear(16, CLASSES, vb))?;
+    Ok(candle_nn::seq().add(fc1).add(fc2))
 }
 
-impl Dense {
-    fn new(pb: &ParamBuilder, inputs: usize, outputs: usize) -> candle_core::Result<Self> {
-        let init = ParamInit::Uniform { bound: 1.0 / (inputs as f64).sqrt() };
-        let wrap = candle_core::Error::wrap;
-        Ok(Dense {
-            weight: pb.replicated("weight", (outputs, inputs), init).map_err(wrap)?,
-            bias: pb.replicated("bias", outputs, init).map_err(wrap)?,
-        })
-    }
-
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        x.matmul(&self.weight.t()?)?.broadcast_add(&self.bias)
-    }
-}
-
-/// A layer as the model holds it: built once, or — from a FULL_SHARD model's gathering builder — built inside its
-/// own unit at each forward ([`accel::activation_checkpoint::unit`]), so its gathered weights never outlive the
-/// pass (the optimizer step changes the chunks they were gathered from).
-enum HeldDense {
-    Built(Dense),
-    Gathered { pb: ParamBuilder, inputs: usize, outputs: usize },
-}
-
-impl HeldDense {
-    fn new(pb: ParamBuilder, inputs: usize, outputs: usize) -> candle_core::Result<Self> {
-        Ok(match pb.gathers() {
-            true => HeldDense::Gathered { pb, inputs, outputs },
-            false => HeldDense::Built(Dense::new(&pb, inputs, outputs)?),
-        })
-    }
-
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        match self {
-            HeldDense::Built(d) => d.forward(x),
-            HeldDense::Gathered { pb, inputs, outputs } => {
-                let (pb, inputs, outputs) = (pb.clone(), *inputs, *outputs);
-                accel::activation_checkpoint::unit(x, move |x| Dense::new(&pb, inputs, outputs)?.forward(x))
-            }
-        }
-    }
-}
-
-/// The 6 → 16 → 3 MLP of [`Mlp`], built from the Trainer's [`ParamBuilder`] (`Trainer::new_parallel`), each
-/// layer a FULL_SHARD unit when the builder gathers.
-struct ParamMlp {
-    fc1: HeldDense,
-    fc2: HeldDense,
-}
-
-impl ParamMlp {
-    fn new(pb: &ParamBuilder) -> candle_core::Result<Self> {
-        Ok(ParamMlp {
-            fc1: HeldDense::new(pb.pp("fc1"), FEATURES, 16)?,
-            fc2: HeldDense::new(pb.pp("fc2"), 16, CLASSES)?,
-        })
-    }
-}
-
-impl Module for ParamMlp {
-    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
-        self.fc2.forward(&self.fc1.forward(xs)?.relu()?)
-    }
-}
-
-/// `fsdp: "full_shard"` (ZeRO-3) on 2 ranks: a `Trainer::new_parallel` model built from the ParamBuilder (rebuilt
-/// by the Trainer from the prepared model's gathering builder) logs plain DDP's losses over the same 2 ranks
+/// `fsdp: "full_shard"` (ZeRO-3) on 2 ranks: a `Trainer::with_plan` model on `accel::nn`'s builder (built once; its
+/// layers gather their weights at each use, its units recomputed) logs plain DDP's losses over the same 2 ranks
 /// (relative 1e-5: the gradients are reduce-scattered instead of all-reduced); a `Trainer::new` model, built from
 /// a candle VarBuilder, keeps its weights and is refused at setup, on every rank, saying why.
 #[test]
-fn fsdp_full_shard_trains_a_param_builder_model_like_ddp_and_refuses_a_var_builder_model() {
+fn fsdp_full_shard_trains_a_model_on_the_builder_like_ddp_and_refuses_a_var_builder_model() {
     let run = |fsdp: Option<&'static str>| {
         run_ranks(2, move |pg| {
             let dir = tempfile::tempdir().unwrap();
@@ -361,9 +299,15 @@ fn fsdp_full_shard_trains_a_param_builder_model_like_ddp_and_refuses_a_var_build
                 save_strategy: SaveStrategy::No,
                 ..base(dir.path())
             };
-            let mut t =
-                Trainer::new_parallel(args, ParamMlp::new, classification_data(64), None, losses::cross_entropy)
-                    .process_group(pg);
+            let mut t = Trainer::with_plan(
+                args,
+                ParallelPlan::default(),
+                nn_mlp,
+                classification_data(64),
+                None,
+                losses::cross_entropy,
+            )
+            .process_group(pg);
             t.train().unwrap();
             let p = t.accelerator().unwrap().parallelism_config();
             let layout = (p.dp_replicate_size, p.dp_shard_size, t.prepared_model().unwrap().is_fully_sharded());
