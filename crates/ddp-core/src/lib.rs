@@ -40,6 +40,7 @@ pub mod ddp;
 pub mod dtype;
 pub mod env;
 pub mod error;
+pub mod fingerprint;
 pub mod functional;
 pub mod launcher;
 pub mod mesh;

@@ -478,10 +478,9 @@ impl ProcessGroup {
         if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
             return Err(DdpError::InvalidArgument(format!("new_group: rank {} is listed twice in {ranks:?}", w[0])));
         }
-        let fingerprint = sorted
-            .iter()
-            .fold(0xcbf2_9ce4_8422_2325u64, |h, &r| (h ^ r as u64).wrapping_mul(0x0000_0100_0000_01b3).rotate_left(5));
-        let fingerprint = fingerprint as i64;
+        let mut hash = crate::fingerprint::Fnv1a::default();
+        sorted.iter().for_each(|&r| std::hash::Hasher::write_u64(&mut hash, r as u64));
+        let fingerprint = std::hash::Hasher::finish(&hash) as i64;
         let mut all = vec![0i64; self.world_size()];
         self.all_gather(&[fingerprint], &mut all)?;
         if let Some(other) = all.iter().position(|&f| f != fingerprint) {

@@ -248,3 +248,20 @@ fn every_file_the_architecture_document_names_exists() {
     }
     assert!(checked > 40, "only {checked} file names found in docs/ARCHITECTURE.md: the parser lost them");
 }
+
+/// Values every process must hash alike (a parameter's random stream, a fingerprint compared across ranks) go
+/// through `ddp_core::fingerprint`: FNV-1a is written once, recognised by its offset basis.
+#[test]
+fn fnv_1a_is_written_once() {
+    let basis = ["cbf2_9ce4_8422_2325", "cbf29ce484222325"];
+    let mut holders = Vec::new();
+    for dir in ["crates", "examples/src", "benches/src"] {
+        for file in rust_files(dir) {
+            let code = code_of(&read(&file)).to_lowercase();
+            if basis.iter().any(|b| code.contains(b)) && !file.contains("/tests/") {
+                holders.push(file);
+            }
+        }
+    }
+    assert_eq!(holders, ["crates/ddp-core/src/fingerprint.rs"], "FNV-1a's offset basis outside ddp_core::fingerprint");
+}

@@ -503,11 +503,7 @@ fn node_rank() -> usize {
 
 /// FNV-1a of `s`: the same on every machine and build (std's hasher is seeded per process).
 fn stable_hash(s: &str) -> i64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in s.bytes() {
-        h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
-    }
-    h as i64
+    ddp_core::fingerprint::fnv1a(s.as_bytes()) as i64
 }
 
 /// The memory per process [`MEMORY_ENV`] gives: `None` when it is unset or blank.

@@ -13,6 +13,7 @@ use crate::tensor_parallel::{ParamLayout, TensorParallel};
 use crate::{AccelError, Result};
 use candle_core::{DType, Var};
 use ddp_core::ReduceOp;
+use std::hash::Hasher;
 
 /// The layout of each parameter (`names` order), registering the unregistered ones as replicated once checked
 /// (see the module documentation). Collective over the tp group when tp > 1 and some parameter is unregistered
@@ -53,12 +54,10 @@ fn differing_across(tp: &TensorParallel, params: &[&Var]) -> Result<Vec<usize>> 
 /// FNV-1a over the parameter's shape and its values' f32 bits, folded to 63 bits (a non-negative i64).
 fn value_hash(v: &Var) -> Result<i64> {
     let values = v.as_tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut h = ddp_core::fingerprint::Fnv1a::default();
     let dims = v.dims().iter().map(|&d| d as u64);
     for word in dims.chain(values.iter().map(|x| u64::from(x.to_bits()))) {
-        for byte in word.to_le_bytes() {
-            h = (h ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
-        }
+        h.write(&word.to_le_bytes());
     }
-    Ok((h >> 1) as i64)
+    Ok((h.finish() >> 1) as i64)
 }

@@ -394,7 +394,7 @@ pub fn dropout(p: f64, vb: VarBuilder) -> candle_core::Result<Dropout> {
     }
     // Sites below 2^32 are the hand-numbered ones of `tensor_parallel::dropout`'s callers; a path's hash lives
     // above them.
-    Ok(Dropout { p, site: crate::tensor_parallel::fnv1a(&vb.prefix()) | (1 << 32) })
+    Ok(Dropout { p, site: ddp_core::fingerprint::fnv1a(vb.prefix().as_bytes()) | (1 << 32) })
 }
 
 impl Dropout {

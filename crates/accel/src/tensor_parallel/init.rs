@@ -360,17 +360,12 @@ pub(crate) fn divisors(size: usize) -> String {
     }
 }
 
-/// 64-bit FNV-1a: the stream number of a parameter name (stable across runs, platforms and Rust versions,
-/// unlike `DefaultHasher`).
-pub(crate) fn fnv1a(name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
-}
-
 /// The full f32 tensor of parameter `full_name` (on the CPU), drawn from its own stream.
 pub(crate) fn draw_full(seed: u64, full_name: &str, shape: &Shape, init: ParamInit) -> Result<Tensor> {
     let n = shape.elem_count();
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    rng.set_stream(fnv1a(full_name));
+    // The stream number: FNV-1a of the name (stable across runs, platforms and Rust versions, unlike std's hasher).
+    rng.set_stream(ddp_core::fingerprint::fnv1a(full_name.as_bytes()));
     let bad = |what: &str, v: f64| {
         AccelError::InvalidArgument(format!(
             "tensor parallel: parameter `{full_name}`: {what} {v} must be finite and non-negative"
