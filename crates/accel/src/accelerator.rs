@@ -406,17 +406,6 @@ impl Accelerator {
         varmap: &VarMap,
         adjust: impl FnOnce(&mut PreparedModel),
     ) -> Result<PreparedModel> {
-        if let Some(p) = &self.inner.pipeline {
-            if !p.stages_asked() {
-                return Err(AccelError::Usage(format!(
-                    "prepare_model: this job has pp_size {} (pipeline parallelism) but the program did not ask \
-                     which stages this rank holds: every rank would hold the whole model and the pp ranks would \
-                     train copies that never meet. Build the model per stage from accelerator.pipeline_stages(..) \
-                     and train with accelerator.pipeline_backward(..) (accel_gpt does), or set pp_size 1",
-                    self.mesh().pp().world_size()
-                )));
-            }
-        }
         let ids: Vec<candle_core::TensorId> = lock(varmap.data()).values().map(|v| v.as_tensor().id()).collect();
         let target = crate::nn::Target {
             tp_size: self.mesh().tp().world_size(),
@@ -424,13 +413,39 @@ impl Accelerator {
             full_shard: self.inner.config.parallelism.sharding_strategy == crate::ShardingStrategy::FullShard
                 && self.mesh().group(ddp_core::MeshDim::DpShard).world_size() > 1,
         };
+        // Which builder made the model first (a candle VarBuilder's model is refused under pp naming the builder to
+        // switch to), then whether it was cut into stages.
         let books = self.inner.provenance.check(&ids, &target)?;
+        if let Some(p) = &self.inner.pipeline {
+            if !p.stages_asked() {
+                return Err(AccelError::Usage(format!(
+                    "prepare_model: this job has pp_size {} (pipeline parallelism) but the program did not ask \
+                     which stages this rank holds: every rank would hold the whole model and the pp ranks would \
+                     train copies that never meet. Declare the model's blocks with accel::nn::staged on \
+                     accelerator.builder (each rank then builds its stages; examples/src/gpt.rs does), or build \
+                     the model per stage from accelerator.pipeline_stages(..) yourself; train with \
+                     accelerator.pipeline_backward(..); or set pp_size 1",
+                    self.mesh().pp().world_size()
+                )));
+            }
+        }
         crate::nn::Provenance::check_rules(&books, self.mesh().pp())?;
         if let Some(report) = crate::nn::Provenance::report(&books, target.tp_size) {
-            if self.is_main_process()
+            // One rank per pipeline stage prints its stages' layers (the first dp and tp rank of each).
+            let mesh = self.mesh();
+            if mesh.dp().rank() == 0
+                && mesh.tp().rank() == 0
                 && std::env::var(crate::plan::PRINT_PLAN_ENV).is_ok_and(|v| v != "0" && !v.is_empty())
             {
-                self.print(report.trim_end());
+                let pp = mesh.pp();
+                if pp.world_size() > 1 {
+                    println!(
+                        "pp rank {} of {} — the layers of its pipeline stages (each pp rank prints its own):",
+                        pp.rank(),
+                        pp.world_size()
+                    );
+                }
+                println!("{}", report.trim_end());
             }
         }
         let num_params = {

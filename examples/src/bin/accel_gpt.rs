@@ -455,7 +455,8 @@ fn train(args: &Args) -> anyhow::Result<()> {
     };
     let mut dp_traffic_at_start = dp_traffic();
     // This rank's busy and elapsed time in the pipeline's steps (the measured bubble), from the same window.
-    let mut pipeline_at_start = acc.pipeline_timing();
+    let pipeline_at_run_start = acc.pipeline_timing();
+    let mut pipeline_at_start = pipeline_at_run_start;
     // What this rank holds for the model when it steps (the last step's): its gradient slots.
     let mut gradient_bytes: usize;
     let (mut step, mut epoch) = (0u64, 0u64);
@@ -540,9 +541,13 @@ fn train(args: &Args) -> anyhow::Result<()> {
     {
         // Every rank's own idle share of its pipeline steps, beside the schedule's (p − 1)/(m + p − 1) ÷ v
         // (Narayanan et al. 2021), which assumes equal stages and free sends.
-        let t = now.since(&then);
+        // As the traffic: the steps after warm-up, or every step when the run ended with its first interval.
+        let (t, warm_up) = match now.since(&then) {
+            t if t.steps > 0 => (t, ""),
+            _ => (now.since(&pipeline_at_run_start.unwrap_or(then)), ", warm-up included"),
+        };
         println!(
-            "rank {}: pipeline bubble measured {:.1} % of the step over {} steps (the schedule's {:.1} %)",
+            "rank {}: pipeline bubble measured {:.1} % of the step over {} steps{warm_up} (the schedule's {:.1} %)",
             acc.rank(),
             100.0 * t.bubble(),
             t.steps,

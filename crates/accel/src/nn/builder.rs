@@ -137,12 +137,17 @@ impl PlanBook {
         if unused.is_empty() {
             return Ok(());
         }
-        let mut paths: Vec<String> = lock(&self.layers).iter().map(|l| generalize(&l.path)).collect();
-        paths.dedup();
+        let mut paths: Vec<String> = Vec::new();
+        for path in lock(&self.layers).iter().map(|l| generalize(&l.path)) {
+            if !paths.contains(&path) {
+                paths.push(path);
+            }
+        }
         let shown = paths.iter().take(12).cloned().collect::<Vec<_>>().join(", ");
         Err(AccelError::InvalidArgument(format!(
             "parallel plan: pattern(s) {} match no layer of the model; its layers are: {}{} (a pattern is the whole \
-             module path from the model's root, `*` standing for one segment)",
+             module path from the model's root, `*` standing for one segment; a parameter taken with get / \
+             get_with_hints is no layer and takes no style)",
             unused.join(", "),
             if shown.is_empty() { "none".to_string() } else { shown },
             if paths.len() > 12 { ", …" } else { "" }
@@ -440,13 +445,24 @@ impl VarBuilder {
         let style = match (found, kind) {
             (Some((_, style)), _) => style,
             (None, LayerKind::Linear) if self.book.tp_size > 1 => {
+                // A typo in a pattern shows here first, before prepare_model could name the unmatched rule.
+                let unmatched: Vec<String> = lock(&self.book.used)
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, used)| !**used)
+                    .map(|(i, _)| format!("`{}`", self.book.plan.pattern(i)))
+                    .collect();
+                let typo = match unmatched.is_empty() {
+                    true => String::new(),
+                    false => format!(" (the plan's patterns that matched no layer so far: {})", unmatched.join(", ")),
+                };
                 return Err(AccelError::InvalidArgument(format!(
                     "parallel plan: linear layer `{path}` (weight {weight_shape:?}) has no style in the plan at tp \
                      size {}; add a rule for it, e.g. `{}: colwise` (or `rowwise` after a column-wise layer, or \
-                     `replicate` to keep it whole on every rank)",
+                     `replicate` to keep it whole on every rank){typo}",
                     self.book.tp_size,
                     generalize(&path)
-                )))
+                )));
             }
             (None, _) => ParallelStyle::Replicate,
         };

@@ -64,7 +64,8 @@ impl Provenance {
                 "prepare_model: this model's layers were built by a candle VarBuilder (accelerator.var_builder), \
                  which cannot split or shard them for {layout}; build the model with accelerator.builder(&varmap, \
                  plan) — accel::nn's VarBuilder, whose calls (pp, linear, embedding, layer_norm, rms_norm, get) are \
-                 candle's — or train it under DDP, ZeRO-1 or ZeRO-2 (SHARD_OPTIM, SHARD_GRAD_OP)"
+                 candle's; under pp its blocks declared with accel::nn::staged — or train it under DDP, ZeRO-1 or \
+                 ZeRO-2 (SHARD_OPTIM, SHARD_GRAD_OP)"
             )));
         }
         Ok(books)

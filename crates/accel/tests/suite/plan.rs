@@ -354,6 +354,7 @@ fn a_model_written_the_candle_way_is_refused_where_it_cannot_be_split() {
     for (what, cfg) in [
         ("tp_size 2", config(1, 1, 2, ShardingStrategy::default())),
         ("FULL_SHARD", config(1, 2, 1, ShardingStrategy::FullShard)),
+        ("pp_size 2", pipelined(2, ScheduleKind::OneFOneB, None, config(1, 1, 1, ShardingStrategy::default()))),
     ] {
         let errors = run_ranks(2, cfg, |acc| {
             let varmap = VarMap::new();
@@ -378,6 +379,16 @@ fn a_model_written_the_candle_way_is_refused_where_it_cannot_be_split() {
         "{}",
         errors[0]
     );
+    // A model on the builder at pp 2 that does not declare its blocks is told how to.
+    let errors =
+        run_ranks(2, pipelined(2, ScheduleKind::OneFOneB, None, config(1, 1, 1, ShardingStrategy::default())), |acc| {
+            let varmap = VarMap::new();
+            nn::linear(4, 4, acc.builder(&varmap, ParallelPlan::new()).pp("fc"))?;
+            Ok(acc.prepare_model(&varmap).unwrap_err().to_string())
+        });
+    for err in errors {
+        assert!(err.contains("did not ask which stages this rank holds") && err.contains("accel::nn::staged"), "{err}");
+    }
 }
 
 fn pipelined(
@@ -502,6 +513,11 @@ fn plan_errors_name_the_layer_its_shape_and_what_fits() {
     let plan = ParallelPlan::new().with("h.*.fc", ParallelStyle::Colwise).with("h.0.fc", ParallelStyle::Rowwise);
     let err = tp2_error(|vb| nn::linear(8, 8, vb.pp("h").pp(0).pp("fc")).map(drop), plan);
     assert!(err.contains("`h.*.fc` (colwise) and `h.0.fc` (rowwise)"), "{err}");
+    // A typo in a pattern shows at tp > 1 as the linear it missed, which names the patterns unmatched so far.
+    let plan = ParallelPlan::new().with("fc_1", ParallelStyle::Colwise);
+    let err = tp2_error(|vb| nn::linear(8, 8, vb.pp("fc1")).map(drop), plan);
+    assert!(err.contains("`fc1` (weight [8, 8]) has no style"), "{err}");
+    assert!(err.contains("the plan's patterns that matched no layer so far: `fc_1`"), "{err}");
 }
 
 #[test]
@@ -515,6 +531,10 @@ fn a_rule_that_matches_nothing_is_refused_when_the_model_is_prepared() {
     let err = &errors[0];
     assert!(err.contains("pattern(s) `layers.*.self_attn.qproj` match no layer of the model"), "{err}");
     assert!(err.contains("layers.*.self_attn.q_proj"), "the layers it has are listed: {err}");
+    // Each once, in build order, though every block has them.
+    let listed = err.split("its layers are: ").nth(1).unwrap_or_default();
+    assert_eq!(listed.matches("layers.*.self_attn.q_proj").count(), 1, "{err}");
+    assert!(listed.starts_with("embed_tokens, layers.*.input_layernorm, layers.*.self_attn.q_proj"), "{err}");
 }
 
 #[test]
