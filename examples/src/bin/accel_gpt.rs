@@ -249,7 +249,12 @@ fn check_unset_under_auto(layout: &layout_args::LayoutArgs) -> anyhow::Result<()
 
 fn run() -> anyhow::Result<()> {
     let args = accel_examples::parse_args!(Args); // a bad command line is reported once under a launcher
-    if args.parallelism.is_none() && args.global_batch_size.is_some() {
+                                                  // `accel launch --parallelism auto` consumes the flag and hands its workers `auto` sizes instead
+                                                  // (PARALLELISM_CONFIG_*=auto): --global-batch-size applies then too.
+    let launched_auto = accel::ParallelismConfig::default()
+        .with_overrides_from(|key| std::env::var(key).ok())
+        .is_ok_and(|p| p.is_auto());
+    if args.parallelism.is_none() && !launched_auto && args.global_batch_size.is_some() {
         bail!(
             "--global-batch-size applies with --parallelism auto; without it the global batch is --batch-size × the \
              data-parallel processes × --gradient-accumulation-steps"

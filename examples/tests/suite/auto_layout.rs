@@ -115,6 +115,18 @@ fn parallelism_auto_chooses_explains_and_trains() {
         !refused.status.success() && text.contains("--parallelism auto chooses the layout, and --tp-size 2"),
         "{text}"
     );
+
+    // Under `accel launch --parallelism auto` the program does not see the flag, only the `auto` sizes the
+    // launcher hands its workers: --global-batch-size is taken then too (it used to be refused).
+    let mut launched = std::process::Command::new(bin);
+    launched.args(["--global-batch-size", "8", "--steps", "1", "--log-every", "1", "--sample-len", "0"]);
+    launched.env_remove("RANK").env("RUST_BACKTRACE", "0");
+    for (key, value) in accel::ParallelismConfig::auto().env_vars() {
+        launched.env(key, value);
+    }
+    let out = launched.output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("global batch 8 sequences"), "{text}");
 }
 
 #[test]
