@@ -27,7 +27,7 @@
 use super::PreparedModel;
 use crate::{AccelError, Result};
 use candle_core::Tensor;
-use ddp_core::functional::{BackwardGuard, ShardGradient};
+use ddp_core::functional::BackwardGuard;
 use ddp_core::ProcessGroup;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -75,8 +75,19 @@ impl PreparedModel {
             ))
         });
         let chunk = self.inner.optimized[i].as_tensor();
-        let (hook, ranks) = self.inner.shard_reduction;
-        let how = ShardGradient { guard: Some(guard), hook, fp16_divisor: ranks as f64 };
+        // The reduction is the parameter's group strategy's; the gathered weight's backward runs it.
+        let how = self
+            .inner
+            .groups
+            .iter()
+            .find(|g| g.params.binary_search(&i).is_ok())
+            .and_then(|g| g.strategy.per_use_reduction(guard))
+            .ok_or_else(|| {
+                AccelError::Usage(format!(
+                    "gathered: parameter `{}` is in no group whose gradients rest as chunks",
+                    self.inner.names[i]
+                ))
+            })?;
         let prefetched = self.inner.prefetcher.as_ref().and_then(|p| p.take(i));
         let whole = match prefetched {
             Some(whole) => ddp_core::functional::attach_gathered_shards(chunk, whole?, group, how)?,

@@ -69,8 +69,6 @@ struct ModelInner {
     /// `masters` are this rank's chunks (the same `Var`s as `optimized`): FULL_SHARD, and ZeRO-1/2 under mixed
     /// precision (the whole compute-dtype `params` are refreshed from the all-gathered chunks after each step).
     masters_sharded: bool,
-    /// FULL_SHARD's gradient compression and the data-parallel ranks it averages over (dp_shard × dp_replicate).
-    shard_reduction: (ddp_core::CommHook, usize),
     /// FULL_SHARD: the gathers of the next unit's weights, run ahead on a communication thread.
     prefetcher: Option<fully_sharded::Prefetcher>,
     /// Optimizer steps taken, for FULL_SHARD's check that no gathered weight outlives a step.
@@ -266,7 +264,6 @@ impl PreparedModel {
                 local_dims,
                 fully_sharded: full_shard.then_some(compute_dtype),
                 masters_sharded,
-                shard_reduction: (ddp.comm_hook, mesh.dp().world_size()),
                 prefetcher,
                 generation: Arc::default(),
                 tp: tp.clone(),

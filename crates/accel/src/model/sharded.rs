@@ -34,6 +34,7 @@ use super::strategy::GradientStrategy;
 use crate::tensor_parallel::ParamLayout;
 use crate::Result;
 use candle_core::{Device, Tensor, Var};
+use ddp_core::functional::{BackwardGuard, ShardGradient};
 pub(crate) use ddp_core::zero::FlatChunk;
 use ddp_core::zero::FlatShards;
 use ddp_core::{CommHook, ProcessGroup, ReduceOp};
@@ -134,6 +135,17 @@ impl GradientStrategy for ShardedDataParallel {
 
     fn chunked_over(&self) -> Option<&ProcessGroup> {
         Some(&self.shard)
+    }
+
+    /// FULL_SHARD: summed over dp_shard by each use's backward, compressed as the sync step's reduce-scatter
+    /// would be (the fp16 hook divides by every data-parallel rank first, dp_shard × dp_replicate), so the sync
+    /// step's `finish_mean` averages as for ZeRO-2's chunk sums.
+    fn per_use_reduction(&self, guard: BackwardGuard) -> Option<ShardGradient> {
+        (self.gradients == GradientChunks::ReducedInBackward).then(|| ShardGradient {
+            guard: Some(guard),
+            hook: self.hook,
+            fp16_divisor: (self.shard.world_size() * self.replicate.world_size()) as f64,
+        })
     }
 
     /// The chunks' squares summed over dp_shard (every element once), the tp shards' also over tp.

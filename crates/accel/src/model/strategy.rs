@@ -37,6 +37,7 @@ use crate::tensor_parallel::ParamLayout;
 use crate::Result;
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
+use ddp_core::functional::{BackwardGuard, ShardGradient};
 use ddp_core::segments::BackwardSegments;
 use ddp_core::{DistributedDataParallel, ProcessGroup, ReduceOp};
 
@@ -96,6 +97,15 @@ pub(crate) trait GradientStrategy: Send + Sync + std::fmt::Debug {
     /// rank are a part of its squares (sharded data parallelism: dp_shard); `None` when every rank of the
     /// data-parallel group holds whole gradients.
     fn chunked_over(&self) -> Option<&ProcessGroup> {
+        None
+    }
+
+    /// How the backward of each gathered use of a parameter reduces its gradient into this rank's chunk, for a
+    /// group whose parameters rest as chunks (FULL_SHARD): the reduce-scatter runs inside that backward
+    /// (`ddp_core::functional::gather_shards_with`), so the gathered whole never outlives its unit, but the strategy
+    /// defines it (compression, the fp16 divisor) — `guard` the gather's staleness check. `None` for any other
+    /// group.
+    fn per_use_reduction(&self, _guard: BackwardGuard) -> Option<ShardGradient> {
         None
     }
 
@@ -263,6 +273,10 @@ impl GradientStrategy for PipelineStage {
 
     fn chunked_over(&self) -> Option<&ProcessGroup> {
         self.data.chunked_over()
+    }
+
+    fn per_use_reduction(&self, guard: BackwardGuard) -> Option<ShardGradient> {
+        self.data.per_use_reduction(guard)
     }
 
     fn after_optimizer_step(&self, optimized: &[Var], full: &[Var]) -> Result<()> {
