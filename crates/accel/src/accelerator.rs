@@ -210,6 +210,21 @@ impl Accelerator {
         self.inner.pg.world_size()
     }
 
+    /// [`Accelerator::rank`] under Accelerate's name (`accelerator.process_index`).
+    pub fn process_index(&self) -> usize {
+        self.rank()
+    }
+
+    /// [`Accelerator::local_rank`] under Accelerate's name (`accelerator.local_process_index`).
+    pub fn local_process_index(&self) -> usize {
+        self.local_rank()
+    }
+
+    /// [`Accelerator::world_size`] under Accelerate's name (`accelerator.num_processes`).
+    pub fn num_processes(&self) -> usize {
+        self.world_size()
+    }
+
     /// Whether this is rank 0 of the job (the one that prints, logs and writes shared files).
     pub fn is_main_process(&self) -> bool {
         self.rank() == 0

@@ -106,6 +106,18 @@ fn split_between_processes_and_main_process_first() {
     assert!(out[0].2 && !out[1].2);
 }
 
+/// Accelerate's names for the process's place in the job, which a migrating program types, answer as ours do.
+#[test]
+fn accelerates_process_names_are_there() {
+    let out = run_ranks(3, AcceleratorConfig::default(), |acc| {
+        Ok((acc.process_index(), acc.local_process_index(), acc.num_processes(), acc.rank(), acc.local_rank()))
+    });
+    for (rank, (index, local_index, n, r, local)) in out.into_iter().enumerate() {
+        assert_eq!((index, local_index, n), (r, local, 3), "rank {rank}");
+        assert_eq!(index, rank);
+    }
+}
+
 #[test]
 fn single_process_collectives_are_identities() {
     run_ranks(1, AcceleratorConfig::default(), |acc| {
