@@ -274,6 +274,17 @@ fn gpt_examples_refuse_tp_sizes_that_do_not_fit() {
         assert!(!out.status.success(), "{bin}:\n{text}");
         assert!(text.contains("3 does not divide n_head = 4") && text.contains("[1, 2, 4]"), "{bin}:\n{text}");
     }
+    // A --layers-per-stage list that does not add up to the model's layers is refused before any worker starts,
+    // once, naming the sum.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_accel_gpt"))
+        .args(["--nproc", "2", "--pp-size", "2", "--layers-per-stage", "1,2"])
+        .env_remove("RANK")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "{text}");
+    assert!(text.contains("--layers-per-stage") && text.contains("add up to 3 but the model has 4 layers"), "{text}");
+    assert!(!text.contains("[rank"), "refused before any worker started:\n{text}");
 }
 
 /// The Trainer-level example at tp2: trains, evaluates the loss (no metrics over sharded outputs) and samples.

@@ -50,12 +50,25 @@ impl LayoutArgs {
     /// process count (`accel_examples::check_layout`), the flags against what a launcher set
     /// (`accel_examples::effective_layout`), and under pp the schedule (micro-batches against the stages), the
     /// stages against `n_layer` and the micro-batches against the batch size (`batch_flag` = `batch_size`, the
-    /// rows each pipeline step splits). Pipeline flags without pipeline parallelism are ignored with a warning.
-    pub fn check(&self, nproc: usize, n_layer: usize, batch_flag: &str, batch_size: usize) -> anyhow::Result<()> {
+    /// rows each pipeline step splits), and a `--layers-per-stage` list against the stages and the layers.
+    /// Pipeline flags without pipeline parallelism are ignored with a warning.
+    pub fn check(
+        &self,
+        nproc: usize,
+        n_layer: usize,
+        layers_per_stage: Option<&[usize]>,
+        batch_flag: &str,
+        batch_size: usize,
+    ) -> anyhow::Result<()> {
         let layout = self.layout();
         accel_examples::check_layout(nproc, &layout)?;
         let (n, _) = accel_examples::job_size(nproc);
         let p = accel_examples::effective_layout(n, &layout)?;
+        if let Some(list) = layers_per_stage {
+            // One count per stage, adding up to the model's layers: refused here, once, not by every worker.
+            accel::pipeline::split_layers(n_layer, p.pp_size * p.pp_stages_per_rank(), Some(list))
+                .map_err(|e| anyhow::anyhow!("--layers-per-stage: {e}"))?;
+        }
         if let (Some(s), 1) = (self.sharding_strategy, p.dp_shard_size) {
             anyhow::bail!(
                 "--sharding-strategy {s} applies to sharded data parallelism, and no process shards: add \
