@@ -609,14 +609,18 @@ fn train(args: &Args) -> anyhow::Result<()> {
             (ring / steps) as f64 / (psi as f64 * (n - 1.0) / n)
         ));
     }
-    // What this rank holds, measured: its parameters (the prepared Vars, and the fp32 masters under mixed
-    // precision), its gradients when it steps (reduced: chunks at every sharded stage, ZeRO-1 included; between
-    // micro-batches ZeRO-1 holds them whole), and its optimizer state.
+    // What this rank holds, measured: its parameters (the prepared Vars, and the fp32 masters where they are
+    // separate copies: fp16, not bf16 on the CPU, which computes over the f32 parameters), its gradients when it
+    // steps (reduced: chunks at every sharded stage, ZeRO-1 included; between micro-batches ZeRO-1 holds them
+    // whole), and its optimizer state.
+    let held: std::collections::HashSet<_> = prepared.parameters().iter().map(|v| v.as_tensor().id()).collect();
     let param_bytes: usize = prepared.parameters().iter().map(|v| tensor_bytes(v.as_tensor())).sum::<usize>()
-        + match acc.mixed_precision() {
-            MixedPrecision::No => 0,
-            _ => prepared.master_weights().iter().map(|v| tensor_bytes(v.as_tensor())).sum(),
-        };
+        + prepared
+            .master_weights()
+            .iter()
+            .filter(|m| !held.contains(&m.as_tensor().id()))
+            .map(|m| tensor_bytes(m.as_tensor()))
+            .sum::<usize>();
     let optimizer_bytes: usize =
         accel::Optimizer::state_dict(&*opt.optimizer())?.tensors.values().map(tensor_bytes).sum();
     println!(
