@@ -56,8 +56,8 @@ impl PreparedModel {
     pub(super) fn gathered(&self, i: usize, dtype: candle_core::DType) -> Result<Tensor> {
         let (group, shards) = self
             .inner
-            .sharding
-            .as_ref()
+            .storage
+            .sharding()
             .ok_or_else(|| AccelError::Usage("gathered: the model is not fully sharded".into()))?;
         let chunks = shards.chunks();
         let (name, gathered_at, generation) =
@@ -88,7 +88,7 @@ impl PreparedModel {
                     self.inner.names[i]
                 ))
             })?;
-        let prefetched = self.inner.prefetcher.as_ref().and_then(|p| p.take(i));
+        let prefetched = self.inner.storage.prefetcher().and_then(|p| p.take(i));
         let whole = match prefetched {
             Some(whole) => ddp_core::functional::attach_gathered_shards(chunk, whole?, group, how)?,
             None => ddp_core::functional::gather_shards_with(chunk, group, how)?,
@@ -99,7 +99,7 @@ impl PreparedModel {
     /// Starts gathering the weights named `prefix.…` (a unit the forward or the backward runs next) on the
     /// prefetch thread; nothing unless FULL_SHARD.
     pub(super) fn prefetch_prefix(&self, prefix: &str) -> Result<()> {
-        let Some(prefetcher) = &self.inner.prefetcher else { return Ok(()) };
+        let Some(prefetcher) = self.inner.storage.prefetcher() else { return Ok(()) };
         let dotted = format!("{prefix}.");
         let chunks: Vec<(usize, &Tensor)> = (0..self.inner.names.len())
             .filter(|&i| self.inner.names[i].starts_with(&dotted))

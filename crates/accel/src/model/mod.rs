@@ -55,22 +55,15 @@ struct ModelInner {
     /// Whether `masters` are separate copies (bf16 / fp16 compute).
     has_masters: bool,
     /// What the optimizer steps: the very `masters`, or under sharded data parallelism this rank's chunks of
-    /// them (fp32, 1-D), with how each parameter is cut and the dp_shard group.
+    /// them (fp32, 1-D; cut as `storage` says).
     optimized: Vec<Var>,
-    sharding: Option<(ProcessGroup, FlatShards)>,
+    /// How the parameters rest between steps: replicated, ZeRO-1/2 or FULL_SHARD.
+    storage: Storage,
     /// Each parameter's layout over `tp` (in `names` order).
     layouts: Vec<ParamLayout>,
     /// Each parameter's shape on this rank (its tp piece) — what the model computes with; under FULL_SHARD the
     /// `Var`s are 1-D chunks and this is the shape they are gathered into.
     local_dims: Vec<Vec<usize>>,
-    /// FULL_SHARD (ZeRO-3): `params`, `masters` and `optimized` are the same fp32 1-D chunks (of `sharding`), the
-    /// whole parameters exist only while a forward uses them (`param_builder`), in this dtype.
-    fully_sharded: Option<DType>,
-    /// `masters` are this rank's chunks (the same `Var`s as `optimized`): FULL_SHARD, and ZeRO-1/2 under mixed
-    /// precision (the whole compute-dtype `params` are refreshed from the all-gathered chunks after each step).
-    masters_sharded: bool,
-    /// FULL_SHARD: the gathers of the next unit's weights, run ahead on a communication thread.
-    prefetcher: Option<fully_sharded::Prefetcher>,
     /// Optimizer steps taken, for FULL_SHARD's check that no gathered weight outlives a step.
     generation: Arc<fully_sharded::Generation>,
     /// The tensor-parallel group the sharded parameters are split over.
@@ -89,6 +82,70 @@ pub(crate) struct ParamGroup {
     /// Indices into the model's parameters (`names` order), ascending.
     pub(crate) params: Vec<usize>,
     pub(crate) strategy: Box<dyn GradientStrategy>,
+}
+
+/// How a prepared model's parameters rest between steps: one variant per data-parallel strategy, each of which
+/// makes its group's [`GradientStrategy`] ([`Storage::data_strategy`]).
+enum Storage {
+    /// DDP (and NO_SHARD): the whole parameters on every data-parallel rank.
+    Replicated,
+    /// ZeRO-1 / ZeRO-2: the whole parameters; the optimizer steps this rank's fp32 chunks over `group` (under
+    /// mixed precision those chunks are the masters; the compute-dtype parameters are refreshed from their
+    /// all-gather after each step).
+    Sharded { group: ProcessGroup, shards: FlatShards },
+    /// FULL_SHARD (ZeRO-3): `params`, `masters` and `optimized` are the same fp32 1-D chunks; the whole
+    /// parameters exist only while a forward uses them (`param_builder`, `accel::nn`'s layers), in `dtype`, the
+    /// next unit's gathered ahead by `prefetcher`.
+    FullShard { group: ProcessGroup, shards: FlatShards, dtype: DType, prefetcher: fully_sharded::Prefetcher },
+}
+
+impl Storage {
+    /// The dp_shard group and how every parameter is cut over it, when the model is sharded.
+    fn sharding(&self) -> Option<(&ProcessGroup, &FlatShards)> {
+        match self {
+            Storage::Replicated => None,
+            Storage::Sharded { group, shards } | Storage::FullShard { group, shards, .. } => Some((group, shards)),
+        }
+    }
+
+    /// FULL_SHARD's gather dtype.
+    fn full_shard(&self) -> Option<DType> {
+        match self {
+            Storage::FullShard { dtype, .. } => Some(*dtype),
+            _ => None,
+        }
+    }
+
+    fn prefetcher(&self) -> Option<&fully_sharded::Prefetcher> {
+        match self {
+            Storage::FullShard { prefetcher, .. } => Some(prefetcher),
+            _ => None,
+        }
+    }
+
+    /// The data-parallel strategy of this storage: DDP (`replicated`), or sharded over dp_shard and averaged over
+    /// `replicate` (`sharded.rs`), its gradients reduced at the sync step (ZeRO-1), per micro-batch (ZeRO-2,
+    /// `shards_gradients`) or by each gathered use's backward (FULL_SHARD).
+    fn data_strategy(
+        &self,
+        replicated: ReplicatedDataParallel,
+        replicate: ProcessGroup,
+        model_parallel: ProcessGroup,
+        device: &candle_core::Device,
+        hook: ddp_core::CommHook,
+        shards_gradients: bool,
+    ) -> Box<dyn GradientStrategy> {
+        let (group, shards, gradients) = match self {
+            Storage::Replicated => return Box::new(replicated),
+            Storage::Sharded { group, shards } if shards_gradients => {
+                (group, shards, GradientChunks::ReducedPerMicroBatch)
+            }
+            Storage::Sharded { group, shards } => (group, shards, GradientChunks::Whole),
+            Storage::FullShard { group, shards, .. } => (group, shards, GradientChunks::ReducedInBackward),
+        };
+        let (group, shards, device) = (group.clone(), shards.clone(), device.clone());
+        Box::new(ShardedDataParallel::new(group, replicate, model_parallel, shards, device, hook, gradients))
+    }
 }
 
 impl std::fmt::Debug for PreparedModel {
@@ -216,35 +273,27 @@ impl PreparedModel {
         } else {
             (params, masters, has_masters)
         };
-        let masters_sharded = sharding.is_some() && (full_shard || has_masters);
-        // FULL_SHARD's prefetch thread talks over its own communicator of the dp_shard ranks (collective here).
-        let prefetcher = match full_shard {
-            true => {
-                let group = shard_group.split(Some(0), shard_group.rank())?.expect("every dp_shard rank joins");
-                Some(fully_sharded::Prefetcher::new(group))
+        let storage = match sharding {
+            None => Storage::Replicated,
+            Some((group, shards)) if full_shard => {
+                // FULL_SHARD's prefetch thread talks over its own communicator of the dp_shard ranks (collective
+                // here).
+                let own = group.split(Some(0), group.rank())?.expect("every dp_shard rank joins");
+                let prefetcher = fully_sharded::Prefetcher::new(own);
+                Storage::FullShard { group, shards, dtype: compute_dtype, prefetcher }
             }
-            false => None,
+            Some((group, shards)) => Storage::Sharded { group, shards },
         };
-        // The data-parallel strategy: DDP, or sharded over dp_shard (sharded.rs); under pp wrapped by the stage's
-        // (norm and overflow over every stage, tied weights).
-        let data: Box<dyn GradientStrategy> = match &sharding {
-            Some((g, shards)) => Box::new(ShardedDataParallel::new(
-                g.clone(),
-                mesh.group(MeshDim::DpReplicate).clone(),
-                mesh.model_parallel().clone(),
-                shards.clone(),
-                device.clone(),
-                ddp.comm_hook,
-                if full_shard {
-                    GradientChunks::ReducedInBackward
-                } else if sharding_strategy.shards_gradients() {
-                    GradientChunks::ReducedPerMicroBatch
-                } else {
-                    GradientChunks::Whole
-                },
-            )),
-            None => Box::new(replicated),
-        };
+        // The data-parallel strategy the storage makes; under pp wrapped by the stage's (norm and overflow over
+        // every stage, tied weights).
+        let data = storage.data_strategy(
+            replicated,
+            mesh.group(MeshDim::DpReplicate).clone(),
+            mesh.model_parallel().clone(),
+            device,
+            ddp.comm_hook,
+            sharding_strategy.shards_gradients(),
+        );
         let (strategy, stages): (Box<dyn GradientStrategy>, _) = match pipeline {
             Some((stages, tied)) => (Box::new(PipelineStage::new(data, mesh.pp().clone(), tied)), Some(stages)),
             None => (data, None),
@@ -259,12 +308,9 @@ impl PreparedModel {
                 masters,
                 has_masters,
                 optimized,
-                sharding,
+                storage,
                 layouts,
                 local_dims,
-                fully_sharded: full_shard.then_some(compute_dtype),
-                masters_sharded,
-                prefetcher,
                 generation: Arc::default(),
                 tp: tp.clone(),
                 find_unused_parameters: ddp.find_unused_parameters,
@@ -310,30 +356,41 @@ impl PreparedModel {
     /// back to the chunks by the backward pass ([`ddp_core::functional::gather_shards`]). Required under
     /// FULL_SHARD (the `Var`s are chunks); the same code trains every other layout.
     pub fn param_builder(&self) -> crate::ParamBuilder {
-        let dtype = self.inner.fully_sharded.unwrap_or_else(|| self.inner.params[0].dtype());
+        let dtype = self.inner.storage.full_shard().unwrap_or_else(|| self.inner.params[0].dtype());
         crate::ParamBuilder::lookup(Arc::new(self.clone()), &self.inner.tp, dtype, self.inner.params[0].device())
     }
 
     /// FULL_SHARD: how many weight gathers a prefetch served (the rest were gathered when asked for).
     pub fn prefetched_gathers(&self) -> u64 {
-        self.inner.prefetcher.as_ref().map_or(0, |p| p.hits())
+        self.inner.storage.prefetcher().map_or(0, |p| p.hits())
     }
 
     /// FULL_SHARD: the collectives the prefetch thread ran over its own communicator of the dp_shard ranks (not in
     /// the mesh's groups' counters); `None` otherwise.
     pub fn prefetch_traffic(&self) -> Option<ddp_core::TrafficStats> {
-        self.inner.prefetcher.as_ref().map(|p| p.traffic())
+        self.inner.storage.prefetcher().map(|p| p.traffic())
     }
 
     /// Whether the parameters rest as dp_shard chunks between uses (FULL_SHARD).
     pub fn is_fully_sharded(&self) -> bool {
-        self.inner.fully_sharded.is_some()
+        self.inner.storage.full_shard().is_some()
+    }
+
+    /// Whether the fp32 masters are this rank's chunks (the same `Var`s as `optimized`): FULL_SHARD, and ZeRO-1/2
+    /// under mixed precision (the whole compute-dtype `params` are refreshed from the all-gathered chunks after
+    /// each step).
+    fn masters_sharded(&self) -> bool {
+        match self.inner.storage {
+            Storage::Replicated => false,
+            Storage::Sharded { .. } => self.inner.has_masters,
+            Storage::FullShard { .. } => true,
+        }
     }
 
     /// Parameter `i` whole in this rank's tp layout and fp32, outside any graph: the master, or when the masters are
     /// chunks (FULL_SHARD; ZeRO-1/2 under mixed precision) its chunks all-gathered (collective over dp_shard).
     fn local_master(&self, i: usize) -> Result<Tensor> {
-        match (&self.inner.sharding, self.inner.masters_sharded) {
+        match (self.inner.storage.sharding(), self.masters_sharded()) {
             (Some((g, shards)), true) => {
                 let chunks = shards.chunks();
                 let all = g.all_gather_tensor(&self.inner.optimized[i].as_tensor().detach())?;
@@ -405,7 +462,7 @@ impl PreparedModel {
     pub(crate) fn optimizer_state_to_full(&self, sd: StateDict) -> Result<StateDict> {
         let tp = &self.inner.tp;
         // Sharded: each buffer is this rank's chunk; all-gathered over dp_shard into the whole (tp-local) shape.
-        let sd = match &self.inner.sharding {
+        let sd = match self.inner.storage.sharding() {
             Some((g, shards)) => accel_nn::optim::map_param_tensors(sd, |i, t| -> Result<Tensor> {
                 let chunks = shards.chunks();
                 self.layout_of(i)?; // names a parameter the model does not have
@@ -430,7 +487,7 @@ impl PreparedModel {
         };
         let (rank, size) = (self.inner.tp.rank(), self.inner.tp.size());
         let sd = accel_nn::optim::map_param_tensors(sd, |i, t| self.layout_of(i)?.slice(&t, rank, size))?;
-        match &self.inner.sharding {
+        match self.inner.storage.sharding() {
             Some((g, shards)) => accel_nn::optim::map_param_tensors(sd, |i, t| -> Result<Tensor> {
                 Ok(shards.chunks()[i].slice(&t, g.rank())?)
             }),
@@ -485,14 +542,14 @@ impl PreparedModel {
             full.push(Some(t.to_device(self.inner.masters[i].device())?.to_dtype(DType::F32)?));
         }
         let local = self.local_tensors(full)?;
-        if let Some((g, shards)) = &self.inner.sharding {
+        if let Some((g, shards)) = self.inner.storage.sharding() {
             let chunks = shards.chunks();
             // This rank's chunks (what the optimizer steps), and the whole parameters unless FULL_SHARD's rest as
             // the chunks themselves.
             for (i, t) in local.into_iter().enumerate() {
                 let t = t.expect("every parameter has a tensor");
                 self.inner.optimized[i].set(&chunks[i].slice(&t, g.rank())?)?;
-                if self.inner.fully_sharded.is_none() {
+                if !self.is_fully_sharded() {
                     let p = &self.inner.params[i];
                     p.set(&t.to_dtype(p.dtype())?)?;
                 }
@@ -508,7 +565,7 @@ impl PreparedModel {
     /// Casts the fp32 masters back into the compute-dtype `Var`s (no-op in fp32, and when the masters are chunks:
     /// the sharded strategy's all-gather refreshed the parameters).
     pub(crate) fn copy_masters_to_params(&self) -> Result<()> {
-        if self.inner.has_masters && !self.inner.masters_sharded {
+        if self.inner.has_masters && !self.masters_sharded() {
             for (p, m) in self.inner.params.iter().zip(&self.inner.masters) {
                 p.set(&m.as_tensor().to_dtype(p.dtype())?)?;
             }
@@ -610,7 +667,7 @@ impl PreparedModel {
             g.strategy.after_optimizer_step(&optimized, &whole)?;
         }
         self.inner.generation.advance();
-        if let Some(p) = &self.inner.prefetcher {
+        if let Some(p) = self.inner.storage.prefetcher() {
             p.clear();
         }
         self.copy_masters_to_params()
@@ -637,9 +694,9 @@ impl crate::tensor_parallel::ParamSource for PreparedModel {
                  configuration and prefixes it was prepared with)"
             ))
         })?;
-        match (&self.inner.sharding, self.inner.fully_sharded) {
-            (Some(_), Some(dtype)) => self.gathered(i, dtype),
-            _ => Ok(self.inner.params[i].as_tensor().clone()),
+        match self.inner.storage.full_shard() {
+            Some(dtype) => self.gathered(i, dtype),
+            None => Ok(self.inner.params[i].as_tensor().clone()),
         }
     }
 
