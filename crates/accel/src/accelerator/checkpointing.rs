@@ -269,10 +269,13 @@ fn check_layout(acc: &Accelerator, dir: &Path, meta: &CheckpointMeta) -> Result<
             );
         }
     }
-    if meta.gradient_accumulation_steps != acc.gradient_accumulation_steps() {
+    // Once, and what it changes: with the global batch kept (a prepared data loader refuses a position saved at
+    // another), each optimizer step sees the same samples in other micro-batches.
+    if meta.gradient_accumulation_steps != acc.gradient_accumulation_steps() && acc.is_main_process() {
         tracing::warn!(
-            "checkpoint {} was written with gradient_accumulation_steps = {}, this run uses {}: the resumed run \
-             will not match the original",
+            "checkpoint {} was written with gradient_accumulation_steps = {}, this run uses {}: with the same global \
+             batch per optimizer step the updates are the original's up to floating-point summation order, except \
+             what is drawn per micro-batch (dropout masks); with another global batch, another run",
             dir.display(),
             meta.gradient_accumulation_steps,
             acc.gradient_accumulation_steps()
