@@ -370,7 +370,7 @@ where
         self.args.finalize()?;
         let varmap = VarMap::new();
         // The model's tensor-parallel group (one rank without tensor parallelism), for the loss.
-        let tp = acc.param_builder(&varmap).tp().clone();
+        let tp = acc.tensor_parallel().clone();
         let (model, built_stages) = (self.model_init)(&Builders { acc: &acc, varmap: &varmap })?;
         let staged = match (acc.pipeline_schedule().is_some(), built_stages) {
             (true, Some(stages)) => Some(stages),

@@ -251,9 +251,7 @@ fn run() -> anyhow::Result<()> {
     let args = accel_examples::parse_args!(Args); // a bad command line is reported once under a launcher
                                                   // `accel launch --parallelism auto` consumes the flag and hands its workers `auto` sizes instead
                                                   // (PARALLELISM_CONFIG_*=auto): --global-batch-size applies then too.
-    let launched_auto = accel::ParallelismConfig::default()
-        .with_overrides_from(|key| std::env::var(key).ok())
-        .is_ok_and(|p| p.is_auto());
+    let launched_auto = accel::ParallelismConfig::from_env().is_ok_and(|p| p.is_auto());
     if args.parallelism.is_none() && !launched_auto && args.global_batch_size.is_some() {
         bail!(
             "--global-batch-size applies with --parallelism auto; without it the global batch is --batch-size × the \
