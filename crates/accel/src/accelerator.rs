@@ -12,7 +12,7 @@
 //!
 //! Cheap to clone (one `Arc`); every clone is the same Accelerator.
 
-mod checkpointing;
+pub(crate) mod checkpointing;
 mod collectives;
 
 pub use collectives::ReduceKind;

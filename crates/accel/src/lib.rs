@@ -39,6 +39,7 @@ pub mod config_errors;
 pub mod error;
 pub mod mixed_precision;
 mod model;
+pub mod models;
 pub mod nn;
 pub mod optim;
 pub mod parallelism;

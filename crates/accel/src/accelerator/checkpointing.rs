@@ -428,7 +428,7 @@ fn resolve_save_dir(acc: &Accelerator, dir: Option<&Path>) -> Result<(PathBuf, O
 
 /// All ranks learn whether every rank's `local` step succeeded; returns this rank's error, or an error
 /// naming the phase when another rank failed.
-fn agree(acc: &Accelerator, phase: &str, dir: &Path, local: Result<()>) -> Result<()> {
+pub(crate) fn agree(acc: &Accelerator, phase: &str, dir: &Path, local: Result<()>) -> Result<()> {
     if acc.world_size() > 1 {
         let mut failed = [i32::from(local.is_err())];
         // A rank lost on the way fails the agreement itself: say which save and which phase it broke.

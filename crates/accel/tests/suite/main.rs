@@ -6,6 +6,7 @@ mod checkpoint;
 mod data_loader;
 mod equivalence;
 mod gather;
+mod llama;
 mod mixed_precision;
 mod optim;
 mod overlap;

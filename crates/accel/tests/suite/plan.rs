@@ -165,7 +165,7 @@ fn tokens(n: usize) -> Tensor {
     Tensor::from_vec(v, (n, SEQ + 1), &Device::Cpu).unwrap()
 }
 
-fn config(dp_replicate: usize, dp_shard: usize, tp: usize, sharding: ShardingStrategy) -> AcceleratorConfig {
+pub(crate) fn config(dp_replicate: usize, dp_shard: usize, tp: usize, sharding: ShardingStrategy) -> AcceleratorConfig {
     let parallelism = ParallelismConfig {
         dp_replicate_size: dp_replicate,
         dp_shard_size: dp_shard,
@@ -391,7 +391,7 @@ fn a_model_written_the_candle_way_is_refused_where_it_cannot_be_split() {
     }
 }
 
-fn pipelined(
+pub(crate) fn pipelined(
     pp: usize,
     schedule: ScheduleKind,
     virtual_stages: Option<usize>,

@@ -1,0 +1,308 @@
+//! Hugging Face model directories for the Llama family: `config.json` and the weights in `model.safetensors`, or
+//! sharded as `model-0000N-of-0000M.safetensors` with `model.safetensors.index.json`
+//! (`{"metadata": {"total_size": bytes}, "weight_map": {name: file}}`) — what transformers' `save_pretrained`
+//! writes and `from_pretrained` reads — loaded into and saved from any layout.
+
+use super::config::LlamaConfig;
+use crate::accelerator::checkpointing::agree;
+use crate::state::checkpoint_dir::{commit, partial_dir, remove_if_exists};
+use crate::state::write_atomic;
+use crate::{AccelError, Accelerator, PreparedModel, Result};
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device, Tensor};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+/// The single-file weights' name.
+pub const WEIGHTS_FILE: &str = "model.safetensors";
+/// The sharded weights' index.
+pub const WEIGHTS_INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// How [`save_pretrained`] stores the weights.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SaveOptions {
+    /// The weights' dtype on disk: F32, BF16 or F16 (training keeps f32 masters; they are cast on the way out).
+    pub dtype: DType,
+    /// Largest shard in bytes; `None`: one `model.safetensors`. transformers' `max_shard_size` (a tensor larger
+    /// than it gets a shard of its own).
+    pub max_shard_size: Option<u64>,
+}
+
+impl Default for SaveOptions {
+    fn default() -> Self {
+        SaveOptions { dtype: DType::F32, max_shard_size: None }
+    }
+}
+
+/// Every weight a checkpoint of `config` holds, by transformers' name, with its shape (what
+/// `LlamaForCausalLM.state_dict()` holds: no `lm_head.weight` when the head is tied).
+pub fn weight_shapes(config: &LlamaConfig) -> BTreeMap<String, Vec<usize>> {
+    let (v, h, i) = (config.vocab_size, config.hidden_size, config.intermediate_size);
+    let (q, kv) = (config.num_attention_heads * config.head_dim(), config.num_key_value_heads() * config.head_dim());
+    let mut shapes = BTreeMap::new();
+    shapes.insert("model.embed_tokens.weight".to_string(), vec![v, h]);
+    shapes.insert("model.norm.weight".to_string(), vec![h]);
+    if !config.tie_word_embeddings {
+        shapes.insert("lm_head.weight".to_string(), vec![v, h]);
+    }
+    for l in 0..config.num_hidden_layers {
+        let p = format!("model.layers.{l}");
+        let mut put = |name: String, shape: Vec<usize>| shapes.insert(format!("{p}.{name}"), shape);
+        put("input_layernorm.weight".into(), vec![h]);
+        put("post_attention_layernorm.weight".into(), vec![h]);
+        let linears = [
+            ("self_attn.q_proj", q, h, config.attention_bias),
+            ("self_attn.k_proj", kv, h, config.attention_bias),
+            ("self_attn.v_proj", kv, h, config.attention_bias),
+            ("self_attn.o_proj", h, q, config.attention_bias),
+            ("mlp.gate_proj", i, h, config.mlp_bias),
+            ("mlp.up_proj", i, h, config.mlp_bias),
+            ("mlp.down_proj", h, i, config.mlp_bias),
+        ];
+        for (name, out, inp, bias) in linears {
+            put(format!("{name}.weight"), vec![out, inp]);
+            if bias {
+                put(format!("{name}.bias"), vec![out]);
+            }
+        }
+    }
+    shapes
+}
+
+/// Buffers some checkpoints carry that are not weights (transformers ignores them too).
+fn ignored(name: &str) -> bool {
+    name.ends_with("rotary_emb.inv_freq")
+}
+
+/// The weight files of the directory: the index's files, or `model.safetensors`.
+fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let index = dir.join(WEIGHTS_INDEX_FILE);
+    if index.exists() {
+        let json = crate::state::read_json(&index)?;
+        let map = json
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| AccelError::InvalidArgument(format!("{} has no \"weight_map\" object", index.display())))?;
+        let mut files: Vec<PathBuf> = map.values().filter_map(|f| f.as_str()).map(|f| dir.join(f)).collect();
+        files.sort();
+        files.dedup();
+        if let Some(missing) = files.iter().find(|f| !f.exists()) {
+            return Err(AccelError::InvalidArgument(format!(
+                "{} names {}, which does not exist: the shards are incomplete (download or copy the whole \
+                 directory)",
+                index.display(),
+                missing.display()
+            )));
+        }
+        return Ok(files);
+    }
+    let single = dir.join(WEIGHTS_FILE);
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    Err(AccelError::InvalidArgument(format!(
+        "{} holds neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}; only safetensors weights are read \
+         (pytorch_model.bin is not: convert it with transformers' save_pretrained(dir, safe_serialization=True))",
+        dir.display()
+    )))
+}
+
+/// A list of names for a message: the first few, and how many more.
+fn listed(names: &[&String]) -> String {
+    let shown: Vec<String> = names.iter().take(6).map(|n| format!("{n:?}")).collect();
+    match names.len() > 6 {
+        true => format!("{} and {} more", shown.join(", "), names.len() - 6),
+        false => shown.join(", "),
+    }
+}
+
+/// Loads a Hugging Face directory's weights into `model` (prepared from a [`super::Llama`] built with `config`),
+/// at any layout: each rank converts only the tensors of its own pipeline stages, and keeps its tensor-parallel
+/// slice and its data-parallel shard of each (the file is memory-mapped; a tensor is read whole, then sliced).
+/// f32, bf16 and f16 on disk; the masters stay f32. No communication.
+///
+/// Errors, before any weight is changed: no weight file; missing or unexpected weights (named); a shape that
+/// disagrees with the config (both shapes named); a dtype other than f32/bf16/f16; a tied head's `lm_head.weight`
+/// that differs from the embedding.
+pub fn load_pretrained(model: &PreparedModel, config: &LlamaConfig, dir: &Path) -> Result<()> {
+    let files = weight_files(dir)?;
+    // SAFETY: the files are mapped read-only; like every reader of safetensors (candle's, transformers'), this
+    // assumes no other process truncates them while the model loads.
+    let st = unsafe { MmapedSafetensors::multi(&files) }
+        .map_err(|e| AccelError::InvalidArgument(format!("reading the weights of {}: {e}", dir.display())))?;
+    let on_disk: BTreeMap<String, (Vec<usize>, safetensors::Dtype)> =
+        st.tensors().into_iter().map(|(name, view)| (name, (view.shape().to_vec(), view.dtype()))).collect();
+    let expected = weight_shapes(config);
+    let in_dir = || format!("the weights in {}", dir.display());
+    let missing: Vec<&String> = expected.keys().filter(|n| !on_disk.contains_key(*n)).collect();
+    if !missing.is_empty() {
+        return Err(AccelError::InvalidArgument(format!(
+            "{} lack {} weight(s) a Llama with this config.json has: {} (a partial download, or a config that \
+             does not belong to these weights)",
+            in_dir(),
+            missing.len(),
+            listed(&missing)
+        )));
+    }
+    let tied_copy = |n: &str| config.tie_word_embeddings && n == "lm_head.weight";
+    let unexpected: Vec<&String> =
+        on_disk.keys().filter(|n| !expected.contains_key(*n) && !ignored(n) && !tied_copy(n)).collect();
+    if !unexpected.is_empty() {
+        return Err(AccelError::InvalidArgument(format!(
+            "{} hold {} weight(s) a Llama with this config.json does not have: {} (another architecture, or a \
+             config.json that does not describe these weights, e.g. attention_bias or num_hidden_layers)",
+            in_dir(),
+            unexpected.len(),
+            listed(&unexpected)
+        )));
+    }
+    for (name, shape) in &expected {
+        let (disk, dtype) = &on_disk[name];
+        if disk != shape {
+            return Err(AccelError::InvalidArgument(format!(
+                "{name} has shape {disk:?} in {} but config.json gives {shape:?}: the config does not describe \
+                 these weights",
+                dir.display()
+            )));
+        }
+        if !matches!(dtype, safetensors::Dtype::F32 | safetensors::Dtype::BF16 | safetensors::Dtype::F16) {
+            return Err(AccelError::InvalidArgument(format!(
+                "{name} is stored as {dtype:?} in {}; weights are read as f32, bf16 or f16",
+                dir.display()
+            )));
+        }
+    }
+    let read = |name: &str| -> Result<Tensor> {
+        let t = st.load(name, &Device::Cpu).map_err(|e| AccelError::InvalidArgument(format!("reading {name}: {e}")))?;
+        Ok(t.to_dtype(DType::F32)?)
+    };
+    if on_disk.contains_key("lm_head.weight") && config.tie_word_embeddings {
+        let (head, embed) = (read("lm_head.weight")?, read("model.embed_tokens.weight")?);
+        let diff = (head - embed)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        if diff != 0.0 {
+            return Err(AccelError::InvalidArgument(format!(
+                "config.json ties the head to the embedding (tie_word_embeddings), but {} holds an lm_head.weight \
+                 that differs from model.embed_tokens.weight (by up to {diff}): set tie_word_embeddings to false \
+                 to load both",
+                dir.display()
+            )));
+        }
+    }
+    // This rank's parameters only (its pipeline stages); the layout slices them.
+    let weights = model.names().iter().map(|n| Ok((n.clone(), read(n)?))).collect::<Result<BTreeMap<_, _>>>()?;
+    model.load_state_dict(&weights)
+}
+
+/// Saves `model` (prepared from a [`super::Llama`] built with `config`) as a Hugging Face directory — `config.json`
+/// and the weights, whole (`model.safetensors`) or sharded with an index — from any layout: the tp shards and the
+/// pipeline stages are gathered onto the main process, which writes. Collective: every rank calls it.
+///
+/// Atomic: the directory is written under a hidden sibling name and renamed into place (replacing a previous
+/// save), so a crash leaves the old directory or the new one, never a mix. Errors: a dtype other than
+/// f32/bf16/f16, an existing `dir` that is not a model directory (no `config.json`: it is not ours to replace),
+/// I/O (on any rank: every rank returns the error and nothing is committed).
+pub fn save_pretrained(
+    acc: &Accelerator,
+    model: &PreparedModel,
+    config: &LlamaConfig,
+    dir: &Path,
+    options: &SaveOptions,
+) -> Result<()> {
+    if !matches!(options.dtype, DType::F32 | DType::BF16 | DType::F16) {
+        return Err(AccelError::InvalidArgument(format!(
+            "save_pretrained: dtype {:?}; weights are written as F32, BF16 or F16",
+            options.dtype
+        )));
+    }
+    let main = acc.is_main_process();
+    let partial = partial_dir(dir);
+    let prepared = match main {
+        true => check_replaceable(dir).and_then(|()| remove_if_exists(&partial)).and_then(|()| {
+            std::fs::create_dir_all(&partial).map_err(|e| AccelError::io(format!("creating {}", partial.display()), e))
+        }),
+        false => Ok(()),
+    };
+    agree(acc, "preparing", dir, prepared)?;
+    let full = model.checkpoint_state_dict();
+    let written = match (main, full) {
+        (true, Ok(full)) => write_directory(&partial, config, full, options),
+        (_, full) => full.map(drop),
+    };
+    if let Err(e) = agree(acc, "writing", dir, written) {
+        if main {
+            let _ = remove_if_exists(&partial);
+        }
+        return Err(e);
+    }
+    let committed = if main { commit(&partial, dir) } else { Ok(()) };
+    agree(acc, "committing", dir, committed)
+}
+
+/// An existing directory is replaced only when it is a model directory (it has a `config.json`) or empty.
+fn check_replaceable(dir: &Path) -> Result<()> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries.count(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(AccelError::io(format!("reading {}", dir.display()), e)),
+    };
+    if entries > 0 && !dir.join("config.json").exists() {
+        return Err(AccelError::InvalidArgument(format!(
+            "save_pretrained: {} exists and is not a model directory (no config.json); it is not replaced: \
+             choose another directory or empty it",
+            dir.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Writes `config.json` and the weights into `dir` (a fresh directory).
+fn write_directory(
+    dir: &Path,
+    config: &LlamaConfig,
+    full: BTreeMap<String, Tensor>,
+    options: &SaveOptions,
+) -> Result<()> {
+    write_atomic(&dir.join("config.json"), config.json_for(options.dtype)?)?;
+    let weights = full
+        .into_iter()
+        .map(|(n, t)| Ok((n, t.to_device(&Device::Cpu)?.to_dtype(options.dtype)?.contiguous()?)))
+        .collect::<Result<BTreeMap<String, Tensor>>>()?;
+    let bytes = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+    let total: u64 = weights.values().map(bytes).sum();
+    let Some(max) = options.max_shard_size else {
+        return write_safetensors(&dir.join(WEIGHTS_FILE), weights);
+    };
+    // transformers' packing: tensors in order, a new shard when the next would pass the limit.
+    let mut shards: Vec<BTreeMap<String, Tensor>> = vec![BTreeMap::new()];
+    let mut size = 0;
+    for (name, t) in weights {
+        let current = shards.last().expect("one shard");
+        if !current.is_empty() && size + bytes(&t) > max {
+            shards.push(BTreeMap::new());
+            size = 0;
+        }
+        size += bytes(&t);
+        shards.last_mut().expect("one shard").insert(name, t);
+    }
+    let n = shards.len();
+    let mut weight_map = serde_json::Map::new();
+    for (i, shard) in shards.into_iter().enumerate() {
+        let file = format!("model-{:05}-of-{n:05}.safetensors", i + 1);
+        for name in shard.keys() {
+            weight_map.insert(name.clone(), file.clone().into());
+        }
+        write_safetensors(&dir.join(&file), shard)?;
+    }
+    let index = serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
+    let text = serde_json::to_string_pretty(&index).map_err(|e| AccelError::json("encoding the index", e))?;
+    write_atomic(&dir.join(WEIGHTS_INDEX_FILE), text + "\n")
+}
+
+/// One safetensors file with transformers' metadata (`format: pt`, which its loader checks).
+fn write_safetensors(path: &Path, tensors: BTreeMap<String, Tensor>) -> Result<()> {
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let map: HashMap<String, Tensor> = tensors.into_iter().collect();
+    let bytes = safetensors::tensor::serialize(map, Some(metadata))
+        .map_err(|e| AccelError::InvalidArgument(format!("serializing {}: {e}", path.display())))?;
+    write_atomic(path, bytes)
+}

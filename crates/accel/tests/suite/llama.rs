@@ -1,0 +1,422 @@
+//! The Llama family against code no one here wrote: transformers' `LlamaForCausalLM` (the fixture
+//! `tests/fixtures/llama`, made by `scripts/llama-fixture.py`: a grouped-query model with its own head, and a tied
+//! one with Llama 3's RoPE scaling) and candle-transformers' `llama`. Logits, loss and every gradient match at one
+//! process and at tp 2, pp 2, FULL_SHARD 2 and dp 2 × tp 2; greedy generation matches token for token; a
+//! directory saved at any layout loads at any other; bad checkpoints are refused by name with nothing written.
+//!
+//! Tolerance: f32, `|a − b| ≤ 1e-5 · max(1, |b|)` (the issue's 1e-5; products sum in other orders).
+
+use crate::plan::{config, pipelined};
+use crate::ranks::*;
+use accel::models::llama::{self, Llama, LlamaConfig, RopeScaling, SaveOptions};
+use accel::pipeline::ScheduleKind;
+use accel::{AcceleratorConfig, AdamW, AdamWConfig, Sgd, SgdConfig, ShardingStrategy};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarMap;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+const TOL: f32 = 1e-5;
+
+fn fixture(model: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama").join(model)
+}
+
+/// What transformers computed for the fixture's batch.
+struct Reference {
+    /// `[2, 8]` u32.
+    input_ids: Tensor,
+    logits: Vec<f32>,
+    loss: f32,
+    grads: BTreeMap<String, Vec<f32>>,
+    prompt: Vec<u32>,
+    greedy: Vec<u32>,
+}
+
+fn reference(model: &str) -> Reference {
+    let r = accel::state::load_safetensors(&fixture(model).join("reference.safetensors"), &Device::Cpu).unwrap();
+    let ids = |n: &str| r[n].to_dtype(DType::U32).unwrap();
+    let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let grads = r.iter().filter_map(|(n, t)| n.strip_prefix("grad.").map(|n| (n.to_string(), flat(t)))).collect();
+    Reference {
+        input_ids: ids("input_ids"),
+        logits: flat(&r["logits"]),
+        loss: flat(&r["loss"])[0],
+        grads,
+        prompt: ids("prompt_ids").flatten_all().unwrap().to_vec1().unwrap(),
+        greedy: ids("greedy_ids").flatten_all().unwrap().to_vec1().unwrap(),
+    }
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1.0)).fold(0.0, f32::max)
+}
+
+/// Builds the fixture's model at the layout `acc` has and loads its weights.
+fn load(acc: &accel::Accelerator, dir: &Path) -> anyhow::Result<(Llama, accel::PreparedModel, LlamaConfig)> {
+    let config = LlamaConfig::from_pretrained(dir)?;
+    let varmap = VarMap::new();
+    let model = Llama::new(&config, acc.builder(&varmap, Llama::plan(&config)))?;
+    let prepared = acc.prepare_model(&varmap)?;
+    llama::load_pretrained(&prepared, &config, dir)?;
+    Ok((model, prepared, config))
+}
+
+/// One rank's view of the fixture's batch: (its dp rank, the full logits of its rows where this rank holds the
+/// last stage, its rows' loss, every full gradient).
+type Computed = (usize, Option<Vec<f32>>, f32, BTreeMap<String, Vec<f32>>);
+
+/// Loads the fixture at the layout `cfg` gives and computes its logits (all 8 positions), the loss of the ids
+/// shifted by one (what transformers' `labels` computes) and the gradients (`w₀ − w₁` after one SGD step at
+/// learning rate 1), each dp rank on its rows of the batch.
+fn compute(model_name: &'static str, world: usize, cfg: AcceleratorConfig) -> Vec<Computed> {
+    run_ranks(world, cfg, move |acc| {
+        let (model, prepared, _) = load(&acc, &fixture(model_name))?;
+        let ids = reference(model_name).input_ids;
+        let rows = 2 / acc.data_parallel_size();
+        let ids = ids.narrow(0, acc.data_parallel_rank() * rows, rows)?;
+        let logits = Arc::new(Mutex::new(None));
+        let seen = logits.clone();
+        acc.pipeline_forward(&model, &ids, &ids, |l, _| {
+            let full = model.full_logits(l)?;
+            *seen.lock().unwrap() = Some(full.flatten_all()?.to_vec1::<f32>()?);
+            Ok(Tensor::new(0f32, l.device())?)
+        })?;
+        let before = to_f32_map(&prepared.state_dict()?);
+        let mut opt = acc.prepare_optimizer(&prepared, Sgd::new(SgdConfig::new(1.0))?)?;
+        let (inputs, targets) = (ids.narrow(1, 0, 7)?, ids.narrow(1, 1, 7)?);
+        let loss = acc.pipeline_backward(&model, &inputs, &targets, |l, t| model.loss(l, t))?;
+        assert!(opt.step()?);
+        let after = to_f32_map(&prepared.state_dict()?);
+        let grads =
+            before.iter().map(|(n, w0)| (n.clone(), w0.iter().zip(&after[n]).map(|(a, b)| a - b).collect())).collect();
+        let logits = logits.lock().unwrap().take();
+        Ok((acc.data_parallel_rank(), logits, loss.to_scalar::<f32>()?, grads))
+    })
+}
+
+fn plain() -> AcceleratorConfig {
+    config(1, 1, 1, ShardingStrategy::default())
+}
+
+/// The layouts the issue names, each with its world size.
+fn layouts() -> Vec<(&'static str, usize, AcceleratorConfig)> {
+    vec![
+        ("one process", 1, plain()),
+        ("tp 2", 2, config(1, 1, 2, ShardingStrategy::default())),
+        ("pp 2", 2, pipelined(2, ScheduleKind::OneFOneB, None, plain())),
+        ("FULL_SHARD 2", 2, config(1, 2, 1, ShardingStrategy::FullShard)),
+        ("dp 2 × tp 2", 4, config(2, 1, 2, ShardingStrategy::default())),
+    ]
+}
+
+#[test]
+fn logits_loss_and_gradients_match_transformers_at_every_layout() {
+    for model in ["gqa", "tied"] {
+        let want = reference(model);
+        for (name, world, cfg) in layouts() {
+            let ranks = compute(model, world, cfg);
+            // Logits: each dp rank's rows, from every rank that holds the last stage.
+            let per_row = want.logits.len() / 2;
+            let mut checked = 0;
+            for (dp_rank, logits, _, _) in &ranks {
+                if let Some(logits) = logits {
+                    let rows = logits.len() / per_row;
+                    let start = dp_rank * rows * per_row;
+                    let d = max_diff(logits, &want.logits[start..start + logits.len()]);
+                    assert!(d <= TOL, "{model}, {name}: logits differ from transformers' by {d:e}");
+                    checked += rows;
+                }
+            }
+            assert!(checked >= 2, "{model}, {name}: no rank returned the logits of every row");
+            // Each dp rank's mean over its rows; the batch's mean is their mean (equal rows per rank).
+            let loss = ranks.iter().map(|r| r.2).sum::<f32>() / ranks.len() as f32;
+            assert!((loss - want.loss).abs() <= TOL * want.loss, "{model}, {name}: loss {loss} vs {}", want.loss);
+            let grads = &ranks[0].3;
+            assert_eq!(grads.keys().collect::<Vec<_>>(), want.grads.keys().collect::<Vec<_>>(), "{model}, {name}");
+            let d = max_rel_diff(grads, &want.grads);
+            eprintln!("Llama {model}, {name}: loss {loss:.8} (transformers {:.8}), gradients within {d:e}", want.loss);
+            assert!(d <= TOL, "{model}, {name}: gradients differ from transformers' by {d:e}");
+            for (r, rank) in ranks.iter().enumerate() {
+                assert_eq!(&rank.3, grads, "{model}, {name}: rank {r}'s weights differ from rank 0's");
+            }
+        }
+    }
+}
+
+#[test]
+fn greedy_generation_matches_transformers_token_for_token() {
+    for model in ["gqa", "tied"] {
+        let want = reference(model);
+        for (name, world, cfg) in
+            [("one process", 1, plain()), ("tp 2", 2, config(1, 1, 2, ShardingStrategy::default()))]
+        {
+            let prompt = want.prompt.clone();
+            let new_tokens = want.greedy.len() - prompt.len();
+            let got = run_ranks(world, cfg, move |acc| {
+                let (model, _, _) = load(&acc, &fixture(model))?;
+                Ok(model.generate_greedy(&prompt, new_tokens)?)
+            });
+            for ids in got {
+                assert_eq!(ids, want.greedy, "{model}, {name}: greedy ids differ from transformers' generate");
+            }
+        }
+    }
+}
+
+/// Trains the gqa fixture two AdamW steps at one layout and saves it; returns the saved weights and the loss of
+/// the next batch.
+fn train_and_save(
+    world: usize,
+    cfg: AcceleratorConfig,
+    dir: PathBuf,
+    options: SaveOptions,
+) -> (BTreeMap<String, Vec<f32>>, f32) {
+    let out = run_ranks(world, cfg, move |acc| {
+        let (model, prepared, config) = load(&acc, &fixture("gqa"))?;
+        let mut opt = acc.prepare_optimizer(&prepared, AdamW::new(AdamWConfig::new(0.01))?)?;
+        let ids = reference("gqa").input_ids;
+        let rows = 2 / acc.data_parallel_size();
+        let ids = ids.narrow(0, acc.data_parallel_rank() * rows, rows)?;
+        for _ in 0..2 {
+            acc.pipeline_backward(&model, &ids.narrow(1, 0, 7)?, &ids.narrow(1, 1, 7)?, |l, t| model.loss(l, t))?;
+            assert!(opt.step()?);
+        }
+        llama::save_pretrained(&acc, &prepared, &config, &dir, &options)?;
+        let next = next_loss(&acc, &model)?;
+        Ok((to_f32_map(&prepared.state_dict()?), next))
+    });
+    out.into_iter().next().unwrap()
+}
+
+/// The mean loss over the whole fixture batch (reversed, so it is not the batch trained on), every layout.
+fn next_loss(acc: &accel::Accelerator, model: &Llama) -> anyhow::Result<f32> {
+    let ids = reference("gqa").input_ids.flip(&[1])?.contiguous()?;
+    let loss = acc.pipeline_forward(model, &ids.narrow(1, 0, 7)?, &ids.narrow(1, 1, 7)?, |l, t| model.loss(l, t))?;
+    Ok(loss.to_scalar::<f32>()?)
+}
+
+#[test]
+fn a_directory_saved_at_any_layout_loads_at_any_other() {
+    let tmp = tempfile::tempdir().unwrap();
+    let layouts = [layouts(), vec![("dp 2", 2, config(2, 1, 1, ShardingStrategy::default()))]].concat();
+    let mut saved = Vec::new();
+    for (i, (name, world, cfg)) in layouts.iter().enumerate() {
+        let dir = tmp.path().join(format!("saved-{i}"));
+        // Sharded files from half the layouts (small shards: several files and an index).
+        let max_shard_size = (i % 2 == 1).then_some(40_000);
+        let (weights, next) =
+            train_and_save(*world, cfg.clone(), dir.clone(), SaveOptions { max_shard_size, ..Default::default() });
+        assert_eq!(dir.join(llama::WEIGHTS_INDEX_FILE).exists(), max_shard_size.is_some(), "{name}");
+        saved.push((name, dir, weights, next));
+    }
+    // Every layout trained to the same weights (one process's, within rounding).
+    for (name, _, weights, _) in &saved[1..] {
+        let d = max_rel_diff(weights, &saved[0].2);
+        assert!(d <= TOL, "{name}: trained weights differ from one process's by {d:e}");
+    }
+    for (from, dir, weights, next) in &saved {
+        for (to, world, cfg) in &layouts {
+            let dir = dir.clone();
+            let got = run_ranks(*world, cfg.clone(), move |acc| {
+                let (model, prepared, _) = load(&acc, &dir)?;
+                Ok((to_f32_map(&prepared.state_dict()?), next_loss(&acc, &model)?))
+            });
+            let (loaded, loss) = &got[0];
+            assert_eq!(loaded, weights, "saved at {from}, loaded at {to}: weights changed");
+            assert!((loss - next).abs() <= TOL * next, "saved at {from}, loaded at {to}: next loss {loss} vs {next}");
+        }
+    }
+}
+
+#[test]
+fn half_precision_directories_round_to_the_saved_dtype() {
+    let tmp = tempfile::tempdir().unwrap();
+    for dtype in [DType::BF16, DType::F16] {
+        let dir = tmp.path().join(format!("{dtype:?}"));
+        let d = dir.clone();
+        let weights = run_ranks(2, config(1, 1, 2, ShardingStrategy::default()), move |acc| {
+            let (_, prepared, config) = load(&acc, &fixture("gqa"))?;
+            llama::save_pretrained(&acc, &prepared, &config, &d, &SaveOptions { dtype, max_shard_size: None })?;
+            Ok(prepared.state_dict()?)
+        });
+        let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+        let name = if dtype == DType::BF16 { "bfloat16" } else { "float16" };
+        assert!(text.contains(&format!("\"dtype\": \"{name}\"")), "{text}");
+        let on_disk = accel::state::load_safetensors(&dir.join(llama::WEIGHTS_FILE), &Device::Cpu).unwrap();
+        assert!(on_disk.values().all(|t| t.dtype() == dtype));
+        let rounded: BTreeMap<_, _> = weights[0]
+            .iter()
+            .map(|(n, t)| (n.clone(), t.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap()))
+            .collect();
+        let loaded = run_ranks(1, plain(), move |acc| Ok(load(&acc, &dir)?.1.state_dict()?));
+        assert_eq!(to_f32_map(&loaded[0]), to_f32_map(&rounded), "{dtype:?}: loaded weights are not the saved ones");
+    }
+}
+
+/// The gqa fixture copied into a fresh directory with its config and weights changed by `edit`.
+fn edited(
+    root: &Path,
+    name: &str,
+    edit: impl FnOnce(&mut serde_json::Value, &mut BTreeMap<String, Tensor>),
+) -> PathBuf {
+    let dir = root.join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = fixture("gqa");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let mut weights = accel::state::load_safetensors(&src.join(llama::WEIGHTS_FILE), &Device::Cpu).unwrap();
+    edit(&mut config, &mut weights);
+    std::fs::write(dir.join("config.json"), serde_json::to_string(&config).unwrap()).unwrap();
+    accel::state::save_safetensors(&weights, &dir.join(llama::WEIGHTS_FILE)).unwrap();
+    dir
+}
+
+fn listing(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> =
+        std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    names
+}
+
+/// The error of loading `dir` at one process; the weights must be untouched and nothing written.
+fn load_error(dir: PathBuf) -> String {
+    let before = listing(dir.parent().unwrap());
+    let d = dir.clone();
+    let err = run_ranks(1, plain(), move |acc| {
+        let config = match LlamaConfig::from_pretrained(&d) {
+            Ok(c) => c,
+            Err(e) => return Ok(e.to_string()),
+        };
+        let varmap = VarMap::new();
+        let _model = Llama::new(&config, acc.builder(&varmap, Llama::plan(&config)))?;
+        let prepared = acc.prepare_model(&varmap)?;
+        let start = to_f32_map(&prepared.state_dict()?);
+        let err = llama::load_pretrained(&prepared, &config, &d).unwrap_err().to_string();
+        assert_eq!(to_f32_map(&prepared.state_dict()?), start, "a refused load changed the weights");
+        Ok(err)
+    });
+    assert_eq!(listing(dir.parent().unwrap()), before, "a refused load wrote files");
+    err.into_iter().next().unwrap()
+}
+
+#[test]
+fn bad_checkpoints_are_refused_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let cases: Vec<(&str, PathBuf, Vec<&str>)> = vec![
+        (
+            "unknown model_type",
+            edited(root, "mistral", |c, _| c["model_type"] = "gemma".into()),
+            vec!["model_type \"gemma\" is not a Llama"],
+        ),
+        (
+            "another architecture",
+            edited(root, "arch", |c, _| c["architectures"] = serde_json::json!(["LlamaForSequenceClassification"])),
+            vec!["architecture \"LlamaForSequenceClassification\" is not LlamaForCausalLM"],
+        ),
+        (
+            "an unsupported RoPE scaling",
+            edited(root, "yarn", |c, _| c["rope_parameters"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0})),
+            vec!["rope scaling type \"yarn\" is not supported", "\"default\", \"linear\" and \"llama3\""],
+        ),
+        (
+            "a missing weight",
+            edited(root, "missing", |_, w| {
+                w.remove("model.layers.2.mlp.down_proj.weight");
+            }),
+            vec!["lack 1 weight(s)", "\"model.layers.2.mlp.down_proj.weight\""],
+        ),
+        (
+            "an unexpected weight",
+            edited(root, "unexpected", |_, w| {
+                let t = w["model.norm.weight"].clone();
+                w.insert("model.layers.0.self_attn.q_norm.weight".into(), t);
+            }),
+            vec!["hold 1 weight(s)", "\"model.layers.0.self_attn.q_norm.weight\""],
+        ),
+        (
+            "a shape the config disagrees with",
+            edited(root, "shape", |c, _| c["intermediate_size"] = 60.into()),
+            vec!["model.layers.0.mlp.down_proj.weight has shape [32, 64]", "config.json gives [32, 60]"],
+        ),
+        (
+            "key/value heads that do not divide the query heads",
+            edited(root, "heads", |c, _| c["num_key_value_heads"] = 3.into()),
+            vec!["num_key_value_heads = 3 must divide num_attention_heads = 4", "values that fit: 1, 2, 4"],
+        ),
+    ];
+    for (what, dir, needles) in cases {
+        let err = load_error(dir);
+        for needle in needles {
+            assert!(err.contains(needle), "{what}: {err:?} lacks {needle:?}");
+        }
+    }
+    // No weight file.
+    let empty = root.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    std::fs::copy(fixture("gqa").join("config.json"), empty.join("config.json")).unwrap();
+    let err = load_error(empty);
+    assert!(err.contains("holds neither model.safetensors nor model.safetensors.index.json"), "{err}");
+}
+
+#[test]
+fn a_layout_that_cannot_split_the_heads_is_refused_with_the_sizes_that_fit() {
+    let errors = run_ranks(4, config(1, 1, 4, ShardingStrategy::default()), |acc| {
+        let config = LlamaConfig::from_pretrained(&fixture("gqa"))?;
+        let varmap = VarMap::new();
+        Ok(Llama::new(&config, acc.builder(&varmap, Llama::plan(&config))).err().map(|e| e.to_string()))
+    });
+    for err in errors {
+        let err = err.expect("tp 4 over 2 key/value heads must be refused");
+        assert!(err.contains("tp size 4 does not divide num_key_value_heads = 2"), "{err}");
+        assert!(err.contains("tp sizes that fit: 1, 2"), "{err}");
+    }
+}
+
+#[test]
+fn save_pretrained_never_replaces_a_directory_it_did_not_write() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("notes");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("todo.txt"), "mine").unwrap();
+    let d = dir.clone();
+    let errors = run_ranks(2, config(1, 1, 2, ShardingStrategy::default()), move |acc| {
+        let (_, prepared, config) = load(&acc, &fixture("gqa"))?;
+        Ok(llama::save_pretrained(&acc, &prepared, &config, &d, &SaveOptions::default()).unwrap_err().to_string())
+    });
+    assert!(
+        errors[0].contains("exists and is not a model directory (no config.json); it is not replaced"),
+        "{}",
+        errors[0]
+    );
+    assert!(errors[1].contains("another rank failed while preparing"), "{}", errors[1]);
+    assert_eq!(listing(&dir), vec!["todo.txt"]);
+    assert_eq!(listing(tmp.path()), vec!["notes"], "nothing else written");
+}
+
+#[test]
+fn both_config_formats_of_transformers_are_read() {
+    // transformers 4.x: top-level rope_theta, rope_scaling with `type`, torch_dtype.
+    let old = r#"{"model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+        "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}}"#;
+    let config = LlamaConfig::from_json(old).unwrap();
+    let rope = config.rope().unwrap();
+    assert_eq!(rope.theta, 500000.0);
+    assert!(matches!(rope.scaling, RopeScaling::Llama3 { factor: 8.0, original_max_position_embeddings: 8192, .. }));
+    assert_eq!(config.num_key_value_heads(), 4);
+    assert_eq!(config.head_dim(), 4);
+    // Written back with the fields it was read with (and the unknown ones kept).
+    let again = LlamaConfig::from_json(&config.to_json().unwrap()).unwrap();
+    assert_eq!(again, config);
+    // transformers 5.x (the fixture): rope_parameters.
+    let tied = LlamaConfig::from_pretrained(&fixture("tied")).unwrap();
+    assert_eq!(tied.rope().unwrap().theta, 500000.0);
+    assert!(matches!(tied.rope().unwrap().scaling, RopeScaling::Llama3 { original_max_position_embeddings: 32, .. }));
+    let linear = LlamaConfig::from_json(&old.replace("\"llama3\"", "\"linear\"")).unwrap();
+    assert_eq!(linear.rope().unwrap().scaling, RopeScaling::Linear { factor: 8.0 });
+}
