@@ -420,3 +420,65 @@ fn both_config_formats_of_transformers_are_read() {
     let linear = LlamaConfig::from_json(&old.replace("\"llama3\"", "\"linear\"")).unwrap();
     assert_eq!(linear.rope().unwrap().scaling, RopeScaling::Linear { factor: 8.0 });
 }
+
+/// candle-transformers' Llama (its own RoPE tables, attention and loading) on the fixture's weights: the same
+/// logits as ours at every position (its forward returns the last position's, so each prefix runs once).
+#[test]
+fn candle_transformers_gives_the_same_logits() {
+    use candle_transformers::models::llama as ct;
+    for model in ["gqa", "tied"] {
+        let dir = fixture(model);
+        let ours = LlamaConfig::from_pretrained(&dir).unwrap();
+        let rope = ours.rope().unwrap();
+        let rope_scaling = match rope.scaling {
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                Some(ct::Llama3RopeConfig {
+                    factor: factor as f32,
+                    low_freq_factor: low_freq_factor as f32,
+                    high_freq_factor: high_freq_factor as f32,
+                    original_max_position_embeddings,
+                    rope_type: ct::Llama3RopeType::Llama3,
+                })
+            }
+            RopeScaling::Default => None,
+            RopeScaling::Linear { .. } => unreachable!("the fixture has no linear scaling"),
+        };
+        let config = ct::Config {
+            hidden_size: ours.hidden_size,
+            intermediate_size: ours.intermediate_size,
+            vocab_size: ours.vocab_size,
+            num_hidden_layers: ours.num_hidden_layers,
+            num_attention_heads: ours.num_attention_heads,
+            num_key_value_heads: ours.num_key_value_heads(),
+            use_flash_attn: false,
+            rms_norm_eps: ours.rms_norm_eps,
+            rope_theta: rope.theta as f32,
+            bos_token_id: None,
+            eos_token_id: None,
+            rope_scaling,
+            max_position_embeddings: ours.max_position_embeddings,
+            tie_word_embeddings: ours.tie_word_embeddings,
+        };
+        // SAFETY: the fixture is read-only while the test runs.
+        let vb = unsafe {
+            candle_nn::VarBuilder::from_mmaped_safetensors(&[dir.join(llama::WEIGHTS_FILE)], DType::F32, &Device::Cpu)
+        }
+        .unwrap();
+        let theirs = ct::Llama::load(vb, &config).unwrap();
+        let want = reference(model);
+        let (ids, vocab) = (&want.input_ids, ours.vocab_size);
+        let ours_logits = run_ranks(1, plain(), move |acc| {
+            let (m, _, _) = load(&acc, &fixture(model))?;
+            Ok(m.full_logits(&m.forward(&reference(model).input_ids)?)?)
+        })
+        .remove(0);
+        for s in 1..=ids.dim(1).unwrap() {
+            let mut cache = ct::Cache::new(false, DType::F32, &config, &Device::Cpu).unwrap();
+            let last = theirs.forward(&ids.narrow(1, 0, s).unwrap(), 0, &mut cache).unwrap();
+            let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let ours_at = ours_logits.narrow(1, s - 1, 1).unwrap().reshape((2, vocab)).unwrap();
+            let d = max_diff(&flat(&ours_at), &flat(&last));
+            assert!(d <= TOL, "{model}, position {}: logits differ from candle-transformers' by {d:e}", s - 1);
+        }
+    }
+}
