@@ -288,6 +288,14 @@ impl VarBuilder {
         &self.book
     }
 
+    /// The same builder creating every parameter from `weights` — a checkpoint's full tensors by name, this rank
+    /// keeping its slice — instead of drawing it from the seed (candle's `VarBuilder::from_mmaped_safetensors`).
+    /// Under pipeline parallelism each rank reads only its stages' tensors. A parameter the weights lack fails the
+    /// build, naming it (never a silent random start); so does a shape that differs from the layer's.
+    pub fn with_weights(self, weights: Arc<dyn crate::tensor_parallel::InitialWeights>) -> Self {
+        VarBuilder { pb: self.pb.with_weights(weights), book: self.book }
+    }
+
     /// Where [`VarBuilder::stages`] asks (set once, by the Accelerator that made the builder).
     pub(crate) fn set_stages(&self, oracle: StageOracle) {
         let _ = self.book.stages.set(oracle);

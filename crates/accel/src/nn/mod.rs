@@ -81,7 +81,7 @@ mod provenance;
 mod staged;
 mod unit;
 
-pub use crate::tensor_parallel::ShardedDim;
+pub use crate::tensor_parallel::{InitialWeights, ShardedDim};
 pub use accel_nn::ops::linear::Activation;
 pub use builder::{LayerKind, PlannedLayer, SharedStagedModel, VarBuilder};
 pub use candle_core::{Module, ModuleT};

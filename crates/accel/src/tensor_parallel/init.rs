@@ -99,6 +99,19 @@ pub struct ParamBuilder {
     tp: TensorParallel,
     /// `Some`: hand out a prepared model's parameters instead of creating them.
     lookup: Option<Arc<dyn ParamSource>>,
+    /// `Some`: create each parameter from this source's tensor of its name instead of drawing it.
+    weights: Option<Arc<dyn InitialWeights>>,
+}
+
+/// Initial values of a model's parameters by name — a checkpoint's — for a builder to create them from instead of
+/// drawing them from the seed ([`crate::nn::VarBuilder::with_weights`]; candle's
+/// `VarBuilder::from_mmaped_safetensors`). The builder keeps this rank's slice of each.
+pub trait InitialWeights: Send + Sync {
+    /// The full single-process tensor of parameter `name` (any float dtype, any device). Errors: a name the
+    /// source does not hold — a builder with weights creates every parameter from them, never from the seed, so
+    /// a model that asks for a name the checkpoint lacks fails naming it instead of starting that parameter at
+    /// random.
+    fn full_tensor(&self, name: &str) -> Result<Tensor>;
 }
 
 /// Where a [`ParamBuilder`] made by a prepared model takes its parameters from.
@@ -122,12 +135,36 @@ impl ParamBuilder {
             device: device.clone(),
             tp: tp.clone(),
             lookup: None,
+            weights: None,
         }
     }
 
     /// A builder handing out `source`'s parameters (`PreparedModel::param_builder`).
     pub(crate) fn lookup(source: Arc<dyn ParamSource>, tp: &TensorParallel, dtype: DType, device: &Device) -> Self {
         ParamBuilder { lookup: Some(source), ..ParamBuilder::new(&VarMap::new(), tp, 0, dtype, device) }
+    }
+
+    /// The same builder creating every parameter from `weights` (its full tensor of the parameter's name, this
+    /// rank's slice kept) instead of drawing it from the seed.
+    pub fn with_weights(mut self, weights: Arc<dyn InitialWeights>) -> Self {
+        self.weights = Some(weights);
+        self
+    }
+
+    /// The full initial tensor of `full_name`: from the weights when the builder has them (checked against the
+    /// shape the layer asks for), else drawn from the seed.
+    fn initial(&self, full_name: &str, shape: &Shape, init: ParamInit) -> Result<Tensor> {
+        let Some(weights) = &self.weights else { return draw_full(self.seed, full_name, shape, init) };
+        let t = weights.full_tensor(full_name)?;
+        if t.dims() != shape.dims() {
+            return Err(AccelError::InvalidArgument(format!(
+                "the initial weights hold `{full_name}` with shape {:?}, but the model builds it with shape {:?}: \
+                 the weights belong to another configuration of the model",
+                t.dims(),
+                shape.dims()
+            )));
+        }
+        Ok(t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?)
     }
 
     /// Whether this builder gathers fully sharded parameters when asked for them (a prepared FULL_SHARD model's):
@@ -217,7 +254,7 @@ impl ParamBuilder {
             return looked_up(source.as_ref(), &full_name, shape.dims());
         }
         self.check_free(&full_name)?;
-        let full = draw_full(self.seed, &full_name, &shape, init)?;
+        let full = self.initial(&full_name, &shape, init)?;
         self.insert(full_name, full, ParamLayout::Replicated)
     }
 
@@ -268,7 +305,7 @@ impl ParamBuilder {
         // Past the model's size the layout pads with zero rows: they take part in no real output (the
         // vocab-parallel loss masks them out) and are dropped from checkpoints.
         let layout = ParamLayout::Sharded { dim, full: size, padded: size.div_ceil(tp) * tp };
-        let full = draw_full(self.seed, &full_name, &shape, init)?;
+        let full = self.initial(&full_name, &shape, init)?;
         let local = layout.slice(&full, self.tp.rank(), tp)?;
         self.insert(full_name, local, layout)
     }

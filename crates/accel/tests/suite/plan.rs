@@ -640,3 +640,42 @@ fn column_wise_layers_reading_one_input_all_reduce_its_gradient_once() {
         assert!(diff < 1e-5, "rank {rank}: the input gradient differs from one process's by {diff:e}");
     }
 }
+
+/// A builder given initial weights creates each parameter from them (this rank's slice), never from the seed: a
+/// parameter they lack, or hold in another shape, fails the build by name.
+#[test]
+fn a_builder_with_weights_creates_every_parameter_from_them() {
+    struct Weights(BTreeMap<String, Tensor>);
+    impl nn::InitialWeights for Weights {
+        fn full_tensor(&self, name: &str) -> accel::Result<Tensor> {
+            let missing = || accel::AccelError::InvalidArgument(format!("the test's weights have no {name}"));
+            self.0.get(name).cloned().ok_or_else(missing)
+        }
+    }
+    let w: Vec<f32> = (0..24).map(|i| i as f32).collect();
+    let weight = Tensor::from_vec(w, (6, 4), &Device::Cpu).unwrap();
+    let plan = || ParallelPlan::new().with("fc", ParallelStyle::Colwise);
+    let results = run_ranks(2, config(1, 1, 2, ShardingStrategy::default()), move |acc| {
+        let weights = std::sync::Arc::new(Weights(BTreeMap::from([("fc.weight".to_string(), weight.clone())])));
+        let varmap = VarMap::new();
+        let fc = nn::linear_no_bias(4, 6, acc.builder(&varmap, plan()).with_weights(weights.clone()).pp("fc"))?;
+        let local = fc.weight()?.flatten_all()?.to_vec1::<f32>()?;
+        let with_bias = nn::linear(4, 6, acc.builder(&VarMap::new(), plan()).with_weights(weights.clone()).pp("fc"));
+        let wrong = std::sync::Arc::new(Weights(BTreeMap::from([(
+            "fc.weight".to_string(),
+            Tensor::zeros((4, 6), DType::F32, &Device::Cpu)?,
+        )])));
+        let reshaped = nn::linear_no_bias(4, 6, acc.builder(&VarMap::new(), plan()).with_weights(wrong).pp("fc"));
+        Ok((local, with_bias.err().unwrap().to_string(), reshaped.err().unwrap().to_string()))
+    });
+    for (rank, (local, missing, reshaped)) in results.iter().enumerate() {
+        // Column-wise: rank r keeps output rows 3r..3r+3 of the full [6, 4] weight.
+        let want: Vec<f32> = (rank * 12..rank * 12 + 12).map(|i| i as f32).collect();
+        assert_eq!(local, &want, "rank {rank}: not its slice of the given weight");
+        assert!(missing.contains("the test's weights have no fc.bias"), "{missing}");
+        assert!(
+            reshaped.contains("hold `fc.weight` with shape [4, 6], but the model builds it with shape [6, 4]"),
+            "{reshaped}"
+        );
+    }
+}

@@ -7,11 +7,13 @@ use super::config::LlamaConfig;
 use crate::accelerator::checkpointing::agree;
 use crate::state::checkpoint_dir::{commit, partial_dir, remove_if_exists};
 use crate::state::write_atomic;
+use crate::tensor_parallel::InitialWeights;
 use crate::{AccelError, Accelerator, PreparedModel, Result};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// The single-file weights' name.
 pub const WEIGHTS_FILE: &str = "model.safetensors";
@@ -116,80 +118,109 @@ fn listed(names: &[&String]) -> String {
     }
 }
 
-/// Loads a Hugging Face directory's weights into `model` (prepared from a [`super::Llama`] built with `config`),
-/// at any layout: each rank converts only the tensors of its own pipeline stages, and keeps its tensor-parallel
-/// slice and its data-parallel shard of each (the file is memory-mapped; a tensor is read whole, then sliced).
-/// f32, bf16 and f16 on disk; the masters stay f32. No communication.
-///
-/// Errors, before any weight is changed: no weight file; missing or unexpected weights (named); a shape that
-/// disagrees with the config (both shapes named); a dtype other than f32/bf16/f16; a tied head's `lm_head.weight`
-/// that differs from the embedding.
-pub fn load_pretrained(model: &PreparedModel, config: &LlamaConfig, dir: &Path) -> Result<()> {
-    let files = weight_files(dir)?;
-    // SAFETY: the files are mapped read-only; like every reader of safetensors (candle's, transformers'), this
-    // assumes no other process truncates them while the model loads.
-    let st = unsafe { MmapedSafetensors::multi(&files) }
-        .map_err(|e| AccelError::InvalidArgument(format!("reading the weights of {}: {e}", dir.display())))?;
-    let on_disk: BTreeMap<String, (Vec<usize>, safetensors::Dtype)> =
-        st.tensors().into_iter().map(|(name, view)| (name, (view.shape().to_vec(), view.dtype()))).collect();
-    let expected = weight_shapes(config);
-    let in_dir = || format!("the weights in {}", dir.display());
-    let missing: Vec<&String> = expected.keys().filter(|n| !on_disk.contains_key(*n)).collect();
-    if !missing.is_empty() {
-        return Err(AccelError::InvalidArgument(format!(
-            "{} lack {} weight(s) a Llama with this config.json has: {} (a partial download, or a config that \
-             does not belong to these weights)",
-            in_dir(),
-            missing.len(),
-            listed(&missing)
-        )));
+/// A Hugging Face directory's weights, checked against a config and memory-mapped: what
+/// [`crate::nn::VarBuilder::with_weights`] builds a [`super::Llama`] from (each rank reading only the tensors of its
+/// pipeline stages and keeping its slice of each), and what [`load_pretrained`] loads into a prepared model.
+pub struct PretrainedWeights {
+    st: MmapedSafetensors,
+    dir: PathBuf,
+}
+
+impl PretrainedWeights {
+    /// Opens `dir`'s weights (`model.safetensors`, or the shards its index lists) and checks them against
+    /// `config` before anything is built or loaded. Errors: no weight file, or a shard the index lists missing;
+    /// missing or unexpected weights (named); a shape that disagrees with the config (both shapes named); a dtype
+    /// other than f32/bf16/f16; a tied head's `lm_head.weight` that differs from the embedding.
+    pub fn open(dir: &Path, config: &LlamaConfig) -> Result<Arc<Self>> {
+        let files = weight_files(dir)?;
+        // SAFETY: the files are mapped read-only; like every reader of safetensors (candle's, transformers'),
+        // this assumes no other process truncates them while the model loads.
+        let st = unsafe { MmapedSafetensors::multi(&files) }
+            .map_err(|e| AccelError::InvalidArgument(format!("reading the weights of {}: {e}", dir.display())))?;
+        let weights = PretrainedWeights { st, dir: dir.to_path_buf() };
+        weights.check(config)?;
+        Ok(Arc::new(weights))
     }
-    let tied_copy = |n: &str| config.tie_word_embeddings && n == "lm_head.weight";
-    let unexpected: Vec<&String> =
-        on_disk.keys().filter(|n| !expected.contains_key(*n) && !ignored(n) && !tied_copy(n)).collect();
-    if !unexpected.is_empty() {
-        return Err(AccelError::InvalidArgument(format!(
-            "{} hold {} weight(s) a Llama with this config.json does not have: {} (another architecture, or a \
-             config.json that does not describe these weights, e.g. attention_bias or num_hidden_layers)",
-            in_dir(),
-            unexpected.len(),
-            listed(&unexpected)
-        )));
-    }
-    for (name, shape) in &expected {
-        let (disk, dtype) = &on_disk[name];
-        if disk != shape {
+
+    fn check(&self, config: &LlamaConfig) -> Result<()> {
+        let dir = &self.dir;
+        let on_disk: BTreeMap<String, (Vec<usize>, safetensors::Dtype)> =
+            self.st.tensors().into_iter().map(|(name, view)| (name, (view.shape().to_vec(), view.dtype()))).collect();
+        let expected = weight_shapes(config);
+        let in_dir = || format!("the weights in {}", dir.display());
+        let missing: Vec<&String> = expected.keys().filter(|n| !on_disk.contains_key(*n)).collect();
+        if !missing.is_empty() {
             return Err(AccelError::InvalidArgument(format!(
-                "{name} has shape {disk:?} in {} but config.json gives {shape:?}: the config does not describe \
-                 these weights",
-                dir.display()
+                "{} lack {} weight(s) a Llama with this config.json has: {} (a partial download, or a config \
+                 that does not belong to these weights)",
+                in_dir(),
+                missing.len(),
+                listed(&missing)
             )));
         }
-        if !matches!(dtype, safetensors::Dtype::F32 | safetensors::Dtype::BF16 | safetensors::Dtype::F16) {
+        let tied_copy = |n: &str| config.tie_word_embeddings && n == "lm_head.weight";
+        let unexpected: Vec<&String> =
+            on_disk.keys().filter(|n| !expected.contains_key(*n) && !ignored(n) && !tied_copy(n)).collect();
+        if !unexpected.is_empty() {
             return Err(AccelError::InvalidArgument(format!(
-                "{name} is stored as {dtype:?} in {}; weights are read as f32, bf16 or f16",
-                dir.display()
+                "{} hold {} weight(s) a Llama with this config.json does not have: {} (another architecture, or a \
+                 config.json that does not describe these weights, e.g. attention_bias or num_hidden_layers)",
+                in_dir(),
+                unexpected.len(),
+                listed(&unexpected)
             )));
         }
+        for (name, shape) in &expected {
+            let (disk, dtype) = &on_disk[name];
+            if disk != shape {
+                return Err(AccelError::InvalidArgument(format!(
+                    "{name} has shape {disk:?} in {} but config.json gives {shape:?}: the config does not describe \
+                     these weights",
+                    dir.display()
+                )));
+            }
+            if !matches!(dtype, safetensors::Dtype::F32 | safetensors::Dtype::BF16 | safetensors::Dtype::F16) {
+                return Err(AccelError::InvalidArgument(format!(
+                    "{name} is stored as {dtype:?} in {}; weights are read as f32, bf16 or f16",
+                    dir.display()
+                )));
+            }
+        }
+        if on_disk.contains_key("lm_head.weight") && config.tie_word_embeddings {
+            let (head, embed) = (self.full_tensor("lm_head.weight")?, self.full_tensor("model.embed_tokens.weight")?);
+            let diff = (head - embed)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            if diff != 0.0 {
+                return Err(AccelError::InvalidArgument(format!(
+                    "config.json ties the head to the embedding (tie_word_embeddings), but {} holds an \
+                     lm_head.weight that differs from model.embed_tokens.weight (by up to {diff}): set \
+                     tie_word_embeddings to false to load both",
+                    dir.display()
+                )));
+            }
+        }
+        Ok(())
     }
-    let read = |name: &str| -> Result<Tensor> {
-        let t = st.load(name, &Device::Cpu).map_err(|e| AccelError::InvalidArgument(format!("reading {name}: {e}")))?;
+}
+
+impl InitialWeights for PretrainedWeights {
+    fn full_tensor(&self, name: &str) -> Result<Tensor> {
+        let t = self.st.load(name, &Device::Cpu).map_err(|e| {
+            AccelError::InvalidArgument(format!("reading {name} from the weights in {}: {e}", self.dir.display()))
+        })?;
         Ok(t.to_dtype(DType::F32)?)
-    };
-    if on_disk.contains_key("lm_head.weight") && config.tie_word_embeddings {
-        let (head, embed) = (read("lm_head.weight")?, read("model.embed_tokens.weight")?);
-        let diff = (head - embed)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        if diff != 0.0 {
-            return Err(AccelError::InvalidArgument(format!(
-                "config.json ties the head to the embedding (tie_word_embeddings), but {} holds an lm_head.weight \
-                 that differs from model.embed_tokens.weight (by up to {diff}): set tie_word_embeddings to false \
-                 to load both",
-                dir.display()
-            )));
-        }
     }
-    // This rank's parameters only (its pipeline stages); the layout slices them.
-    let weights = model.names().iter().map(|n| Ok((n.clone(), read(n)?))).collect::<Result<BTreeMap<_, _>>>()?;
+}
+
+/// Loads a Hugging Face directory's weights into `model` (prepared from a [`super::Llama`] built with `config`),
+/// at any layout: each rank reads only the tensors of its own pipeline stages and keeps its tensor-parallel slice
+/// and its data-parallel shard of each. f32, bf16 and f16 on disk; the masters stay f32. No communication. (To
+/// build the model from the weights instead, give its builder [`PretrainedWeights`].)
+///
+/// Errors, before any weight is changed: [`PretrainedWeights::open`]'s.
+pub fn load_pretrained(model: &PreparedModel, config: &LlamaConfig, dir: &Path) -> Result<()> {
+    let source = PretrainedWeights::open(dir, config)?;
+    let weights =
+        model.names().iter().map(|n| Ok((n.clone(), source.full_tensor(n)?))).collect::<Result<BTreeMap<_, _>>>()?;
     model.load_state_dict(&weights)
 }
 

@@ -28,6 +28,8 @@ mod config;
 mod model;
 mod rope;
 
-pub use checkpoint::{load_pretrained, save_pretrained, weight_shapes, SaveOptions, WEIGHTS_FILE, WEIGHTS_INDEX_FILE};
+pub use checkpoint::{
+    load_pretrained, save_pretrained, weight_shapes, PretrainedWeights, SaveOptions, WEIGHTS_FILE, WEIGHTS_INDEX_FILE,
+};
 pub use config::{LlamaConfig, Rope, RopeScaling};
 pub use model::Llama;
