@@ -13,7 +13,8 @@
 //! Keep this file small: it is what the three examples have in common, nothing more.
 //!
 //! [`gpt`]: the char-level GPT of the tensor-parallel examples (`accel_gpt`, `train_gpt`), written once with
-//! accel's tensor-parallel layers; [`default_text_path`] finds the shipped Shakespeare text.
+//! accel's tensor-parallel layers; [`default_text_path`] finds the shipped Shakespeare text. [`llama`]: what the
+//! Llama examples (`accel_llama`, `train_llama`) share — the tokenized text, the model's shape, the tokenizer.
 
 use std::path::{Path, PathBuf};
 
@@ -24,6 +25,7 @@ use candle_nn::{VarBuilder, VarMap};
 use rand::{Rng, SeedableRng};
 
 pub mod gpt;
+pub mod llama;
 
 /// Parses `--nproc`: a whole number ≥ 1 (0 is refused instead of silently training as one process).
 pub fn parse_nproc(s: &str) -> Result<usize, String> {

@@ -14,6 +14,7 @@ mod loader;
 mod mnist;
 pub mod sharding;
 pub mod text;
+mod tokens;
 
 pub use csv::{read_csv, CsvOptions, LabelColumn, LabelKind};
 pub use dataset::{Batch, Dataset, TensorDataset};
@@ -24,3 +25,4 @@ pub use loader::{
 pub use mnist::{load_mnist, MNIST_CLASSES, MNIST_PIXELS};
 pub use sharding::{ShardBatch, ShardSpec};
 pub use text::{CharVocab, TextDataset};
+pub use tokens::TokenDataset;

@@ -5,11 +5,9 @@
 use std::collections::HashMap;
 use std::io::Read;
 use std::path::Path;
-use std::sync::Arc;
-
-use candle_core::{Device, Tensor};
 
 use super::dataset::{Batch, Dataset};
+use super::tokens::TokenDataset;
 use crate::error::{AccelError, Result};
 
 /// The distinct characters of a text, sorted by code point; token id = position in that order.
@@ -75,10 +73,8 @@ impl CharVocab {
 /// `⌊(T − seq_len − 1) / stride⌋ + 1` samples (0 when `T ≤ seq_len`).
 #[derive(Debug, Clone)]
 pub struct TextDataset {
-    tokens: Arc<Vec<u32>>,
+    windows: TokenDataset,
     vocab: CharVocab,
-    seq_len: usize,
-    stride: usize,
 }
 
 impl TextDataset {
@@ -97,8 +93,8 @@ impl TextDataset {
                 "TextDataset: seq_len ({seq_len}) and stride ({stride}) must be at least 1"
             )));
         }
-        let tokens = vocab.encode(text)?;
-        Ok(TextDataset { tokens: Arc::new(tokens), vocab, seq_len, stride })
+        let windows = TokenDataset::new(vocab.encode(text)?, seq_len, stride)?;
+        Ok(TextDataset { windows, vocab })
     }
 
     /// [`TextDataset::from_text`] of a UTF-8 file (`.gz` decompressed). Errors name the file.
@@ -122,42 +118,23 @@ impl TextDataset {
 
     /// All token ids of the text.
     pub fn tokens(&self) -> &[u32] {
-        &self.tokens
+        self.windows.tokens()
     }
 
     /// Tokens per window.
     pub fn seq_len(&self) -> usize {
-        self.seq_len
+        self.windows.seq_len()
     }
 }
 
+/// The windows' batches ([`TokenDataset`]'s).
 impl Dataset for TextDataset {
     fn len(&self) -> usize {
-        let t = self.tokens.len();
-        if t <= self.seq_len {
-            0
-        } else {
-            (t - self.seq_len - 1) / self.stride + 1
-        }
+        self.windows.len()
     }
 
     fn get_batch(&self, indices: &[usize]) -> Result<Batch> {
-        let (n, s) = (self.len(), self.seq_len);
-        let mut inputs = Vec::with_capacity(indices.len() * s);
-        let mut targets = Vec::with_capacity(indices.len() * s);
-        for &i in indices {
-            if i >= n {
-                return Err(AccelError::Data(format!("sample index {i} is out of range for a text of {n} windows")));
-            }
-            let start = i * self.stride;
-            inputs.extend_from_slice(&self.tokens[start..start + s]);
-            targets.extend_from_slice(&self.tokens[start + 1..start + s + 1]);
-        }
-        let rows = indices.len();
-        Ok(Batch {
-            inputs: Tensor::from_vec(inputs, (rows, s), &Device::Cpu)?,
-            targets: Tensor::from_vec(targets, (rows, s), &Device::Cpu)?,
-        })
+        self.windows.get_batch(indices)
     }
 }
 

@@ -224,6 +224,13 @@ impl Llama {
     }
 }
 
+/// [`Llama::forward`] as a candle module (what the Trainer calls).
+impl Module for Llama {
+    fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        self.model.forward(ids)
+    }
+}
+
 /// The stages this rank holds, as [`crate::Accelerator::pipeline_backward`] drives them.
 impl StagedModel for Llama {
     fn stage_forward(&self, stage: usize, input: &Tensor) -> Result<Tensor> {

@@ -1,0 +1,135 @@
+//! What the Llama examples (`accel_llama`, `train_llama`) share: the tokenized Shakespeare text, the model's
+//! shape from flags or from a Hugging Face directory, the tokenizer, and the output directory a user loads in
+//! transformers.
+
+use std::path::{Path, PathBuf};
+
+use accel::data::TokenDataset;
+use accel::models::llama::LlamaConfig;
+use anyhow::Context;
+
+/// The shipped tokenizer: a byte-level BPE of 2048 ids trained on the text (`scripts/train-tokenizer.py`).
+pub fn default_tokenizer_path() -> PathBuf {
+    crate::default_text_path().with_file_name("tokenizer.json")
+}
+
+/// The tokenizer of a run: the model directory's `tokenizer.json` when fine-tuning from one that has it, else
+/// `fallback` (the shipped one). Errors name the file that cannot be read.
+pub fn load_tokenizer(model_dir: Option<&Path>, fallback: &Path) -> anyhow::Result<(tokenizers::Tokenizer, PathBuf)> {
+    let path = match model_dir.map(|d| d.join("tokenizer.json")) {
+        Some(p) if p.is_file() => p,
+        _ => fallback.to_path_buf(),
+    };
+    let tokenizer = tokenizers::Tokenizer::from_file(&path)
+        .map_err(|e| anyhow::anyhow!("reading the tokenizer {}: {e}", path.display()))?;
+    Ok((tokenizer, path))
+}
+
+/// The text at `path` tokenized, as non-overlapping windows of `seq_len` tokens: the first 95 % of the tokens for
+/// training, the last 5 % for validation.
+pub fn token_datasets(
+    path: &Path,
+    tokenizer: &tokenizers::Tokenizer,
+    seq_len: usize,
+) -> anyhow::Result<(TokenDataset, TokenDataset)> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let ids = tokenizer
+        .encode(text, false)
+        .map_err(|e| anyhow::anyhow!("tokenizing {}: {e}", path.display()))?
+        .get_ids()
+        .to_vec();
+    let cut = ids.len() * 95 / 100;
+    let validation = ids[cut..].to_vec();
+    let mut train = ids;
+    train.truncate(cut);
+    Ok((TokenDataset::new(train, seq_len, seq_len)?, TokenDataset::new(validation, seq_len, seq_len)?))
+}
+
+/// The model's shape when training from scratch (the examples' flags).
+#[derive(clap::Args, Debug, Clone)]
+pub struct LlamaShape {
+    /// Width of the residual stream.
+    #[arg(long, default_value_t = 384)]
+    pub hidden_size: usize,
+    /// Hidden width of the SwiGLU MLP.
+    #[arg(long, default_value_t = 1024)]
+    pub intermediate_size: usize,
+    /// Decoder layers (the pipeline's blocks).
+    #[arg(long, default_value_t = 6)]
+    pub num_hidden_layers: usize,
+    /// Query heads (split over the tp ranks).
+    #[arg(long, default_value_t = 6)]
+    pub num_attention_heads: usize,
+    /// Key/value heads (grouped-query attention; tp must divide it).
+    #[arg(long, default_value_t = 2)]
+    pub num_key_value_heads: usize,
+    /// Tie the head's weight to the token embedding (no `lm_head.weight`).
+    #[arg(long)]
+    pub tie_word_embeddings: bool,
+    /// Dropout on the attention probabilities in training.
+    #[arg(long, default_value_t = 0.0)]
+    pub attention_dropout: f64,
+    /// Dropout on each residual branch in training.
+    #[arg(long, default_value_t = 0.0)]
+    pub hidden_dropout: f64,
+}
+
+impl LlamaShape {
+    /// The config these flags give for a vocabulary of `vocab_size` ids and sequences up to `max_positions`,
+    /// checked; bos 0 and eos 1 (the shipped tokenizer's `<s>` and `</s>`).
+    pub fn config(&self, vocab_size: usize, max_positions: usize) -> anyhow::Result<LlamaConfig> {
+        let mut c = LlamaConfig::new(
+            vocab_size,
+            self.hidden_size,
+            self.intermediate_size,
+            self.num_hidden_layers,
+            self.num_attention_heads,
+            self.num_key_value_heads,
+        );
+        c.tie_word_embeddings = self.tie_word_embeddings;
+        c.attention_dropout = self.attention_dropout;
+        c.hidden_dropout = self.hidden_dropout;
+        c.max_position_embeddings = max_positions;
+        c.other.insert("bos_token_id".into(), 0.into());
+        c.other.insert("eos_token_id".into(), 1.into());
+        c.check()?;
+        Ok(c)
+    }
+
+    /// Whether every flag is at its default (a `--model-dir` run takes the shape from the directory).
+    pub fn is_default(&self) -> bool {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Defaults {
+            #[command(flatten)]
+            shape: LlamaShape,
+        }
+        let d = Defaults::parse_from(["defaults"]).shape;
+        format!("{d:?}") == format!("{self:?}")
+    }
+}
+
+/// The number of parameters of a Llama of `config` (each weight once; a tied head is the embedding).
+pub fn num_parameters(config: &LlamaConfig) -> usize {
+    accel::models::llama::weight_shapes(config).values().map(|s| s.iter().product::<usize>()).sum()
+}
+
+/// Copies the tokenizer into a saved model directory (each file written atomically), with the
+/// `tokenizer_config.json` that makes `AutoTokenizer.from_pretrained(dir)` read it as a fast tokenizer (the
+/// directory's own when fine-tuning from one that has it), so the directory is what transformers' `Auto*` classes
+/// load.
+pub fn copy_tokenizer(tokenizer: &Path, out: &Path) -> anyhow::Result<()> {
+    let bytes = std::fs::read(tokenizer).with_context(|| format!("reading {}", tokenizer.display()))?;
+    accel::state::write_atomic(&out.join("tokenizer.json"), bytes)?;
+    let config = match std::fs::read(tokenizer.with_file_name("tokenizer_config.json")) {
+        Ok(own) => own,
+        Err(_) => serde_json::to_vec_pretty(&serde_json::json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "pad_token": "<pad>",
+        }))?,
+    };
+    accel::state::write_atomic(&out.join("tokenizer_config.json"), config)?;
+    Ok(())
+}
