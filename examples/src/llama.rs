@@ -109,6 +109,21 @@ impl LlamaShape {
     }
 }
 
+/// Refuses a `--tp-size` that does not divide the key/value heads, once, before any worker starts (each worker
+/// would refuse it in `Llama::new`).
+pub fn check_tp(config: &LlamaConfig, tp: usize) -> anyhow::Result<()> {
+    let kv = config.num_key_value_heads();
+    if !kv.is_multiple_of(tp) {
+        let fit: Vec<String> = (1..=kv).filter(|d| kv.is_multiple_of(*d)).map(|d| d.to_string()).collect();
+        anyhow::bail!(
+            "--tp-size {tp} does not divide the {kv} key/value heads (each rank computes whole heads and the query \
+             heads they serve); tp sizes that fit: {}",
+            fit.join(", ")
+        );
+    }
+    Ok(())
+}
+
 /// The number of parameters of a Llama of `config` (each weight once; a tied head is the embedding).
 pub fn num_parameters(config: &LlamaConfig) -> usize {
     accel::models::llama::weight_shapes(config).values().map(|s| s.iter().product::<usize>()).sum()

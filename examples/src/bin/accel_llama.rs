@@ -29,7 +29,7 @@ use accel::data::TokenDataset;
 use accel::models::llama::{self, Llama, LlamaConfig, PretrainedWeights, SaveOptions};
 use accel::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, DataLoader, DataLoaderConfig, MixedPrecision};
 use accel::{Dataset, ReduceKind};
-use accel_examples::llama::{copy_tokenizer, load_tokenizer, num_parameters, token_datasets, LlamaShape};
+use accel_examples::llama::{check_tp, copy_tokenizer, load_tokenizer, num_parameters, token_datasets, LlamaShape};
 use anyhow::{bail, Context};
 use candle_core::{DType, Tensor};
 use candle_nn::VarMap;
@@ -102,7 +102,7 @@ struct Args {
     /// Print the loss every this many optimizer steps.
     #[arg(long, default_value_t = 25)]
     log_every: u64,
-    /// Validation batches to evaluate at the end (0: none).
+    /// Validation batches (of the global batch's sequences, on every rank) to evaluate at the end (0: none).
     #[arg(long, default_value_t = 8)]
     eval_batches: usize,
     /// Tokens to generate greedily at the end (0: none; pp 1 only).
@@ -150,13 +150,7 @@ fn run() -> anyhow::Result<()> {
     let path = text_path(&args);
     anyhow::ensure!(path.is_file(), "--data-dir: no text at {}", path.display());
     args.layout.check(args.nproc, config.num_hidden_layers, None, "--batch-size", args.batch_size)?;
-    let tp = args.layout.tp_size;
-    anyhow::ensure!(
-        config.num_key_value_heads().is_multiple_of(tp),
-        "--tp-size {tp} does not divide the {} key/value heads (each rank computes whole heads); tp sizes that \
-         fit divide num_key_value_heads",
-        config.num_key_value_heads()
-    );
+    check_tp(&config, args.layout.tp_size)?;
     if !ddp_core::launcher::is_worker() && args.nproc > 1 {
         let exe = std::env::current_exe().context("locating this executable to launch its workers")?;
         let mut launch = ddp_core::LaunchConfig::local(args.nproc, exe, std::env::args().skip(1).collect());
@@ -300,7 +294,8 @@ fn train(args: &Args) -> anyhow::Result<()> {
         acc.tensor_parallel().size()
     ));
     if args.eval_batches > 0 {
-        let loss = validation_loss(&acc, &model, validation, args.batch_size, args.eval_batches)?;
+        // Batches of the global batch's rows, so every layout of one global batch evaluates the same windows.
+        let loss = validation_loss(&acc, &model, validation, args.batch_size * dp, args.eval_batches)?;
         acc.print(format!("validation loss {loss:.4} (perplexity {:.2})", loss.exp()));
     }
     acc.wait_for_everyone()?;

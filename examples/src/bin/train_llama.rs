@@ -20,7 +20,7 @@
 use std::path::PathBuf;
 
 use accel::models::llama::{self, Llama, LlamaConfig, PretrainedWeights, SaveOptions};
-use accel_examples::llama::{copy_tokenizer, load_tokenizer, num_parameters, token_datasets, LlamaShape};
+use accel_examples::llama::{check_tp, copy_tokenizer, load_tokenizer, num_parameters, token_datasets, LlamaShape};
 use anyhow::{bail, Context};
 use clap::Parser;
 use trainer::{losses, IntervalStrategy, SaveStrategy, Trainer, TrainingArguments, TrainingArgumentsCli};
@@ -113,6 +113,7 @@ fn run() -> anyhow::Result<()> {
     let args = cli.train.resolve(defaults())?;
     let (tokenizer, _) = load_tokenizer(cli.model_dir.as_deref(), &tokenizer_fallback(&cli))?;
     let config = model_config(&cli, tokenizer.get_vocab_size(true))?;
+    check_tp(&config, cli.layout.tp_size)?;
     let batch = args.per_device_train_batch_size;
     cli.layout.check(cli.nproc, config.num_hidden_layers, None, "--per-device-train-batch-size", batch)?;
     let path = text_path(&cli);

@@ -7,6 +7,7 @@ mod ddp_mnist;
 mod gpt_tp;
 mod guide_diffs;
 mod hp_search;
+mod llama_examples;
 mod nd_equivalence;
 mod pipeline_gpt;
 mod pipeline_layouts;

@@ -1,0 +1,125 @@
+//! The Llama examples end to end: `accel_llama` prints the single-process losses at tp 2 × pp 2 and FULL_SHARD,
+//! saves a Hugging Face directory that a fine-tuning run (another layout) starts from exactly, and `train_llama`
+//! trains at tp 2 × pp 2; bad command lines are refused before any worker starts.
+
+use crate::gpt_tp::{logged_losses, run_example};
+use std::process::Command;
+
+/// A tiny Llama (two layers of width 64, 4 heads over 2 key/value heads), short sequences, two logged steps.
+#[rustfmt::skip]
+const TINY: &[&str] = &[
+    "--hidden-size", "64", "--intermediate-size", "128", "--num-hidden-layers", "2", "--num-attention-heads", "4",
+    "--num-key-value-heads", "2", "--seq-len", "32", "--steps", "2", "--log-every", "1", "--eval-batches", "2",
+    "--sample-tokens", "5",
+];
+
+fn validation_loss(out: &str) -> String {
+    let line =
+        out.lines().find(|l| l.contains("validation loss ")).unwrap_or_else(|| panic!("no validation loss:\n{out}"));
+    line.split("validation loss ").nth(1).unwrap().split(' ').next().unwrap().to_string()
+}
+
+#[test]
+fn accel_llama_trains_alike_at_every_layout_and_resumes_from_its_directory() {
+    let bin = env!("CARGO_BIN_EXE_accel_llama");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("tiny");
+    let dir_arg = dir.to_str().unwrap();
+    let single = run_example(bin, &[TINY, &["--batch-size", "4", "--output-dir", dir_arg]].concat());
+    let losses = logged_losses(&single);
+    assert_eq!(losses.len(), 2, "two logged steps:\n{single}");
+    assert!(single.contains("greedy sample:\nROMEO:"), "{single}");
+    // The same global batch of 4 sequences: --batch-size is per data-parallel replica.
+    for layout in [
+        &["--nproc", "4", "--tp-size", "2", "--pp-size", "2", "--microbatches", "2", "--batch-size", "4"][..],
+        &["--nproc", "2", "--dp-shard-size", "2", "--sharding-strategy", "FULL_SHARD", "--batch-size", "2"][..],
+    ] {
+        let other = tmp.path().join("other");
+        let out = run_example(bin, &[layout, TINY, &["--output-dir", other.to_str().unwrap()]].concat());
+        assert_eq!(logged_losses(&out), losses, "{layout:?}:\n{out}");
+        assert_eq!(validation_loss(&out), validation_loss(&single), "{layout:?}:\n{out}");
+    }
+    for file in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"] {
+        assert!(dir.join(file).is_file(), "{file} missing from the saved directory");
+    }
+    // Fine-tuning from the directory at another layout, at learning rate 0: the saved model, exactly.
+    let again = tmp.path().join("again");
+    let resumed = run_example(
+        bin,
+        &[
+            "--nproc",
+            "2",
+            "--tp-size",
+            "2",
+            "--model-dir",
+            dir_arg,
+            "--lr",
+            "0",
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "4",
+            "--steps",
+            "1",
+            "--eval-batches",
+            "2",
+            "--sample-tokens",
+            "0",
+            "--output-dir",
+            again.to_str().unwrap(),
+        ],
+    );
+    assert!(resumed.contains(&format!("fine-tuned from {dir_arg}")), "{resumed}");
+    assert_eq!(validation_loss(&resumed), validation_loss(&single), "{resumed}");
+}
+
+#[test]
+fn train_llama_trains_at_tp2_pp2() {
+    let bin = env!("CARGO_BIN_EXE_train_llama");
+    let tmp = tempfile::tempdir().unwrap();
+    let shape = &TINY[..10]; // the model's shape flags
+    let args = |nproc: &'static str, out: &str| -> Vec<String> {
+        let mut a: Vec<String> = ["--nproc", nproc, "--max-steps", "2", "--logging-steps", "1", "--eval-steps", "100"]
+            .iter()
+            .chain(shape)
+            .chain(&["--seq-len", "32", "--per-device-train-batch-size", "4", "--sample-tokens", "0"])
+            .map(|s| s.to_string())
+            .collect();
+        a.extend(["--output-dir".into(), out.into()]);
+        a
+    };
+    let losses = |out: &str| -> Vec<String> {
+        out.lines()
+            .filter(|l| !l.contains("[rank 1]") && !l.contains("[rank 2]") && !l.contains("[rank 3]"))
+            .filter_map(|l| l.split("| loss ").nth(1).map(|r| r.split(' ').next().unwrap().to_string()))
+            .collect()
+    };
+    let one = tmp.path().join("one");
+    let a = args("1", one.to_str().unwrap());
+    let single = run_example(bin, &a.iter().map(String::as_str).collect::<Vec<_>>());
+    let mut b = args("4", tmp.path().join("nd").to_str().unwrap());
+    b.extend(["--tp-size", "2", "--pp-size", "2"].map(String::from));
+    let nd = run_example(bin, &b.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(losses(&single).len(), 2, "{single}");
+    assert_eq!(losses(&nd), losses(&single), "tp2 × pp2:\n{nd}");
+    assert!(one.join("model/model.safetensors").is_file());
+}
+
+#[test]
+fn llama_examples_refuse_what_cannot_run_before_launching() {
+    let refused = |bin: &str, args: &[&str]| -> String {
+        let out = Command::new(bin).args(args).env_remove("RANK").output().expect("running the example");
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(!out.status.success(), "{bin} {args:?} was accepted:\n{text}");
+        text
+    };
+    for bin in [env!("CARGO_BIN_EXE_accel_llama"), env!("CARGO_BIN_EXE_train_llama")] {
+        let text = refused(bin, &["--nproc", "4", "--tp-size", "4"]);
+        assert!(text.contains("does not divide") && text.contains("2 key/value heads"), "{text}");
+        assert_eq!(text.matches("does not divide").count(), 1, "one message, not one per rank:\n{text}");
+        let text = refused(bin, &["--model-dir", "somewhere", "--hidden-size", "64"]);
+        assert!(text.contains("--model-dir takes the model's shape from its config.json"), "{text}");
+        let text = refused(bin, &["--model-dir", "/nonexistent/llama"]);
+        assert!(text.contains("/nonexistent/llama/config.json"), "{text}");
+    }
+}
