@@ -3,7 +3,7 @@
 //! data, tensor and pipeline parallelism, saved as a Hugging Face directory that transformers loads:
 //!
 //! ```text
-//! cargo run -p accel-examples --bin accel_llama                                   # 1 process, 11.6 M parameters
+//! cargo run -p accel-examples --bin accel_llama                                   # 1 process, 11.0 M parameters
 //! cargo run -p accel-examples --bin accel_llama -- --nproc 2 --tp-size 2          # tp2
 //! cargo run -p accel-examples --bin accel_llama -- --nproc 4 --tp-size 2 --pp-size 2 --microbatches 4
 //! cargo run -p accel-examples --bin accel_llama -- --nproc 2 --dp-shard-size 2 --sharding-strategy FULL_SHARD
