@@ -7,14 +7,14 @@
 #
 # Default: 10 steps at tp2 x pp2 (--nproc 4 --tp-size 2 --pp-size 2 --microbatches 4). The flags are passed
 # through to accel_llama; a layout flag (--nproc, --tp-size, --pp-size, --microbatches, ...) replaces the whole
-# default layout, --steps the 10 steps, --output-dir the temporary directory (kept then). --seq-len, --batch-size,
-# --eval-batches, --data-dir, --prompt and --sample-tokens are also given to the Python check.
+# default layout, --steps the 10 steps, --output-dir the temporary directory (kept then). --seq-len,
+# --eval-batches, --data-dir, --prompt and --sample-tokens are also given to the Python check, and --batch-size
+# times the data-parallel size (nproc / (tp x pp)): accel_llama evaluates batches of the global batch's rows.
 #
 #   1. accel_llama --output-dir DIR ... : its stdout gives `validation loss X` and, at pp 1, its `greedy sample:`.
-#   2. Under pp > 1 accel_llama prints no sample: a second, 1-process run reloads DIR (--model-dir DIR --steps 0
-#      --lr 0) for it. accel_llama's --steps 0 still takes one optimizer step (the loop checks the step count after
-#      stepping), so --lr 0 keeps that step from changing the weights (AdamW's update and its decoupled weight decay
-#      both scale with lr); that this run's validation loss equals run 1's is checked (within --tol).
+#   2. Under pp > 1 accel_llama prints no sample: a second, 1-process run reloads DIR (--model-dir DIR --steps 0:
+#      no training, the directory's model evaluated and sampled) for it; that this run's validation loss equals
+#      run 1's is checked (within --tol).
 #   3. python scripts/llama-transformers-check.py DIR --expect X --generate PROMPT --tokens N --expect-sample-log LOG
 #
 # Prints one summary line on stdout, the rest (progress, the logs of a failed step) on stderr:
@@ -26,12 +26,12 @@
 #
 # Environment: PYTHON (default /work/venv-llama/bin/python; needs torch, transformers, tokenizers), ACCEL_LLAMA
 # (the binary; default $CARGO_TARGET_DIR/debug/accel_llama, else target/debug/accel_llama — build it with
-# `cargo build -p accel-examples --bin accel_llama`), TOL (the relative loss tolerance, default 1e-3),
+# `cargo build -p accel-examples --bin accel_llama`), TOL (the relative loss tolerance, default 1e-4),
 # KEEP=1 (keep the temporary directory).
 set -euo pipefail
 
 if [[ ${1:-} == -h || ${1:-} == --help ]]; then
-    sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'
+    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
     exit 0
 fi
 
@@ -39,7 +39,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 check_py="$root/scripts/llama-transformers-check.py"
 python="${PYTHON:-/work/venv-llama/bin/python}"
 bin="${ACCEL_LLAMA:-${CARGO_TARGET_DIR:-$root/target}/debug/accel_llama}"
-tol="${TOL:-1e-3}"
+tol="${TOL:-1e-4}"
 say() { echo "llama-transformers-check: $*" >&2; }
 
 [[ -x $bin ]] || { say "no accel_llama binary at $bin (set ACCEL_LLAMA, or build: cargo build -p accel-examples --bin accel_llama)"; exit 2; }
@@ -62,10 +62,16 @@ for ((i = 0; i < ${#args[@]}; i++)); do
     esac
     case "$name" in
         --steps | --output-dir | --seq-len | --batch-size | --eval-batches | --data-dir | --prompt | --sample-tokens | \
-            --save-dtype | --mixed-precision) val[$name]="$value" ;;
+            --save-dtype | --mixed-precision | --nproc | --tp-size | --pp-size) val[$name]="$value" ;;
     esac
 done
-[[ $has_layout == 1 ]] || args+=(--nproc 4 --tp-size 2 --pp-size 2 --microbatches 4)
+if [[ $has_layout == 0 ]]; then
+    args+=(--nproc 4 --tp-size 2 --pp-size 2 --microbatches 4)
+    val[--nproc]=4 val[--tp-size]=2 val[--pp-size]=2
+fi
+# accel_llama evaluates batches of the global batch's rows: --batch-size (per replica) x dp, dp = nproc / (tp x pp).
+dp=$(( ${val[--nproc]:-1} / (${val[--tp-size]:-1} * ${val[--pp-size]:-1}) ))
+rows=$(( ${val[--batch-size]:-8} * dp ))
 [[ -n ${val[--steps]+set} ]] || args+=(--steps 10)
 
 tmp="$(mktemp -d "${TMPDIR:-/tmp}/llama-transformers-check.XXXXXX")"
@@ -100,8 +106,8 @@ ours="$(loss_in "$train_log")"
 say "accel_llama: validation loss $ours, saved $dir"
 
 # 2. The greedy sample: run 1's, or (pp > 1) a 1-process reload's.
-check_flags=()
-for f in --seq-len --batch-size --eval-batches; do
+check_flags=(--batch-size "$rows")
+for f in --seq-len --eval-batches; do
     [[ -z ${val[$f]+set} ]] || check_flags+=("$f" "${val[$f]}")
 done
 [[ -z ${val[--data-dir]+set} ]] || check_flags+=(--text "${val[--data-dir]}/shakespeare8.txt")
@@ -113,9 +119,9 @@ if [[ $sample_tokens != 0 ]]; then
         sample_log="$train_log"
     else
         # Same data, window and sample flags; 1 process; the saved directory's weights unchanged (see the header).
-        reload=(--model-dir "$dir" --steps 0 --lr 0 --output-dir "$tmp/reloaded" --sample-tokens "$sample_tokens"
-            --prompt "$prompt")
-        for f in --seq-len --batch-size --eval-batches --data-dir --mixed-precision; do
+        reload=(--model-dir "$dir" --steps 0 --output-dir "$tmp/reloaded" --sample-tokens "$sample_tokens"
+            --prompt "$prompt" --batch-size "$rows")
+        for f in --seq-len --eval-batches --data-dir --mixed-precision; do
             [[ -z ${val[$f]+set} ]] || reload+=("$f" "${val[$f]}")
         done
         sample_log="$tmp/accel_llama-reload.log"

@@ -237,7 +237,8 @@ fn train(args: &Args) -> anyhow::Result<()> {
     let (mut step, mut epoch) = (0u64, 0u64);
     let (mut loss_sum, mut loss_count) = (0f64, 0usize);
     let mut last_loss = f64::NAN;
-    'training: loop {
+    // `--steps 0` trains nothing: evaluate, save and sample the model as built (a directory loaded and re-saved).
+    'training: while step < args.steps {
         loader.set_epoch(epoch);
         for batch in &loader {
             let batch = batch?;
@@ -287,16 +288,20 @@ fn train(args: &Args) -> anyhow::Result<()> {
         Some((t0, s0)) if step > s0 => (step - s0) as f64 * tokens_per_step / t0.elapsed().as_secs_f64().max(1e-9),
         _ => step as f64 * tokens_per_step / elapsed.max(1e-9),
     };
-    acc.print(format!(
-        "accel_llama done: {step} steps in {elapsed:.1} s, final loss {last_loss:.4}, {throughput:.0} tokens/s (pp {} \
-         × dp {dp} × tp {})",
-        acc.mesh().pp().world_size(),
-        acc.tensor_parallel().size()
-    ));
+    if step == 0 {
+        acc.print("accel_llama: --steps 0, no training: the model as built is evaluated and saved");
+    } else {
+        acc.print(format!(
+            "accel_llama done: {step} steps in {elapsed:.1} s, final loss {last_loss:.4}, {throughput:.0} tokens/s (pp {} \
+             × dp {dp} × tp {})",
+            acc.mesh().pp().world_size(),
+            acc.tensor_parallel().size()
+        ));
+    }
     if args.eval_batches > 0 {
         // Batches of the global batch's rows, so every layout of one global batch evaluates the same windows.
         let loss = validation_loss(&acc, &model, validation, args.batch_size * dp, args.eval_batches)?;
-        acc.print(format!("validation loss {loss:.4} (perplexity {:.2})", loss.exp()));
+        acc.print(format!("validation loss {loss:.6} (perplexity {:.2})", loss.exp()));
     }
     acc.wait_for_everyone()?;
     println!(

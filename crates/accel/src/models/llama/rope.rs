@@ -88,14 +88,16 @@ mod tests {
     fn llama3_scaling_keeps_high_frequencies_and_divides_low_ones() {
         let scaling = RopeScaling::Llama3 {
             factor: 8.0,
-            low_freq_factor: 1.0,
+            low_freq_factor: 0.125,
             high_freq_factor: 4.0,
-            original_max_position_embeddings: 16,
+            original_max_position_embeddings: 32,
         };
         let base = inverse_frequencies(&Rope { theta: 500_000.0, scaling: RopeScaling::Default }, 8);
         let scaled = inverse_frequencies(&Rope { theta: 500_000.0, scaling }, 8);
-        // Wavelength 2π < 16/4: kept. The lowest frequencies (wavelengths ≫ 16): divided by 8.
+        // Wavelength 2π < 32/4: kept. 2π/0.0376 = 167 between 32/4 and 32/0.125: blended. The lowest
+        // frequencies (wavelengths > 256): divided by 8.
         assert_eq!(scaled[0], base[0]);
+        assert!(scaled[1] < base[1] && scaled[1] > base[1] / 8.0, "{scaled:?}");
         assert!((scaled[3] - base[3] / 8.0).abs() < 1e-15);
         let linear = inverse_frequencies(&Rope { theta: 100.0, scaling: RopeScaling::Linear { factor: 2.0 } }, 4);
         assert_eq!(linear, vec![0.5, 0.05]);
