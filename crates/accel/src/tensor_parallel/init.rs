@@ -15,6 +15,7 @@ use candle_nn::{VarBuilder, VarMap};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal, Uniform};
+use std::ops::Range;
 use std::sync::Arc;
 
 /// How a parameter's full tensor is initialised (drawn in f32, then cast to the compute dtype).
@@ -112,6 +113,15 @@ pub trait InitialWeights: Send + Sync {
     /// a model that asks for a name the checkpoint lacks fails naming it instead of starting that parameter at
     /// random.
     fn full_tensor(&self, name: &str) -> Result<Tensor>;
+
+    /// Rows `range` along `dim` of parameter `name`, whose full shape is `full_shape` (a tensor-parallel shard,
+    /// `range` within the real rows), when the source can read them without the rest — a memory-mapped file
+    /// reads only those bytes. `None` (the default): the builder reads [`InitialWeights::full_tensor`] and keeps
+    /// its slice. Errors: the name missing, or held with another shape.
+    fn rows(&self, name: &str, full_shape: &[usize], dim: usize, range: Range<usize>) -> Result<Option<Tensor>> {
+        let _ = (name, full_shape, dim, range);
+        Ok(None)
+    }
 }
 
 /// Where a [`ParamBuilder`] made by a prepared model takes its parameters from.
@@ -165,6 +175,30 @@ impl ParamBuilder {
             )));
         }
         Ok(t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?)
+    }
+
+    /// This rank's piece of a sharded parameter read from the weights alone (its real rows, then the layout's
+    /// zero padding), when the weights can read rows without the whole tensor; `None` otherwise.
+    fn initial_rows(&self, full_name: &str, shape: &Shape, layout: ParamLayout) -> Result<Option<Tensor>> {
+        let (Some(weights), ParamLayout::Sharded { dim, full, .. }) = (&self.weights, layout) else { return Ok(None) };
+        let range = layout.shard_range(self.tp.rank(), self.tp.size()).expect("sharded");
+        let real = range.start.min(full)..range.end.min(full);
+        let Some(rows) = weights.rows(full_name, shape.dims(), dim, real.clone())? else { return Ok(None) };
+        let mut want = shape.dims().to_vec();
+        want[dim] = real.len();
+        if rows.dims() != want.as_slice() {
+            return Err(AccelError::InvalidArgument(format!(
+                "the initial weights gave rows {real:?} of `{full_name}` with shape {:?}, expected {want:?}",
+                rows.dims()
+            )));
+        }
+        let rows = rows.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+        if real.len() == range.len() {
+            return Ok(Some(rows));
+        }
+        let mut pad = want;
+        pad[dim] = range.len() - real.len();
+        Ok(Some(Tensor::cat(&[&rows, &Tensor::zeros(pad, DType::F32, &Device::Cpu)?], dim)?))
     }
 
     /// Whether this builder gathers fully sharded parameters when asked for them (a prepared FULL_SHARD model's):
@@ -305,6 +339,9 @@ impl ParamBuilder {
         // Past the model's size the layout pads with zero rows: they take part in no real output (the
         // vocab-parallel loss masks them out) and are dropped from checkpoints.
         let layout = ParamLayout::Sharded { dim, full: size, padded: size.div_ceil(tp) * tp };
+        if let Some(local) = self.initial_rows(&full_name, &shape, layout)? {
+            return self.insert(full_name, local, layout);
+        }
         let full = self.initial(&full_name, &shape, init)?;
         let local = layout.slice(&full, self.tp.rank(), tp)?;
         self.insert(full_name, local, layout)

@@ -497,3 +497,30 @@ fn candle_transformers_gives_the_same_logits() {
         }
     }
 }
+
+/// A vocabulary tp does not divide (13 rows over tp 2: padded to 14): the builder reads each rank's real rows of
+/// the embedding and the head from the file and pads the rest, and every weight comes back as saved.
+#[test]
+fn a_padded_vocabulary_loads_its_real_rows() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("odd");
+    let d = dir.clone();
+    let saved = run_ranks(1, plain(), move |acc| {
+        let config = LlamaConfig::new(13, 16, 24, 2, 4, 2);
+        let varmap = VarMap::new();
+        let _model = Llama::new(&config, acc.builder(&varmap, Llama::plan(&config)))?;
+        let prepared = acc.prepare_model(&varmap)?;
+        llama::save_pretrained(&acc, &prepared, &config, &d, &SaveOptions::default())?;
+        Ok(to_f32_map(&prepared.state_dict()?))
+    })
+    .remove(0);
+    let loaded = run_ranks(2, config(1, 1, 2, ShardingStrategy::default()), move |acc| {
+        let (model, prepared, _) = load(&acc, &dir)?;
+        let head_rows = model.forward(&Tensor::new(&[[1u32, 2]], &Device::Cpu)?)?.dim(2)?;
+        Ok((to_f32_map(&prepared.state_dict()?), head_rows))
+    });
+    for (weights, head_rows) in loaded {
+        assert_eq!(weights, saved, "loaded at tp 2, the weights differ from the saved ones");
+        assert_eq!(head_rows, 7, "13 vocabulary rows padded to 14: 7 per rank");
+    }
+}

@@ -12,6 +12,7 @@ use crate::{AccelError, Accelerator, PreparedModel, Result};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -120,7 +121,7 @@ fn listed(names: &[&String]) -> String {
 
 /// A Hugging Face directory's weights, checked against a config and memory-mapped: what
 /// [`crate::nn::VarBuilder::with_weights`] builds a [`super::Llama`] from (each rank reading only the tensors of its
-/// pipeline stages and keeping its slice of each), and what [`load_pretrained`] loads into a prepared model.
+/// pipeline stages, and of each only its tensor-parallel rows), and what [`load_pretrained`] loads into a prepared model.
 pub struct PretrainedWeights {
     st: MmapedSafetensors,
     dir: PathBuf,
@@ -202,12 +203,47 @@ impl PretrainedWeights {
     }
 }
 
+/// A tensor-parallel rank reads only its rows of each sharded weight: the mapped file's bytes of those rows.
 impl InitialWeights for PretrainedWeights {
     fn full_tensor(&self, name: &str) -> Result<Tensor> {
-        let t = self.st.load(name, &Device::Cpu).map_err(|e| {
-            AccelError::InvalidArgument(format!("reading {name} from the weights in {}: {e}", self.dir.display()))
-        })?;
+        let t = self.st.load(name, &Device::Cpu).map_err(|e| self.read_error(name, e))?;
         Ok(t.to_dtype(DType::F32)?)
+    }
+
+    fn rows(&self, name: &str, full_shape: &[usize], dim: usize, range: Range<usize>) -> Result<Option<Tensor>> {
+        use safetensors::slice::TensorIndexer;
+        use std::ops::Bound;
+        let view = self.st.get(name).map_err(|e| self.read_error(name, e))?;
+        if view.shape() != full_shape {
+            return Err(AccelError::InvalidArgument(format!(
+                "{name} has shape {:?} in {} but the model builds it with shape {full_shape:?}",
+                view.shape(),
+                self.dir.display()
+            )));
+        }
+        let dtype = match view.dtype() {
+            safetensors::Dtype::F32 => DType::F32,
+            safetensors::Dtype::BF16 => DType::BF16,
+            safetensors::Dtype::F16 => DType::F16,
+            _ => return Ok(None),
+        };
+        let one = std::num::NonZeroUsize::MIN;
+        let all = TensorIndexer::Narrow(Bound::Unbounded, Bound::Unbounded, one);
+        let mut index = vec![all; dim];
+        index.push(TensorIndexer::Narrow(Bound::Included(range.start), Bound::Excluded(range.end), one));
+        let pieces = view.sliced_data(&index).map_err(|e| {
+            AccelError::InvalidArgument(format!("reading rows {range:?} of {name} along dim {dim}: {e:?}"))
+        })?;
+        let bytes: Vec<u8> = pieces.flat_map(|p| p.iter().copied()).collect();
+        let mut shape = full_shape.to_vec();
+        shape[dim] = range.len();
+        Ok(Some(Tensor::from_raw_buffer(&bytes, dtype, &shape, &Device::Cpu)?.to_dtype(DType::F32)?))
+    }
+}
+
+impl PretrainedWeights {
+    fn read_error(&self, name: &str, e: candle_core::Error) -> AccelError {
+        AccelError::InvalidArgument(format!("reading {name} from the weights in {}: {e}", self.dir.display()))
     }
 }
 
