@@ -119,6 +119,11 @@ fn layouts() -> Vec<(&'static str, usize, AcceleratorConfig)> {
         ("pp 2", 2, pipelined(2, ScheduleKind::OneFOneB, None, plain())),
         ("FULL_SHARD 2", 2, config(1, 2, 1, ShardingStrategy::FullShard)),
         ("dp 2 × tp 2", 4, config(2, 1, 2, ShardingStrategy::default())),
+        // Beyond the list (the fixture's batch of 2 rows bounds dp at 2): the runtime's recomputation,
+        // sharding with tensor parallelism, and pipeline × tensor parallelism.
+        ("activation checkpointing", 1, AcceleratorConfig { activation_checkpointing: true, ..plain() }),
+        ("FULL_SHARD 2 × tp 2", 4, config(1, 2, 2, ShardingStrategy::FullShard)),
+        ("pp 2 × tp 2", 4, pipelined(2, ScheduleKind::OneFOneB, None, config(1, 1, 2, ShardingStrategy::default()))),
     ]
 }
 
