@@ -26,10 +26,10 @@
 //! The lines that differ from a plain single-process candle loop are marked `// accel:`.
 
 use accel::data::TokenDataset;
-use accel::models::llama::{self, Llama, LlamaConfig, PretrainedWeights, SaveOptions};
+use accel::models::llama::{self, Llama, PretrainedWeights, SaveOptions};
 use accel::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, DataLoader, DataLoaderConfig, MixedPrecision};
 use accel::{Dataset, ReduceKind};
-use accel_examples::llama::{check_tp, copy_tokenizer, load_tokenizer, num_parameters, token_datasets, LlamaShape};
+use accel_examples::llama::{check_tp, copy_tokenizer, num_parameters, token_datasets};
 use anyhow::{bail, Context};
 use candle_core::{DType, Tensor};
 use candle_nn::VarMap;
@@ -43,6 +43,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[path = "shared/layout_args.rs"]
 mod layout_args;
+#[path = "shared/llama_args.rs"]
+mod llama_args;
 
 /// A Llama on Shakespeare at level 2: the Accelerator, data × tensor × pipeline parallel, Hugging Face
 /// directories in and out.
@@ -54,12 +56,8 @@ struct Args {
     nproc: usize,
     #[command(flatten)]
     layout: layout_args::LayoutArgs,
-    /// Fine-tune the model of this Hugging Face directory (config.json, model.safetensors or shards, and
-    /// tokenizer.json if it has one) instead of training one from scratch (the shape flags are then refused).
-    #[arg(long)]
-    model_dir: Option<PathBuf>,
     #[command(flatten)]
-    shape: LlamaShape,
+    llama: llama_args::LlamaArgs,
     /// Where the trained model goes, as a Hugging Face directory (replaced if it is one).
     #[arg(long, default_value = "runs/accel_llama")]
     output_dir: PathBuf,
@@ -75,9 +73,6 @@ struct Args {
     /// Sequences per micro-batch per data-parallel replica.
     #[arg(long, default_value_t = 8)]
     batch_size: usize,
-    /// Tokens per training sequence.
-    #[arg(long, default_value_t = 128)]
-    seq_len: usize,
     /// AdamW learning rate.
     #[arg(long, default_value_t = 1e-3)]
     lr: f64,
@@ -87,9 +82,6 @@ struct Args {
     /// Seed of the initial weights (drawn on the full model: every layout starts from the same), and the shuffle.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Directory with shakespeare8.txt (default: the repository's data/shakespeare).
-    #[arg(long)]
-    data_dir: Option<PathBuf>,
     /// no | fp16 | bf16 (default: ACCELERATE_MIXED_PRECISION, else no).
     #[arg(long)]
     mixed_precision: Option<MixedPrecision>,
@@ -117,37 +109,13 @@ fn main() -> std::process::ExitCode {
     accel_examples::run_main(run)
 }
 
-fn text_path(args: &Args) -> PathBuf {
-    match &args.data_dir {
-        Some(dir) => dir.join("shakespeare8.txt"),
-        None => accel_examples::default_text_path(),
-    }
-}
-
-fn tokenizer_fallback(args: &Args) -> PathBuf {
-    match &args.data_dir {
-        Some(dir) => dir.join("tokenizer.json"),
-        None => accel_examples::llama::default_tokenizer_path(),
-    }
-}
-
-/// The model's config: the directory's, or the flags' for the tokenizer's vocabulary.
-fn model_config(args: &Args, vocab_size: usize) -> anyhow::Result<LlamaConfig> {
-    match &args.model_dir {
-        Some(dir) => Ok(LlamaConfig::from_pretrained(dir)?),
-        None => args.shape.config(vocab_size, args.seq_len.max(2048)),
-    }
-}
-
 fn run() -> anyhow::Result<()> {
     let args = accel_examples::parse_args!(Args); // a bad command line is reported once under a launcher
-    if args.model_dir.is_some() && !args.shape.is_default() {
-        bail!("--model-dir takes the model's shape from its config.json: drop the shape flags (--hidden-size, …)");
-    }
+    args.llama.check()?;
     // Everything checked once, here, before any worker starts: the files, the config, the sizes.
-    let (tokenizer, _) = load_tokenizer(args.model_dir.as_deref(), &tokenizer_fallback(&args))?;
-    let config = model_config(&args, tokenizer.get_vocab_size(true))?;
-    let path = text_path(&args);
+    let (tokenizer, _) = args.llama.tokenizer()?;
+    let config = args.llama.config(tokenizer.get_vocab_size(true))?;
+    let path = args.llama.text_path();
     anyhow::ensure!(path.is_file(), "--data-dir: no text at {}", path.display());
     args.layout.check(args.nproc, config.num_hidden_layers, None, "--batch-size", args.batch_size)?;
     check_tp(&config, args.layout.tp_size)?;
@@ -173,13 +141,13 @@ fn train(args: &Args) -> anyhow::Result<()> {
     cfg.seed = Some(args.seed);
     cfg.activation_checkpointing |= args.activation_checkpointing;
     let acc = Accelerator::new(cfg)?; // accel: process group, mesh (pp × dp × tp), device, precision
-    let (tokenizer, tokenizer_path) = load_tokenizer(args.model_dir.as_deref(), &tokenizer_fallback(args))?;
-    let (train_data, validation) = token_datasets(&text_path(args), &tokenizer, args.seq_len)?;
-    let config = model_config(args, tokenizer.get_vocab_size(true))?;
+    let (tokenizer, tokenizer_path) = args.llama.tokenizer()?;
+    let (train_data, validation) = token_datasets(&args.llama.text_path(), &tokenizer, args.llama.seq_len)?;
+    let config = args.llama.config(tokenizer.get_vocab_size(true))?;
     anyhow::ensure!(
-        args.seq_len <= config.max_position_embeddings,
+        args.llama.seq_len <= config.max_position_embeddings,
         "--seq-len {} is longer than the model's max_position_embeddings {}",
-        args.seq_len,
+        args.llama.seq_len,
         config.max_position_embeddings
     );
 
@@ -187,7 +155,7 @@ fn train(args: &Args) -> anyhow::Result<()> {
     // accel: the model written once, laid out by its plan: each rank builds its pipeline stages' layers, split
     // over tp, from the seed or from the directory's weights (only the tensors of its stages, its slice of each)
     let mut vb = acc.builder(&varmap, Llama::plan(&config));
-    if let Some(dir) = &args.model_dir {
+    if let Some(dir) = &args.llama.model_dir {
         vb = vb.with_weights(PretrainedWeights::open(dir, &config)?);
     }
     let model = Llama::new(&config, vb)?;
@@ -208,7 +176,7 @@ fn train(args: &Args) -> anyhow::Result<()> {
         bail!("--batch-size {} leaves no full batch per replica ({n_windows} windows, dp {dp})", args.batch_size);
     }
     let ga = acc.gradient_accumulation_steps();
-    let tokens_per_step = (args.batch_size * args.seq_len * dp * ga) as f64;
+    let tokens_per_step = (args.batch_size * args.llama.seq_len * dp * ga) as f64;
     acc.print_banner("accel_llama"); // accel: config, processes, layout, precision, accumulation, backend (once)
     acc.print(format!(
         "accel_llama: {} process(es) = pp {} × dp {dp} × tp {}, Llama of {} parameters ({} layers, hidden {}, {} \
@@ -224,12 +192,12 @@ fn train(args: &Args) -> anyhow::Result<()> {
         config.intermediate_size,
         config.vocab_size,
         if config.tie_word_embeddings { ", tied head" } else { "" },
-        match &args.model_dir {
+        match &args.llama.model_dir {
             Some(d) => format!("fine-tuned from {}", d.display()),
             None => "trained from scratch".into(),
         },
         args.batch_size * dp * ga,
-        args.seq_len
+        args.llama.seq_len
     ));
 
     let start = Instant::now();

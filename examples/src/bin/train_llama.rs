@@ -19,9 +19,9 @@
 
 use std::path::PathBuf;
 
-use accel::models::llama::{self, Llama, LlamaConfig, PretrainedWeights, SaveOptions};
-use accel_examples::llama::{check_tp, copy_tokenizer, load_tokenizer, num_parameters, token_datasets, LlamaShape};
-use anyhow::{bail, Context};
+use accel::models::llama::{self, Llama, PretrainedWeights, SaveOptions};
+use accel_examples::llama::{check_tp, copy_tokenizer, num_parameters, token_datasets};
+use anyhow::Context;
 use clap::Parser;
 use trainer::{losses, IntervalStrategy, SaveStrategy, Trainer, TrainingArguments, TrainingArgumentsCli};
 
@@ -31,6 +31,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[path = "shared/layout_args.rs"]
 mod layout_args;
+#[path = "shared/llama_args.rs"]
+mod llama_args;
 
 /// Train a Llama on Shakespeare with the Trainer, data-, tensor- and/or pipeline-parallel.
 #[derive(Parser, Debug)]
@@ -41,17 +43,8 @@ struct Cli {
     nproc: usize,
     #[command(flatten)]
     layout: layout_args::LayoutArgs,
-    /// Fine-tune the model of this Hugging Face directory instead of training one from scratch.
-    #[arg(long)]
-    model_dir: Option<PathBuf>,
     #[command(flatten)]
-    shape: LlamaShape,
-    /// Directory with shakespeare8.txt and tokenizer.json (default: the repository's data/shakespeare).
-    #[arg(long)]
-    data_dir: Option<PathBuf>,
-    /// Tokens per training sequence.
-    #[arg(long, default_value_t = 128)]
-    seq_len: usize,
+    llama: llama_args::LlamaArgs,
     /// Tokens to generate greedily at the end (0: none; pp 1 only).
     #[arg(long, default_value_t = 40)]
     sample_tokens: usize,
@@ -83,40 +76,17 @@ fn main() -> std::process::ExitCode {
     accel_examples::run_main(run)
 }
 
-fn text_path(cli: &Cli) -> PathBuf {
-    match &cli.data_dir {
-        Some(dir) => dir.join("shakespeare8.txt"),
-        None => accel_examples::default_text_path(),
-    }
-}
-
-fn tokenizer_fallback(cli: &Cli) -> PathBuf {
-    match &cli.data_dir {
-        Some(dir) => dir.join("tokenizer.json"),
-        None => accel_examples::llama::default_tokenizer_path(),
-    }
-}
-
-fn model_config(cli: &Cli, vocab_size: usize) -> anyhow::Result<LlamaConfig> {
-    match &cli.model_dir {
-        Some(dir) => Ok(LlamaConfig::from_pretrained(dir)?),
-        None => cli.shape.config(vocab_size, cli.seq_len.max(2048)),
-    }
-}
-
 fn run() -> anyhow::Result<()> {
     let cli = accel_examples::parse_args!(Cli); // a bad command line is reported once under a launcher
-    if cli.model_dir.is_some() && !cli.shape.is_default() {
-        bail!("--model-dir takes the model's shape from its config.json: drop the shape flags (--hidden-size, …)");
-    }
+    cli.llama.check()?;
     // Checked once, here, before any worker starts.
     let args = cli.train.resolve(defaults())?;
-    let (tokenizer, _) = load_tokenizer(cli.model_dir.as_deref(), &tokenizer_fallback(&cli))?;
-    let config = model_config(&cli, tokenizer.get_vocab_size(true))?;
+    let (tokenizer, _) = cli.llama.tokenizer()?;
+    let config = cli.llama.config(tokenizer.get_vocab_size(true))?;
     check_tp(&config, cli.layout.tp_size)?;
     let batch = args.per_device_train_batch_size;
     cli.layout.check(cli.nproc, config.num_hidden_layers, None, "--per-device-train-batch-size", batch)?;
-    let path = text_path(&cli);
+    let path = cli.llama.text_path();
     anyhow::ensure!(path.is_file(), "--data-dir: no text at {}", path.display());
     if !ddp_core::launcher::is_worker() && cli.nproc > 1 {
         let exe = std::env::current_exe().context("locating this executable to launch its workers")?;
@@ -132,10 +102,10 @@ fn run() -> anyhow::Result<()> {
 fn worker(cli: Cli) -> anyhow::Result<()> {
     let args = cli.train.resolve(defaults())?;
     let out_dir = args.output_dir.join("model");
-    let (tokenizer, tokenizer_path) = load_tokenizer(cli.model_dir.as_deref(), &tokenizer_fallback(&cli))?;
-    let (train, validation) = token_datasets(&text_path(&cli), &tokenizer, cli.seq_len)?;
-    let config = model_config(&cli, tokenizer.get_vocab_size(true))?;
-    let weights = match &cli.model_dir {
+    let (tokenizer, tokenizer_path) = cli.llama.tokenizer()?;
+    let (train, validation) = token_datasets(&cli.llama.text_path(), &tokenizer, cli.llama.seq_len)?;
+    let config = cli.llama.config(tokenizer.get_vocab_size(true))?;
+    let weights = match &cli.llama.model_dir {
         Some(dir) => Some(PretrainedWeights::open(dir, &config)?),
         None => None,
     };
