@@ -1,11 +1,11 @@
-//! The model-parallel flags the GPT examples share (`accel_gpt`, `train_gpt`: `#[path]`-included by each, so that
+//! The model-parallel flags the GPT and Llama examples share (`accel_gpt`, `train_gpt`, `accel_llama`, `train_llama`: `#[path]`-included by each, so that
 //! only binaries know clap).
 
 /// The model-parallel flags of the GPT examples (`accel_gpt`, `train_gpt`), flattened into their command lines.
 #[derive(clap::Args, Debug, Clone)]
 pub struct LayoutArgs {
-    /// Tensor-parallel size: ranks each model is split over (must divide --nproc and the model's n_head, d_model
-    /// and d_ff). Passed to the workers as PARALLELISM_CONFIG_TP_SIZE; data parallelism takes the rest.
+    /// Tensor-parallel size: ranks each model is split over (must divide --nproc and the model's head counts and
+    /// widths). Passed to the workers as PARALLELISM_CONFIG_TP_SIZE; data parallelism takes the rest.
     #[arg(long, default_value_t = 1)]
     pub tp_size: usize,
     /// Pipeline stages: ranks the model's blocks are cut over (tp × pp must divide --nproc; at most the layers).
