@@ -1,5 +1,5 @@
-//! The model-parallel flags the GPT and Llama examples share (`accel_gpt`, `train_gpt`, `accel_llama`, `train_llama`: `#[path]`-included by each, so that
-//! only binaries know clap).
+//! The model-parallel flags the GPT and Llama examples share (`accel_gpt`, `train_gpt`, `accel_llama`,
+//! `train_llama`: `#[path]`-included by each, so that only binaries know clap).
 
 /// The model-parallel flags of the GPT examples (`accel_gpt`, `train_gpt`), flattened into their command lines.
 #[derive(clap::Args, Debug, Clone)]
