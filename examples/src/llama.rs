@@ -13,18 +13,6 @@ pub fn default_tokenizer_path() -> PathBuf {
     crate::default_text_path().with_file_name("tokenizer.json")
 }
 
-/// The tokenizer of a run: the model directory's `tokenizer.json` when fine-tuning from one that has it, else
-/// `fallback` (the shipped one). Errors name the file that cannot be read.
-pub fn load_tokenizer(model_dir: Option<&Path>, fallback: &Path) -> anyhow::Result<(tokenizers::Tokenizer, PathBuf)> {
-    let path = match model_dir.map(|d| d.join("tokenizer.json")) {
-        Some(p) if p.is_file() => p,
-        _ => fallback.to_path_buf(),
-    };
-    let tokenizer = tokenizers::Tokenizer::from_file(&path)
-        .map_err(|e| anyhow::anyhow!("reading the tokenizer {}: {e}", path.display()))?;
-    Ok((tokenizer, path))
-}
-
 /// The text at `path` tokenized, as non-overlapping windows of `seq_len` tokens: the first 95 % of the tokens for
 /// training, the last 5 % for validation.
 pub fn token_datasets(
@@ -45,33 +33,17 @@ pub fn token_datasets(
     Ok((TokenDataset::new(train, seq_len, seq_len)?, TokenDataset::new(validation, seq_len, seq_len)?))
 }
 
-/// Refuses a `--tp-size` that does not divide the key/value heads, once, before any worker starts (each worker
-/// would refuse it in `Llama::new`).
-pub fn check_tp(config: &LlamaConfig, tp: usize) -> anyhow::Result<()> {
-    let kv = config.num_key_value_heads();
-    if !kv.is_multiple_of(tp) {
-        let fit: Vec<String> = (1..=kv).filter(|d| kv.is_multiple_of(*d)).map(|d| d.to_string()).collect();
-        anyhow::bail!(
-            "--tp-size {tp} does not divide the {kv} key/value heads (each rank computes whole heads and the query \
-             heads they serve); tp sizes that fit: {}",
-            fit.join(", ")
-        );
-    }
-    Ok(())
-}
-
 /// The number of parameters of a Llama of `config` (each weight once; a tied head is the embedding).
 pub fn num_parameters(config: &LlamaConfig) -> usize {
     accel::models::llama::weight_shapes(config).values().map(|s| s.iter().product::<usize>()).sum()
 }
 
-/// Copies the tokenizer into a saved model directory (each file written atomically), with the
-/// `tokenizer_config.json` that makes `AutoTokenizer.from_pretrained(dir)` read it as a fast tokenizer (the
-/// directory's own when fine-tuning from one that has it), so the directory is what transformers' `Auto*` classes
-/// load.
-pub fn copy_tokenizer(tokenizer: &Path, out: &Path) -> anyhow::Result<()> {
+/// The tokenizer files a saved model directory gets (for `SaveOptions::files`, written in the same commit as the
+/// model): `tokenizer.json`, and the `tokenizer_config.json` beside it — or, when there is none, one that makes
+/// `AutoTokenizer.from_pretrained(dir)` read it as a fast tokenizer with the shipped special tokens. Read once, at
+/// start-up: fine-tuning a directory in place replaces the files it was read from.
+pub fn tokenizer_files(tokenizer: &Path) -> anyhow::Result<Vec<(String, Vec<u8>)>> {
     let bytes = std::fs::read(tokenizer).with_context(|| format!("reading {}", tokenizer.display()))?;
-    accel::state::write_atomic(&out.join("tokenizer.json"), bytes)?;
     let config = match std::fs::read(tokenizer.with_file_name("tokenizer_config.json")) {
         Ok(own) => own,
         Err(_) => serde_json::to_vec_pretty(&serde_json::json!({
@@ -81,6 +53,18 @@ pub fn copy_tokenizer(tokenizer: &Path, out: &Path) -> anyhow::Result<()> {
             "pad_token": "<pad>",
         }))?,
     };
-    accel::state::write_atomic(&out.join("tokenizer_config.json"), config)?;
-    Ok(())
+    Ok(vec![("tokenizer.json".into(), bytes), ("tokenizer_config.json".into(), config)])
+}
+
+/// The dtype a run saves in: the flag's, else the fine-tuned directory's (`dtype` or `torch_dtype` in its
+/// config.json), else f32.
+pub fn save_dtype(flag: Option<&str>, config: &LlamaConfig) -> candle_core::DType {
+    let from_config = || {
+        ["dtype", "torch_dtype"].iter().find_map(|k| config.other.get(*k).and_then(|v| v.as_str()).map(String::from))
+    };
+    match flag.map(String::from).or_else(from_config).as_deref() {
+        Some("bf16" | "bfloat16") => candle_core::DType::BF16,
+        Some("f16" | "float16") => candle_core::DType::F16,
+        _ => candle_core::DType::F32,
+    }
 }

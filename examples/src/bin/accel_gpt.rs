@@ -279,7 +279,7 @@ fn run() -> anyhow::Result<()> {
         // Check the model against the sizes once, here, before any worker starts (76 = the shipped vocabulary;
         // the vocabulary never constrains tp).
         let list = args.layers_per_stage.as_deref();
-        args.layout.check(args.nproc, args.n_layer, list, "--batch-size", args.batch_size)?;
+        args.layout.check(args.nproc, args.n_layer, "--n-layer", list, "--batch-size", args.batch_size)?;
         model_config(&args, 76).validate(args.layout.tp_size)?;
     }
     if !ddp_core::launcher::is_worker() && args.nproc > 1 {

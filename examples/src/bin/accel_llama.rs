@@ -29,9 +29,9 @@ use accel::data::TokenDataset;
 use accel::models::llama::{self, Llama, PretrainedWeights, SaveOptions};
 use accel::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, DataLoader, DataLoaderConfig, MixedPrecision};
 use accel::{Dataset, ReduceKind};
-use accel_examples::llama::{check_tp, copy_tokenizer, num_parameters, token_datasets};
+use accel_examples::llama::{num_parameters, save_dtype, token_datasets, tokenizer_files};
 use anyhow::{bail, Context};
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use candle_nn::VarMap;
 use clap::Parser;
 use std::path::PathBuf;
@@ -58,12 +58,13 @@ struct Args {
     layout: layout_args::LayoutArgs,
     #[command(flatten)]
     llama: llama_args::LlamaArgs,
-    /// Where the trained model goes, as a Hugging Face directory (replaced if it is one).
+    /// Where the trained model goes, as a Hugging Face directory (a model directory there is replaced, keeping
+    /// its other files; anything else is refused before training).
     #[arg(long, default_value = "runs/accel_llama")]
     output_dir: PathBuf,
-    /// The weights' dtype on disk: f32, bf16 or f16.
-    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16", "f16"])]
-    save_dtype: String,
+    /// The weights' dtype on disk: f32, bf16 or f16 (default: the --model-dir's, else f32).
+    #[arg(long, value_parser = ["f32", "bf16", "f16"])]
+    save_dtype: Option<String>,
     /// Shard the weights into files of at most this many bytes (with model.safetensors.index.json).
     #[arg(long)]
     max_shard_size: Option<u64>,
@@ -111,14 +112,12 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> anyhow::Result<()> {
     let args = accel_examples::parse_args!(Args); // a bad command line is reported once under a launcher
-    args.llama.check()?;
-    // Everything checked once, here, before any worker starts: the files, the config, the sizes.
-    let (tokenizer, _) = args.llama.tokenizer()?;
-    let config = args.llama.config(tokenizer.get_vocab_size(true))?;
-    let path = args.llama.text_path();
-    anyhow::ensure!(path.is_file(), "--data-dir: no text at {}", path.display());
-    args.layout.check(args.nproc, config.num_hidden_layers, None, "--batch-size", args.batch_size)?;
-    check_tp(&config, args.layout.tp_size)?;
+                                                  // Everything checked once, here, before any worker starts: the files, the config, the sizes, where it saves.
+    let setup = args.llama.setup(args.layout.tp_size)?;
+    let layers = setup.config.num_hidden_layers;
+    args.layout.check(args.nproc, layers, "--num-hidden-layers", None, "--batch-size", args.batch_size)?;
+    llama::check_save_dir(&args.output_dir)?;
+    check_sample(&args, &setup)?;
     if !ddp_core::launcher::is_worker() && args.nproc > 1 {
         let exe = std::env::current_exe().context("locating this executable to launch its workers")?;
         let mut launch = ddp_core::LaunchConfig::local(args.nproc, exe, std::env::args().skip(1).collect());
@@ -127,10 +126,24 @@ fn run() -> anyhow::Result<()> {
         return Ok(());
     }
     accel_examples::apply_layout(&args.layout.layout())?; // the flags, unless the launcher set PARALLELISM_CONFIG_*
-    train(&args)
+    train(&args, setup)
 }
 
-fn train(args: &Args) -> anyhow::Result<()> {
+/// The prompt and the sample's tokens fit the model's positions (checked before training, not after it).
+fn check_sample(args: &Args, setup: &llama_args::LlamaSetup) -> anyhow::Result<()> {
+    let prompt = setup.tokenizer.encode(args.prompt.as_str(), false).map_err(|e| anyhow::anyhow!("--prompt: {e}"))?;
+    let (n, max) = (prompt.get_ids().len(), setup.config.max_position_embeddings);
+    anyhow::ensure!(
+        args.sample_tokens == 0 || n + args.sample_tokens <= max,
+        "--prompt ({n} tokens) and --sample-tokens {} pass the model's max_position_embeddings ({max}): use \
+         --sample-tokens {} or less",
+        args.sample_tokens,
+        max.saturating_sub(n)
+    );
+    Ok(())
+}
+
+fn train(args: &Args, setup: llama_args::LlamaSetup) -> anyhow::Result<()> {
     let mut cfg = AcceleratorConfig::from_env()?; // accel: sizes from PARALLELISM_CONFIG_*
     if let Some(mp) = args.mixed_precision {
         cfg.mixed_precision = mp;
@@ -141,15 +154,10 @@ fn train(args: &Args) -> anyhow::Result<()> {
     cfg.seed = Some(args.seed);
     cfg.activation_checkpointing |= args.activation_checkpointing;
     let acc = Accelerator::new(cfg)?; // accel: process group, mesh (pp × dp × tp), device, precision
-    let (tokenizer, tokenizer_path) = args.llama.tokenizer()?;
+    let llama_args::LlamaSetup { config, tokenizer, tokenizer_path } = setup;
+    // Read now: fine-tuning a directory in place replaces the files they come from.
+    let tokenizer_files = tokenizer_files(&tokenizer_path)?;
     let (train_data, validation) = token_datasets(&args.llama.text_path(), &tokenizer, args.llama.seq_len)?;
-    let config = args.llama.config(tokenizer.get_vocab_size(true))?;
-    anyhow::ensure!(
-        args.llama.seq_len <= config.max_position_embeddings,
-        "--seq-len {} is longer than the model's max_position_embeddings {}",
-        args.llama.seq_len,
-        config.max_position_embeddings
-    );
 
     let varmap = VarMap::new();
     // accel: the model written once, laid out by its plan: each rank builds its pipeline stages' layers, split
@@ -283,16 +291,9 @@ fn train(args: &Args) -> anyhow::Result<()> {
     acc.wait_for_everyone()?;
 
     // accel: one logical checkpoint from any layout, in transformers' names and files
-    let dtype = match args.save_dtype.as_str() {
-        "bf16" => DType::BF16,
-        "f16" => DType::F16,
-        _ => DType::F32,
-    };
-    let options = SaveOptions { dtype, max_shard_size: args.max_shard_size };
+    let dtype = save_dtype(args.save_dtype.as_deref(), &config);
+    let options = SaveOptions { dtype, max_shard_size: args.max_shard_size, files: tokenizer_files };
     llama::save_pretrained(&acc, &prepared, &config, &args.output_dir, &options)?;
-    if acc.is_main_process() {
-        copy_tokenizer(&tokenizer_path, &args.output_dir)?;
-    }
     acc.print(format!(
         "saved {} (config.json, weights, tokenizer.json, tokenizer_config.json)",
         args.output_dir.display()

@@ -111,7 +111,14 @@ fn run() -> anyhow::Result<()> {
     // Check everything once, here, before any worker starts: one clear message instead of one per rank.
     cli.train.resolve(defaults())?;
     let batch = cli.train.resolve(defaults())?.per_device_train_batch_size;
-    cli.layout.check(cli.nproc, model_config(&cli, 76).n_layer, None, "--per-device-train-batch-size", batch)?;
+    cli.layout.check(
+        cli.nproc,
+        model_config(&cli, 76).n_layer,
+        "--n-layer",
+        None,
+        "--per-device-train-batch-size",
+        batch,
+    )?;
     model_config(&cli, 76).validate(cli.layout.tp_size)?;
     let path = text_path(&cli);
     anyhow::ensure!(path.is_file(), "--data-dir: no text at {}", path.display());

@@ -4,7 +4,8 @@
 //! ```text
 //! cargo run -p accel-examples --bin train_llama                                  # 1 process
 //! cargo run -p accel-examples --bin train_llama -- --nproc 4 --tp-size 2 --pp-size 2 --per-device-train-batch-size 4
-//! cargo run -p accel-examples --bin train_llama -- --model-dir runs/train_llama/model --max-steps 50
+//! cargo run -p accel-examples --bin train_llama -- --model-dir runs/train_llama/model --max-steps 50 \
+//!     --output-dir runs/train_llama-finetuned
 //! ```
 //!
 //! [`Trainer::with_plan`] builds the model, written once, on accel's builder laid out by `Llama::plan` (from the
@@ -20,7 +21,7 @@
 use std::path::PathBuf;
 
 use accel::models::llama::{self, Llama, PretrainedWeights, SaveOptions};
-use accel_examples::llama::{check_tp, copy_tokenizer, num_parameters, token_datasets};
+use accel_examples::llama::{num_parameters, save_dtype, token_datasets, tokenizer_files};
 use anyhow::Context;
 use clap::Parser;
 use trainer::{losses, IntervalStrategy, SaveStrategy, Trainer, TrainingArguments, TrainingArgumentsCli};
@@ -78,16 +79,19 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> anyhow::Result<()> {
     let cli = accel_examples::parse_args!(Cli); // a bad command line is reported once under a launcher
-    cli.llama.check()?;
-    // Checked once, here, before any worker starts.
+                                                // Checked once, here, before any worker starts: the files, the config, the sizes, where it saves.
     let args = cli.train.resolve(defaults())?;
-    let (tokenizer, _) = cli.llama.tokenizer()?;
-    let config = cli.llama.config(tokenizer.get_vocab_size(true))?;
-    check_tp(&config, cli.layout.tp_size)?;
-    let batch = args.per_device_train_batch_size;
-    cli.layout.check(cli.nproc, config.num_hidden_layers, None, "--per-device-train-batch-size", batch)?;
-    let path = cli.llama.text_path();
-    anyhow::ensure!(path.is_file(), "--data-dir: no text at {}", path.display());
+    let setup = cli.llama.setup(cli.layout.tp_size)?;
+    let (layers, batch) = (setup.config.num_hidden_layers, args.per_device_train_batch_size);
+    cli.layout.check(cli.nproc, layers, "--num-hidden-layers", None, "--per-device-train-batch-size", batch)?;
+    llama::check_save_dir(&args.output_dir.join("model"))?;
+    let prompt = setup.tokenizer.encode(PROMPT, false).map_err(|e| anyhow::anyhow!("the prompt: {e}"))?;
+    let max = setup.config.max_position_embeddings;
+    anyhow::ensure!(
+        cli.sample_tokens == 0 || prompt.get_ids().len() + cli.sample_tokens <= max,
+        "--sample-tokens {} passes the model's max_position_embeddings ({max}) after the prompt: use fewer",
+        cli.sample_tokens
+    );
     if !ddp_core::launcher::is_worker() && cli.nproc > 1 {
         let exe = std::env::current_exe().context("locating this executable to launch its workers")?;
         let mut launch = ddp_core::LaunchConfig::local(cli.nproc, exe, std::env::args().skip(1).collect());
@@ -99,12 +103,16 @@ fn run() -> anyhow::Result<()> {
     worker(cli)
 }
 
+/// The greedy sample's prompt.
+const PROMPT: &str = "ROMEO:";
+
 fn worker(cli: Cli) -> anyhow::Result<()> {
     let args = cli.train.resolve(defaults())?;
     let out_dir = args.output_dir.join("model");
-    let (tokenizer, tokenizer_path) = cli.llama.tokenizer()?;
+    let llama_args::LlamaSetup { config, tokenizer, tokenizer_path } = cli.llama.setup(cli.layout.tp_size)?;
+    // Read now: fine-tuning a directory in place replaces the files they come from.
+    let tokenizer_files = tokenizer_files(&tokenizer_path)?;
     let (train, validation) = token_datasets(&cli.llama.text_path(), &tokenizer, cli.llama.seq_len)?;
-    let config = cli.llama.config(tokenizer.get_vocab_size(true))?;
     let weights = match &cli.llama.model_dir {
         Some(dir) => Some(PretrainedWeights::open(dir, &config)?),
         None => None,
@@ -142,14 +150,12 @@ fn worker(cli: Cli) -> anyhow::Result<()> {
         eval_loss.exp()
     ));
     let prepared = trainer.prepared_model().expect("the trainer is set up after train()");
-    llama::save_pretrained(&acc, prepared, &config, &out_dir, &SaveOptions::default())?;
-    if acc.is_main_process() {
-        copy_tokenizer(&tokenizer_path, &out_dir)?;
-    }
+    let options = SaveOptions { dtype: save_dtype(None, &config), files: tokenizer_files, ..Default::default() };
+    llama::save_pretrained(&acc, prepared, &config, &out_dir, &options)?;
     acc.print(format!("saved {} (config.json, model.safetensors, tokenizer.json)", out_dir.display()));
     if cli.sample_tokens > 0 && acc.mesh().shape().pp == 1 {
         let model = trainer.model().expect("the trainer is set up after train()");
-        let prompt = tokenizer.encode("ROMEO:", false).map_err(|e| anyhow::anyhow!("the prompt: {e}"))?;
+        let prompt = tokenizer.encode(PROMPT, false).map_err(|e| anyhow::anyhow!("the prompt: {e}"))?;
         let ids = model.generate_greedy(prompt.get_ids(), cli.sample_tokens)?;
         let text = tokenizer.decode(&ids, false).map_err(|e| anyhow::anyhow!("decoding the sample: {e}"))?;
         acc.print(format!("greedy sample:\n{text}"));

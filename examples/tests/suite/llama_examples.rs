@@ -97,6 +97,30 @@ fn accel_llama_trains_alike_at_every_layout_and_resumes_from_its_directory() {
         ],
     );
     assert!(evaluated.contains("--steps 0, no training"), "{evaluated}");
+    // Fine-tuning in place keeps the tokenizer (read at start-up, written in the same commit) and the other files.
+    std::fs::write(dir.join("README.md"), "my model").unwrap();
+    run_example(
+        bin,
+        &[
+            "--model-dir",
+            dir_arg,
+            "--output-dir",
+            dir_arg,
+            "--steps",
+            "1",
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "4",
+            "--eval-batches",
+            "0",
+            "--sample-tokens",
+            "0",
+        ],
+    );
+    for file in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md"] {
+        assert!(dir.join(file).is_file(), "{file} lost by fine-tuning in place");
+    }
     assert_eq!(validation_loss(&evaluated), validation_loss(&single), "{evaluated}");
 }
 
@@ -142,11 +166,29 @@ fn llama_examples_refuse_what_cannot_run_before_launching() {
     };
     for bin in [env!("CARGO_BIN_EXE_accel_llama"), env!("CARGO_BIN_EXE_train_llama")] {
         let text = refused(bin, &["--nproc", "4", "--tp-size", "4"]);
-        assert!(text.contains("does not divide") && text.contains("2 key/value heads"), "{text}");
+        assert!(text.contains("tp size 4 does not divide num_key_value_heads = 2"), "{text}");
         assert_eq!(text.matches("does not divide").count(), 1, "one message, not one per rank:\n{text}");
         let text = refused(bin, &["--model-dir", "somewhere", "--hidden-size", "64"]);
         assert!(text.contains("--model-dir takes the model's shape from its config.json"), "{text}");
         let text = refused(bin, &["--model-dir", "/nonexistent/llama"]);
-        assert!(text.contains("/nonexistent/llama/config.json"), "{text}");
+        assert!(text.contains("--model-dir /nonexistent/llama is not a directory"), "{text}");
+        let text = refused(bin, &["--nproc", "2", "--tp-size", "2", "--intermediate-size", "1023"]);
+        assert!(text.contains("tp size 2 does not divide intermediate_size = 1023"), "{text}");
+        let text = refused(bin, &["--nproc", "2", "--pp-size", "2", "--num-hidden-layers", "1"]);
+        assert!(text.contains("use more layers (--num-hidden-layers 2)"), "{text}");
+        // Where it would save is checked before training, not after it.
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::write(tmp.path().join("notes.txt"), "mine").unwrap();
+        let out = tmp.path().to_str().unwrap();
+        let text = match bin.ends_with("accel_llama") {
+            true => refused(bin, &["--output-dir", out]),
+            false => {
+                let model = tmp.path().join("model");
+                std::fs::create_dir_all(&model).unwrap();
+                std::fs::write(model.join("notes.txt"), "mine").unwrap();
+                refused(bin, &["--output-dir", out, "--overwrite-output-dir", "true"])
+            }
+        };
+        assert!(text.contains("is not a model directory") && !text.contains("step 1"), "{text}");
     }
 }

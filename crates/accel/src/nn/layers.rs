@@ -398,6 +398,11 @@ pub fn dropout(p: f64, vb: VarBuilder) -> candle_core::Result<Dropout> {
 }
 
 impl Dropout {
+    /// The probability of dropping an element.
+    pub fn p(&self) -> f64 {
+        self.p
+    }
+
     /// Training-mode dropout of `x`, split as `split` says (from the layer that made it,
     /// [`Linear::output_split`]; `None`: whole on every rank).
     pub fn forward_split(&self, x: &Tensor, split: Option<ShardedDim>) -> candle_core::Result<Tensor> {

@@ -259,7 +259,7 @@ fn half_precision_directories_round_to_the_saved_dtype() {
         let d = dir.clone();
         let weights = run_ranks(2, config(1, 1, 2, ShardingStrategy::default()), move |acc| {
             let (_, prepared, config) = load(&acc, &fixture("gqa"))?;
-            llama::save_pretrained(&acc, &prepared, &config, &d, &SaveOptions { dtype, max_shard_size: None })?;
+            llama::save_pretrained(&acc, &prepared, &config, &d, &SaveOptions { dtype, ..Default::default() })?;
             Ok(prepared.state_dict()?)
         });
         let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
@@ -333,6 +333,14 @@ fn bad_checkpoints_are_refused_by_name() {
             vec!["model_type \"gemma\" is not a Llama"],
         ),
         (
+            "another family's config (GPT-2's fields, not Llama's)",
+            edited(root, "gpt2", |c, _| {
+                c["model_type"] = "gpt2".into();
+                c.as_object_mut().unwrap().remove("hidden_size");
+            }),
+            vec!["model_type \"gpt2\" is not a Llama"],
+        ),
+        (
             "another architecture",
             edited(root, "arch", |c, _| c["architectures"] = serde_json::json!(["LlamaForSequenceClassification"])),
             vec!["architecture \"LlamaForSequenceClassification\" is not LlamaForCausalLM"],
@@ -399,22 +407,64 @@ fn a_layout_that_cannot_split_the_heads_is_refused_with_the_sizes_that_fit() {
 #[test]
 fn save_pretrained_never_replaces_a_directory_it_did_not_write() {
     let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("notes");
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("todo.txt"), "mine").unwrap();
-    let d = dir.clone();
-    let errors = run_ranks(2, config(1, 1, 2, ShardingStrategy::default()), move |acc| {
-        let (_, prepared, config) = load(&acc, &fixture("gqa"))?;
-        Ok(llama::save_pretrained(&acc, &prepared, &config, &d, &SaveOptions::default()).unwrap_err().to_string())
-    });
-    assert!(
-        errors[0].contains("exists and is not a model directory (no config.json); it is not replaced"),
-        "{}",
-        errors[0]
-    );
-    assert!(errors[1].contains("another rank failed while preparing"), "{}", errors[1]);
-    assert_eq!(listing(&dir), vec!["todo.txt"]);
-    assert_eq!(listing(tmp.path()), vec!["notes"], "nothing else written");
+    let save = |dir: PathBuf, files: Vec<(String, Vec<u8>)>| {
+        run_ranks(2, config(1, 1, 2, ShardingStrategy::default()), move |acc| {
+            let (_, prepared, config) = load(&acc, &fixture("gqa"))?;
+            let options = SaveOptions { files: files.clone(), ..Default::default() };
+            Ok(llama::save_pretrained(&acc, &prepared, &config, &dir, &options).err().map(|e| e.to_string()))
+        })
+    };
+    // Not a model directory: no config.json, a config.json that names no model_type, a subdirectory.
+    type Make = Box<dyn Fn(&Path)>;
+    let cases: Vec<(&str, Make, &str)> = vec![
+        (
+            "notes",
+            Box::new(|d: &Path| std::fs::write(d.join("todo.txt"), "mine").unwrap()),
+            "no config.json naming a model_type",
+        ),
+        (
+            "settings",
+            Box::new(|d: &Path| std::fs::write(d.join("config.json"), "{\"app\": 1}").unwrap()),
+            "no config.json naming a model_type",
+        ),
+        (
+            "project",
+            Box::new(|d: &Path| {
+                std::fs::write(d.join("config.json"), "{\"model_type\": \"llama\"}").unwrap();
+                std::fs::create_dir_all(d.join("src")).unwrap();
+            }),
+            "holds a directory, \"src\"",
+        ),
+    ];
+    for (name, make, why) in cases {
+        let dir = tmp.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        make(&dir);
+        let before = listing(&dir);
+        let errors = save(dir.clone(), Vec::new());
+        let main = errors[0].as_deref().unwrap_or_else(|| panic!("{name}: replaced"));
+        assert!(main.contains(why) && main.contains("it is not replaced"), "{name}: {main}");
+        assert!(errors[1].as_deref().unwrap().contains("another rank failed while preparing"), "{:?}", errors[1]);
+        assert_eq!(listing(&dir), before, "{name}: changed");
+    }
+    // A model directory is replaced: its weights and config anew, its other files kept unless written anew.
+    let model = tmp.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    for (file, text) in [
+        ("config.json", "{\"model_type\": \"llama\"}"),
+        ("README.md", "mine"),
+        ("tokenizer.json", "old"),
+        ("model-00001-of-00009.safetensors", "stale"),
+    ] {
+        std::fs::write(model.join(file), text).unwrap();
+    }
+    let errors = save(model.clone(), vec![("tokenizer.json".into(), b"new".to_vec())]);
+    assert!(errors.iter().all(Option::is_none), "{errors:?}");
+    assert_eq!(listing(&model), vec!["README.md", "config.json", "model.safetensors", "tokenizer.json"]);
+    assert_eq!(std::fs::read_to_string(model.join("README.md")).unwrap(), "mine");
+    assert_eq!(std::fs::read_to_string(model.join("tokenizer.json")).unwrap(), "new");
+    let names: Vec<String> = listing(tmp.path()).into_iter().filter(|n| n.starts_with('.')).collect();
+    assert!(names.is_empty(), "hidden siblings left behind: {names:?}");
 }
 
 #[test]

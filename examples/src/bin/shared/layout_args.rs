@@ -49,13 +49,14 @@ impl LayoutArgs {
     /// Checks the flags before any worker starts (one message instead of one per rank): the sizes against the
     /// process count (`accel_examples::check_layout`), the flags against what a launcher set
     /// (`accel_examples::effective_layout`), and under pp the schedule (micro-batches against the stages), the
-    /// stages against `n_layer` and the micro-batches against the batch size (`batch_flag` = `batch_size`, the
+    /// stages against `n_layer` (the model's flag for it: `layers_flag`) and the micro-batches against the batch size (`batch_flag` = `batch_size`, the
     /// rows each pipeline step splits), and a `--layers-per-stage` list against the stages and the layers.
     /// Pipeline flags without pipeline parallelism are ignored with a warning.
     pub fn check(
         &self,
         nproc: usize,
         n_layer: usize,
+        layers_flag: &str,
         layers_per_stage: Option<&[usize]>,
         batch_flag: &str,
         batch_size: usize,
@@ -99,7 +100,7 @@ impl LayoutArgs {
         if n_layer < stages {
             anyhow::bail!(
                 "the model has {n_layer} layers but the pipeline cuts it into {stages} stages (--pp-size {} × {} per \
-                 rank{}): every stage needs a layer; use more layers (--n-layer {stages}) or fewer stages",
+                 rank{}): every stage needs a layer; use more layers ({layers_flag} {stages}) or fewer stages",
                 p.pp_size,
                 p.pp_stages_per_rank(),
                 if p.pp_stages_per_rank() > 1 { ", interleaved; 1F1B runs 1 per rank" } else { "" }

@@ -21,24 +21,35 @@ pub const WEIGHTS_FILE: &str = "model.safetensors";
 /// The sharded weights' index.
 pub const WEIGHTS_INDEX_FILE: &str = "model.safetensors.index.json";
 
-/// How [`save_pretrained`] stores the weights.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// How [`save_pretrained`] stores the weights, and what else it writes.
+#[derive(Debug, Clone, PartialEq)]
 pub struct SaveOptions {
     /// The weights' dtype on disk: F32, BF16 or F16 (training keeps f32 masters; they are cast on the way out).
     pub dtype: DType,
     /// Largest shard in bytes; `None`: one `model.safetensors`. transformers' `max_shard_size` (a tensor larger
     /// than it gets a shard of its own).
     pub max_shard_size: Option<u64>,
+    /// Further files written into the directory with the model, in the same commit (file name, contents): the
+    /// tokenizer's `tokenizer.json` and `tokenizer_config.json`, a `generation_config.json`.
+    pub files: Vec<(String, Vec<u8>)>,
 }
 
 impl Default for SaveOptions {
     fn default() -> Self {
-        SaveOptions { dtype: DType::F32, max_shard_size: None }
+        SaveOptions { dtype: DType::F32, max_shard_size: None, files: Vec::new() }
     }
 }
 
-/// Every weight a checkpoint of `config` holds, by transformers' name, with its shape (what
-/// `LlamaForCausalLM.state_dict()` holds: no `lm_head.weight` when the head is tied).
+/// Whether `name` is one of the files the weights of a model directory live in (`model.safetensors`, its shards
+/// and their index): what a save replaces rather than carries over.
+fn is_weights_file(name: &str) -> bool {
+    name == WEIGHTS_FILE
+        || name == WEIGHTS_INDEX_FILE
+        || (name.starts_with("model-") && name.contains("-of-") && name.ends_with(".safetensors"))
+}
+
+/// Every weight a checkpoint of `config` holds, by transformers' name, with its shape (what transformers'
+/// `save_pretrained` writes for a `LlamaForCausalLM`: no `lm_head.weight` when the head is tied).
 pub fn weight_shapes(config: &LlamaConfig) -> BTreeMap<String, Vec<usize>> {
     let (v, h, i) = (config.vocab_size, config.hidden_size, config.intermediate_size);
     let (q, kv) = (config.num_attention_heads * config.head_dim(), config.num_key_value_heads() * config.head_dim());
@@ -136,8 +147,12 @@ impl PretrainedWeights {
         let files = weight_files(dir)?;
         // SAFETY: the files are mapped read-only; like every reader of safetensors (candle's, transformers'),
         // this assumes no other process truncates them while the model loads.
-        let st = unsafe { MmapedSafetensors::multi(&files) }
-            .map_err(|e| AccelError::InvalidArgument(format!("reading the weights of {}: {e}", dir.display())))?;
+        let st = unsafe { MmapedSafetensors::multi(&files) }.map_err(|e| {
+            AccelError::InvalidArgument(format!(
+                "reading the weights of {}: {e} (a truncated or damaged safetensors file: download or copy it again)",
+                dir.display()
+            ))
+        })?;
         let weights = PretrainedWeights { st, dir: dir.to_path_buf() };
         weights.check(config)?;
         Ok(Arc::new(weights))
@@ -265,9 +280,12 @@ pub fn load_pretrained(model: &PreparedModel, config: &LlamaConfig, dir: &Path) 
 /// pipeline stages are gathered onto the main process, which writes. Collective: every rank calls it.
 ///
 /// Atomic: the directory is written under a hidden sibling name and renamed into place (replacing a previous
-/// save), so a crash leaves the old directory or the new one, never a mix. Errors: a dtype other than
-/// f32/bf16/f16, an existing `dir` that is not a model directory (no `config.json`: it is not ours to replace),
-/// I/O (on any rank: every rank returns the error and nothing is committed).
+/// save), so a crash leaves the old directory or the new one, never a mix (between the two renames the old one
+/// sits under its hidden `.name.old` sibling). Replacing a model directory keeps what it held besides the config
+/// and the weights — a tokenizer, `generation_config.json`, a README — unless `options.files` writes it anew:
+/// fine-tuning a directory in place loses nothing. Errors, before anything is gathered or written: a dtype other
+/// than f32/bf16/f16; an existing `dir` that is not a model directory ([`check_save_dir`]); then I/O (on any
+/// rank: every rank returns the error and nothing is committed).
 pub fn save_pretrained(
     acc: &Accelerator,
     model: &PreparedModel,
@@ -284,7 +302,7 @@ pub fn save_pretrained(
     let main = acc.is_main_process();
     let partial = partial_dir(dir);
     let prepared = match main {
-        true => check_replaceable(dir).and_then(|()| remove_if_exists(&partial)).and_then(|()| {
+        true => check_save_dir(dir).and_then(|()| remove_if_exists(&partial)).and_then(|()| {
             std::fs::create_dir_all(&partial).map_err(|e| AccelError::io(format!("creating {}", partial.display()), e))
         }),
         false => Ok(()),
@@ -292,7 +310,7 @@ pub fn save_pretrained(
     agree(acc, "preparing", dir, prepared)?;
     let full = model.checkpoint_state_dict();
     let written = match (main, full) {
-        (true, Ok(full)) => write_directory(&partial, config, full, options),
+        (true, Ok(full)) => write_directory(&partial, config, full, options).and_then(|()| carry_over(dir, &partial)),
         (_, full) => full.map(drop),
     };
     if let Err(e) = agree(acc, "writing", dir, written) {
@@ -305,19 +323,53 @@ pub fn save_pretrained(
     agree(acc, "committing", dir, committed)
 }
 
-/// An existing directory is replaced only when it is a model directory (it has a `config.json`) or empty.
-fn check_replaceable(dir: &Path) -> Result<()> {
-    let entries = match std::fs::read_dir(dir) {
-        Ok(entries) => entries.count(),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(AccelError::io(format!("reading {}", dir.display()), e)),
-    };
-    if entries > 0 && !dir.join("config.json").exists() {
-        return Err(AccelError::InvalidArgument(format!(
-            "save_pretrained: {} exists and is not a model directory (no config.json); it is not replaced: \
-             choose another directory or empty it",
+/// Checks that [`save_pretrained`] may write `dir`: it does not exist, is empty, or is a model directory — its
+/// `config.json` a model's (it names a `model_type`) and nothing in it a directory. Call it before training, so a
+/// run that cannot save is refused before it starts. Errors name the directory and what makes it not a model's.
+pub fn check_save_dir(dir: &Path) -> Result<()> {
+    let refuse = |why: String| {
+        Err(AccelError::InvalidArgument(format!(
+            "save_pretrained: {} {why}; it is not replaced: choose another directory, or empty it",
             dir.display()
-        )));
+        )))
+    };
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries.collect::<std::io::Result<Vec<_>>>(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotADirectory => return refuse("is a file".into()),
+        Err(e) => return Err(AccelError::io(format!("reading {}", dir.display()), e)),
+    }
+    .map_err(|e| AccelError::io(format!("reading {}", dir.display()), e))?;
+    if entries.is_empty() {
+        return Ok(());
+    }
+    let config = dir.join("config.json");
+    let is_model_config = std::fs::read_to_string(&config)
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .is_some_and(|v| v.get("model_type").is_some());
+    if !is_model_config {
+        return refuse("exists and is not a model directory (no config.json naming a model_type)".into());
+    }
+    if let Some(sub) = entries.iter().find(|e| e.file_type().is_ok_and(|t| t.is_dir())) {
+        return refuse(format!("holds a directory, {:?}, which a model directory does not", sub.file_name()));
+    }
+    Ok(())
+}
+
+/// Copies into the new directory `partial` what the directory it replaces held besides the config and the
+/// weights (a tokenizer, a generation config, a README), unless the new one has a file of that name.
+fn carry_over(dir: &Path, partial: &Path) -> Result<()> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Ok(()) };
+    for entry in entries {
+        let entry = entry.map_err(|e| AccelError::io(format!("reading {}", dir.display()), e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let target = partial.join(&name);
+        if name == "config.json" || is_weights_file(&name) || target.exists() {
+            continue;
+        }
+        let bytes = std::fs::read(entry.path()).map_err(|e| AccelError::io(format!("reading {name}"), e))?;
+        write_atomic(&target, bytes)?;
     }
     Ok(())
 }
@@ -330,6 +382,15 @@ fn write_directory(
     options: &SaveOptions,
 ) -> Result<()> {
     write_atomic(&dir.join("config.json"), config.json_for(options.dtype)?)?;
+    for (name, bytes) in &options.files {
+        if name == "config.json" || is_weights_file(name) || name.contains(std::path::MAIN_SEPARATOR) {
+            return Err(AccelError::InvalidArgument(format!(
+                "save_pretrained: a further file may not be named {name:?} (the config, the weights and paths are \
+                 save_pretrained's own)"
+            )));
+        }
+        write_atomic(&dir.join(name), bytes)?;
+    }
     let weights = full
         .into_iter()
         .map(|(n, t)| Ok((n, t.to_device(&Device::Cpu)?.to_dtype(options.dtype)?.contiguous()?)))

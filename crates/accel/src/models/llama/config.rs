@@ -7,8 +7,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::path::Path;
 
-/// The `model_type`s whose checkpoints have Llama's layout and names (Mistral without sliding windows, and
-/// TinyLlama / SmolLM, which are `llama` themselves). Qwen2 differs in its attention biases and is `qwen2`.
+/// The `model_type`s this model reads: `llama` (Llama 2 and 3, TinyLlama, SmolLM are `llama` themselves). Mistral
+/// (`mistral`: sliding-window attention) and Qwen2 (`qwen2`: attention biases, its own names) share most of the
+/// layout but are not read.
 const LLAMA_TYPES: &[&str] = &["llama"];
 
 /// A Llama-family model's hyper-parameters, under transformers' field names (`LlamaConfig`), so a `config.json`
@@ -179,16 +180,23 @@ impl LlamaConfig {
         })
     }
 
-    /// Parses and checks the text of a `config.json`.
+    /// Parses and checks the text of a `config.json`. Errors: not JSON; a `model_type` or architecture other
+    /// than Llama's (checked first, so another family's config is named as such, not as a missing field); a
+    /// missing or mistyped field; [`LlamaConfig::check`]'s.
     pub fn from_json(text: &str) -> Result<Self> {
-        let config: LlamaConfig = serde_json::from_str(text).map_err(|e| {
+        let value: Value = serde_json::from_str(text)
+            .map_err(|e| AccelError::InvalidArgument(format!("config.json is not JSON: {e}")))?;
+        let family = |key: &str| value.get(key).cloned().map(|v| (key.to_string(), v));
+        let only_family: Map<String, Value> = family("model_type").into_iter().chain(family("architectures")).collect();
+        check_family(&only_family)?;
+        let config: LlamaConfig = serde_json::from_value(value).map_err(|e| {
             AccelError::InvalidArgument(format!("config.json is not a Llama config (transformers' LlamaConfig): {e}"))
         })?;
         config.check()?;
         Ok(config)
     }
 
-    /// The JSON text [`LlamaConfig::save`] writes.
+    /// The JSON text of this config (`config.json`'s).
     pub fn to_json(&self) -> Result<String> {
         let text = serde_json::to_string_pretty(self).map_err(|e| AccelError::json("encoding config.json", e))?;
         Ok(text + "\n")
@@ -200,23 +208,7 @@ impl LlamaConfig {
     /// type it does not compute.
     pub fn check(&self) -> Result<()> {
         let bad = |m: String| Err(AccelError::InvalidArgument(m));
-        match self.other.get("model_type").and_then(Value::as_str) {
-            Some(t) if !LLAMA_TYPES.contains(&t) => {
-                return bad(format!(
-                    "model_type {t:?} is not a Llama; this model reads model_type \"llama\" (LlamaForCausalLM). \
-                     A model of another family needs its own implementation on accel::nn"
-                ))
-            }
-            _ => {}
-        }
-        if let Some(archs) = self.other.get("architectures").and_then(Value::as_array) {
-            if let Some(a) = archs.iter().filter_map(Value::as_str).find(|a| *a != "LlamaForCausalLM") {
-                return bad(format!(
-                    "architecture {a:?} is not LlamaForCausalLM, the only Llama head this model has (a causal \
-                     language model)"
-                ));
-            }
-        }
+        check_family(&self.other)?;
         if self.hidden_act != "silu" {
             return bad(format!(
                 "hidden_act {:?}: Llama's MLP is SwiGLU, whose gate is silu; this model runs only \"silu\"",
@@ -263,6 +255,34 @@ impl LlamaConfig {
             return bad(format!("rms_norm_eps = {} must be positive", self.rms_norm_eps));
         }
         self.rope()?;
+        Ok(())
+    }
+
+    /// Checks that a tensor-parallel group of `tp` ranks can split the model: `tp` divides the key/value heads (each
+    /// rank computes whole key/value heads and the query heads they serve; they are not replicated across ranks)
+    /// and the MLP's width (`intermediate_size`: gate/up column-wise, down row-wise). The vocabulary is padded, so
+    /// it never constrains tp. Errors name the size and the tp sizes that fit.
+    pub fn check_tp_size(&self, tp: usize) -> Result<()> {
+        let kv = self.num_key_value_heads();
+        let fits = |n: usize| crate::tensor_parallel::divisors(n);
+        if tp == 0 || !kv.is_multiple_of(tp) {
+            return Err(AccelError::InvalidArgument(format!(
+                "Llama: tp size {tp} does not divide num_key_value_heads = {kv}: tensor parallelism gives each rank \
+                 whole key/value heads and the query heads they serve (key/value heads are not replicated across \
+                 ranks); tp sizes that fit: {}",
+                fits(kv)
+            )));
+        }
+        let f = self.intermediate_size;
+        if !f.is_multiple_of(tp) {
+            let both: Vec<String> =
+                (1..=kv).filter(|d| kv.is_multiple_of(*d) && f.is_multiple_of(*d)).map(|d| d.to_string()).collect();
+            return Err(AccelError::InvalidArgument(format!(
+                "Llama: tp size {tp} does not divide intermediate_size = {f} (the MLP's gate/up projections are \
+                 split by their outputs, down by its inputs); tp sizes that fit the heads and the MLP: {}",
+                both.join(", ")
+            )));
+        }
         Ok(())
     }
 
@@ -327,10 +347,13 @@ impl LlamaConfig {
         Ok(Rope { theta, scaling })
     }
 
-    /// Writes `config.json` into `dir`, with `dtype` (transformers 5.x) or `torch_dtype` (4.x, when the config was
-    /// read with it) set to the weights' dtype on disk.
+    /// The `config.json` text a save writes: `dtype` (transformers 5.x) or `torch_dtype` (4.x, when the config
+    /// was read with it) set to the weights' dtype on disk, and the sizes transformers writes as numbers
+    /// (`num_key_value_heads`, `head_dim`) filled in.
     pub(crate) fn json_for(&self, dtype: candle_core::DType) -> Result<String> {
         let mut config = self.clone();
+        config.num_key_value_heads = Some(self.num_key_value_heads());
+        config.head_dim = Some(self.head_dim());
         let name = match dtype {
             candle_core::DType::BF16 => "bfloat16",
             candle_core::DType::F16 => "float16",
@@ -340,4 +363,25 @@ impl LlamaConfig {
         config.other.insert(key.into(), name.into());
         config.to_json()
     }
+}
+
+/// Refuses a `model_type` or an architecture other than Llama's, given the config's fields that name them.
+fn check_family(fields: &Map<String, Value>) -> Result<()> {
+    if let Some(t) = fields.get("model_type").and_then(Value::as_str) {
+        if !LLAMA_TYPES.contains(&t) {
+            return Err(AccelError::InvalidArgument(format!(
+                "model_type {t:?} is not a Llama; this model reads model_type \"llama\" (LlamaForCausalLM). A \
+                 model of another family needs its own implementation on accel::nn"
+            )));
+        }
+    }
+    if let Some(archs) = fields.get("architectures").and_then(Value::as_array) {
+        if let Some(a) = archs.iter().filter_map(Value::as_str).find(|a| *a != "LlamaForCausalLM") {
+            return Err(AccelError::InvalidArgument(format!(
+                "architecture {a:?} is not LlamaForCausalLM, the only Llama head this model has (a causal language \
+                 model)"
+            )));
+        }
+    }
+    Ok(())
 }

@@ -29,7 +29,8 @@ mod model;
 mod rope;
 
 pub use checkpoint::{
-    load_pretrained, save_pretrained, weight_shapes, PretrainedWeights, SaveOptions, WEIGHTS_FILE, WEIGHTS_INDEX_FILE,
+    check_save_dir, load_pretrained, save_pretrained, weight_shapes, PretrainedWeights, SaveOptions, WEIGHTS_FILE,
+    WEIGHTS_INDEX_FILE,
 };
 pub use config::{LlamaConfig, Rope, RopeScaling};
 pub use model::Llama;

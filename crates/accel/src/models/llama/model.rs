@@ -66,7 +66,6 @@ struct Attention {
     head_dim: usize,
     rotary: Arc<RotaryTables>,
     probs_dropout: Dropout,
-    probs_dropout_p: f64,
 }
 
 /// SwiGLU (Shazeer 2020): `down(silu(gate(x)) · up(x))`.
@@ -93,23 +92,14 @@ fn linear(
 impl Llama {
     /// Builds the parts of the model this rank holds (its pipeline stages; all of it without pipeline
     /// parallelism), each parameter laid out by `vb`'s plan — [`Llama::plan`] for transformers' layout — and
-    /// drawn from the run's seed (load a checkpoint's weights with [`super::load_pretrained`] after
-    /// `prepare_model`).
+    /// drawn from the run's seed, or read from a checkpoint when `vb` has weights
+    /// (`vb.with_weights(PretrainedWeights::open(dir, config)?)`, [`super::PretrainedWeights`]); a checkpoint can
+    /// also be loaded into the prepared model ([`super::load_pretrained`]).
     ///
-    /// Errors: [`LlamaConfig::check`]'s; a tp size that does not divide `num_key_value_heads` (each rank computes
-    /// whole key/value heads and the query heads they serve; the sizes that fit are named); the plan's.
+    /// Errors: [`LlamaConfig::check`]'s; [`LlamaConfig::check_tp_size`]'s; the plan's.
     pub fn new(config: &LlamaConfig, vb: VarBuilder) -> Result<Self> {
         config.check()?;
-        let tp = vb.tp().size();
-        let kv_heads = config.num_key_value_heads();
-        if !kv_heads.is_multiple_of(tp) {
-            return Err(AccelError::InvalidArgument(format!(
-                "Llama: tp size {tp} does not divide num_key_value_heads = {kv_heads}: tensor parallelism gives each \
-                 rank whole key/value heads and the query heads they serve (key/value heads are not replicated \
-                 across ranks); tp sizes that fit: {}",
-                crate::tensor_parallel::divisors(kv_heads)
-            )));
-        }
+        config.check_tp_size(vb.tp().size())?;
         let rotary = Arc::new(RotaryTables::new(
             &config.rope()?,
             config.head_dim(),
@@ -257,7 +247,6 @@ impl Block {
                 head_dim: config.head_dim(),
                 rotary,
                 probs_dropout: nn::dropout(config.attention_dropout, attn.pp("attention_dropout"))?,
-                probs_dropout_p: config.attention_dropout,
             },
             attn_dropout: nn::dropout(config.hidden_dropout, vb.pp("attn_residual_dropout"))?,
             post_attention_layernorm: nn::rms_norm(hidden, eps, vb.pp("post_attention_layernorm"))?,
@@ -311,7 +300,7 @@ impl Module for Attention {
         let k = repeat_kv(&self.rotary.apply(&k.reshape((b, s, kv_heads, hd))?)?, heads / kv_heads)?;
         let v = repeat_kv(&v.reshape((b, s, kv_heads, hd))?, heads / kv_heads)?;
         let scale = 1.0 / (hd as f64).sqrt();
-        let y = if self.probs_dropout_p > 0.0 && dropout_context().is_some() {
+        let y = if self.probs_dropout.p() > 0.0 && dropout_context().is_some() {
             // Dropout on the probabilities needs them materialised: the composed form, heads split out.
             let heads_first = |t: &Tensor| t.transpose(1, 2)?.contiguous();
             let (q, k, v) = (heads_first(&q)?, heads_first(&k)?, heads_first(&v)?);
