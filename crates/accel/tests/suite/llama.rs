@@ -124,6 +124,9 @@ fn layouts() -> Vec<(&'static str, usize, AcceleratorConfig)> {
         ("activation checkpointing", 1, AcceleratorConfig { activation_checkpointing: true, ..plain() }),
         ("FULL_SHARD 2 × tp 2", 4, config(1, 2, 2, ShardingStrategy::FullShard)),
         ("pp 2 × tp 2", 4, pipelined(2, ScheduleKind::OneFOneB, None, config(1, 1, 2, ShardingStrategy::default()))),
+        ("ZeRO-1 over dp_shard 2", 2, config(1, 2, 1, ShardingStrategy::ShardOptim)),
+        ("ZeRO-2 over dp_shard 2", 2, config(1, 2, 1, ShardingStrategy::ShardGradOp)),
+        ("pp 2, GPipe", 2, pipelined(2, ScheduleKind::GPipe, None, plain())),
     ]
 }
 

@@ -1,4 +1,4 @@
-//! The Llama family (Llama 2 and 3, TinyLlama, SmolLM, Mistral's layout): transformers' `LlamaForCausalLM`
+//! The Llama family (`model_type: llama`: Llama 2 and 3, TinyLlama, SmolLM): transformers' `LlamaForCausalLM`
 //! written once on [`crate::nn`], its tensor-parallel plan, and Hugging Face model directories read and written
 //! at any layout.
 //!
