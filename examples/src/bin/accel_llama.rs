@@ -111,8 +111,9 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run() -> anyhow::Result<()> {
-    let args = accel_examples::parse_args!(Args); // a bad command line is reported once under a launcher
-                                                  // Everything checked once, here, before any worker starts: the files, the config, the sizes, where it saves.
+    // A bad command line is reported once under a launcher.
+    let args = accel_examples::parse_args!(Args);
+    // Everything checked once, here, before any worker starts: the files, the config, the sizes, where it saves.
     let setup = args.llama.setup(args.layout.tp_size)?;
     let layers = setup.config.num_hidden_layers;
     args.layout.check(args.nproc, layers, "--num-hidden-layers", None, "--batch-size", args.batch_size)?;

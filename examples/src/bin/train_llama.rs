@@ -78,8 +78,9 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run() -> anyhow::Result<()> {
-    let cli = accel_examples::parse_args!(Cli); // a bad command line is reported once under a launcher
-                                                // Checked once, here, before any worker starts: the files, the config, the sizes, where it saves.
+    // A bad command line is reported once under a launcher.
+    let cli = accel_examples::parse_args!(Cli);
+    // Checked once, here, before any worker starts: the files, the config, the sizes, where it saves.
     let args = cli.train.resolve(defaults())?;
     let setup = cli.llama.setup(cli.layout.tp_size)?;
     let (layers, batch) = (setup.config.num_hidden_layers, args.per_device_train_batch_size);
@@ -100,16 +101,16 @@ fn run() -> anyhow::Result<()> {
         return Ok(());
     }
     accel_examples::apply_layout(&cli.layout.layout())?; // the sizes, unless the launcher set PARALLELISM_CONFIG_*
-    worker(cli)
+    worker(cli, setup)
 }
 
 /// The greedy sample's prompt.
 const PROMPT: &str = "ROMEO:";
 
-fn worker(cli: Cli) -> anyhow::Result<()> {
+fn worker(cli: Cli, setup: llama_args::LlamaSetup) -> anyhow::Result<()> {
     let args = cli.train.resolve(defaults())?;
     let out_dir = args.output_dir.join("model");
-    let llama_args::LlamaSetup { config, tokenizer, tokenizer_path } = cli.llama.setup(cli.layout.tp_size)?;
+    let llama_args::LlamaSetup { config, tokenizer, tokenizer_path } = setup;
     // Read now: fine-tuning a directory in place replaces the files they come from.
     let tokenizer_files = tokenizer_files(&tokenizer_path)?;
     let (train, validation) = token_datasets(&cli.llama.text_path(), &tokenizer, cli.llama.seq_len)?;

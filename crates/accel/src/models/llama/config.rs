@@ -186,9 +186,9 @@ impl LlamaConfig {
     pub fn from_json(text: &str) -> Result<Self> {
         let value: Value = serde_json::from_str(text)
             .map_err(|e| AccelError::InvalidArgument(format!("config.json is not JSON: {e}")))?;
-        let family = |key: &str| value.get(key).cloned().map(|v| (key.to_string(), v));
-        let only_family: Map<String, Value> = family("model_type").into_iter().chain(family("architectures")).collect();
-        check_family(&only_family)?;
+        if let Some(fields) = value.as_object() {
+            check_family(fields)?;
+        }
         let config: LlamaConfig = serde_json::from_value(value).map_err(|e| {
             AccelError::InvalidArgument(format!("config.json is not a Llama config (transformers' LlamaConfig): {e}"))
         })?;

@@ -184,7 +184,8 @@ impl Llama {
     pub fn full_logits(&self, logits: &Tensor) -> Result<Tensor> {
         let vocab = self.config.vocab_size;
         let (b, s, v) = logits.dims3()?;
-        if v == vocab && (self.tp.size() == 1 || v != vocab.div_ceil(self.tp.size())) {
+        // Whole already: one rank, or a head the plan kept whole.
+        if v == vocab {
             return Ok(logits.clone());
         }
         // [tp·b, s, v] → tp pieces side by side along the vocabulary.

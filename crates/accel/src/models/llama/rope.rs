@@ -44,8 +44,8 @@ impl RotaryTables {
     /// Tables for positions `0..max_positions`.
     pub(crate) fn new(rope: &Rope, head_dim: usize, max_positions: usize, device: &Device) -> Result<Self> {
         let freqs = inverse_frequencies(rope, head_dim);
-        let (mut cos, mut sin) = (Vec::with_capacity(max_positions * head_dim), Vec::new());
-        sin.reserve(max_positions * head_dim);
+        let mut cos = Vec::with_capacity(max_positions * head_dim);
+        let mut sin = Vec::with_capacity(max_positions * head_dim);
         for p in 0..max_positions {
             // transformers: f32 frequencies times f32 positions, then cos/sin in f32.
             let row: Vec<f32> = freqs.iter().map(|&f| (f as f32) * (p as f32)).collect();
