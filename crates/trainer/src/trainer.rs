@@ -31,6 +31,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use accel::auto_layout::{AutoLayoutRequest, Checkpointing, ModelSpec, Precision, TrainSpec};
 use accel::data::{Batch, DataLoader, DataLoaderConfig, Dataset};
 use accel::dist::ProcessGroup;
 use accel::nn::SharedStagedModel;
@@ -66,6 +67,9 @@ struct Builders<'a> {
 }
 /// The one model builder the Trainer keeps: the model, and the stages `accel::nn::staged` built for it, if any.
 type InitFn<M> = Box<dyn Fn(&Builders) -> candle_core::Result<(M, Option<SharedStagedModel>)> + Send>;
+/// The model's shape for the automatic layout (a model on `accel::nn`'s builder, described without allocating):
+/// from the plan in effect (the config's, else the Trainer's) and the tokens per sample.
+type DescribeFn = Box<dyn Fn(Option<accel::plan::ParallelPlan>, usize) -> accel::Result<ModelSpec> + Send>;
 /// Computes metrics from everything predicted on the evaluation set (gathered from all processes).
 pub type ComputeMetrics = Box<dyn Fn(&EvalPrediction) -> Result<Metrics> + Send>;
 
@@ -114,6 +118,8 @@ pub(crate) struct Runtime<M, D> {
 pub struct Trainer<M, D> {
     pub(crate) args: TrainingArguments,
     model_init: InitFn<M>,
+    /// `Some` for a model on `accel::nn`'s builder (`with_plan`): what the automatic layout reads its shape from.
+    describe_model: Option<DescribeFn>,
     train_dataset: Arc<D>,
     pub(crate) eval_dataset: Option<Arc<D>>,
     pub(crate) loss: Arc<dyn Loss>,
@@ -221,7 +227,7 @@ where
         F: Fn(VarBuilder<'static>) -> candle_core::Result<M> + Send + 'static,
     {
         let init: InitFn<M> = Box::new(move |b: &Builders| Ok((model_init(b.acc.var_builder(b.varmap))?, None)));
-        Self::with_init(args, init, train_dataset, eval_dataset, loss)
+        Self::with_init(args, init, None, train_dataset, eval_dataset, loss)
     }
 
     /// Like [`Trainer::new`], for a model written on [`accel::nn`]'s builder — candle's calls (`pp`, `linear`,
@@ -263,17 +269,25 @@ where
     where
         F: Fn(accel::nn::VarBuilder) -> candle_core::Result<M> + Send + 'static,
     {
+        // Shared by the build and the description (a Mutex: the closure need only be Send).
+        let model_init = Arc::new(Mutex::new(model_init));
+        let (described, default_plan) = (model_init.clone(), plan.clone());
+        let describe: DescribeFn = Box::new(move |plan, seq_len| {
+            let build = described.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            ModelSpec::of_model(plan.unwrap_or_else(|| default_plan.clone()), seq_len, |vb| (*build)(vb))
+        });
         let init: InitFn<M> = Box::new(move |b: &Builders| {
             let vb = b.acc.builder(b.varmap, plan.clone());
-            let model = model_init(vb.clone())?;
+            let model = (*model_init.lock().unwrap_or_else(std::sync::PoisonError::into_inner))(vb.clone())?;
             Ok((model, vb.staged_model()))
         });
-        Self::with_init(args, init, train_dataset, eval_dataset, loss)
+        Self::with_init(args, init, Some(describe), train_dataset, eval_dataset, loss)
     }
 
     fn with_init(
         args: TrainingArguments,
         model_init: InitFn<M>,
+        describe_model: Option<DescribeFn>,
         train_dataset: D,
         eval_dataset: Option<D>,
         loss: impl Loss + 'static,
@@ -281,6 +295,7 @@ where
         Trainer {
             args,
             model_init,
+            describe_model,
             train_dataset: Arc::new(train_dataset),
             eval_dataset: eval_dataset.map(Arc::new),
             loss: Arc::new(loss),
@@ -428,21 +443,70 @@ where
         if let Some(p) = &self.parallelism {
             cfg.parallelism = p.clone();
         }
-        if let Some(plan) = self.args.fsdp_plan()? {
-            let world_size = match &self.process_group {
-                Some(pg) => pg.world_size(),
-                // The job Accelerator::new joins: more than one process when a launcher describes one.
-                None => accel::dist::env::DistEnv::detect_from_env()?.map_or(1, |env| env.world_size.max(1)),
-            };
+        let world_size = match &self.process_group {
+            Some(pg) => pg.world_size(),
+            // The job Accelerator::new joins: more than one process when a launcher describes one.
+            None => accel::dist::env::DistEnv::detect_from_env()?.map_or(1, |env| env.world_size.max(1)),
+        };
+        if cfg.parallelism.is_auto() {
+            if self.args.fsdp.is_some() {
+                return Err(TrainerError::invalid(
+                    "fsdp",
+                    "an automatic layout (a parallelism size `auto`) chooses the sharding itself; drop fsdp, or give \
+                     the sizes",
+                ));
+            }
+            if cfg.auto_layout.is_none() {
+                cfg.auto_layout = Some(self.auto_layout_request(&cfg, world_size)?);
+            }
+        } else if let Some(plan) = self.args.fsdp_plan()? {
             let fsdp = self.args.fsdp.clone().unwrap_or_default();
             cfg.parallelism = plan.apply(&cfg.parallelism, world_size, &fsdp)?;
         }
         self.args.mixed_precision = cfg.mixed_precision;
         self.args.gradient_accumulation_steps = cfg.gradient_accumulation_steps;
-        Ok(match self.process_group.take() {
+        let acc = match self.process_group.take() {
             Some(pg) => Accelerator::with_process_group(cfg, pg)?,
             None => Accelerator::new(cfg)?,
-        })
+        };
+        if let Some(decision) = acc.auto_layout() {
+            // The chosen micro-batch and accumulation replace the arguments' (the global batch is kept).
+            self.args.per_device_train_batch_size = decision.layout().per_process_batch();
+            self.args.gradient_accumulation_steps = acc.gradient_accumulation_steps();
+        }
+        Ok(acc)
+    }
+
+    /// What the automatic layout needs (a size of the config is `auto`): the model's shape, read from its build
+    /// on `accel::nn`'s builder (described, nothing allocated) for samples of the training set's length — the
+    /// tokens of a sample of integer ids, 1 for a sample of features — and the global batch the arguments give
+    /// (`per_device_train_batch_size` × the processes × `gradient_accumulation_steps`, what data parallelism over
+    /// all of them would train), split into any micro-batch size that divides it; activation checkpointing
+    /// chosen where it saves memory, or always with `gradient_checkpointing`.
+    fn auto_layout_request(&self, cfg: &AcceleratorConfig, world_size: usize) -> Result<AutoLayoutRequest> {
+        let describe = self.describe_model.as_ref().ok_or_else(|| {
+            TrainerError::Usage(
+                "an automatic layout (a parallelism size `auto`) reads the model's shape from its build on \
+                 accel::nn's builder: construct the Trainer with Trainer::with_plan (the same layer calls on \
+                 accel::nn::VarBuilder), or give the sizes"
+                    .into(),
+            )
+        })?;
+        if self.train_dataset.is_empty() {
+            return Err(TrainerError::Usage("the training dataset is empty: no layout to choose for it".into()));
+        }
+        let sample = self.train_dataset.get_batch(&[0])?.inputs;
+        let seq_len = match sample.dtype() {
+            DType::U8 | DType::U32 | DType::I64 => sample.elem_count().max(1),
+            _ => 1,
+        };
+        let model = describe(cfg.parallelism.tp_plan.clone(), seq_len)?;
+        let args = &self.args;
+        let global = args.per_device_train_batch_size * world_size * args.gradient_accumulation_steps.max(1);
+        let sizes: Vec<usize> = (1..=global).filter(|b| global.is_multiple_of(*b)).collect();
+        let checkpointing = if args.gradient_checkpointing { Checkpointing::On } else { Checkpointing::Auto };
+        let train = TrainSpec::new(global, &sizes, Precision::Fp32).with_checkpointing(checkpointing);
+        Ok(AutoLayoutRequest::new(model, train))
     }
 
     fn build_callbacks(&mut self, acc: &Accelerator) -> CallbackHandler {

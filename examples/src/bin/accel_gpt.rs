@@ -34,6 +34,7 @@
 //!
 //! The lines that differ from a plain single-process candle loop are marked `// accel:`.
 
+use accel::auto_layout::ModelSpec;
 use accel::data::{CharVocab, TextDataset};
 use accel::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, DataLoader, DataLoaderConfig, MixedPrecision};
 use accel::{Dataset, ReduceKind};
@@ -52,6 +53,8 @@ use std::time::Instant;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+#[path = "shared/auto_args.rs"]
+mod auto_args;
 #[path = "shared/layout_args.rs"]
 mod layout_args;
 
@@ -126,16 +129,8 @@ struct Args {
     /// Sampling temperature (0: greedy).
     #[arg(long, default_value_t = 0.8)]
     temperature: f64,
-    /// `auto`: the Accelerator chooses dp_replicate × dp_shard × tp × pp, the sharding, the pipeline schedule, the
-    /// micro-batches and their size at start-up, from the model, each process's memory (detected, or
-    /// ACCEL_AUTO_LAYOUT_MEMORY) and the links it measures (accel::auto_layout); it prints the choice and why.
-    /// Replaces the layout flags and --batch-size; the global batch is --global-batch-size.
-    #[arg(long, value_parser = ["auto"], ignore_case = true)]
-    parallelism: Option<String>,
-    /// Sequences per optimizer step over all replicas under an automatic layout (default: --batch-size × the
-    /// processes, what data parallelism over all of them would train).
-    #[arg(long)]
-    global_batch_size: Option<usize>,
+    #[command(flatten)]
+    auto: auto_args::AutoArgs,
     /// Print the cost model's prediction for the layout this run uses (peak memory per rank, time per optimizer
     /// step, from a start-up probe of the machines), to set beside the measured figures.
     #[arg(long)]
@@ -214,61 +209,14 @@ fn model_config(args: &Args, vocab_size: usize) -> GptConfig {
     }
 }
 
-/// Under `--parallelism auto` the layout is chosen: every layout flag must be left at its default (one message
-/// naming those that were given).
-fn check_unset_under_auto(layout: &layout_args::LayoutArgs) -> anyhow::Result<()> {
-    let mut given = Vec::new();
-    for (flag, size) in
-        [("--tp-size", layout.tp_size), ("--pp-size", layout.pp_size), ("--dp-shard-size", layout.dp_shard_size)]
-    {
-        if size != 1 {
-            given.push(format!("{flag} {size}"));
-        }
-    }
-    if let Some(s) = layout.pp_schedule {
-        given.push(format!("--pp-schedule {s}"));
-    }
-    if let Some(m) = layout.microbatches {
-        given.push(format!("--microbatches {m}"));
-    }
-    if let Some(s) = layout.sharding_strategy {
-        given.push(format!("--sharding-strategy {s}"));
-    }
-    if let Some(v) = layout.pp_virtual_stages {
-        given.push(format!("--pp-virtual-stages {v}"));
-    }
-    anyhow::ensure!(
-        given.is_empty(),
-        "--parallelism auto chooses the layout, and {} would fix part of it: drop {}, or drop --parallelism auto \
-         to run the layout you give",
-        given.join(", "),
-        if given.len() == 1 { "it" } else { "them" }
-    );
-    Ok(())
-}
-
 fn run() -> anyhow::Result<()> {
     let args = accel_examples::parse_args!(Args); // a bad command line is reported once under a launcher
-                                                  // `accel launch --parallelism auto` consumes the flag and hands its workers `auto` sizes instead
-                                                  // (PARALLELISM_CONFIG_*=auto): --global-batch-size applies then too.
-    let launched_auto = accel::ParallelismConfig::from_env().is_ok_and(|p| p.is_auto());
-    if args.parallelism.is_none() && !launched_auto && args.global_batch_size.is_some() {
-        bail!(
-            "--global-batch-size applies with --parallelism auto; without it the global batch is --batch-size × the \
-             data-parallel processes × --gradient-accumulation-steps"
-        );
-    }
-    if args.parallelism.is_some() {
-        check_unset_under_auto(&args.layout)?;
-        anyhow::ensure!(
-            args.layers_per_stage.is_none(),
-            "--layers-per-stage is chosen by --parallelism auto: drop it (or drop auto to give the split)"
-        );
-        anyhow::ensure!(
-            args.gradient_accumulation_steps.is_none(),
-            "--gradient-accumulation-steps is chosen by --parallelism auto: drop it (set --global-batch-size)"
-        );
-    } else {
+    let chosen = [
+        ("--layers-per-stage", args.layers_per_stage.is_some()),
+        ("--gradient-accumulation-steps", args.gradient_accumulation_steps.is_some()),
+    ];
+    args.auto.check(&args.layout, &chosen)?;
+    if !args.auto.is_auto() {
         if let Some(list) = &args.layers_per_stage {
             anyhow::ensure!(
                 list.iter().all(|&n| n > 0),
@@ -287,66 +235,15 @@ fn run() -> anyhow::Result<()> {
         anyhow::ensure!(path.is_file(), "--data-dir: no text at {}", path.display());
         let exe = std::env::current_exe().context("locating this executable to launch its workers")?;
         let mut launch = ddp_core::LaunchConfig::local(args.nproc, exe, std::env::args().skip(1).collect());
-        launch.env.extend(match args.parallelism {
-            Some(_) => accel::ParallelismConfig::auto().env_vars(), // accel: every size `auto`
-            None => accel_examples::parallel_env(args.nproc, &args.layout.layout()), // accel: the workers' mesh
-        });
+        launch.env.extend(args.auto.launch_env(args.nproc, &args.layout)); // accel: the sizes, or `auto`
         ddp_core::launch(&launch)?; // its error is the one-line summary naming the failing rank
         return Ok(());
     }
     train(&args)
 }
 
-/// What the automatic layout needs to know of this program: the GPT's shape, the global batch, the micro-batch
-/// sizes it may split it into (any divisor), and that it runs every layout (tp layers, pipeline stages, every
-/// sharding strategy — its layers fetch their weights at each use — and every schedule).
-fn auto_layout_request(cfg: &GptConfig, global_batch: usize) -> accel::auto_layout::AutoLayoutRequest {
-    use accel::auto_layout::{ActivationSpec, AutoLayoutRequest, Checkpointing, ModelSpec, Precision, TrainSpec};
-    let model = ModelSpec::gpt(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.d_ff, cfg.vocab_size, cfg.block_size)
-        .with_tied_embeddings(cfg.tie_embeddings)
-        .with_activations(ActivationSpec::accel(cfg.dropout > 0.0, 4));
-    let sizes: Vec<usize> = (1..=global_batch).filter(|b| global_batch.is_multiple_of(*b)).collect();
-    // Precision and bytes are the Accelerator's to fill in (`auto_layout::completed_request`).
-    let train = TrainSpec::new(global_batch, &sizes, Precision::Fp32).with_checkpointing(Checkpointing::Auto);
-    AutoLayoutRequest::new(model, train)
-}
-
-/// The flags that run `layout` without `--parallelism auto` (printed with the choice, for the benchmarks and
-/// for a user who wants to pin it).
-fn layout_flags(layout: &accel::auto_layout::Layout) -> String {
-    let mut flags = format!("--tp-size {} --pp-size {} --dp-shard-size {}", layout.tp, layout.pp, layout.dp_shard);
-    if layout.dp_shard > 1 {
-        flags += &format!(" --sharding-strategy {}", layout.sharding);
-    }
-    if let (true, Some(kind)) = (layout.pp > 1, layout.schedule) {
-        flags += &format!(" --pp-schedule {kind} --microbatches {}", layout.microbatches);
-        if layout.virtual_stages > 1 {
-            flags += &format!(" --pp-virtual-stages {}", layout.virtual_stages);
-        }
-        if let Some(list) = &layout.layers_per_stage {
-            let list: Vec<String> = list.iter().map(ToString::to_string).collect();
-            flags += &format!(" --layers-per-stage {}", list.join(","));
-        }
-    }
-    flags += &format!(
-        " --batch-size {} --gradient-accumulation-steps {}",
-        layout.per_process_batch(),
-        layout.accumulation_steps
-    );
-    if layout.activation_checkpointing {
-        flags += " --activation-checkpointing";
-    }
-    flags
-}
-
-/// `auto_layout predicted: peak 123.4 MiB per rank, step 45.6 ms (compute …)` — the cost model's figures for a
-/// layout, in the line the benchmark scripts read.
-fn prediction_line(c: &accel::auto_layout::Candidate) -> String {
-    format!("auto_layout predicted: peak {:.1} MiB per rank, step {}", c.peak_memory() as f64 / MIB, c.time)
-}
-
 fn train(args: &Args) -> anyhow::Result<()> {
-    let auto = args.parallelism.is_some();
+    let auto = args.auto.is_auto();
     if !auto {
         accel_examples::apply_layout(&args.layout.layout())?; // the flags, unless the launcher set PARALLELISM_CONFIG_*
     }
@@ -368,7 +265,9 @@ fn train(args: &Args) -> anyhow::Result<()> {
     let gpt_cfg = model_config(args, vocab.len());
     // accel: the model, for an automatic layout (used when a size is `auto`) and for --predict
     let world = accel_examples::job_size(args.nproc).0;
-    let request = auto_layout_request(&gpt_cfg, args.global_batch_size.unwrap_or(args.batch_size * world));
+    // (its shape read from the model's own build, described without allocating)
+    let model = ModelSpec::of_model(CharGpt::plan(&gpt_cfg), gpt_cfg.block_size, |vb| CharGpt::new(gpt_cfg, &vb))?;
+    let request = args.auto.request(model, args.batch_size, world);
     cfg.auto_layout = Some(request.clone());
     let acc = Accelerator::new(cfg)?; // accel: process group, mesh (pp × dp × tp), device, precision
     let tp = acc.tensor_parallel().clone(); // accel: this rank's tp group
@@ -376,8 +275,8 @@ fn train(args: &Args) -> anyhow::Result<()> {
     // Rows per training step: the automatic layout's, or the flag's.
     let batch_size = match acc.auto_layout() {
         Some(decision) => {
-            acc.print(format!("auto_layout flags: {}", layout_flags(decision.layout())));
-            acc.print(prediction_line(&decision.choice.best));
+            acc.print(format!("auto_layout flags: {}", auto_args::layout_flags(decision.layout())));
+            acc.print(auto_args::prediction_line(&decision.choice.best));
             decision.layout().per_process_batch()
         }
         None => args.batch_size,
@@ -386,7 +285,7 @@ fn train(args: &Args) -> anyhow::Result<()> {
         let micro = batch_size / acc.pipeline_schedule().map_or(1, |s| s.microbatches);
         let (probe, candidate) = acc.predict_layout(&request, micro)?; // accel: the cost model, this layout
         acc.print(format!("auto layout probe {probe}"));
-        acc.print(prediction_line(&candidate));
+        acc.print(auto_args::prediction_line(&candidate));
     }
 
     let n_windows = data.len();

@@ -7,6 +7,7 @@
 //! cargo run -p accel-examples --bin accel_llama -- --nproc 2 --tp-size 2          # tp2
 //! cargo run -p accel-examples --bin accel_llama -- --nproc 4 --tp-size 2 --pp-size 2 --microbatches 4
 //! cargo run -p accel-examples --bin accel_llama -- --nproc 2 --dp-shard-size 2 --sharding-strategy FULL_SHARD
+//! cargo run -p accel-examples --bin accel_llama -- --nproc 4 --parallelism auto --global-batch-size 16
 //! cargo run -p accel-examples --bin accel_llama -- --model-dir runs/accel_llama --steps 50   # fine-tune it
 //! ```
 //!
@@ -25,6 +26,7 @@
 //!
 //! The lines that differ from a plain single-process candle loop are marked `// accel:`.
 
+use accel::auto_layout::ModelSpec;
 use accel::data::TokenDataset;
 use accel::models::llama::{self, Llama, PretrainedWeights, SaveOptions};
 use accel::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, DataLoader, DataLoaderConfig, MixedPrecision};
@@ -41,6 +43,8 @@ use std::time::Instant;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+#[path = "shared/auto_args.rs"]
+mod auto_args;
 #[path = "shared/layout_args.rs"]
 mod layout_args;
 #[path = "shared/llama_args.rs"]
@@ -57,6 +61,8 @@ struct Args {
     #[command(flatten)]
     layout: layout_args::LayoutArgs,
     #[command(flatten)]
+    auto: auto_args::AutoArgs,
+    #[command(flatten)]
     llama: llama_args::LlamaArgs,
     /// Where the trained model goes, as a Hugging Face directory (a model directory there is replaced, keeping
     /// its other files; anything else is refused before training).
@@ -71,7 +77,7 @@ struct Args {
     /// Optimizer steps.
     #[arg(long, default_value_t = 200)]
     steps: u64,
-    /// Sequences per micro-batch per data-parallel replica.
+    /// Sequences per micro-batch per data-parallel replica (under --parallelism auto: the chosen size).
     #[arg(long, default_value_t = 8)]
     batch_size: usize,
     /// AdamW learning rate.
@@ -115,18 +121,23 @@ fn run() -> anyhow::Result<()> {
     let args = accel_examples::parse_args!(Args);
     // Everything checked once, here, before any worker starts: the files, the config, the sizes, where it saves.
     let setup = args.llama.setup(args.layout.tp_size)?;
-    let layers = setup.config.num_hidden_layers;
-    args.layout.check(args.nproc, layers, "--num-hidden-layers", None, "--batch-size", args.batch_size)?;
+    args.auto.check(&args.layout, &[("--gradient-accumulation-steps", args.gradient_accumulation_steps.is_some())])?;
+    if !args.auto.is_auto() {
+        let layers = setup.config.num_hidden_layers;
+        args.layout.check(args.nproc, layers, "--num-hidden-layers", None, "--batch-size", args.batch_size)?;
+    }
     llama::check_save_dir(&args.output_dir)?;
     check_sample(&args, &setup)?;
     if !ddp_core::launcher::is_worker() && args.nproc > 1 {
         let exe = std::env::current_exe().context("locating this executable to launch its workers")?;
         let mut launch = ddp_core::LaunchConfig::local(args.nproc, exe, std::env::args().skip(1).collect());
-        launch.env.extend(accel_examples::parallel_env(args.nproc, &args.layout.layout())); // accel: the mesh
+        launch.env.extend(args.auto.launch_env(args.nproc, &args.layout)); // accel: the sizes, or `auto`
         ddp_core::launch(&launch)?; // its error is the one-line summary naming the failing rank
         return Ok(());
     }
-    accel_examples::apply_layout(&args.layout.layout())?; // the flags, unless the launcher set PARALLELISM_CONFIG_*
+    if !args.auto.is_auto() {
+        accel_examples::apply_layout(&args.layout.layout())?; // the flags, unless the launcher set them
+    }
     train(&args, setup)
 }
 
@@ -154,8 +165,26 @@ fn train(args: &Args, setup: llama_args::LlamaSetup) -> anyhow::Result<()> {
     }
     cfg.seed = Some(args.seed);
     cfg.activation_checkpointing |= args.activation_checkpointing;
-    let acc = Accelerator::new(cfg)?; // accel: process group, mesh (pp × dp × tp), device, precision
+    if args.auto.is_auto() {
+        cfg.parallelism = accel::ParallelismConfig::auto(); // accel: every size chosen at start-up
+    }
     let llama_args::LlamaSetup { config, tokenizer, tokenizer_path } = setup;
+    if cfg.parallelism.is_auto() {
+        // accel: the model's shape for the automatic layout, read from its build (described, nothing allocated)
+        let model = ModelSpec::of_model(Llama::plan(&config), args.llama.seq_len, |vb| Llama::new(&config, vb))?;
+        let world = accel_examples::job_size(args.nproc).0;
+        cfg.auto_layout = Some(args.auto.request(model, args.batch_size, world));
+    }
+    let acc = Accelerator::new(cfg)?; // accel: process group, mesh (pp × dp × tp), device, precision
+                                      // Sequences per micro-batch per replica: the automatic layout's, or the flag's.
+    let batch_size = match acc.auto_layout() {
+        Some(decision) => {
+            acc.print(format!("auto_layout flags: {}", auto_args::layout_flags(decision.layout())));
+            acc.print(auto_args::prediction_line(&decision.choice.best));
+            decision.layout().per_process_batch()
+        }
+        None => args.batch_size,
+    };
     // Read now: fine-tuning a directory in place replaces the files they come from.
     let tokenizer_files = tokenizer_files(&tokenizer_path)?;
     let (train_data, validation) = token_datasets(&args.llama.text_path(), &tokenizer, args.llama.seq_len)?;
@@ -171,21 +200,16 @@ fn train(args: &Args, setup: llama_args::LlamaSetup) -> anyhow::Result<()> {
     let prepared = acc.prepare_model(&varmap)?; // accel: gradient sync over dp, masters, sharding
     let opt = AdamW::new(AdamWConfig { lr: args.lr, weight_decay: 0.1, ..Default::default() })?;
     let mut opt = acc.prepare_optimizer(&prepared, opt)?;
-    let loader_cfg = DataLoaderConfig {
-        batch_size: args.batch_size,
-        shuffle: true,
-        seed: args.seed,
-        drop_last: true,
-        ..Default::default()
-    };
+    let loader_cfg =
+        DataLoaderConfig { batch_size, shuffle: true, seed: args.seed, drop_last: true, ..Default::default() };
     let n_windows = train_data.len();
     let mut loader = acc.prepare_data_loader(DataLoader::new(train_data, loader_cfg))?; // accel: by dp rank
     let dp = acc.data_parallel_size();
     if loader.is_empty() {
-        bail!("--batch-size {} leaves no full batch per replica ({n_windows} windows, dp {dp})", args.batch_size);
+        bail!("--batch-size {} leaves no full batch per replica ({n_windows} windows, dp {dp})", batch_size);
     }
     let ga = acc.gradient_accumulation_steps();
-    let tokens_per_step = (args.batch_size * args.llama.seq_len * dp * ga) as f64;
+    let tokens_per_step = (batch_size * args.llama.seq_len * dp * ga) as f64;
     acc.print_banner("accel_llama"); // accel: config, processes, layout, precision, accumulation, backend (once)
     acc.print(format!(
         "accel_llama: {} process(es) = pp {} × dp {dp} × tp {}, Llama of {} parameters ({} layers, hidden {}, {} \
@@ -205,7 +229,7 @@ fn train(args: &Args, setup: llama_args::LlamaSetup) -> anyhow::Result<()> {
             Some(d) => format!("fine-tuned from {}", d.display()),
             None => "trained from scratch".into(),
         },
-        args.batch_size * dp * ga,
+        batch_size * dp * ga,
         args.llama.seq_len
     ));
 
@@ -277,7 +301,7 @@ fn train(args: &Args, setup: llama_args::LlamaSetup) -> anyhow::Result<()> {
     }
     if args.eval_batches > 0 {
         // Batches of the global batch's rows, so every layout of one global batch evaluates the same windows.
-        let loss = validation_loss(&acc, &model, validation, args.batch_size * dp, args.eval_batches)?;
+        let loss = validation_loss(&acc, &model, validation, batch_size * dp, args.eval_batches)?;
         acc.print(format!("validation loss {loss:.6} (perplexity {:.2})", loss.exp()));
     }
     acc.wait_for_everyone()?;

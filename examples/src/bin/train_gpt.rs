@@ -23,7 +23,7 @@
 use std::path::PathBuf;
 
 use accel_examples::gpt::{to_candle, CharGpt, GptConfig};
-use anyhow::{bail, Context};
+use anyhow::Context;
 use clap::Parser;
 use rand::SeedableRng;
 use trainer::{losses, IntervalStrategy, SaveStrategy, Trainer, TrainingArguments, TrainingArgumentsCli};
@@ -58,8 +58,11 @@ struct Cli {
     /// Characters to generate at the end (0: none).
     #[arg(long, default_value_t = 300)]
     sample_len: usize,
-    /// Not supported by the Trainer yet: the automatic layout runs at level 2 (`accel_gpt --parallelism auto`).
-    #[arg(long, value_name = "auto")]
+    /// `auto`: the Accelerator chooses dp_replicate × dp_shard × tp × pp, the sharding, the pipeline schedule, the
+    /// micro-batches and their size at start-up, from the model's described build, each process's memory and the
+    /// links it measures; it prints the choice and why. Replaces the layout flags; the global batch is
+    /// --per-device-train-batch-size × the processes × --gradient-accumulation-steps.
+    #[arg(long, value_parser = ["auto"], ignore_case = true)]
     parallelism: Option<String>,
     #[command(flatten)]
     train: TrainingArgumentsCli,
@@ -102,34 +105,31 @@ fn model_config(cli: &Cli, vocab_size: usize) -> GptConfig {
 
 fn run() -> anyhow::Result<()> {
     let cli = accel_examples::parse_args!(Cli); // a bad command line is reported once under a launcher
-    if let Some(p) = &cli.parallelism {
-        bail!(
-            "--parallelism {p}: the Trainer does not choose layouts yet; run the automatic layout with accel_gpt \
-             --parallelism auto, then give train_gpt the layout it prints (auto_layout flags: …)"
-        );
-    }
-    // Check everything once, here, before any worker starts: one clear message instead of one per rank.
-    cli.train.resolve(defaults())?;
+                                                // Check everything once, here, before any worker starts: one clear message instead of one per rank.
     let batch = cli.train.resolve(defaults())?.per_device_train_batch_size;
-    cli.layout.check(
-        cli.nproc,
-        model_config(&cli, 76).n_layer,
-        "--n-layer",
-        None,
-        "--per-device-train-batch-size",
-        batch,
-    )?;
-    model_config(&cli, 76).validate(cli.layout.tp_size)?;
+    let auto = cli.parallelism.is_some();
+    if auto {
+        cli.layout.check_unset_under_auto(&[])?;
+    } else {
+        let layers = model_config(&cli, 76).n_layer;
+        cli.layout.check(cli.nproc, layers, "--n-layer", None, "--per-device-train-batch-size", batch)?;
+        model_config(&cli, 76).validate(cli.layout.tp_size)?;
+    }
     let path = text_path(&cli);
     anyhow::ensure!(path.is_file(), "--data-dir: no text at {}", path.display());
     if !ddp_core::launcher::is_worker() && cli.nproc > 1 {
         let exe = std::env::current_exe().context("locating this executable to launch its workers")?;
         let mut launch = ddp_core::LaunchConfig::local(cli.nproc, exe, std::env::args().skip(1).collect());
-        launch.env.extend(accel_examples::parallel_env(cli.nproc, &cli.layout.layout()));
+        launch.env.extend(match auto {
+            true => accel::ParallelismConfig::auto().env_vars(), // every size chosen by the workers' Accelerator
+            false => accel_examples::parallel_env(cli.nproc, &cli.layout.layout()),
+        });
         ddp_core::launch(&launch)?; // its error is the one-line summary naming the failing rank
         return Ok(());
     }
-    accel_examples::apply_layout(&cli.layout.layout())?; // the sizes, unless the launcher set PARALLELISM_CONFIG_*
+    if !auto {
+        accel_examples::apply_layout(&cli.layout.layout())?; // the sizes, unless the launcher set them
+    }
     worker(cli)
 }
 
@@ -147,6 +147,10 @@ fn worker(cli: Cli) -> anyhow::Result<()> {
         Some(validation),
         losses::VocabParallelCrossEntropy { vocab_size: cfg.vocab_size },
     );
+    if cli.parallelism.is_some() && !ddp_core::launcher::is_worker() {
+        // One process without the launcher: the sizes `auto` here (a launched worker reads them from its env).
+        trainer = trainer.parallelism_config(accel::ParallelismConfig::auto());
+    }
     let out = trainer.train()?;
     let eval = trainer.evaluate()?;
     let acc = trainer.accelerator().expect("the trainer is set up after train()").clone();

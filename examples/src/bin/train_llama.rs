@@ -49,6 +49,12 @@ struct Cli {
     /// Tokens to generate greedily at the end (0: none; pp 1 only).
     #[arg(long, default_value_t = 40)]
     sample_tokens: usize,
+    /// `auto`: the Accelerator chooses dp_replicate × dp_shard × tp × pp, the sharding, the pipeline schedule, the
+    /// micro-batches and their size at start-up, from the model's described build, each process's memory and the
+    /// links it measures; it prints the choice and why. Replaces the layout flags; the global batch is
+    /// --per-device-train-batch-size × the processes × --gradient-accumulation-steps.
+    #[arg(long, value_parser = ["auto"], ignore_case = true)]
+    parallelism: Option<String>,
     #[command(flatten)]
     train: TrainingArgumentsCli,
 }
@@ -83,8 +89,13 @@ fn run() -> anyhow::Result<()> {
     // Checked once, here, before any worker starts: the files, the config, the sizes, where it saves.
     let args = cli.train.resolve(defaults())?;
     let setup = cli.llama.setup(cli.layout.tp_size)?;
-    let (layers, batch) = (setup.config.num_hidden_layers, args.per_device_train_batch_size);
-    cli.layout.check(cli.nproc, layers, "--num-hidden-layers", None, "--per-device-train-batch-size", batch)?;
+    let auto = cli.parallelism.is_some();
+    if auto {
+        cli.layout.check_unset_under_auto(&[])?;
+    } else {
+        let (layers, batch) = (setup.config.num_hidden_layers, args.per_device_train_batch_size);
+        cli.layout.check(cli.nproc, layers, "--num-hidden-layers", None, "--per-device-train-batch-size", batch)?;
+    }
     llama::check_save_dir(&args.output_dir.join("model"))?;
     let prompt = setup.tokenizer.encode(PROMPT, false).map_err(|e| anyhow::anyhow!("the prompt: {e}"))?;
     let max = setup.config.max_position_embeddings;
@@ -96,11 +107,16 @@ fn run() -> anyhow::Result<()> {
     if !ddp_core::launcher::is_worker() && cli.nproc > 1 {
         let exe = std::env::current_exe().context("locating this executable to launch its workers")?;
         let mut launch = ddp_core::LaunchConfig::local(cli.nproc, exe, std::env::args().skip(1).collect());
-        launch.env.extend(accel_examples::parallel_env(cli.nproc, &cli.layout.layout()));
+        launch.env.extend(match auto {
+            true => accel::ParallelismConfig::auto().env_vars(), // every size chosen by the workers' Accelerator
+            false => accel_examples::parallel_env(cli.nproc, &cli.layout.layout()),
+        });
         ddp_core::launch(&launch)?; // its error is the one-line summary naming the failing rank
         return Ok(());
     }
-    accel_examples::apply_layout(&cli.layout.layout())?; // the sizes, unless the launcher set PARALLELISM_CONFIG_*
+    if !auto {
+        accel_examples::apply_layout(&cli.layout.layout())?; // the sizes, unless the launcher set them
+    }
     worker(cli, setup)
 }
 
@@ -133,6 +149,10 @@ fn worker(cli: Cli, setup: llama_args::LlamaSetup) -> anyhow::Result<()> {
         Some(validation),
         losses::VocabParallelCrossEntropy { vocab_size: config.vocab_size },
     );
+    if cli.parallelism.is_some() && !ddp_core::launcher::is_worker() {
+        // One process without the launcher: the sizes `auto` here (a launched worker reads them from its env).
+        trainer = trainer.parallelism_config(accel::ParallelismConfig::auto());
+    }
     let out = trainer.train()?;
     let eval = trainer.evaluate()?;
     let acc = trainer.accelerator().expect("the trainer is set up after train()").clone();

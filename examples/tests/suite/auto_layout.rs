@@ -11,7 +11,7 @@ use super::gpt_tp::run_example;
 const MODEL: [&str; 8] = ["--steps", "3", "--log-every", "3", "--sample-len", "0", "--seed", "3"];
 
 /// `(predicted MiB, the largest measured peak RSS of a rank in MiB)` from an accel_gpt run's output.
-fn predicted_and_measured(out: &str) -> (f64, f64) {
+pub(crate) fn predicted_and_measured(out: &str) -> (f64, f64) {
     let predicted = out
         .lines()
         .find_map(|l| l.split("auto_layout predicted: peak ").nth(1))
@@ -141,4 +141,47 @@ fn a_memory_nothing_fits_fails_before_training_with_what_would() {
     assert!(!out.status.success(), "{text}");
     assert!(text.contains("The smallest memory per process that would fit is"), "{text}");
     assert!(!text.contains("step 1/1"), "nothing trained:\n{text}");
+}
+
+/// The automatic layout reads the char-GPT's shape from the model (`ModelSpec::of_model`: its build described,
+/// nothing allocated) and gets what the GPT formulas filled in by hand give, number for number — untied and tied,
+/// with dropout and without — so its predictions and choices are the same.
+#[test]
+fn the_char_gpt_described_from_its_build_is_the_gpt_formula() {
+    use accel::auto_layout::{choose, ActivationSpec, ClusterSpec, Link, ModelSpec, Precision, TrainSpec};
+    use accel_examples::gpt::{CharGpt, GptConfig};
+    for (tie_embeddings, dropout) in [(false, 0.0), (true, 0.1)] {
+        let cfg = GptConfig { tie_embeddings, dropout, ..GptConfig::small(76) };
+        let described = ModelSpec::of_model(CharGpt::plan(&cfg), cfg.block_size, |vb| CharGpt::new(cfg, &vb)).unwrap();
+        let formula = ModelSpec::gpt(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.d_ff, cfg.vocab_size, cfg.block_size)
+            .with_tied_embeddings(tie_embeddings)
+            .with_activations(ActivationSpec::accel(dropout > 0.0, 4));
+        let case = format!("tied {tie_embeddings}, dropout {dropout}");
+        let sizes = |m: &ModelSpec| (m.n_layer, m.d_model, m.n_head, m.d_ff, m.vocab, m.seq_len, m.tied_embeddings);
+        assert_eq!(sizes(&described), sizes(&formula), "{case}");
+        assert_eq!(described.total_params(), formula.total_params(), "{case}");
+        for tp in 1..=8 {
+            assert_eq!(described.tp_fits(tp), formula.tp_fits(tp), "{case}: tp {tp}");
+            if !formula.tp_fits(tp) {
+                continue;
+            }
+            for pp in [1, 2, 4] {
+                for r in 0..pp {
+                    let layers = cfg.n_layer / pp;
+                    let (d, f) =
+                        (described.params_on_rank(tp, pp, r, layers), formula.params_on_rank(tp, pp, r, layers));
+                    assert_eq!(d, f, "{case}: tp {tp}, pp {pp}, rank {r}");
+                }
+            }
+            assert_eq!(described.block_forward_flops_per_token(tp), formula.block_forward_flops_per_token(tp));
+            assert_eq!(described.head_forward_flops_per_token(tp), formula.head_forward_flops_per_token(tp));
+            assert_eq!(described.block_activation_bytes(8, tp, 4), formula.block_activation_bytes(8, tp, 4));
+            assert_eq!(described.tp_all_reduces_per_block(true), formula.tp_all_reduces_per_block(true));
+        }
+        let (fast, slow) = (Link::new(5e-6, 10e9), Link::new(50e-6, 1e9));
+        let cluster = ClusterSpec::uniform(2, 2, 1 << 30, 50e9, fast, slow);
+        let train = TrainSpec::new(32, &[4, 8], Precision::Fp32);
+        let chosen = |m: &ModelSpec| choose(m, &cluster, &train, &Default::default()).unwrap().to_string();
+        assert_eq!(chosen(&described), chosen(&formula), "{case}");
+    }
 }

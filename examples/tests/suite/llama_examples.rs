@@ -1,6 +1,7 @@
 //! The Llama examples end to end: `accel_llama` prints the single-process losses at tp 2 × pp 2 and FULL_SHARD,
 //! saves a Hugging Face directory that a fine-tuning run (another layout) starts from exactly, and `train_llama`
-//! trains at tp 2 × pp 2; bad command lines are refused before any worker starts.
+//! trains at tp 2 × pp 2; `accel_llama --parallelism auto` chooses its layout from the model's described build and
+//! predicts its peak memory within a quarter; bad command lines are refused before any worker starts.
 
 use crate::gpt_tp::{logged_losses, run_example};
 use std::process::Command;
@@ -125,6 +126,25 @@ fn accel_llama_trains_alike_at_every_layout_and_resumes_from_its_directory() {
 }
 
 #[test]
+fn accel_llama_chooses_its_layout_from_the_model() {
+    let bin = env!("CARGO_BIN_EXE_accel_llama");
+    let tmp = tempfile::tempdir().unwrap();
+    let out_dir = tmp.path().join("auto");
+    let args =
+        ["--nproc", "2", "--parallelism", "auto", "--global-batch-size", "8", "--steps", "2", "--log-every", "1"];
+    let rest = ["--eval-batches", "0", "--sample-tokens", "0", "--output-dir", out_dir.to_str().unwrap()];
+    let out = run_example(bin, &[&args[..], &rest].concat());
+    // The default 11.0 M-parameter Llama, its shape read from its build, not given by hand.
+    let model = "model n_layer 6, d_model 384, 6 heads, d_ff 1024, vocab 2048, seq 128 (11 015 040 parameters)";
+    assert!(out.contains(&format!("auto layout for 2 processes (1 machine × 2 processes): {model}")), "{out}");
+    assert!(out.contains("auto_layout flags: --tp-size"), "{out}");
+    assert_eq!(logged_losses(&out).len(), 2, "{out}");
+    let (predicted, measured) = crate::auto_layout::predicted_and_measured(&out);
+    assert!((predicted / measured - 1.0).abs() <= 0.25, "predicted {predicted} MiB, measured {measured} MiB:\n{out}");
+    assert!(out_dir.join("model.safetensors").is_file());
+}
+
+#[test]
 fn train_llama_trains_at_tp2_pp2() {
     let bin = env!("CARGO_BIN_EXE_train_llama");
     let tmp = tempfile::tempdir().unwrap();
@@ -176,6 +196,8 @@ fn llama_examples_refuse_what_cannot_run_before_launching() {
         assert!(text.contains("tp size 2 does not divide intermediate_size = 1023"), "{text}");
         let text = refused(bin, &["--nproc", "2", "--pp-size", "2", "--num-hidden-layers", "1"]);
         assert!(text.contains("use more layers (--num-hidden-layers 2)"), "{text}");
+        let text = refused(bin, &["--nproc", "2", "--parallelism", "auto", "--tp-size", "2"]);
+        assert!(text.contains("--parallelism auto chooses the layout, and --tp-size 2 would fix part of it"), "{text}");
         // Where it would save is checked before training, not after it.
         let tmp = tempfile::tempdir().unwrap();
         std::fs::write(tmp.path().join("notes.txt"), "mine").unwrap();

@@ -79,6 +79,12 @@ pub fn enumerate(model: &ModelSpec, world: usize, train: &TrainSpec) -> (Vec<Lay
             why.add("pipeline not allowed", || format!("pp {pp}: the program has no pipeline stages"));
             continue;
         }
+        if pp > 1 && !model.has_stages() {
+            why.add("the model has no pipeline blocks", || {
+                format!("pp {pp}: the model is not declared as blocks (accel::nn::staged)")
+            });
+            continue;
+        }
         if pp > model.n_layer {
             why.add("more pp ranks than blocks", || format!("pp {pp} > {} blocks", model.n_layer));
             continue;
@@ -88,13 +94,8 @@ pub fn enumerate(model: &ModelSpec, world: usize, train: &TrainSpec) -> (Vec<Lay
                 why.add("tensor parallelism not allowed", || format!("tp {tp}: the program has no tp layers"));
                 continue;
             }
-            if !model.tp_fits(tp) {
-                why.add("tp does not split the model", || {
-                    format!(
-                        "tp {tp} does not divide n_head {}, d_model {} and d_ff {}",
-                        model.n_head, model.d_model, model.d_ff
-                    )
-                });
+            if let Some(misfit) = model.tp_misfit(tp) {
+                why.add("tp does not split the model", || misfit);
                 continue;
             }
             let dp = world / (pp * tp);

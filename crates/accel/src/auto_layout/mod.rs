@@ -102,6 +102,7 @@ mod units;
 #[cfg(test)]
 mod tests;
 
+pub use crate::nn::ActivationSpec;
 pub use assumptions::Assumptions;
 pub use choose::{choose, evaluate, Candidate, Choice, GroupUse, RankPrediction, SplitComparison};
 pub use cluster::{ClusterSpec, Link, Machine};
@@ -111,7 +112,7 @@ pub use error::AutoLayoutError;
 pub use layout::Layout;
 pub use measure::{memory_from_env, parse_memory, probe_cluster, ClusterProbe, FLOPS_PROBE_SECONDS, MEMORY_ENV};
 pub use memory::{in_flight_chunks, MemoryBreakdown};
-pub use model::{ActivationSpec, ModelSpec};
+pub use model::ModelSpec;
 pub use placement::{GroupKind, GroupLink, LinkClass, Placement};
 pub use request::{AutoLayoutDecision, AutoLayoutRequest};
 pub use time::{all_gather_time, all_reduce_time, bubble_fraction, reduce_scatter_time, send_time, TimeBreakdown};

@@ -181,8 +181,9 @@ impl TimeModel<'_> {
         let sync = self.placement.sync_latency_of(r);
         let tp = if t > 1 {
             let link = self.placement.link(GroupKind::Tp, r).link;
-            let per_block = if recompute { 6.0 } else { 4.0 };
-            let n = layers as f64 * per_block + f64::from(u8::from(first)) + f64::from(u8::from(last));
+            let n = layers as f64 * model.tp_all_reduces_per_block(recompute)
+                + f64::from(u8::from(first))
+                + f64::from(u8::from(last));
             let small = if last { 3.0 } else { 0.0 };
             n * all_reduce_time(t, bsh, &link) + small * all_reduce_time(t, tokens * 4.0, &link) + (n + small) * sync
         } else {

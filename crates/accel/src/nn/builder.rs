@@ -101,6 +101,8 @@ pub(crate) struct PlanBook {
     staged: Mutex<Option<std::sync::Weak<dyn crate::pipeline::StagedModel + Send + Sync>>>,
     /// The last input a column-wise layer copied to the tp group, and the copy (see [`PlanBook::copy_for_columns`]).
     column_input: Mutex<Option<(TensorId, Tensor)>>,
+    /// What a block keeps for its backward, as the model declared it ([`VarBuilder::declare_activations`]).
+    activations: Mutex<Option<super::ActivationSpec>>,
 }
 
 /// A staged model shared between its owner and the builder's record.
@@ -222,6 +224,16 @@ impl PlanBook {
         *lock(&self.staged) = Some(model);
     }
 
+    /// What the model declared a block keeps for its backward, if it did.
+    pub(crate) fn activations(&self) -> Option<super::ActivationSpec> {
+        *lock(&self.activations)
+    }
+
+    /// The units' prefixes, in build order.
+    pub(crate) fn units(&self) -> Vec<String> {
+        lock(&self.units).clone()
+    }
+
     /// The prefix of unit `index`, if there is one.
     pub(crate) fn unit(&self, index: usize) -> Option<String> {
         lock(&self.units).get(index).cloned()
@@ -280,6 +292,7 @@ impl VarBuilder {
             fixed_stages: Mutex::default(),
             staged: Mutex::default(),
             column_input: Mutex::default(),
+            activations: Mutex::default(),
         };
         VarBuilder { pb, book: Arc::new(book) }
     }
@@ -423,11 +436,21 @@ impl VarBuilder {
         Ok(t)
     }
 
+    /// Declares what one block of the model keeps for its backward pass, for the automatic layout's memory model
+    /// ([`crate::auto_layout::ModelSpec::of_model`]; without a declaration it counts a GPT block's,
+    /// [`super::ActivationSpec::accel`]). Changes nothing in the model; only a description reads it.
+    pub fn declare_activations(&self, activations: super::ActivationSpec) {
+        *lock(&self.book.activations) = Some(activations);
+    }
+
     /// The number of attention heads (or key/value heads) this tp rank computes, of `n_heads` in the model: a
     /// column-wise projection splits whole heads, so `n_heads` must divide by tp. Attention code asks this (or
     /// reads the projections' output widths) instead of the model's config. Errors: a tp size that does not divide
     /// `n_heads`, with the sizes that do.
     pub fn local_heads(&self, n_heads: usize) -> candle_core::Result<usize> {
+        if let Some(record) = self.pb.shape_record() {
+            lock(&record.heads).push(n_heads);
+        }
         let tp = self.tp().size();
         if n_heads == 0 || !n_heads.is_multiple_of(tp) {
             return Err(AccelError::InvalidArgument(format!(

@@ -392,6 +392,9 @@ pub fn dropout(p: f64, vb: VarBuilder) -> candle_core::Result<Dropout> {
         ))
         .into());
     }
+    if let Some(record) = vb.param_builder().shape_record() {
+        record.dropout.fetch_or(p > 0.0, std::sync::atomic::Ordering::Relaxed);
+    }
     // Sites below 2^32 are the hand-numbered ones of `tensor_parallel::dropout`'s callers; a path's hash lives
     // above them.
     Ok(Dropout { p, site: ddp_core::fingerprint::fnv1a(vb.prefix().as_bytes()) | (1 << 32) })

@@ -74,8 +74,14 @@
 //!
 //! A model declared as its blocks ([`staged`]: an input part, `n` blocks, an output part) is cut into pipeline
 //! stages by the Accelerator, each rank building only its stages' parts; every schedule runs it unchanged.
+//!
+//! [`describe`] runs a model's constructor on a builder that records instead of allocating: its parameters'
+//! names, shapes, splits and parts, which the automatic layout reads the model's shape from
+//! ([`crate::auto_layout::ModelSpec::of_model`]).
 
+mod activations;
 mod builder;
+mod describe;
 mod layers;
 mod provenance;
 mod staged;
@@ -83,9 +89,11 @@ mod unit;
 
 pub use crate::tensor_parallel::{InitialWeights, ShardedDim};
 pub use accel_nn::ops::linear::Activation;
+pub use activations::ActivationSpec;
 pub use builder::{LayerKind, PlannedLayer, SharedStagedModel, VarBuilder};
 pub use candle_core::{Module, ModuleT};
 pub use candle_nn::{Init, LayerNormConfig};
+pub use describe::{describe, ModelPart, ModelShape, ShapedParam};
 pub use layers::{
     dropout, embedding, embedding_init, layer_norm, layer_norm_no_bias, linear, linear_b, linear_init, linear_no_bias,
     rms_norm, Dropout, Embedding, LayerNorm, Linear, LinearInit, RmsNorm,

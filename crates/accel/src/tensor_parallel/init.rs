@@ -102,6 +102,30 @@ pub struct ParamBuilder {
     lookup: Option<Arc<dyn ParamSource>>,
     /// `Some`: create each parameter from this source's tensor of its name instead of drawing it.
     weights: Option<Arc<dyn InitialWeights>>,
+    /// `Some`: describe the model instead of building it — record each parameter's name, shape and split, and
+    /// hand out a value-less stand-in ([`ShapeRecord`]).
+    describing: Option<Arc<ShapeRecord>>,
+}
+
+/// What a describing builder saw (`accel::nn::describe`): every parameter the model asked for, in order, the head
+/// counts its attention asked the builder to split, and whether it drops out. Nothing is allocated: the tensors handed out are a zero
+/// scalar broadcast to the parameter's shape.
+#[derive(Default)]
+pub(crate) struct ShapeRecord {
+    pub(crate) params: std::sync::Mutex<Vec<RecordedParam>>,
+    pub(crate) heads: std::sync::Mutex<Vec<usize>>,
+    /// Whether a dropout layer with a probability above 0 was made.
+    pub(crate) dropout: std::sync::atomic::AtomicBool,
+}
+
+/// One parameter a describing builder was asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RecordedParam {
+    pub(crate) name: String,
+    /// The full (single-process) shape.
+    pub(crate) shape: Vec<usize>,
+    /// The dim tensor parallelism splits, and whether a size tp does not divide is padded (else it must divide).
+    pub(crate) split: Option<(usize, bool)>,
 }
 
 /// Initial values of a model's parameters by name — a checkpoint's — for a builder to create them from instead of
@@ -146,7 +170,33 @@ impl ParamBuilder {
             tp: tp.clone(),
             lookup: None,
             weights: None,
+            describing: None,
         }
+    }
+
+    /// The same builder describing the model instead of building it: each parameter is recorded in `record` and
+    /// handed out as a zero scalar broadcast to its shape (no memory, no draw, no weights read, nothing in the
+    /// `VarMap`); a name asked for twice — a tied embedding's copy on a last pipeline stage — is recorded twice.
+    pub(crate) fn describing(mut self, record: Arc<ShapeRecord>) -> Self {
+        self.describing = Some(record);
+        self
+    }
+
+    /// The record of a describing builder.
+    pub(crate) fn shape_record(&self) -> Option<&Arc<ShapeRecord>> {
+        self.describing.as_ref()
+    }
+
+    /// A describing builder's stand-in for parameter `full_name` of full shape `shape` (split along `split`):
+    /// recorded, and this rank's shape of zeros without storage.
+    fn described(&self, full_name: String, shape: &Shape, split: Option<(usize, bool)>) -> Result<Option<Tensor>> {
+        let Some(record) = &self.describing else { return Ok(None) };
+        let mut local = shape.dims().to_vec();
+        if let Some((dim, _)) = split {
+            local[dim] = local[dim].div_ceil(self.tp.size());
+        }
+        lock(&record.params).push(RecordedParam { name: full_name, shape: shape.dims().to_vec(), split });
+        Ok(Some(Tensor::zeros((), self.dtype, &Device::Cpu)?.broadcast_as(local)?))
     }
 
     /// A builder handing out `source`'s parameters (`PreparedModel::param_builder`).
@@ -267,6 +317,11 @@ impl ParamBuilder {
     /// `VarMap`), or — for a builder handing out a prepared model's parameters — if the prepared model has it.
     pub(crate) fn existing(&self, name: &str) -> Option<Tensor> {
         let full_name = self.full_name(name);
+        if let Some(record) = &self.describing {
+            let params = lock(&record.params);
+            let p = params.iter().find(|p| p.name == full_name)?;
+            return Tensor::zeros((), self.dtype, &Device::Cpu).and_then(|z| z.broadcast_as(p.shape.clone())).ok();
+        }
         match &self.lookup {
             Some(source) => source.get(&full_name).ok(),
             None => lock(self.varmap.data()).get(&full_name).map(|v| v.as_tensor().clone()),
@@ -286,6 +341,9 @@ impl ParamBuilder {
         let shape = shape.into();
         if let Some(source) = &self.lookup {
             return looked_up(source.as_ref(), &full_name, shape.dims());
+        }
+        if let Some(stand_in) = self.described(full_name.clone(), &shape, None)? {
+            return Ok(stand_in);
         }
         self.check_free(&full_name)?;
         let full = self.initial(&full_name, &shape, init)?;
@@ -334,6 +392,9 @@ impl ParamBuilder {
             let mut local = dims.to_vec();
             local[dim] = size.div_ceil(tp);
             return looked_up(source.as_ref(), &full_name, &local);
+        }
+        if let Some(stand_in) = self.described(full_name.clone(), &shape, Some((dim, pad)))? {
+            return Ok(stand_in);
         }
         self.check_free(&full_name)?;
         // Past the model's size the layout pads with zero rows: they take part in no real output (the

@@ -21,7 +21,7 @@ mod layers;
 
 pub use cross_entropy::vocab_parallel_cross_entropy;
 pub use dropout::{dropout, dropout_context, dropout_mask, with_dropout_context, DropoutContext, ShardedDim};
-pub(crate) use init::{divisors, draw_full, ParamSource};
+pub(crate) use init::{divisors, draw_full, ParamSource, ShapeRecord};
 pub use init::{InitialWeights, ParamBuilder, ParamInit};
 pub use layers::{ColumnParallelLinear, ParallelLinearConfig, RowParallelLinear, VocabParallelEmbedding};
 

@@ -4,6 +4,7 @@ mod accumulation;
 mod auto_layout;
 mod checkpoint;
 mod data_loader;
+mod describe;
 mod equivalence;
 mod gather;
 mod llama;

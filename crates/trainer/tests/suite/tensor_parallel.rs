@@ -301,3 +301,67 @@ fn with_plan_trains_a_staged_model_under_pp_like_one_process() {
         }
     }
 }
+
+/// With every size `auto` the Trainer describes its model on the builder (the bigram: no blocks, 85 parameters,
+/// tokens per sample read from the ids) and the Accelerator chooses the layout; whatever it chooses trains the
+/// single process's losses with the global batch the arguments give (8 per device × 2 processes = 16).
+#[test]
+fn an_automatic_layout_is_chosen_from_the_model_and_trains_like_one_process() {
+    let reference = layout_run(1, ParallelismConfig::default(), 16).pop().unwrap();
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * b.abs().max(1e-3);
+    let runs = run_ranks(2, |pg| {
+        let dir = tempfile::tempdir().unwrap();
+        let mut args = args(dir.path());
+        args.eval_strategy = IntervalStrategy::Steps;
+        args.eval_steps = Some(10.0);
+        let mut t = Trainer::with_plan(
+            args,
+            bigram_plan(),
+            bigram,
+            walks(64),
+            Some(walks(20)),
+            losses::VocabParallelCrossEntropy { vocab_size: VOCAB },
+        )
+        .process_group(pg)
+        .parallelism_config(ParallelismConfig::auto());
+        t.train().unwrap();
+        let decision = t.accelerator().unwrap().auto_layout().expect("an automatic layout").clone();
+        let state = t.state();
+        let losses: Vec<f64> = state.log_history.iter().filter_map(|e| e.get("loss")).collect();
+        let evals: Vec<f64> = state.log_history.iter().filter_map(|e| e.get("eval_loss")).collect();
+        let global = t.args().per_device_train_batch_size
+            * t.accelerator().unwrap().data_parallel_size()
+            * t.args().gradient_accumulation_steps
+            / decision.layout().microbatches;
+        (decision.choice.to_string(), losses, *evals.last().unwrap(), global)
+    });
+    for (rank, (choice, losses, eval, global)) in runs.into_iter().enumerate() {
+        assert!(choice.contains("(85 parameters)") && choice.contains("seq 6"), "{choice}");
+        assert!(choice.contains("global batch 16 sequences"), "{choice}");
+        assert_eq!(global, 16, "rank {rank}: {choice}");
+        assert!(
+            losses.iter().zip(&reference.0).all(|(a, b)| close(*a, *b)) && close(eval, reference.1),
+            "rank {rank}: losses {losses:?} eval {eval} vs {:?} {}\n{choice}",
+            reference.0,
+            reference.1
+        );
+    }
+}
+
+/// A model written with candle's own VarBuilder cannot be described: an automatic layout is refused, naming the
+/// constructor to use.
+#[test]
+fn an_automatic_layout_needs_a_model_on_the_builder() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = Trainer::new(
+        args(dir.path()),
+        |vb| candle_nn::linear(SEQ, VOCAB, vb.pp("fc")),
+        walks(8),
+        None,
+        losses::cross_entropy,
+    )
+    .process_group(accel::dist::ProcessGroup::single_process().unwrap())
+    .parallelism_config(ParallelismConfig::auto());
+    let err = t.train().unwrap_err().to_string();
+    assert!(err.contains("reads the model's shape from its build") && err.contains("Trainer::with_plan"), "{err}");
+}

@@ -120,4 +120,38 @@ impl LayoutArgs {
         }
         Ok(())
     }
+
+    /// Under `--parallelism auto` the layout is chosen: every layout flag must be left at its default, and none of
+    /// `chosen` (a program's further flags the choice sets, `(flag, given)`) given — one message naming them all.
+    pub fn check_unset_under_auto(&self, chosen: &[(&str, bool)]) -> anyhow::Result<()> {
+        let mut given = Vec::new();
+        for (flag, size) in
+            [("--tp-size", self.tp_size), ("--pp-size", self.pp_size), ("--dp-shard-size", self.dp_shard_size)]
+        {
+            if size != 1 {
+                given.push(format!("{flag} {size}"));
+            }
+        }
+        if let Some(s) = self.pp_schedule {
+            given.push(format!("--pp-schedule {s}"));
+        }
+        if let Some(m) = self.microbatches {
+            given.push(format!("--microbatches {m}"));
+        }
+        if let Some(s) = self.sharding_strategy {
+            given.push(format!("--sharding-strategy {s}"));
+        }
+        if let Some(v) = self.pp_virtual_stages {
+            given.push(format!("--pp-virtual-stages {v}"));
+        }
+        given.extend(chosen.iter().filter(|(_, set)| *set).map(|(flag, _)| flag.to_string()));
+        anyhow::ensure!(
+            given.is_empty(),
+            "--parallelism auto chooses the layout, and {} would fix part of it: drop {}, or drop --parallelism auto \
+             to run the layout you give",
+            given.join(", "),
+            if given.len() == 1 { "it" } else { "them" }
+        );
+        Ok(())
+    }
 }
