@@ -344,7 +344,8 @@ pub fn effective_layout(world: usize, layout: &ModelLayout) -> anyhow::Result<ac
         ("--dp-shard-size", DP_SHARD_SIZE_ENV, layout.dp_shard, launched.dp_shard_size),
     ] {
         if size != 1 && size != theirs {
-            return Err(disagree(flag, size.to_string(), var, theirs.to_string()));
+            let theirs = if theirs == accel::ParallelismConfig::AUTO { "auto".to_string() } else { theirs.to_string() };
+            return Err(disagree(flag, size.to_string(), var, theirs));
         }
     }
     if let Some(s) = layout.sharding.filter(|s| *s != launched.sharding_strategy) {

@@ -44,6 +44,8 @@ pub struct Accelerator {
 
 /// Everything behind an [`Accelerator`]; one owner per piece of state.
 struct Inner {
+    /// The checkpoint being written in the background, if any (first: the Accelerator's end waits for it).
+    saves: checkpointing::BackgroundSaves,
     /// The config as run: with the automatic layout's settings when it chose them.
     config: AcceleratorConfig,
     /// What the automatic layout measured and chose, when a size was `auto`.
@@ -168,6 +170,7 @@ impl Accelerator {
             .then(|| accel_nn::ops::autocast::Bf16Guard::new(cfg.mixed_precision == MixedPrecision::Bf16));
         let acc = Accelerator {
             inner: Arc::new(Inner {
+                saves: Default::default(),
                 _autocast: autocast,
                 step: Arc::new(StepController::new(cfg.gradient_accumulation_steps, scaler)),
                 config: cfg,
@@ -993,8 +996,34 @@ impl Accelerator {
     ///
     /// Errors: I/O, a registered object failing to produce its state, another rank failing (the temporary
     /// directory is removed and any previous checkpoint is left intact).
+    ///
+    /// Under `AcceleratorConfig::async_checkpointing` (torchtitan's asynchronous checkpointing) it returns once
+    /// everything the checkpoint holds is copied in memory — the models' fp32 weights and the optimizers' state on
+    /// rank 0 (about 12 bytes per parameter with AdamW, on top of the training state), each rank's RNG and partial
+    /// gradients — and a writer thread writes, agrees and renames while training goes on; the returned path is the
+    /// one the checkpoint will have. The next save, [`Accelerator::load_state`],
+    /// [`Accelerator::wait_for_checkpoint`] and the Accelerator's end wait for it; its error is returned by the
+    /// first of them. A crash while it writes leaves the previous checkpoint the newest complete one.
     pub fn save_state(&self, dir: Option<&Path>) -> Result<PathBuf> {
-        checkpointing::save_state(self, dir)
+        checkpointing::save_state(self, dir, None)
+    }
+
+    /// [`Accelerator::save_state`], then `on_committed(dir)` on the main process once the checkpoint is committed
+    /// (on the writer thread under async checkpointing): for files that must join the checkpoint only when it is
+    /// complete — the Trainer's checksums and its state file, written last.
+    pub fn save_state_then(
+        &self,
+        dir: Option<&Path>,
+        on_committed: impl FnOnce(&Path) -> Result<()> + Send + 'static,
+    ) -> Result<PathBuf> {
+        checkpointing::save_state(self, dir, Some(Box::new(on_committed)))
+    }
+
+    /// Waits for a checkpoint being written in the background (`async_checkpointing`) and returns its directory,
+    /// `None` when none is in flight. Errors: the save's, naming the checkpoint (not committed). Collective in
+    /// effect: every rank's writer agrees with the others before it ends.
+    pub fn wait_for_checkpoint(&self) -> Result<Option<PathBuf>> {
+        checkpointing::wait_for_save(self)
     }
 
     /// Restores the state saved by [`Accelerator::save_state`] from `dir`, or with `None` from the newest
@@ -1137,6 +1166,17 @@ fn choose_auto_layout(
                 .into(),
         });
     };
+    if cfg.gradient_accumulation_steps != 1 {
+        // Silently replacing it would change the global batch the user asked for.
+        return Err(AccelError::Config {
+            key: "gradient_accumulation_steps".into(),
+            value: cfg.gradient_accumulation_steps.to_string(),
+            reason: "an automatic layout chooses the accumulation steps itself, from the global batch the program \
+                     gives (its AutoLayoutRequest): leave them at 1 (drop --gradient-accumulation-steps or \
+                     ACCELERATE_GRADIENT_ACCUMULATION_STEPS) and give the global batch instead, or give the sizes"
+                .into(),
+        });
+    }
     let request = completed_auto_layout_request(&cfg, device, request);
     let decision = crate::auto_layout::decide(pg, device, &request)?;
     if pg.rank() == 0 {

@@ -167,6 +167,9 @@ pub struct AcceleratorConfig {
     pub automatic_checkpoint_naming: bool,
     /// Keep at most this many automatically named checkpoints (oldest deleted first).
     pub total_limit: Option<usize>,
+    /// `save_state` returns once the checkpoint's state is copied in memory and a writer thread writes it while
+    /// training goes on (torchtitan's asynchronous checkpointing; default false). See `Accelerator::save_state`.
+    pub async_checkpointing: bool,
     /// Options of the DDP wrapper (bucket sizes, unused parameters, initial broadcast).
     pub ddp: ddp_core::DdpOptions,
     /// The parallel sizes (default every size 1: data parallelism over all processes). The Accelerator lays its
@@ -194,6 +197,7 @@ impl Default for AcceleratorConfig {
             project_dir: None,
             automatic_checkpoint_naming: false,
             total_limit: None,
+            async_checkpointing: false,
             ddp: ddp_core::DdpOptions::default(),
             parallelism: ParallelismConfig::default(),
             activation_checkpointing: false,

@@ -389,6 +389,11 @@ training_arguments! {
     save_steps: f64 = 500.0;
     /// Keep at most this many checkpoints (the best one is never deleted); null keeps all.
     save_total_limit: Option<usize> = None;
+    /// Write checkpoints in the background (torchtitan's asynchronous checkpointing): a save returns once the state
+    /// is copied in memory (the model's fp32 weights and the optimizer's state on the main process, about 12 bytes
+    /// per parameter with AdamW) and training goes on while a writer thread writes, checksums and commits it; the
+    /// next save and the end of training wait for it.
+    async_checkpointing: bool = false;
     /// Load the best checkpoint's weights when training ends (needs matching eval/save strategies).
     load_best_model_at_end: bool = false;
     /// Metric that decides the best checkpoint and early stopping, e.g. "loss" or "accuracy" ("eval_" optional).

@@ -439,6 +439,7 @@ where
             cfg.gradient_accumulation_steps = self.args.gradient_accumulation_steps;
         }
         cfg.activation_checkpointing |= self.args.gradient_checkpointing;
+        cfg.async_checkpointing |= self.args.async_checkpointing;
         cfg.seed = Some(self.args.seed);
         if let Some(p) = &self.parallelism {
             cfg.parallelism = p.clone();
@@ -456,9 +457,13 @@ where
                      the sizes",
                 ));
             }
+            // The accumulation asked for (the arguments' or the environment's) is part of the global batch the
+            // layout keeps; the layout chooses its own.
+            self.args.gradient_accumulation_steps = cfg.gradient_accumulation_steps;
             if cfg.auto_layout.is_none() {
                 cfg.auto_layout = Some(self.auto_layout_request(&cfg, world_size)?);
             }
+            cfg.gradient_accumulation_steps = 1;
         } else if let Some(plan) = self.args.fsdp_plan()? {
             let fsdp = self.args.fsdp.clone().unwrap_or_default();
             cfg.parallelism = plan.apply(&cfg.parallelism, world_size, &fsdp)?;
@@ -941,6 +946,8 @@ where
         start_step: u64,
         mut since_log: LossTally,
     ) -> Result<TrainOutput> {
+        // A checkpoint still being written (async_checkpointing) is part of the run: committed before it ends.
+        rt.acc.wait_for_checkpoint()?;
         let runtime = start.elapsed().as_secs_f64();
         let steps_this_run = self.state.global_step - start_step;
         since_log.flush()?;
@@ -1341,24 +1348,34 @@ where
         let mut callbacks: std::collections::BTreeMap<_, _> = rt.callbacks.states().into_iter().collect();
         callbacks.insert("TrainerControl".to_string(), self.control.to_state());
         self.state.stateful_callbacks = callbacks;
-        rt.acc.save_state(Some(&dir))?;
+        // The previous save first, if it is still being written: its directory may be the best one.
+        rt.acc.wait_for_checkpoint()?;
         if let Some(best_step) = self.state.best_global_step {
             let best_dir = checkpoint::checkpoint_dir(&self.args.output_dir, best_step);
-            if best_step == self.state.global_step || best_dir.is_dir() {
+            // The best is this save, or a checkpoint already complete on disk.
+            if best_step == self.state.global_step || checkpoint::is_complete(&best_dir) {
                 self.state.best_model_checkpoint = Some(best_dir.to_string_lossy().into_owned());
             }
         }
-        if rt.acc.is_main_process() {
-            let text = self.state.to_json_string()?;
-            checkpoint::write_checksums(&dir, &[(TRAINER_STATE_NAME, text.as_bytes())])?;
-            // Last: its presence marks the checkpoint complete.
-            accel::state::write_atomic(&dir.join(TRAINER_STATE_NAME), text)?;
-            let best = self.state.best_model_checkpoint.as_ref().map(PathBuf::from);
-            checkpoint::rotate_checkpoints(&self.args.output_dir, self.args.save_total_limit, best.as_deref())?;
-        }
+        // The Trainer's files join the checkpoint once the Accelerator's are committed (on the writer thread
+        // under async_checkpointing): the checksums, then the state file, whose presence marks it complete.
+        let text = self.state.to_json_string()?;
+        let best = self.state.best_model_checkpoint.as_ref().map(PathBuf::from);
+        let (output_dir, limit) = (self.args.output_dir.clone(), self.args.save_total_limit);
+        rt.acc.save_state_then(Some(&dir), move |dir| {
+            let finish = || -> Result<()> {
+                checkpoint::write_checksums(dir, &[(TRAINER_STATE_NAME, text.as_bytes())])?;
+                accel::state::write_atomic(&dir.join(TRAINER_STATE_NAME), text)?;
+                checkpoint::rotate_checkpoints(&output_dir, limit, best.as_deref())?;
+                Ok(())
+            };
+            finish().map_err(|e| accel::AccelError::Checkpoint { path: dir.to_path_buf(), reason: e.to_string() })
+        })?;
         self.own_checkpoints.insert(dir);
         self.last_saved_step = Some(self.state.global_step);
-        rt.acc.wait_for_everyone()?;
+        if !self.args.async_checkpointing {
+            rt.acc.wait_for_everyone()?;
+        }
         Ok(())
     }
 

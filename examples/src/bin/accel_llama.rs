@@ -77,7 +77,8 @@ struct Args {
     /// Optimizer steps.
     #[arg(long, default_value_t = 200)]
     steps: u64,
-    /// Sequences per micro-batch per data-parallel replica (under --parallelism auto: the chosen size).
+    /// Sequences per micro-batch per data-parallel replica (under --parallelism auto the size is chosen, and this
+    /// × the processes is the default --global-batch-size).
     #[arg(long, default_value_t = 8)]
     batch_size: usize,
     /// AdamW learning rate.
@@ -176,7 +177,8 @@ fn train(args: &Args, setup: llama_args::LlamaSetup) -> anyhow::Result<()> {
         cfg.auto_layout = Some(args.auto.request(model, args.batch_size, world));
     }
     let acc = Accelerator::new(cfg)?; // accel: process group, mesh (pp × dp × tp), device, precision
-                                      // Sequences per micro-batch per replica: the automatic layout's, or the flag's.
+
+    // Sequences per micro-batch per replica: the automatic layout's, or the flag's.
     let batch_size = match acc.auto_layout() {
         Some(decision) => {
             acc.print(format!("auto_layout flags: {}", auto_args::layout_flags(decision.layout())));

@@ -11,11 +11,21 @@
 //! Each agreement is an all-reduce of a failure flag rather than a bare barrier, so one rank's error makes every
 //! rank return an error instead of waiting for a timeout. On failure the temporary directory is removed and the
 //! previous checkpoint is untouched.
+//!
+//! In the background (`AcceleratorConfig::async_checkpointing`, torchtitan's asynchronous checkpointing): steps
+//! 1–2 and a copy of everything the checkpoint holds ([`Snapshot`], collective under tp) run on the caller's thread;
+//! steps 3–4 run on a writer thread, whose agreements go over a process group of their own (the checkpoint group,
+//! made at the first background save) so they never interleave with training's collectives. The next save, a
+//! load, `wait_for_checkpoint` and the Accelerator's end wait for it; a crash while it writes leaves only the
+//! hidden temporary directory, and the previous checkpoint the newest complete one.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
+use std::thread::JoinHandle;
 
-use candle_core::Device;
-use ddp_core::ReduceOp;
+use candle_core::{Device, Tensor};
+use ddp_core::{ProcessGroup, ReduceOp};
 use serde::{Deserialize, Serialize};
 
 use crate::accelerator::Prepared;
@@ -26,7 +36,7 @@ use crate::state::checkpoint_dir::{
 };
 use crate::state::rng::RngState;
 use crate::state::{load_safetensors, read_json, save_safetensors, write_json};
-use crate::state::{StateDict, Stateful, ACCELERATOR_FILE};
+use crate::state::{SharedStateful, StateDict, Stateful, ACCELERATOR_FILE};
 use crate::step::StepCounters;
 use crate::MixedPrecision;
 use crate::{lock, Accelerator};
@@ -105,60 +115,164 @@ fn create_dir(dir: &Path) -> Result<()> {
         .map_err(|e| AccelError::io(format!("creating checkpoint directory {}", dir.display()), e))
 }
 
-/// `Accelerator::save_state` (see the protocol in the module documentation).
-pub(crate) fn save_state(acc: &Accelerator, dir: Option<&Path>) -> Result<PathBuf> {
+/// What runs on the main process once a checkpoint is committed (the Trainer's checksums and state file).
+pub(crate) type OnCommitted = Box<dyn FnOnce(&Path) -> Result<()> + Send>;
+
+/// `Accelerator::save_state` (see the protocol in the module documentation): in the background under
+/// `async_checkpointing`, else here.
+pub(crate) fn save_state(acc: &Accelerator, dir: Option<&Path>, on_committed: Option<OnCommitted>) -> Result<PathBuf> {
+    wait_for_save(acc)?;
+    let background = acc.config().async_checkpointing;
+    // The writer's agreements go over a group of their own (made collectively, at the first background save).
+    let group = match background {
+        true => acc.inner.saves.checkpoint_group(acc.process_group())?,
+        false => (acc.world_size() > 1).then(|| acc.process_group().clone()),
+    };
+    let (save, snapshot) = begin_save(acc, dir, background, group)?;
+    if !background {
+        return save.finish(snapshot, on_committed);
+    }
+    let final_dir = save.final_dir.clone();
+    let writer = std::thread::Builder::new()
+        .name("accel-checkpoint-writer".into())
+        .spawn(move || save.finish(snapshot, on_committed))
+        .map_err(|e| AccelError::io("starting the checkpoint writer thread", e))?;
+    acc.inner.saves.hold(final_dir.clone(), writer);
+    Ok(final_dir)
+}
+
+/// Waits for the save in the background, if one is in flight; its error, naming the checkpoint, if it failed.
+pub(crate) fn wait_for_save(acc: &Accelerator) -> Result<Option<PathBuf>> {
+    acc.inner.saves.wait()
+}
+
+/// Steps 1–2 of the protocol and the snapshot: the directory resolved and its temporary made (agreed), then
+/// everything the checkpoint holds copied out of the training state (agreed). `detach`: deep copies, so training
+/// may change the state while the copy is written.
+fn begin_save(
+    acc: &Accelerator,
+    dir: Option<&Path>,
+    detach: bool,
+    group: Option<ProcessGroup>,
+) -> Result<(PendingCommit, Snapshot)> {
     let main = acc.is_main_process();
     let (final_dir, automatic_root) = resolve_save_dir(acc, dir)?;
     let partial = partial_dir(&final_dir);
-
     let prepared = if main { remove_if_exists(&partial).and_then(|()| create_dir(&partial)) } else { Ok(()) };
-    if let Err(e) = agree(acc, "preparing", &final_dir, prepared) {
+    let abandon = |e: AccelError| {
         if main {
             let _ = remove_if_exists(&partial);
         }
-        return Err(e);
-    }
-
-    // Under tensor parallelism the full tensors are gathered by every tp rank (collective); rank 0 writes them.
-    let full = FullState::collect(acc);
-    let written = create_dir(&partial).and_then(|()| write_random_states(acc, &partial)).and_then(|()| {
-        if main {
-            write_shared_files(acc, &partial, full?)
-        } else {
-            full.map(drop)
-        }
-    });
-    if let Err(e) = agree(acc, "writing", &final_dir, written) {
-        if main {
-            let _ = remove_if_exists(&partial);
-        }
-        return Err(e);
-    }
-
-    let committed = if main {
-        commit(&partial, &final_dir).and_then(|()| match (&automatic_root, acc.config().total_limit) {
-            (Some(root), Some(limit)) => rotate_checkpoints(root, limit).map(|removed| {
-                for r in removed {
-                    tracing::info!("removed old checkpoint {} (total_limit {limit})", r.display());
-                }
-            }),
-            _ => Ok(()),
-        })
-    } else {
-        Ok(())
+        e
     };
-    agree(acc, "committing", &final_dir, committed)?;
-    // Ranks on another machine without a shared file system hold their own copy of the directory.
-    if !main && partial.exists() {
-        commit(&partial, &final_dir)?;
+    agree(acc, "preparing", &final_dir, prepared).map_err(abandon)?;
+    let snapshot = match Snapshot::take(acc, detach) {
+        Ok(snapshot) => agree(acc, "copying", &final_dir, Ok(())).map(|()| snapshot),
+        Err(e) => agree(acc, "copying", &final_dir, Err(e)).map(|()| unreachable!("agree returns the error")),
     }
-    tracing::info!("saved checkpoint {}", final_dir.display());
-    Ok(final_dir)
+    .map_err(abandon)?;
+    let total_limit = acc.config().total_limit;
+    Ok((PendingCommit { group, main, final_dir, partial, automatic_root, total_limit }, snapshot))
+}
+
+/// Steps 3–4 of a save whose directory is prepared: what they need, without the Accelerator (a writer thread
+/// holds it).
+struct PendingCommit {
+    /// The group the agreements run over (`None` for one process).
+    group: Option<ProcessGroup>,
+    main: bool,
+    final_dir: PathBuf,
+    partial: PathBuf,
+    automatic_root: Option<PathBuf>,
+    total_limit: Option<usize>,
+}
+
+impl PendingCommit {
+    /// Writes the snapshot into the temporary directory, agrees, renames it (rank 0, then `total_limit`), agrees
+    /// again, and runs `on_committed` on rank 0.
+    fn finish(self, snapshot: Snapshot, on_committed: Option<OnCommitted>) -> Result<PathBuf> {
+        let (main, group) = (self.main, self.group.as_ref());
+        let written = create_dir(&self.partial).and_then(|()| snapshot.write(&self.partial));
+        drop(snapshot); // the copy's memory goes as soon as it is on disk
+        if let Err(e) = agree_over(group, "writing", &self.final_dir, written) {
+            if main {
+                let _ = remove_if_exists(&self.partial);
+            }
+            return Err(e);
+        }
+        let committed = if main {
+            commit(&self.partial, &self.final_dir).and_then(|()| match (&self.automatic_root, self.total_limit) {
+                (Some(root), Some(limit)) => rotate_checkpoints(root, limit).map(|removed| {
+                    for r in removed {
+                        tracing::info!("removed old checkpoint {} (total_limit {limit})", r.display());
+                    }
+                }),
+                _ => Ok(()),
+            })
+        } else {
+            Ok(())
+        };
+        agree_over(group, "committing", &self.final_dir, committed)?;
+        // Ranks on another machine without a shared file system hold their own copy of the directory.
+        if !main && self.partial.exists() {
+            commit(&self.partial, &self.final_dir)?;
+        }
+        if let (true, Some(then)) = (main, on_committed) {
+            then(&self.final_dir)?;
+        }
+        tracing::info!("saved checkpoint {}", self.final_dir.display());
+        Ok(self.final_dir)
+    }
+}
+
+/// The background save in flight, and the process group background saves agree over.
+#[derive(Default)]
+pub(crate) struct BackgroundSaves {
+    writer: Mutex<Option<(PathBuf, JoinHandle<Result<PathBuf>>)>>,
+    group: OnceLock<Option<ProcessGroup>>,
+}
+
+impl BackgroundSaves {
+    /// The checkpoint group over every rank of `pg` (made collectively the first time; `None` for one process).
+    fn checkpoint_group(&self, pg: &ProcessGroup) -> Result<Option<ProcessGroup>> {
+        if let Some(group) = self.group.get() {
+            return Ok(group.clone());
+        }
+        let ranks: Vec<usize> = (0..pg.world_size()).collect();
+        let group = if ranks.len() > 1 { pg.new_group(&ranks)? } else { None };
+        Ok(self.group.get_or_init(|| group).clone())
+    }
+
+    fn hold(&self, dir: PathBuf, writer: JoinHandle<Result<PathBuf>>) {
+        *lock(&self.writer) = Some((dir, writer));
+    }
+
+    fn wait(&self) -> Result<Option<PathBuf>> {
+        let Some((dir, writer)) = lock(&self.writer).take() else { return Ok(None) };
+        match writer.join() {
+            Ok(done) => done.map(Some),
+            Err(_) => {
+                Err(checkpoint_err(&dir, "the checkpoint writer thread panicked; the checkpoint is not committed"))
+            }
+        }
+    }
+}
+
+impl Drop for BackgroundSaves {
+    /// The Accelerator's end waits for a save in flight (every rank's does, so its agreements complete).
+    fn drop(&mut self) {
+        if let Err(e) = self.wait() {
+            tracing::error!("{e}");
+            eprintln!("accel: {e}");
+        }
+    }
 }
 
 /// `Accelerator::load_state`: restores everything but the step counters, which it returns for the step
 /// owner to restore.
 pub(crate) fn load_state(acc: &Accelerator, dir: Option<&Path>) -> Result<(PathBuf, StepCounters, Option<StateDict>)> {
+    // A save in flight first: the newest checkpoint may be the one it writes.
+    wait_for_save(acc)?;
     let dir = resolve_load_dir(acc, dir)?;
     let meta = read_meta(&dir)?;
     check_layout(acc, &dir, &meta)?;
@@ -429,19 +543,23 @@ fn resolve_save_dir(acc: &Accelerator, dir: Option<&Path>) -> Result<(PathBuf, O
 /// All ranks learn whether every rank's `local` step succeeded; returns this rank's error, or an error
 /// naming the phase when another rank failed.
 pub(crate) fn agree(acc: &Accelerator, phase: &str, dir: &Path, local: Result<()>) -> Result<()> {
-    if acc.world_size() > 1 {
-        let mut failed = [i32::from(local.is_err())];
-        // A rank lost on the way fails the agreement itself: say which save and which phase it broke.
-        acc.process_group().all_reduce(&mut failed, ReduceOp::Max).map_err(|e| {
-            checkpoint_err(dir, format!("a rank was lost while {phase} the checkpoint, which is not committed: {e}"))
-        })?;
-        local?;
-        if failed[0] != 0 {
-            return Err(checkpoint_err(dir, format!("another rank failed while {phase} the checkpoint (see its log)")));
-        }
-        return Ok(());
+    let group = (acc.world_size() > 1).then(|| acc.process_group());
+    agree_over(group, phase, dir, local)
+}
+
+/// [`agree`] over `group` (`None`: one process, nothing to agree with).
+fn agree_over(group: Option<&ProcessGroup>, phase: &str, dir: &Path, local: Result<()>) -> Result<()> {
+    let Some(group) = group else { return local };
+    let mut failed = [i32::from(local.is_err())];
+    // A rank lost on the way fails the agreement itself: say which save and which phase it broke.
+    group.all_reduce(&mut failed, ReduceOp::Max).map_err(|e| {
+        checkpoint_err(dir, format!("a rank was lost while {phase} the checkpoint, which is not committed: {e}"))
+    })?;
+    local?;
+    if failed[0] != 0 {
+        return Err(checkpoint_err(dir, format!("another rank failed while {phase} the checkpoint (see its log)")));
     }
-    local
+    Ok(())
 }
 
 fn contents(acc: &Accelerator) -> Contents {
@@ -456,30 +574,42 @@ fn contents(acc: &Accelerator) -> Contents {
     }
 }
 
-fn write_random_states(acc: &Accelerator, dir: &Path) -> Result<()> {
-    let states =
-        RandomStates { rank: acc.rank(), world_size: acc.world_size(), accelerator_rng: RngState::capture(&acc.rng()) };
-    let v = serde_json::to_value(&states).map_err(|e| AccelError::json("encoding the RNG state", e))?;
-    write_json(&dir.join(format!("random_states_{}.json", acc.rank())), &v)?;
-    // Inside an accumulation window each rank holds its own partial sums: without them the resume would differ.
-    if let Some(sd) = acc.gradients_state_dict() {
-        sd.save(dir, &format!("gradients_{}", acc.rank()))?;
-    }
-    Ok(())
+/// Everything a checkpoint holds, copied out of the training state: this rank's own files (its RNG, its partial
+/// gradients inside an accumulation window) and, on rank 0, the shared ones — the models' weights and the
+/// optimizers' states as a single process would hold them (tp shards gathered), the scaler, schedulers, data-loader
+/// positions, registered objects and `accelerator.json`.
+struct Snapshot {
+    rank: usize,
+    random_states: serde_json::Value,
+    gradients: Option<StateDict>,
+    shared: Option<SharedFiles>,
 }
 
-/// The models' weights and the optimizers' states as a single process would hold them (tp shards gathered).
-struct FullState {
-    models: Vec<std::collections::BTreeMap<String, candle_core::Tensor>>,
+/// Rank 0's part of a [`Snapshot`].
+struct SharedFiles {
+    models: Vec<BTreeMap<String, Tensor>>,
     optimizers: Vec<StateDict>,
+    scaler: Option<StateDict>,
+    schedulers: Vec<StateDict>,
+    data_loaders: Vec<StateDict>,
+    custom: Vec<StateDict>,
+    meta: serde_json::Value,
 }
 
-impl FullState {
-    /// Collective over each model's tp group when it has sharded parameters.
-    fn collect(acc: &Accelerator) -> Result<Self> {
+impl Snapshot {
+    /// Collective over each model's tp group when it has sharded parameters (every rank gathers; rank 0 keeps).
+    /// `detach`: every tensor copied into storage of its own (a parameter or a moment shares its storage with the
+    /// training state, which the next optimizer step overwrites in place).
+    fn take(acc: &Accelerator, detach: bool) -> Result<Self> {
+        let own = |t: Tensor| if detach { t.copy() } else { Ok(t) };
+        let own_dict = |sd: StateDict| -> Result<StateDict> {
+            let tensors = sd.tensors.into_iter().map(|(n, t)| Ok((n, own(t)?))).collect::<Result<_>>()?;
+            Ok(StateDict { tensors, meta: sd.meta })
+        };
         let prepared = acc.prepared();
-        let models = prepared.models.iter().map(|m| m.checkpoint_state_dict()).collect::<Result<_>>()?;
-        let optimizers = prepared
+        let models: Vec<BTreeMap<String, Tensor>> =
+            prepared.models.iter().map(|m| m.checkpoint_state_dict()).collect::<Result<_>>()?;
+        let optimizers: Vec<StateDict> = prepared
             .optimizers
             .iter()
             .map(|(opt, model)| {
@@ -487,45 +617,116 @@ impl FullState {
                 model.optimizer_state_to_full(sd)
             })
             .collect::<Result<_>>()?;
-        Ok(FullState { models, optimizers })
+        let states = RandomStates {
+            rank: acc.rank(),
+            world_size: acc.world_size(),
+            accelerator_rng: RngState::capture(&acc.rng()),
+        };
+        let random_states = serde_json::to_value(&states).map_err(|e| AccelError::json("encoding the RNG state", e))?;
+        // Inside an accumulation window each rank holds its own partial sums: without them the resume would differ.
+        let gradients = acc.gradients_state_dict().map(own_dict).transpose()?;
+        if !acc.is_main_process() {
+            return Ok(Snapshot { rank: acc.rank(), random_states, gradients, shared: None });
+        }
+        let dicts = |objects: &[SharedStateful]| -> Result<Vec<StateDict>> {
+            objects.iter().map(|o| own_dict(lock(o).state_dict()?)).collect()
+        };
+        let meta = CheckpointMeta {
+            format: FORMAT.into(),
+            version: FORMAT_VERSION,
+            world_size: acc.world_size(),
+            mixed_precision: acc.mixed_precision(),
+            gradient_accumulation_steps: acc.gradient_accumulation_steps(),
+            counters: acc.step_counters(),
+            contents: contents(acc),
+            mesh: Some(mesh_sizes(acc)),
+        };
+        let shared = SharedFiles {
+            models: models
+                .into_iter()
+                .map(|m| m.into_iter().map(|(n, t)| Ok((n, own(t)?))).collect::<Result<_>>())
+                .collect::<Result<_>>()?,
+            optimizers: optimizers.into_iter().map(own_dict).collect::<Result<_>>()?,
+            scaler: acc.grad_scaler().map(|s| lock(&s).state_dict()).transpose()?,
+            schedulers: dicts(&prepared.schedulers)?,
+            data_loaders: prepared.data_loaders.iter().map(|h| h.state_dict()).collect::<Result<_>>()?,
+            custom: dicts(&prepared.custom)?,
+            meta: serde_json::to_value(&meta).map_err(|e| AccelError::json("encoding accelerator.json", e))?,
+        };
+        Ok(Snapshot { rank: acc.rank(), random_states, gradients, shared: Some(shared) })
+    }
+
+    /// Writes the snapshot's files into `dir`; `accelerator.json` last (its presence marks the directory complete).
+    fn write(&self, dir: &Path) -> Result<()> {
+        write_json(&dir.join(format!("random_states_{}.json", self.rank)), &self.random_states)?;
+        if let Some(sd) = &self.gradients {
+            sd.save(dir, &format!("gradients_{}", self.rank))?;
+        }
+        let Some(shared) = &self.shared else { return Ok(()) };
+        for (i, weights) in shared.models.iter().enumerate() {
+            save_safetensors(weights, &dir.join(format!("{}.safetensors", stem("model", i))))?;
+        }
+        for (i, sd) in shared.optimizers.iter().enumerate() {
+            sd.save(dir, &stem("optimizer", i))?;
+        }
+        if let Some(sd) = &shared.scaler {
+            sd.save(dir, "scaler")?;
+        }
+        for (i, sd) in shared.schedulers.iter().enumerate() {
+            sd.save(dir, &stem("scheduler", i))?;
+        }
+        for (i, sd) in shared.data_loaders.iter().enumerate() {
+            sd.save(dir, &stem("data_loader", i))?;
+        }
+        for (i, sd) in shared.custom.iter().enumerate() {
+            sd.save(dir, &format!("custom_checkpoint_{i}"))?;
+        }
+        write_json(&dir.join(ACCELERATOR_FILE), &shared.meta)
     }
 }
 
-/// Everything but the per-rank RNG files (rank 0 only).
-fn write_shared_files(acc: &Accelerator, dir: &Path, full: FullState) -> Result<()> {
-    let prepared = acc.prepared();
-    for (i, weights) in full.models.iter().enumerate() {
-        save_safetensors(weights, &dir.join(format!("{}.safetensors", stem("model", i))))?;
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{AcceleratorConfig, AdamW, AdamWConfig};
+
+    /// Values of every tensor of a snapshot's shared files, by file and name.
+    fn values(s: &Snapshot) -> Vec<Vec<f32>> {
+        let shared = s.shared.as_ref().expect("rank 0's files");
+        let dicts = shared.optimizers.iter().map(|sd| &sd.tensors);
+        shared
+            .models
+            .iter()
+            .chain(dicts)
+            .flat_map(|m| m.values())
+            .map(|t| t.flatten_all().and_then(|t| t.to_vec1::<f32>()).unwrap())
+            .collect()
     }
-    for (i, sd) in full.optimizers.iter().enumerate() {
-        sd.save(dir, &stem("optimizer", i))?;
+
+    /// A detached snapshot (what a background save writes) keeps the state at the save while optimizer steps
+    /// overwrite the weights and AdamW's moments in place; an attached one (what a synchronous save, which writes
+    /// before training goes on, takes) shares their storage.
+    #[test]
+    fn a_detached_snapshot_keeps_the_state_at_the_save() {
+        let acc =
+            Accelerator::with_process_group(AcceleratorConfig::default(), ProcessGroup::single_process().unwrap())
+                .unwrap();
+        let varmap = candle_nn::VarMap::new();
+        let layer = candle_nn::linear(8, 4, acc.var_builder(&varmap).pp("fc")).unwrap();
+        let prepared = acc.prepare_model(&varmap).unwrap();
+        let mut opt = acc.prepare_optimizer(&prepared, AdamW::new(AdamWConfig::new(0.1)).unwrap()).unwrap();
+        let step = |opt: &mut crate::AcceleratedOptimizer<AdamW>| {
+            let x = Tensor::ones((2, 8), candle_core::DType::F32, acc.device()).unwrap();
+            let loss = candle_core::Module::forward(&layer, &x).unwrap().sqr().unwrap().mean_all().unwrap();
+            acc.backward(&loss).unwrap();
+            opt.step().unwrap();
+        };
+        step(&mut opt);
+        let (detached, attached) = (Snapshot::take(&acc, true).unwrap(), Snapshot::take(&acc, false).unwrap());
+        let at_save = values(&detached);
+        assert_eq!(values(&attached), at_save);
+        step(&mut opt);
+        assert_eq!(values(&detached), at_save, "the detached snapshot moved with the training state");
+        assert_ne!(values(&attached), at_save, "in place: the attached snapshot shares the training state's storage");
     }
-    if let Some(scaler) = acc.grad_scaler() {
-        let sd = lock(&scaler).state_dict()?;
-        sd.save(dir, "scaler")?;
-    }
-    for (i, sched) in prepared.schedulers.iter().enumerate() {
-        let sd = lock(sched).state_dict()?;
-        sd.save(dir, &stem("scheduler", i))?;
-    }
-    for (i, handle) in prepared.data_loaders.iter().enumerate() {
-        handle.state_dict()?.save(dir, &stem("data_loader", i))?;
-    }
-    for (i, obj) in prepared.custom.iter().enumerate() {
-        let sd = lock(obj).state_dict()?;
-        sd.save(dir, &format!("custom_checkpoint_{i}"))?;
-    }
-    let meta = CheckpointMeta {
-        format: FORMAT.into(),
-        version: FORMAT_VERSION,
-        world_size: acc.world_size(),
-        mixed_precision: acc.mixed_precision(),
-        gradient_accumulation_steps: acc.gradient_accumulation_steps(),
-        counters: acc.step_counters(),
-        contents: contents(acc),
-        mesh: Some(mesh_sizes(acc)),
-    };
-    let v = serde_json::to_value(&meta).map_err(|e| AccelError::json("encoding accelerator.json", e))?;
-    // Written last: its presence marks the directory as complete.
-    write_json(&dir.join(ACCELERATOR_FILE), &v)
 }

@@ -494,7 +494,12 @@ impl std::fmt::Display for Choice {
         } else {
             per_machine(c, |m| m.intra.to_string())
         };
-        writeln!(f, "links: {within}; across machines {} per machine", c.inter)?;
+        match (c.world_size(), c.machines.len()) {
+            // One process: no link is used.
+            (1, _) => writeln!(f, "links: none (one process)")?,
+            (_, 1) => writeln!(f, "links: {within}")?,
+            _ => writeln!(f, "links: {within}; across machines {} per machine", c.inter)?,
+        }
         writeln!(f, "chosen: {}", best.layout)?;
         writeln!(f, "  step {} per optimizer step", best.time)?;
         if !best.groups.is_empty() {

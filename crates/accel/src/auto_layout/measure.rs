@@ -545,7 +545,9 @@ pub fn parse_memory(value: &str) -> Result<u64> {
         _ => Err(AccelError::Config {
             key: MEMORY_ENV.into(),
             value: value.into(),
-            reason: "expected a memory size per process such as 350MiB, 8GiB or a number of bytes".into(),
+            reason: "expected a memory size per process above 0, such as 350MiB, 8GiB or a number of bytes (k, m, g \
+                     and t are binary units with or without a b, as in Slurm and Docker: 300MB = 300 MiB)"
+                .into(),
         }),
     }
 }

@@ -208,10 +208,13 @@ impl ModelSpec {
         }
         let largest = (0..n_layer).max_by_key(|&i| blocks[i].0.per_rank(1)).unwrap_or(0);
         let (block, block_matmul) = blocks.swap_remove(largest);
-        let n_head = shape.heads.iter().copied().max().unwrap_or(0);
-        for &h in &shape.heads {
-            must_divide.push(("attention heads".into(), h));
+        let n_head = shape.heads.iter().map(|(_, n)| *n).max().unwrap_or(0);
+        for (path, n) in &shape.heads {
+            must_divide.push((format!("the heads split under `{}`", crate::plan::generalize(path)), *n));
         }
+        // Every block asks the same: each size once.
+        let mut seen = std::collections::HashSet::new();
+        must_divide.retain(|(what, n)| seen.insert((crate::plan::generalize(what), *n)));
 
         let block_layers: Vec<_> = shape.layers_in(ModelPart::Block(largest)).collect();
         let first_width = |l: &crate::nn::PlannedLayer| {

@@ -449,7 +449,7 @@ impl VarBuilder {
     /// `n_heads`, with the sizes that do.
     pub fn local_heads(&self, n_heads: usize) -> candle_core::Result<usize> {
         if let Some(record) = self.pb.shape_record() {
-            lock(&record.heads).push(n_heads);
+            lock(&record.heads).push((self.prefix(), n_heads));
         }
         let tp = self.tp().size();
         if n_heads == 0 || !n_heads.is_multiple_of(tp) {

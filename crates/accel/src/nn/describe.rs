@@ -62,9 +62,9 @@ pub struct ModelShape {
     /// The blocks' module paths (`model.layers.3`) when the model is declared with [`super::staged`]; `None`: the
     /// model is one block and runs on one pipeline stage.
     pub blocks: Option<Vec<String>>,
-    /// The head counts the attention split with [`VarBuilder::local_heads`] (query heads, key/value heads): tp
-    /// must divide each.
-    pub heads: Vec<usize>,
+    /// The head counts the attention split with [`VarBuilder::local_heads`] (query heads, key/value heads), with
+    /// the module path that asked: tp must divide each.
+    pub heads: Vec<(String, usize)>,
     /// Whether the model drops out (a [`super::dropout`] layer with a probability above 0): its masks are kept
     /// for the backward.
     pub dropout: bool,

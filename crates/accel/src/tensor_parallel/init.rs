@@ -113,7 +113,8 @@ pub struct ParamBuilder {
 #[derive(Default)]
 pub(crate) struct ShapeRecord {
     pub(crate) params: std::sync::Mutex<Vec<RecordedParam>>,
-    pub(crate) heads: std::sync::Mutex<Vec<usize>>,
+    /// `(module path, heads)` of each `VarBuilder::local_heads` call.
+    pub(crate) heads: std::sync::Mutex<Vec<(String, usize)>>,
     /// Whether a dropout layer with a probability above 0 was made.
     pub(crate) dropout: std::sync::atomic::AtomicBool,
 }

@@ -266,7 +266,7 @@ fn a_failing_save_leaves_the_previous_checkpoint_intact() -> anyhow::Result<()> 
     let crashed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| acc.save_state(Some(&fresh))));
     assert!(crashed.is_err());
     assert!(!fresh.exists(), "no checkpoint under the final name");
-    assert!(tmp.path().join(".new.partial").join("model.safetensors").is_file(), "the partial write is set aside");
+    assert!(tmp.path().join(".new.partial").is_dir(), "the partial save is set aside under a hidden name");
     // The next save removes the stale partial directory and completes.
     counter.lock().unwrap_or_else(|p| p.into_inner()).panic = false;
     s.acc.save_state(Some(&fresh))?;
@@ -387,5 +387,105 @@ fn two_ranks_write_shared_files_once_and_one_rng_file_each() -> anyhow::Result<(
     let mut derived = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(0);
     derived.set_stream(one.acc.step_counters().optimizer_steps << 20);
     assert_eq!(one.acc.rng().next_u64(), derived.next_u64());
+    Ok(())
+}
+
+/// A layer of 1 M parameters (4 MiB, 12 MiB with AdamW's moments): its checkpoint takes longer to write than an
+/// optimizer step takes to overwrite its weights in place.
+fn wide_layer(acc: &Accelerator) -> anyhow::Result<(candle_nn::Linear, PreparedModel, AcceleratedOptimizer<AdamW>)> {
+    let varmap = candle_nn::VarMap::new();
+    let layer = candle_nn::linear(1024, 1024, acc.var_builder(&varmap).pp("wide"))?;
+    let prepared = acc.prepare_model(&varmap)?;
+    let opt = acc.prepare_optimizer(&prepared, AdamW::new(AdamWConfig::new(1e-2))?)?;
+    Ok((layer, prepared, opt))
+}
+
+fn wide_step(
+    acc: &Accelerator,
+    layer: &candle_nn::Linear,
+    opt: &mut AcceleratedOptimizer<AdamW>,
+) -> anyhow::Result<()> {
+    let x = Tensor::ones((4, 1024), candle_core::DType::F32, acc.device())?;
+    let loss = candle_core::Module::forward(layer, &x)?.sqr()?.mean_all()?;
+    acc.backward(&loss)?;
+    opt.step()?;
+    Ok(())
+}
+
+/// In the background (`async_checkpointing`) `save_state` returns before the files are written and training goes
+/// on: the optimizer step right after it overwrites the weights and moments in place (while the writer writes, or
+/// after it: the copy itself is pinned by the unit test `a_detached_snapshot_keeps_the_state_at_the_save`), yet the
+/// checkpoint holds the state at the save — the same bytes a synchronous save of that state writes — on every rank
+/// of a two-rank job. The wait returns its directory; loading it restores that state.
+#[test]
+fn a_checkpoint_written_in_the_background_holds_the_state_at_the_save() -> anyhow::Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let (sync_dir, async_dir) = (tmp.path().join("sync"), tmp.path().join("async"));
+    let run = |dir: PathBuf, background: bool| {
+        let cfg = AcceleratorConfig { async_checkpointing: background, seed: Some(3), ..Default::default() };
+        run_ranks(2, cfg, move |acc| {
+            let (layer, prepared, mut opt) = wide_layer(&acc)?;
+            wide_step(&acc, &layer, &mut opt)?;
+            let at_save = bits(&prepared);
+            let returned = acc.save_state(Some(&dir))?;
+            wide_step(&acc, &layer, &mut opt)?; // while the writer writes, in the background case
+            let waited = acc.wait_for_checkpoint()?;
+            assert_eq!(waited, background.then(|| dir.clone()), "the wait returns the background save's directory");
+            assert_eq!(returned, dir);
+            assert_ne!(bits(&prepared), at_save, "the step after the save changed the weights");
+            Ok(at_save)
+        })
+    };
+    let at_save = run(sync_dir.clone(), false);
+    assert_eq!(run(async_dir.clone(), true), at_save, "the same training in both runs");
+    for file in ["model.safetensors", "optimizer.safetensors", "optimizer.json", "accelerator.json"] {
+        let (a, b) = (std::fs::read(sync_dir.join(file))?, std::fs::read(async_dir.join(file))?);
+        assert!(a == b, "{file}: the background save wrote other bytes than the synchronous one");
+    }
+    assert_eq!(files(&async_dir), files(&sync_dir));
+    assert!(!tmp.path().join(".async.partial").exists());
+    let restored = run_ranks(1, AcceleratorConfig::default(), move |acc| {
+        let (_, prepared, _) = wide_layer(&acc)?;
+        acc.load_state(Some(&async_dir))?;
+        Ok(bits(&prepared))
+    });
+    assert_eq!(restored[0], at_save[0]);
+    Ok(())
+}
+
+/// Background saves one after another: each waits for the previous (total_limit applies as they commit), a load
+/// waits for the one in flight and finds it, and a writer's error reaches the caller at the next wait, naming the
+/// checkpoint.
+#[test]
+fn background_saves_wait_for_each_other_and_report_their_errors() -> anyhow::Result<()> {
+    let project = tempfile::tempdir()?;
+    let cfg = AcceleratorConfig {
+        project_dir: Some(project.path().to_path_buf()),
+        automatic_checkpoint_naming: true,
+        total_limit: Some(2),
+        async_checkpointing: true,
+        ..Default::default()
+    };
+    let mut a = setup(single(cfg.clone()), 4)?;
+    for _ in 0..4 {
+        train(&mut a, 1)?;
+        a.acc.save_state(None)?;
+    }
+    // No wait: the load waits for checkpoint_3, then loads it.
+    let b = setup(single(cfg.clone()), 5)?;
+    let root = project.path().join("checkpoints");
+    assert_eq!(a.acc.load_state(None)?, root.join("checkpoint_3"));
+    assert_eq!(files(&root), ["checkpoint_2", "checkpoint_3"]);
+    assert_eq!(b.acc.load_state(None)?, root.join("checkpoint_3"));
+    assert_eq!(bits(&a.prepared), bits(&b.prepared));
+
+    // A writer's failure (here: what runs once the checkpoint is committed) is the next wait's error.
+    let dir = a.acc.save_state_then(None, |dir| {
+        Err(accel::AccelError::Checkpoint { path: dir.into(), reason: "simulated failure after the commit".into() })
+    })?;
+    assert_eq!(dir, root.join("checkpoint_4"));
+    let err = a.acc.wait_for_checkpoint().unwrap_err().to_string();
+    assert!(err.contains("checkpoint_4") && err.contains("simulated failure after the commit"), "{err}");
+    assert_eq!(a.acc.wait_for_checkpoint()?, None, "reported once");
     Ok(())
 }

@@ -61,7 +61,8 @@ fn the_described_shape_names_what_tp_must_divide() {
     // 2 key/value heads: tp 2 splits them, tp 4 does not (the vocabulary, padded, never constrains tp).
     assert!(spec.tp_fits(2));
     let misfit = spec.tp_misfit(4).expect("tp 4 does not split 2 key/value heads");
-    assert!(misfit.starts_with("tp 4 does not divide ") && misfit.contains("attention heads of 2"), "{misfit}");
+    let heads = "the heads split under `model.layers.*.self_attn` of 2";
+    assert_eq!(misfit, format!("tp 4 does not divide {heads}"), "each size named once, not once per layer");
     // 48 MLP rows: tp 3 divides neither them nor the heads; the first sizes are named.
     let misfit = spec.tp_misfit(3).expect("tp 3");
     assert!(misfit.contains("model.layers.0.self_attn.q_proj.weight dim 0 of 32"), "{misfit}");
@@ -75,7 +76,8 @@ fn describing_allocates_nothing() {
     let shape = describe(Llama::plan(&cfg), |vb| Llama::new(&cfg, vb)).unwrap();
     assert_eq!(shape.num_params(), 8_030_261_248);
     assert_eq!(shape.blocks.as_ref().map(Vec::len), Some(32));
-    assert_eq!(shape.heads[..2], [32, 8]);
+    let attention = "model.layers.0.self_attn".to_string();
+    assert_eq!(shape.heads[..2], [(attention.clone(), 32), (attention, 8)]);
     let q = shape.params.iter().find(|p| p.name == "model.layers.31.self_attn.q_proj.weight").unwrap();
     assert_eq!((q.part, q.split, q.matmul, q.copy), (ModelPart::Block(31), Some((0, false)), true, false));
     let embed = shape.params.iter().find(|p| p.name == "model.embed_tokens.weight").unwrap();

@@ -36,6 +36,18 @@ type Snapshot = Vec<(String, Vec<u32>)>;
 /// Trains on 90 samples; the loss function fails at its `fail_at`-th call (a crash inside the loop). Returns
 /// the final parameters, or None when the run failed.
 fn run(out: &Path, ga: usize, fail_at: Option<usize>, resume: bool, pg: Option<ProcessGroup>) -> Option<Snapshot> {
+    run_saving(out, ga, fail_at, resume, pg, false)
+}
+
+/// [`run`], its checkpoints written in the background when `background` (`async_checkpointing`).
+fn run_saving(
+    out: &Path,
+    ga: usize,
+    fail_at: Option<usize>,
+    resume: bool,
+    pg: Option<ProcessGroup>,
+    background: bool,
+) -> Option<Snapshot> {
     let calls = Arc::new(AtomicUsize::new(0));
     let counter = calls.clone();
     let loss = move |y: &candle_core::Tensor, t: &candle_core::Tensor| {
@@ -46,6 +58,7 @@ fn run(out: &Path, ga: usize, fail_at: Option<usize>, resume: bool, pg: Option<P
         losses::cross_entropy(y, t)
     };
     let mut a = args(out, ga);
+    a.async_checkpointing = background;
     if resume {
         a.resume_from_checkpoint = Some("latest".into());
     }
@@ -77,6 +90,33 @@ fn resume_is_bit_exact_without_accumulation() {
     for fail_at in [7, 13] {
         assert_eq!(interrupted_then_resumed(1, fail_at), reference, "interrupted at micro-batch {fail_at}");
     }
+}
+
+/// Checkpoints written in the background (a save every step, each waiting for the previous; the crash's pending
+/// save completed as the run ends) resume as exactly as those written in place, on 1 and 2 ranks, and hold the
+/// same weights, optimizer state and checksums.
+#[test]
+fn resume_is_bit_exact_from_checkpoints_written_in_the_background() {
+    let sync_dir = tempfile::tempdir().unwrap();
+    let reference = run(sync_dir.path(), 1, None, false, None).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    assert!(run_saving(dir.path(), 1, Some(7), false, None, true).is_none());
+    assert_eq!(run_saving(dir.path(), 1, None, true, None, true).unwrap(), reference, "resumed from checkpoint-6");
+    for file in ["model.safetensors", "optimizer.safetensors", "scheduler.json", "checksums.json"] {
+        let (a, b) = (sync_dir.path().join("checkpoint-6").join(file), dir.path().join("checkpoint-6").join(file));
+        assert!(std::fs::read(&a).unwrap() == std::fs::read(&b).unwrap(), "{file} differs");
+    }
+    trainer::checkpoint::verify_checksums(&dir.path().join("checkpoint-6")).unwrap();
+
+    let two = tempfile::tempdir().unwrap();
+    let d = two.path().to_path_buf();
+    let reference = run_ranks(2, move |pg| run(&d, 2, None, false, Some(pg)).unwrap());
+    let d = two.path().join("background");
+    let resumed = run_ranks(2, move |pg| {
+        assert!(run_saving(&d, 2, Some(7), false, Some(pg.clone()), true).is_none());
+        run_saving(&d, 2, None, true, Some(pg), true).unwrap()
+    });
+    assert_eq!(resumed, reference);
 }
 
 #[test]

@@ -12,8 +12,8 @@ pub struct AutoArgs {
     /// `auto`: the Accelerator chooses dp_replicate × dp_shard × tp × pp, the sharding, the pipeline schedule, the
     /// micro-batches and their size at start-up, from the model (its build described: parameters per rank,
     /// widths, heads), each process's memory (detected, or ACCEL_AUTO_LAYOUT_MEMORY) and the links it measures
-    /// (accel::auto_layout); it prints the choice and why. Replaces the layout flags and --batch-size; the global
-    /// batch is --global-batch-size.
+    /// (accel::auto_layout); it prints the choice and why. Replaces the layout flags; the micro-batch is chosen
+    /// within the global batch, --global-batch-size (default --batch-size × the processes).
     #[arg(long, value_parser = ["auto"], ignore_case = true)]
     pub parallelism: Option<String>,
     /// Sequences per optimizer step over all replicas under an automatic layout (default: --batch-size × the
