@@ -1,5 +1,6 @@
 //! One integration-test binary for the crate (each test binary links candle: one link instead of one per file).
 
+mod accel_gpt_resume;
 mod architecture;
 mod auto_layout;
 mod bad_inputs;
