@@ -526,16 +526,8 @@ pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> std::process::Exit
         // elementwise op): setting the environment is sound here.
         std::env::set_var("CANDLE_NUM_THREADS", "1");
     }
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    // A second call (tests that run several mains in one process) keeps the first subscriber.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .without_time()
-        .with_target(false)
-        .try_init();
+    // Warnings to stderr (RUST_LOG sets the level); a second call (several mains in one process) keeps the first.
+    accel::logging::init_default();
     match body() {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

@@ -15,15 +15,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 fn main() -> ExitCode {
     let cli = accel_cli::Cli::parse();
     // Warnings from the libraries (and the config-file reader) reach the user; RUST_LOG overrides the level.
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .without_time()
-        .with_target(false)
-        .try_init();
+    accel::logging::init_default();
     match accel_cli::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

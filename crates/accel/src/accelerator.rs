@@ -120,8 +120,10 @@ impl Accelerator {
     /// launch` names, a Slurm step, Open MPI or PMI — as [`ddp_core::DistEnv::detect`] decides) when it has more
     /// than one process, or runs as a single process (no launcher variables, a bare `salloc` shell, a one-process
     /// job). Picks the device (CUDA device `local_rank` with the `cuda` feature unless `cfg.cpu`, else the CPU)
-    /// and applies `cfg.seed`. Errors: an inconsistent job layout (naming the variable), rendezvous failures.
+    /// and applies `cfg.seed`. The library's warnings go to stderr unless the program set a tracing subscriber of
+    /// its own ([`crate::logging`]). Errors: an inconsistent job layout (naming the variable), rendezvous failures.
     pub fn new(cfg: AcceleratorConfig) -> Result<Self> {
+        crate::logging::init_default();
         cfg.validate()?;
         let pg = if joins_a_job(ddp_core::DistEnv::detect_from_env()?.as_ref()) {
             ProcessGroup::init_from_env()?
@@ -142,6 +144,7 @@ impl Accelerator {
     /// mesh dimension). Errors: the config's ([`AcceleratorConfig::validate`]), sizes whose product is not the
     /// world size ([`ParallelismConfig::resolve`]), the device, backend failures building the mesh.
     pub fn with_process_group(cfg: AcceleratorConfig, pg: ProcessGroup) -> Result<Self> {
+        crate::logging::init_default();
         cfg.validate()?;
         let device = pick_device(&cfg, pg.local_rank())?;
         let (cfg, auto_layout) = choose_auto_layout(cfg, &pg, &device)?;

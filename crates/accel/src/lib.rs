@@ -37,6 +37,7 @@ pub mod auto_layout;
 pub mod config;
 pub mod config_errors;
 pub mod error;
+pub mod logging;
 pub mod mixed_precision;
 mod model;
 pub mod models;

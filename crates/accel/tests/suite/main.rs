@@ -8,6 +8,7 @@ mod describe;
 mod equivalence;
 mod gather;
 mod llama;
+mod logging;
 mod mixed_precision;
 mod optim;
 mod overlap;
