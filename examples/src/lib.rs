@@ -519,6 +519,20 @@ macro_rules! parse_args {
     };
 }
 
+/// The Trainer examples default to `save_strategy: no` (a short run writes no checkpoint): a `--save-steps` given
+/// without `--save-strategy steps` would save nothing without a word, so it is refused, naming the flag to add.
+pub fn check_save_steps(
+    args: &trainer::TrainingArguments,
+    example_defaults: &trainer::TrainingArguments,
+) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        args.save_strategy != trainer::SaveStrategy::No || args.save_steps == example_defaults.save_steps,
+        "--save-steps {} saves nothing with save_strategy `no` (this example's default): add --save-strategy steps",
+        args.save_steps
+    );
+    Ok(())
+}
+
 pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> std::process::ExitCode {
     keep_freed_memory();
     if std::env::var_os("CANDLE_NUM_THREADS").is_none() {

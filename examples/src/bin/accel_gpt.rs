@@ -151,7 +151,8 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     save_every: u64,
     /// Continue from the newest checkpoint under --project-dir (`accelerator.load_state`): its step, optimizer
-    /// state, data position and RNG, up to --steps; at this or another layout with the same global batch.
+    /// state, data position and RNG, up to --steps; at this or another layout — with the same global batch it
+    /// continues the original's updates (another one that divides the data position is taken, with a warning).
     #[arg(long)]
     resume: bool,
     /// Where the checkpoints go (Accelerate's ProjectConfiguration: automatic naming).
@@ -346,6 +347,10 @@ fn train(args: &Args) -> anyhow::Result<()> {
         // accel: weights, optimizer state, data position, step counters and RNG, at this layout
         let dir = acc.load_state(None)?;
         acc.print(format!("resumed from {} at step {}", dir.display(), acc.optimizer_step_count()));
+        if acc.optimizer_step_count() >= args.steps {
+            acc.print(format!("--steps {}: the checkpoint is there already, nothing to train", args.steps));
+            return Ok(());
+        }
     }
 
     let ga = acc.gradient_accumulation_steps();

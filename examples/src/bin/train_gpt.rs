@@ -105,8 +105,11 @@ fn model_config(cli: &Cli, vocab_size: usize) -> GptConfig {
 
 fn run() -> anyhow::Result<()> {
     let cli = accel_examples::parse_args!(Cli); // a bad command line is reported once under a launcher
-                                                // Check everything once, here, before any worker starts: one clear message instead of one per rank.
-    let batch = cli.train.resolve(defaults())?.per_device_train_batch_size;
+
+    // Check everything once, here, before any worker starts: one clear message instead of one per rank.
+    let resolved = cli.train.resolve(defaults())?;
+    accel_examples::check_save_steps(&resolved, &defaults())?;
+    let batch = resolved.per_device_train_batch_size;
     let auto = cli.parallelism.is_some();
     if auto {
         cli.layout.check_unset_under_auto(&[])?;

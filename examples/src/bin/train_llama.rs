@@ -88,6 +88,7 @@ fn run() -> anyhow::Result<()> {
     let cli = accel_examples::parse_args!(Cli);
     // Checked once, here, before any worker starts: the files, the config, the sizes, where it saves.
     let args = cli.train.resolve(defaults())?;
+    accel_examples::check_save_steps(&args, &defaults())?;
     let setup = cli.llama.setup(cli.layout.tp_size)?;
     let auto = cli.parallelism.is_some();
     if auto {

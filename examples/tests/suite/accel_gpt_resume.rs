@@ -27,6 +27,11 @@ fn accel_gpt_resumes_from_its_checkpoints() {
         let resumed = run_example(bin, &[&RUN[..], &["--resume", "--project-dir", project]].concat());
         assert!(resumed.contains("checkpoint_0 at step 3"), "{resumed}");
         assert_eq!(logged_losses(&resumed), whole[3..], "background {background}:\n{resumed}");
+        // Asked for fewer steps than the checkpoint has: said, nothing trained.
+        let mut behind = [&RUN[..], &["--resume", "--project-dir", project]].concat();
+        behind[1] = "2";
+        let said = run_example(bin, &behind);
+        assert!(said.contains("--steps 2: the checkpoint is there already, nothing to train"), "{said}");
         if background {
             // Another layout, the same global batch: 2 data-parallel replicas of 4 sequences.
             let mut dp2 = [&RUN[..], &["--resume", "--project-dir", project, "--nproc", "2"]].concat();

@@ -216,3 +216,15 @@ fn llama_examples_refuse_what_cannot_run_before_launching() {
         assert!(text.contains("is not a model directory") && !text.contains("step 1"), "{text}");
     }
 }
+
+/// `--save-steps` without a save strategy that uses it (the Trainer examples default to `no`) is refused, naming
+/// the flag to add, instead of training without saving.
+#[test]
+fn save_steps_without_a_save_strategy_is_refused() {
+    for bin in [env!("CARGO_BIN_EXE_train_gpt"), env!("CARGO_BIN_EXE_train_llama")] {
+        let out = Command::new(bin).args(["--save-steps", "2"]).env_remove("RANK").output().expect("running it");
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(!out.status.success(), "{bin} accepted it:\n{text}");
+        assert!(text.contains("add --save-strategy steps"), "{text}");
+    }
+}

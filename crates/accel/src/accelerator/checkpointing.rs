@@ -110,6 +110,11 @@ fn restoring(file: &Path, what: &str) -> impl FnOnce(AccelError) -> AccelError {
     }
 }
 
+/// `1 process`, `4 processes`.
+fn processes(n: usize) -> String {
+    format!("{n} process{}", if n == 1 { "" } else { "es" })
+}
+
 fn create_dir(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir)
         .map_err(|e| AccelError::io(format!("creating checkpoint directory {}", dir.display()), e))
@@ -343,22 +348,22 @@ fn check_layout(acc: &Accelerator, dir: &Path, meta: &CheckpointMeta) -> Result<
             return Err(checkpoint_err(
                 dir,
                 format!(
-                    "written by {} processes inside an accumulation window (each rank's partial gradients), but this \
-                     job has {}; resume it with {} processes, or from a checkpoint taken at an optimizer step",
-                    meta.world_size,
+                    "written by {} inside an accumulation window (each rank's partial gradients), but this job has \
+                     {}; resume it with {}, or from a checkpoint taken at an optimizer step",
+                    processes(meta.world_size),
                     acc.world_size(),
-                    meta.world_size
+                    processes(meta.world_size)
                 ),
             ));
         }
         if acc.is_main_process() {
             tracing::warn!(
-                "checkpoint {} was written by {} processes, this job has {}: the weights, the optimizer state, the \
+                "checkpoint {} was written by {}, this job has {}: the weights, the optimizer state, the \
                  step counters and the data position load as saved (the position is in global samples: keep the \
                  global batch), and each rank's Accelerator::rng is derived from (seed, rank, optimizer step) \
                  instead of restored",
                 dir.display(),
-                meta.world_size,
+                processes(meta.world_size),
                 acc.world_size()
             );
         }

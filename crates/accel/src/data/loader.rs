@@ -533,6 +533,15 @@ impl Stateful for LoaderStateHandle {
             let samples = batches_consumed * saved.total_batch_size;
             if samples.is_multiple_of(here.total_batch_size) && samples / here.total_batch_size <= here.num_batches {
                 let batches = samples / here.total_batch_size;
+                // The data goes on where it stopped; the optimizer steps do not repeat the original's.
+                tracing::warn!(
+                    "the checkpoint's data loader read batches of {} samples over all processes, this run reads {}: \
+                     the data continues at sample {samples} of epoch {epoch}, but each optimizer step now sees \
+                     another global batch, so the run does not continue the original's updates (keep the global \
+                     batch to continue them exactly)",
+                    saved.total_batch_size,
+                    here.total_batch_size
+                );
                 let mut st = lock(&self.state);
                 st.position = LoaderPosition { epoch, batches_consumed: batches };
                 st.pending_skip = Some(batches);
