@@ -508,6 +508,19 @@ where
         let model = describe(cfg.parallelism.tp_plan.clone(), seq_len)?;
         let args = &self.args;
         let global = args.per_device_train_batch_size * world_size * args.gradient_accumulation_steps.max(1);
+        if global > self.train_dataset.len() {
+            return Err(TrainerError::invalid(
+                "per_device_train_batch_size",
+                format!(
+                    "the global batch of an automatic layout, {} per device × {world_size} processes × {} \
+                     accumulation steps = {global} samples, is more than the {} samples of the training set; lower \
+                     it",
+                    args.per_device_train_batch_size,
+                    args.gradient_accumulation_steps.max(1),
+                    self.train_dataset.len()
+                ),
+            ));
+        }
         let sizes: Vec<usize> = (1..=global).filter(|b| global.is_multiple_of(*b)).collect();
         let checkpointing = if args.gradient_checkpointing { Checkpointing::On } else { Checkpointing::Auto };
         let train = TrainSpec::new(global, &sizes, Precision::Fp32).with_checkpointing(checkpointing);

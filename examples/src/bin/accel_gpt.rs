@@ -298,6 +298,10 @@ fn train(args: &Args) -> anyhow::Result<()> {
     let world = accel_examples::job_size(args.nproc).0;
     // (its shape read from the model's own build, described without allocating)
     let model = ModelSpec::of_model(CharGpt::plan(&gpt_cfg), gpt_cfg.block_size, |vb| CharGpt::new(gpt_cfg, &vb))?;
+    if cfg.parallelism.is_auto() {
+        let global = args.auto.global_batch(args.batch_size, world);
+        args.auto.check_data(global, data.len(), &format!("windows of {} characters", args.block_size))?;
+    }
     let request = args.auto.request(model, args.batch_size, world);
     cfg.auto_layout = Some(request.clone());
     let acc = Accelerator::new(cfg)?; // accel: process group, mesh (pp × dp × tp), device, precision

@@ -190,6 +190,11 @@ fn train(args: &Args, setup: llama_args::LlamaSetup) -> anyhow::Result<()> {
     // Read now: fine-tuning a directory in place replaces the files they come from.
     let tokenizer_files = tokenizer_files(&tokenizer_path)?;
     let (train_data, validation) = token_datasets(&args.llama.text_path(), &tokenizer, args.llama.seq_len)?;
+    if acc.auto_layout().is_some() {
+        let global = args.auto.global_batch(args.batch_size, acc.world_size());
+        let what = format!("windows of {} tokens", args.llama.seq_len);
+        args.auto.check_data(global, train_data.len(), &what)?;
+    }
 
     let varmap = VarMap::new();
     // accel: the model written once, laid out by its plan: each rank builds its pipeline stages' layers, split

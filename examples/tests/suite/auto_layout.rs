@@ -185,3 +185,20 @@ fn the_char_gpt_described_from_its_build_is_the_gpt_formula() {
         assert_eq!(chosen(&described), chosen(&formula), "{case}");
     }
 }
+
+/// An automatic layout's global batch larger than the training data is refused before training, naming the
+/// largest that fits.
+#[test]
+fn a_global_batch_larger_than_the_data_is_refused() {
+    let bin = env!("CARGO_BIN_EXE_accel_gpt");
+    let out = std::process::Command::new(bin)
+        .args(["--parallelism", "auto", "--global-batch-size", "1000003", "--steps", "1"])
+        .env_remove("RANK")
+        .output()
+        .expect("running accel_gpt");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "accepted:\n{text}");
+    assert!(text.contains("the global batch of 1000003 sequences is more than the"), "{text}");
+    assert!(text.contains("windows of 64 characters of the training data: give --global-batch-size"), "{text}");
+    assert!(!text.contains("step 1"), "{text}");
+}

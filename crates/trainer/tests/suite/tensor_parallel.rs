@@ -365,3 +365,22 @@ fn an_automatic_layout_needs_a_model_on_the_builder() {
     let err = t.train().unwrap_err().to_string();
     assert!(err.contains("reads the model's shape from its build") && err.contains("Trainer::with_plan"), "{err}");
 }
+
+/// An automatic layout whose global batch (per device × processes × accumulation) is more than the training set
+/// is refused before training, naming the argument and both sizes.
+#[test]
+fn an_automatic_layout_larger_than_the_data_is_refused() {
+    let errors = run_ranks(2, |pg| {
+        let dir = tempfile::tempdir().unwrap();
+        let mut args = args(dir.path());
+        args.per_device_train_batch_size = 40; // × 2 processes = 80 > 64 samples
+        let mut t = Trainer::with_plan(args, bigram_plan(), bigram, walks(64), None, losses::cross_entropy)
+            .process_group(pg)
+            .parallelism_config(ParallelismConfig::auto());
+        t.train().unwrap_err().to_string()
+    });
+    for e in errors {
+        assert!(e.contains("per_device_train_batch_size") && e.contains("= 80 samples"), "{e}");
+        assert!(e.contains("more than the 64 samples of the training set"), "{e}");
+    }
+}

@@ -57,10 +57,28 @@ impl AutoArgs {
     /// layout (tp layers, pipeline stages, every sharding strategy and schedule); checkpointing chosen where it
     /// saves memory. Precision and bytes are the Accelerator's to fill in (`auto_layout::completed_request`).
     pub fn request(&self, model: ModelSpec, batch_size: usize, world: usize) -> AutoLayoutRequest {
-        let global_batch = self.global_batch_size.unwrap_or(batch_size * world);
+        let global_batch = self.global_batch(batch_size, world);
         let sizes: Vec<usize> = (1..=global_batch).filter(|b| global_batch.is_multiple_of(*b)).collect();
         let train = TrainSpec::new(global_batch, &sizes, Precision::Fp32).with_checkpointing(Checkpointing::Auto);
         AutoLayoutRequest::new(model, train)
+    }
+}
+
+impl AutoArgs {
+    /// The global batch of an automatic layout: `--global-batch-size`, else `batch_size × world`.
+    pub fn global_batch(&self, batch_size: usize, world: usize) -> usize {
+        self.global_batch_size.unwrap_or(batch_size * world)
+    }
+
+    /// Errors: a global batch larger than the `samples` the training data holds (no optimizer step could be
+    /// filled), naming both.
+    pub fn check_data(&self, global_batch: usize, samples: usize, what: &str) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            global_batch <= samples,
+            "the global batch of {global_batch} sequences is more than the {samples} {what} of the training data: \
+             give --global-batch-size {samples} or less"
+        );
+        Ok(())
     }
 }
 
