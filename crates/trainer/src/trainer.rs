@@ -521,9 +521,8 @@ where
                 ),
             ));
         }
-        let sizes: Vec<usize> = (1..=global).filter(|b| global.is_multiple_of(*b)).collect();
         let checkpointing = if args.gradient_checkpointing { Checkpointing::On } else { Checkpointing::Auto };
-        let train = TrainSpec::new(global, &sizes, Precision::Fp32).with_checkpointing(checkpointing);
+        let train = TrainSpec::any_micro_batch(global, Precision::Fp32).with_checkpointing(checkpointing);
         Ok(AutoLayoutRequest::new(model, train))
     }
 

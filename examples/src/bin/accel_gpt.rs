@@ -308,14 +308,7 @@ fn train(args: &Args) -> anyhow::Result<()> {
     let tp = acc.tensor_parallel().clone(); // accel: this rank's tp group
     let dp = acc.data_parallel_size();
     // Rows per training step: the automatic layout's, or the flag's.
-    let batch_size = match acc.auto_layout() {
-        Some(decision) => {
-            acc.print(format!("auto_layout flags: {}", auto_args::layout_flags(decision.layout())));
-            acc.print(auto_args::prediction_line(&decision.choice.best));
-            decision.layout().per_process_batch()
-        }
-        None => args.batch_size,
-    };
+    let batch_size = auto_args::batch_size(&acc, args.batch_size);
     if args.predict && acc.auto_layout().is_none() {
         let micro = batch_size / acc.pipeline_schedule().map_or(1, |s| s.microbatches);
         let (probe, candidate) = acc.predict_layout(&request, micro)?; // accel: the cost model, this layout

@@ -179,14 +179,7 @@ fn train(args: &Args, setup: llama_args::LlamaSetup) -> anyhow::Result<()> {
     let acc = Accelerator::new(cfg)?; // accel: process group, mesh (pp × dp × tp), device, precision
 
     // Sequences per micro-batch per replica: the automatic layout's, or the flag's.
-    let batch_size = match acc.auto_layout() {
-        Some(decision) => {
-            acc.print(format!("auto_layout flags: {}", auto_args::layout_flags(decision.layout())));
-            acc.print(auto_args::prediction_line(&decision.choice.best));
-            decision.layout().per_process_batch()
-        }
-        None => args.batch_size,
-    };
+    let batch_size = auto_args::batch_size(&acc, args.batch_size);
     // Read now: fine-tuning a directory in place replaces the files they come from.
     let tokenizer_files = tokenizer_files(&tokenizer_path)?;
     let (train_data, validation) = token_datasets(&args.llama.text_path(), &tokenizer, args.llama.seq_len)?;

@@ -192,6 +192,12 @@ impl TrainSpec {
         }
     }
 
+    /// [`TrainSpec::new`] with every micro-batch size that divides `global_batch` allowed.
+    pub fn any_micro_batch(global_batch: usize, precision: Precision) -> Self {
+        let sizes: Vec<usize> = (1..=global_batch).filter(|b| global_batch.is_multiple_of(*b)).collect();
+        TrainSpec::new(global_batch, &sizes, precision)
+    }
+
     /// Builder: the sizes the user fixed, `[dp_replicate, dp_shard, tp, pp]` (`None`: chosen).
     pub fn with_fixed_sizes(mut self, fixed: [Option<usize>; 4]) -> Self {
         self.fixed = fixed;

@@ -58,8 +58,7 @@ impl AutoArgs {
     /// saves memory. Precision and bytes are the Accelerator's to fill in (`auto_layout::completed_request`).
     pub fn request(&self, model: ModelSpec, batch_size: usize, world: usize) -> AutoLayoutRequest {
         let global_batch = self.global_batch(batch_size, world);
-        let sizes: Vec<usize> = (1..=global_batch).filter(|b| global_batch.is_multiple_of(*b)).collect();
-        let train = TrainSpec::new(global_batch, &sizes, Precision::Fp32).with_checkpointing(Checkpointing::Auto);
+        let train = TrainSpec::any_micro_batch(global_batch, Precision::Fp32).with_checkpointing(Checkpointing::Auto);
         AutoLayoutRequest::new(model, train)
     }
 }
@@ -79,6 +78,19 @@ impl AutoArgs {
              give --global-batch-size {samples} or less"
         );
         Ok(())
+    }
+}
+
+/// The rows a rank reads per training step: the automatic layout's (its flags and prediction printed once), or
+/// `flag`'s without one.
+pub fn batch_size(acc: &accel::Accelerator, flag: usize) -> usize {
+    match acc.auto_layout() {
+        Some(decision) => {
+            acc.print(format!("auto_layout flags: {}", layout_flags(decision.layout())));
+            acc.print(prediction_line(&decision.choice.best));
+            decision.layout().per_process_batch()
+        }
+        None => flag,
     }
 }
 
