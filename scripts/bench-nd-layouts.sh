@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The benchmark of layouts (issue 26): the char-GPT trained by `accel_gpt` on 4 processes at every layout
+# The benchmark of layouts: the char-GPT trained by `accel_gpt` on 4 processes at every layout
 # dp_replicate × dp_shard × tp × pp the model allows, each with the cost model's prediction beside what was
 # measured, then `--parallelism auto` with the same model and global batch, ranked among them. Prints markdown
 # (one table per model size and machine count) on stdout; progress on stderr. Not run in CI.
@@ -623,7 +623,7 @@ render() {
 }
 
 echo ">> logs: $log_dir" >&2
-echo "## Benchmark of layouts (issue 26): \`scripts/bench-nd-layouts.sh$( ((quick)) && echo " --quick") --steps $steps --large-steps $large_steps --sizes $sizes --machines $machine_counts --large-machines $large_machine_counts\`"
+echo "## Benchmark of layouts: \`scripts/bench-nd-layouts.sh$( ((quick)) && echo " --quick") --steps $steps --large-steps $large_steps --sizes $sizes --machines $machine_counts --large-machines $large_machine_counts\`"
 echo
 echo "Started $(now_utc) on $(nproc) CPU cores, $(free -m | awk '/Mem:/ {print $2}') MiB RAM, load average $(load3); accel_gpt $(stat -c '%y' "$gpt" | cut -d. -f1) (dev profile); runs serialised by \`$lock_file\`; logs in \`$log_dir\`."
 for size in ${sizes//,/ }; do

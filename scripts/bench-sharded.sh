@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sharded data parallelism, stage by stage (issue "ND-parallel III", docs/benchmarks.md): the char-GPT trained by
+# Sharded data parallelism, stage by stage (docs/benchmarks.md): the char-GPT trained by
 # `accel_gpt` on 2 and 4 processes as plain DDP and with dp_shard = all of them under SHARD_OPTIM (ZeRO-1),
 # SHARD_GRAD_OP (ZeRO-2) and FULL_SHARD (ZeRO-3). Prints a markdown table per process count: tokens/s and the ratio
 # to DDP, every rank's peak RSS (VmHWM), what rank 0 holds when it steps (parameters, gradients, optimizer state:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sharded data parallelism under a per-process memory budget (issue "ND-parallel III", docs/benchmarks.md): a
+# Sharded data parallelism under a per-process memory budget (docs/benchmarks.md): a
 # char-GPT whose training state one process cannot hold within BUDGET MiB trains on 4 processes with FULL_SHARD,
 # each process in its own memory cgroup capped at BUDGET MiB. Every run is measured, not computed: its peak RSS
 # per rank (VmHWM, printed by accel_gpt), its final loss, and whether the kernel killed it at the cap.

@@ -58,7 +58,9 @@
 # lines), and the link carried at least the data-parallel ring traffic the run reports (tc's byte counters
 # before and after). Then it runs accel_gpt with `--parallelism auto` across the machines and fails unless the
 # start-up probe saw the slow link (the ping-pong across machines at least 5× slower than the all-reduce inside
-# one) and the chosen layout keeps tp inside a machine (tp ≤ 2). It tears the machines down on every exit (trap).
+# one) and the chosen layout keeps tp inside a machine (tp ≤ 2). Last, an elastic job (`--num_machines 1:2`,
+# train_gpt) has machine 1's link cut after step 5 and must end on machine 0 alone with one process's losses, machine
+# 1's launcher ending on its own (check_elastic). It tears the machines down on every exit (trap).
 set -euo pipefail
 self=$(realpath "$0")
 caller_dir=$PWD # `exec` and `launch` run their command here, not in the repository
@@ -314,7 +316,8 @@ cmd_launch() {
     # leak into this machine's launcher (ACCEL_CPU_HOST would override the address the workers advertise).
     local token=${ACCEL_RUN_TOKEN:-$(<"$state/run_token")}
     in_machine "$i" env -u RANK -u LOCAL_RANK -u WORLD_SIZE -u LOCAL_WORLD_SIZE -u GROUP_RANK -u MASTER_ADDR \
-        -u MASTER_PORT -u ACCEL_CPU_HOST ACCEL_RUN_TOKEN="$token" "$accel" launch --num_machines "$machines" \
+        -u MASTER_PORT -u ACCEL_CPU_HOST ACCEL_RUN_TOKEN="$token" "$accel" launch \
+        --num_machines "${ACCEL_NETNS_NNODES:-$machines}" \
         --machine_rank "$i" --main_process_ip "$(machine_ip 0)" --main_process_port "$port" "$@"
 }
 
@@ -358,6 +361,82 @@ launch_both() {
     ((rc == 0)) || exit 1
 }
 
+# Compares per-step losses ("STEP LOSS" lines; a later line for a step replaces an earlier one, as a resumed run
+# prints the steps it redoes again) of $3 against $4 for steps 1..$1, printing a table headed $2. Relative 1e-5 as
+# nd_equivalence.rs; the examples print 4 decimals, so also 1 in the last printed digit.
+compare_losses() {
+    awk -v steps="$1" -v label="$2" '
+        NR == FNR { m[$1] = $2; next } { s[$1] = $2 }
+        END {
+            printf "step  %22s  1 process\n", label
+            for (k = 1; k <= steps; k++) {
+                if (!(k in m) || !(k in s)) { printf "check: step %d missing from a log\n", k; bad = 1; continue }
+                d = m[k] - s[k]; if (d < 0) d = -d; a = s[k] < 0 ? -s[k] : s[k]
+                tol = 1e-5 * a; if (tol < 1e-4 + 1e-9) tol = 1e-4 + 1e-9
+                flag = ""
+                if (d > tol || m[k] != m[k] || s[k] != s[k]) { flag = sprintf("  <- differs by %g > %g", d, tol); bad = 1 }
+                printf "%4d  %22s  %9s%s\n", k, m[k], s[k], flag
+            }
+            exit bad
+        }' "$3" "$4"
+}
+
+# Waits up to $2 seconds for the file $1; false when it never came.
+wait_for_file() {
+    local deadline=$((SECONDS + $2))
+    while [[ ! -e $1 ]]; do
+        ((SECONDS < deadline)) || return 1
+        sleep 0.1
+    done
+}
+
+# An elastic job (`--num_machines 1:2`, the Trainer's train_gpt resuming from its newest checkpoint) across the two
+# machines: machine 1's link is cut mid-run. Machine 0 must go on alone from the newest checkpoint (its workers'
+# collectives time out after ACCEL_TIMEOUT) with the global batch kept, and end at its step count with the losses of
+# one process at that global batch; machine 1's launcher, cut off, must end on its own within a minute saying it
+# lost machine 0 (no hang). (A machine that comes back and joins: examples/tests/suite/elastic.rs, on one host.)
+# Appends to the caller's `failed`.
+check_elastic() {
+    local tg=$1 steps=30 out=$log_dir/elastic-run i
+    local -a tg_args=(--data-dir "$PWD/data/shakespeare" --max-steps "$steps" --save-strategy steps --save-steps 5
+        --logging-steps 1 --eval-strategy no --sample-len 0 --block-size 16 --seed 7)
+    echo
+    echo "check: an elastic job (--num_machines 1:2) losing machine 1's link after step 5"
+    local pids=() t_cut
+    for i in 0 1; do
+        ACCEL_NETNS_NNODES=1:2 ACCEL_TIMEOUT=10 timeout -k 10 300 bash "$self" launch "$i" -- --cpu --num_processes 2 \
+            --max_restarts 3 --rdzv_conf last_call_timeout=2 "$tg" "${tg_args[@]}" --per-device-train-batch-size 4 \
+            --output-dir "$out" --resume-from-checkpoint latest >"$log_dir/elastic$i.log" 2>&1 9>&- &
+        pids+=($!)
+    done
+    wait_for_file "$out/checkpoint-5/trainer_state.json" 120 || { failed+=("elastic: no checkpoint-5"); return; }
+    ip -n "$(machine_ns 1)" link set eth0 down
+    t_cut=$(now_ms)
+    local deadline=$((SECONDS + 120))
+    until grep -q 'round 1: machine(s) 1 left' "$log_dir/elastic0.log"; do
+        ((SECONDS < deadline)) || { failed+=("elastic: machine 0 did not go on alone within 120 s"); return; }
+        sleep 0.1
+    done
+    local alone_ms=$(($(now_ms) - t_cut))
+    wait "${pids[0]}" || failed+=("elastic: machine 0's launcher exited with $?: $(tail -n 5 "$log_dir/elastic0.log")")
+    wait "${pids[1]}" && failed+=("elastic: machine 1's launcher, cut off, exited 0")
+    local m1_ms=$(($(now_ms) - t_cut))
+    ip -n "$(machine_ns 1)" link set eth0 up
+    grep -q "lost machine 0's store" "$log_dir/elastic1.log" ||
+        failed+=("elastic: machine 1's launcher did not say it lost machine 0: $(tail -n 3 "$log_dir/elastic1.log")")
+    ((m1_ms < 60000)) || failed+=("elastic: machine 1's launcher took $(secs "$m1_ms") to end after the cut")
+    grep -h '^\[launcher\] machine .: round' "$log_dir"/elastic[01].log || true
+    echo "elastic: from the cut to training again on machine 0 alone: $(secs "$alone_ms"); machine 1's launcher" \
+        "ended $(secs "$m1_ms") after the cut"
+
+    env -u RANK "$tg" "${tg_args[@]}" --per-device-train-batch-size 8 --output-dir "$log_dir/elastic-single" \
+        >"$log_dir/elastic-single.log" 2>&1 || { failed+=("elastic: the single-process run failed"); return; }
+    local losses='s/^(\[rank 0\] )?step ([0-9]+)\/[0-9]+ \| epoch [^|]*\| loss ([0-9.eE+-]+|NaN|inf) .*/\2 \3/p'
+    compare_losses "$steps" "elastic 1:2 machines" <(sed -nE "$losses" "$log_dir/elastic0.log") \
+        <(sed -nE "$losses" "$log_dir/elastic-single.log") ||
+        failed+=("elastic: the per-step losses differ from one process's at the same global batch")
+}
+
 cmd_check() {
     local r=100mbit
     while (($#)); do
@@ -383,7 +462,7 @@ cmd_check() {
         echo "check: building accel_gpt and accel (dev profile, $target)"
         # A lock shared with other builds on this machine (several checkouts build into one target directory).
         flock "${ACCEL_BUILD_LOCK:-/tmp/accel-build.lock}" \
-            cargo build -q -p accel-examples --bin accel_gpt -p accel-cli --bin accel
+            cargo build -q -p accel-examples --bin accel_gpt --bin train_gpt -p accel-cli --bin accel
     fi
     [[ -x $target/debug/accel_gpt && -x $target/debug/accel ]] || die "check: $target/debug/accel_gpt or accel missing"
     local gpt accel
@@ -437,20 +516,7 @@ cmd_check() {
     single=$(sed -nE 's/^step ([0-9]+)\/[0-9]+: loss ([0-9.eE+-]+|NaN|inf),.*/\1 \2/p' "$log_dir/single.log")
     echo
     # Relative 1e-5 as nd_equivalence.rs; accel_gpt prints 4 decimals, so also 1 in the last printed digit.
-    awk -v steps="$steps" '
-        NR == FNR { m[$1] = $2; next } { s[$1] = $2 }
-        END {
-            print "step  2 machines (dp2 x tp2)  1 process"
-            for (k = 1; k <= steps; k++) {
-                if (!(k in m) || !(k in s)) { printf "check: step %d missing from a log\n", k; bad = 1; continue }
-                d = m[k] - s[k]; if (d < 0) d = -d; a = s[k] < 0 ? -s[k] : s[k]
-                tol = 1e-5 * a; if (tol < 1e-4 + 1e-9) tol = 1e-4 + 1e-9
-                flag = ""
-                if (d > tol || m[k] != m[k] || s[k] != s[k]) { flag = sprintf("  <- differs by %g > %g", d, tol); bad = 1 }
-                printf "%4d  %22s  %9s%s\n", k, m[k], s[k], flag
-            }
-            exit bad
-        }' <(echo "$multi") <(echo "$single") || failed+=("the per-step losses differ from one process's")
+    compare_losses "$steps" "2 machines (dp2 x tp2)" <(echo "$multi") <(echo "$single") || failed+=("the per-step losses differ from one process's")
 
     # Shared memory exactly inside machines: every group of ≥ 2 ranks reports `shm=` once per rank; ranks 0-1 run
     # on machine 0, 2-3 on machine 1.
@@ -536,6 +602,8 @@ cmd_check() {
         failed+=("auto chose tp $tp across the slow link (more than a machine's 2 processes)")
     fi
     grep -q '^\[rank 0\] accel_gpt done: 2 steps' "$log_dir/auto0.log" || failed+=("the auto run did not train its 2 steps")
+
+    check_elastic "$(realpath "$target/debug/train_gpt")"
 
     if ((${#failed[@]})); then
         printf 'check: %s\n' "${failed[@]}" >&2

@@ -544,7 +544,7 @@ pub fn whole_model(cfg: GptConfig, weights: &std::collections::BTreeMap<String, 
     let varmap = candle_nn::VarMap::new();
     let tp = TensorParallel::new(ddp_core::ProcessGroup::single_process()?);
     let model = CharGpt::new(cfg, &VarBuilder::new(&varmap, &tp, 0, DType::F32, &Device::Cpu, CharGpt::plan(&cfg)))?;
-    for (name, var) in accel::lock(varmap.data()).iter() {
+    for (name, var) in varmap.data().lock().expect("the VarMap's lock").iter() {
         let t = weights
             .get(name)
             .ok_or_else(|| AccelError::InvalidArgument(format!("whole_model: no tensor for {name:?}")))?;

@@ -90,9 +90,11 @@ pub struct LaunchArgs {
     /// torchrun spelling: processes PER MACHINE (the total is this × --num-machines).
     #[arg(long, alias = "nproc_per_node", value_name = "N")]
     pub nproc_per_node: Option<usize>,
-    /// Number of machines (default 1). Run `accel launch` once on each.
-    #[arg(long, visible_alias = "nnodes", alias = "num_machines", value_name = "N")]
-    pub num_machines: Option<usize>,
+    /// Number of machines (default 1), or torchrun's elastic `MIN:MAX`: the job trains on whichever machines are
+    /// there (at least MIN), and re-forms when one is lost or arrives. Run `accel launch` once on each.
+    #[arg(long, visible_alias = "nnodes", alias = "num_machines", value_name = "N|MIN:MAX",
+          value_parser = MachineCount::parse)]
+    pub num_machines: Option<MachineCount>,
     /// Rank of this machine, 0..num_machines (default 0; machine 0 hosts the rendezvous store).
     #[arg(long, visible_alias = "node-rank", aliases = ["machine_rank", "node_rank"], value_name = "R")]
     pub machine_rank: Option<usize>,
@@ -134,6 +136,11 @@ pub struct LaunchArgs {
     /// GPUs the workers may use (`all` or `0,1`): CUDA_VISIBLE_DEVICES.
     #[arg(long, alias = "gpu_ids", value_name = "IDS")]
     pub gpu_ids: Option<String>,
+    /// torchrun's rendezvous settings, `key=value` separated by commas: `last_call_timeout` (seconds an elastic
+    /// round waits for more machines once MIN are there, default 30) and `join_timeout` (seconds the machines
+    /// wait for each other, default 1800).
+    #[arg(long, alias = "rdzv_conf", value_name = "KEY=VALUE,...")]
+    pub rdzv_conf: Option<String>,
     /// Restart all workers up to this many times after a failure (default 0).
     #[arg(long, alias = "max_restarts", value_name = "N")]
     pub max_restarts: Option<usize>,
@@ -231,6 +238,39 @@ pub struct EnvArgs {
     pub config_file: Option<PathBuf>,
 }
 
+/// `--num-machines`: a fixed count `N`, or an elastic range `MIN:MAX` (torchrun's `--nnodes`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MachineCount {
+    /// The fewest machines an elastic job trains on; `None` for a fixed count.
+    pub min: Option<usize>,
+    /// The machines of a fixed job, the most of an elastic one.
+    pub max: usize,
+}
+
+impl MachineCount {
+    /// Exactly `n` machines.
+    pub fn fixed(n: usize) -> Self {
+        MachineCount { min: None, max: n }
+    }
+
+    /// Parses `N` or `MIN:MAX` (`1 <= MIN <= MAX`).
+    pub fn parse(text: &str) -> Result<MachineCount, String> {
+        let number = |t: &str| {
+            t.trim().parse::<usize>().map_err(|_| format!("{t:?} is not a number of machines; give N or MIN:MAX"))
+        };
+        match text.split_once(':') {
+            None => Ok(MachineCount { min: None, max: number(text)? }),
+            Some((min, max)) => {
+                let (min, max) = (number(min)?, number(max)?);
+                if min == 0 || min > max {
+                    return Err(format!("{text}: an elastic range MIN:MAX needs 1 <= MIN <= MAX (e.g. 1:2)"));
+                }
+                Ok(MachineCount { min: Some(min), max })
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -271,7 +311,10 @@ mod tests {
             "prog",
         ]);
         let Command::Launch(a) = cli.command else { panic!("not launch") };
-        assert_eq!((a.num_machines, a.machine_rank, a.nproc_per_node), (Some(2), Some(1), Some(4)));
+        assert_eq!(
+            (a.num_machines, a.machine_rank, a.nproc_per_node),
+            (Some(MachineCount { min: None, max: 2 }), Some(1), Some(4))
+        );
         assert_eq!(a.main_process_ip.as_deref(), Some("10.0.0.1"));
         assert_eq!(a.main_process_port, Some(1234));
         assert_eq!(a.tee.as_deref(), Some("3"));

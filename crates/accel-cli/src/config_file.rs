@@ -23,9 +23,9 @@
 
 use crate::error::{CliError, CliResult};
 use accel::config::MixedPrecision;
-use accel::config_errors::{clean_parser_message, key_position, unclosed_bracket_hint, unknown_key};
 use accel::pipeline::ScheduleKind;
 use accel::ShardingStrategy;
+use config_errors::{clean_parser_message, key_position, unclosed_bracket_hint, unknown_key};
 use serde::de::{self, Deserializer, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
 use std::collections::BTreeMap;
@@ -896,7 +896,7 @@ fn num_processes<'de, D: Deserializer<'de>>(d: D) -> Result<Option<usize>, D::Er
 mod tests {
 
     use super::*;
-    use accel::config_errors::did_you_mean;
+    use config_errors::did_you_mean;
 
     #[test]
     fn an_unclosed_bracket_names_the_line_that_opens_it() {

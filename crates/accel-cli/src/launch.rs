@@ -33,8 +33,14 @@ pub const USE_PARALLELISM_CONFIG_ENV: &str = "ACCELERATE_USE_PARALLELISM_CONFIG"
 pub struct LaunchPlan {
     /// Processes over all machines.
     pub num_processes: usize,
-    /// Machines in the job.
+    /// Machines in the job; in an elastic job, the most it trains on.
     pub num_machines: usize,
+    /// An elastic job's fewest machines (`--num-machines MIN:MAX`); `None` for a fixed count.
+    pub min_machines: Option<usize>,
+    /// torchrun's `--rdzv-conf`: an elastic round's `last_call_timeout`, when given.
+    pub last_call: Option<Duration>,
+    /// torchrun's `--rdzv-conf`: how long machines wait for each other (`join_timeout`), when given.
+    pub join_timeout: Option<Duration>,
     /// This machine's rank.
     pub machine_rank: usize,
     /// Address of machine 0 (the rendezvous store).
@@ -95,6 +101,9 @@ impl LaunchPlan {
         check_distributed_type(file)?;
         check_fsdp_offload(file)?;
         let Counts { num_processes, num_machines, machine_rank } = resolve_counts(flags, file)?;
+        let min_machines = flags.num_machines.and_then(|c| c.min);
+
+        let (last_call, join_timeout) = resolve_rdzv_conf(flags.rdzv_conf.as_deref())?;
         let (main_process_ip, main_process_port) = resolve_rendezvous(flags, file, num_machines)?;
         let mixed_precision = resolve_mixed_precision(flags, file)?;
         let gradient_accumulation_steps = resolve_accumulation(flags, file)?;
@@ -114,6 +123,9 @@ impl LaunchPlan {
         Ok(LaunchPlan {
             num_processes,
             num_machines,
+            min_machines,
+            last_call,
+            join_timeout,
             machine_rank,
             main_process_ip,
             main_process_port,
@@ -191,6 +203,13 @@ impl LaunchPlan {
     pub fn to_launch_config(&self) -> LaunchConfig {
         let mut cfg = LaunchConfig::local(self.nproc_per_node(), self.program.clone(), self.args.clone());
         cfg.nnodes = self.num_machines;
+        cfg.min_nnodes = self.min_machines;
+        if let Some(t) = self.last_call {
+            cfg.last_call = t;
+        }
+        if let Some(t) = self.join_timeout {
+            cfg.rdzv_timeout = t;
+        }
         cfg.node_rank = self.machine_rank;
         cfg.master_addr = self.main_process_ip.clone();
         cfg.master_port = self.main_process_port;
@@ -206,10 +225,6 @@ impl LaunchPlan {
     /// is the one the workers' `auto` resolves to when `--backend` is not given: NCCL when they run on GPUs that
     /// this build can use, else the CPU backend.
     pub fn banner(&self) -> ddp_core::launcher::RunBanner {
-        let layout = self.parallelism.clone().unwrap_or_default();
-        let layout = layout
-            .mesh_shape(self.num_processes)
-            .unwrap_or_else(|_| ddp_core::MeshShape::new(1, self.num_processes, 1, 1).expect("at least one process"));
         let on_gpus = !self.use_cpu && crate::hardware::CUDA_COMPILED && crate::hardware::usable_gpu_count() > 0;
         let backend = match self.backend {
             Some(ddp_core::BackendKind::Cpu) => "cpu",
@@ -218,23 +233,31 @@ impl LaunchPlan {
             Some(ddp_core::BackendKind::Auto) | None if on_gpus => "nccl",
             Some(ddp_core::BackendKind::Auto) | None => "cpu",
         };
-        ddp_core::launcher::RunBanner {
-            config: self.config_source.clone(),
-            processes: self.num_processes,
-            machines: self.num_machines,
-            layout,
-            auto_layout: self.parallelism.as_ref().filter(|p| p.is_auto()).map(ParallelismConfig::layout_string),
-            sharding: self.parallelism.as_ref().and_then(ParallelismConfig::sharding_string),
-            pipeline: self.parallelism.as_ref().and_then(ParallelismConfig::pipeline_string),
-            mixed_precision: self.mixed_precision.to_string(),
-            gradient_accumulation_steps: self.gradient_accumulation_steps.unwrap_or(1),
-            backend: backend.to_string(),
-        }
+        accel::banner::run_banner(
+            self.config_source.clone(),
+            self.num_processes,
+            self.num_machines,
+            &self.parallelism.clone().unwrap_or_default(),
+            self.mixed_precision,
+            self.gradient_accumulation_steps.unwrap_or(1),
+            backend,
+        )
     }
 
     /// The banner, the machine and the program: printed once before the workers start.
     pub fn summary(&self) -> String {
-        let machine = if self.num_machines > 1 {
+        let machine = if let Some(min) = self.min_machines {
+            format!(
+                "\naccel launch: machine {} of an elastic job on {min}..{} machines runs {} processes (main {}:{}); \
+                 the processes above are those of {} machines",
+                self.machine_rank,
+                self.num_machines,
+                self.nproc_per_node(),
+                self.main_process_ip,
+                self.main_process_port,
+                self.num_machines
+            )
+        } else if self.num_machines > 1 {
             format!(
                 "\naccel launch: machine {}/{} runs {} of the processes (main {}:{})",
                 self.machine_rank,
@@ -351,7 +374,7 @@ struct Counts {
 /// this machine's rank, checked: at least one of each, the processes divisible among the machines, the rank
 /// below the machine count.
 fn resolve_counts(flags: &LaunchArgs, file: Option<&AccelerateConfig>) -> CliResult<Counts> {
-    let num_machines = flags.num_machines.or(file.map(|f| f.num_machines)).unwrap_or(1);
+    let num_machines = flags.num_machines.map(|c| c.max).or(file.map(|f| f.num_machines)).unwrap_or(1);
     if num_machines == 0 {
         return Err(CliError::invalid("num_machines", "0", "at least 1 machine"));
     }
@@ -381,6 +404,33 @@ fn resolve_counts(flags: &LaunchArgs, file: Option<&AccelerateConfig>) -> CliRes
     Ok(Counts { num_processes, num_machines, machine_rank })
 }
 
+/// torchrun's `--rdzv-conf key=value,...`: `last_call_timeout` and `join_timeout`, in seconds.
+fn resolve_rdzv_conf(conf: Option<&str>) -> CliResult<(Option<Duration>, Option<Duration>)> {
+    let (mut last_call, mut join) = (None, None);
+    for item in conf.unwrap_or_default().split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let (key, value) = item.split_once('=').unwrap_or((item, ""));
+        let seconds = value
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|s| s.is_finite() && *s >= 0.0)
+            .map(Duration::from_secs_f64)
+            .ok_or_else(|| CliError::invalid("rdzv_conf", item, "a number of seconds, e.g. last_call_timeout=10"))?;
+        match key.trim() {
+            "last_call_timeout" => last_call = Some(seconds),
+            "join_timeout" => join = Some(seconds),
+            other => {
+                return Err(CliError::invalid(
+                    "rdzv_conf",
+                    other,
+                    "one of last_call_timeout, join_timeout (seconds), e.g. --rdzv-conf last_call_timeout=10",
+                ))
+            }
+        }
+    }
+    Ok((last_call, join))
+}
+
 /// The store's address and port: several machines need machine 0's address and a fixed port every machine is
 /// told; one machine defaults to the local address and a free port (so concurrent jobs never collide).
 fn resolve_rendezvous(
@@ -390,8 +440,11 @@ fn resolve_rendezvous(
 ) -> CliResult<(String, u16)> {
     let ip = flags.main_process_ip.clone().or_else(|| file.and_then(|f| f.main_process_ip.clone()));
     let port = flags.main_process_port.or(file.and_then(|f| f.main_process_port));
+    // An elastic job (even of one machine at most) needs a port that machines joining later can be told.
+    let elastic = flags.num_machines.is_some_and(|c| c.min.is_some());
     if num_machines == 1 {
-        return Ok((ip.unwrap_or_else(|| DEFAULT_MASTER_ADDR.to_string()), port.unwrap_or(0)));
+        let default_port = if elastic { DEFAULT_MASTER_PORT } else { 0 };
+        return Ok((ip.unwrap_or_else(|| DEFAULT_MASTER_ADDR.to_string()), port.unwrap_or(default_port)));
     }
     let ip = ip.ok_or_else(|| {
         CliError::Launch(format!(
@@ -871,7 +924,7 @@ mod tests {
     fn torchrun_per_node_count_multiplies() {
         let f = LaunchArgs {
             nproc_per_node: Some(2),
-            num_machines: Some(3),
+            num_machines: Some(crate::args::MachineCount::fixed(3)),
             main_process_ip: Some("h".into()),
             ..flags("p")
         };
@@ -881,11 +934,23 @@ mod tests {
 
     #[test]
     fn inconsistent_layouts_are_refused() {
-        let e = LaunchPlan::resolve(&LaunchArgs { num_processes: Some(3), num_machines: Some(2), ..flags("p") }, None)
-            .unwrap_err()
-            .to_string();
+        let e = LaunchPlan::resolve(
+            &LaunchArgs {
+                num_processes: Some(3),
+                num_machines: Some(crate::args::MachineCount::fixed(2)),
+                ..flags("p")
+            },
+            None,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("not divisible by num_machines (2)"), "{e}");
-        let e = LaunchPlan::resolve(&LaunchArgs { num_machines: Some(2), ..flags("p") }, None).unwrap_err().to_string();
+        let e = LaunchPlan::resolve(
+            &LaunchArgs { num_machines: Some(crate::args::MachineCount::fixed(2)), ..flags("p") },
+            None,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("--main-process-ip"), "{e}");
         let e = LaunchPlan::resolve(&LaunchArgs { machine_rank: Some(1), ..flags("p") }, None).unwrap_err().to_string();
         assert!(e.contains("machine_rank"), "{e}");
@@ -1319,5 +1384,35 @@ mod tests {
         LaunchPlan::resolve(&LaunchArgs { cpu: true, ..f.clone() }, None).unwrap();
         LaunchPlan::resolve(&LaunchArgs { gpu_ids: Some("all".into()), ..f.clone() }, None).unwrap();
         LaunchPlan::resolve(&LaunchArgs { gpu_ids: Some("2,3".into()), ..f }, None).unwrap();
+    }
+}
+
+#[cfg(test)]
+mod elastic_tests {
+    use super::*;
+    use crate::args::MachineCount;
+
+    #[test]
+    fn an_elastic_range_and_the_rendezvous_settings_reach_the_launcher() {
+        let mut f = LaunchArgs { program: "train".into(), ..LaunchArgs::default() };
+        f.num_machines = Some(MachineCount::parse("1:2").unwrap());
+        f.nproc_per_node = Some(2);
+        f.main_process_ip = Some("10.0.0.1".into());
+        f.rdzv_conf = Some("last_call_timeout=5, join_timeout=60".into());
+        let plan = LaunchPlan::resolve(&f, None).unwrap();
+        assert_eq!((plan.num_machines, plan.min_machines, plan.nproc_per_node()), (2, Some(1), 2));
+        let cfg = plan.to_launch_config();
+        assert_eq!((cfg.nnodes, cfg.min_nnodes, cfg.master_port), (2, Some(1), DEFAULT_MASTER_PORT));
+        assert_eq!((cfg.last_call, cfg.rdzv_timeout), (Duration::from_secs(5), Duration::from_secs(60)));
+        assert!(plan.summary().contains("machine 0 of an elastic job on 1..2 machines runs 2 processes"));
+
+        f.rdzv_conf = Some("read_timeout=5".into());
+        let e = LaunchPlan::resolve(&f, None).unwrap_err().to_string();
+        assert!(e.contains("read_timeout") && e.contains("last_call_timeout, join_timeout"), "{e}");
+        assert_eq!(MachineCount::parse("3"), Ok(MachineCount { min: None, max: 3 }));
+        for bad in ["2:1", "0:2", "a:2", "x"] {
+            assert!(MachineCount::parse(bad).is_err(), "{bad}");
+        }
+        assert!(MachineCount::parse("2:1").unwrap_err().contains("1 <= MIN <= MAX"));
     }
 }

@@ -16,7 +16,7 @@
 
 use crate::error::{CliError, CliResult};
 use accel::{Accelerator, AcceleratorConfig, MixedPrecision, Sgd, SgdConfig};
-use candle_core::{DType, Device, Module, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
 use ddp_core::{DdpOptions, DistributedDataParallel, LaunchConfig, ProcessGroup, ReduceOp};
 use rand::{Rng, SeedableRng};
@@ -225,7 +225,10 @@ fn train_accelerated(pg: ProcessGroup, data: &[(Tensor, Tensor)], mp: MixedPreci
     for (x, y) in data {
         let (x, y) = (x.narrow(0, rank * b, b)?, y.narrow(0, rank * b, b)?);
         let x = x.to_device(acc.device())?.to_dtype(acc.compute_dtype())?;
-        let pred = model.forward(&x)?.to_dtype(DType::F32)?;
+        // accel's linear (not candle's Linear::forward): under bf16 on a CPU it is where autocast rounds the
+        // operands and results, so the bf16 line measures bf16 and not fp32 again.
+        let pred = accel::ops::linear::linear(&x, model.weight(), model.bias(), accel::ops::linear::Activation::None)?
+            .to_dtype(DType::F32)?;
         let loss = (pred - y.to_device(acc.device())?)?.sqr()?.mean_all()?;
         acc.backward(&loss)?;
         opt.step()?;
@@ -328,6 +331,15 @@ fn train(pg: Option<&ProcessGroup>, data: &[(Tensor, Tensor)], dtype: DType) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_accelerator_bf16_check_trains_in_bf16() {
+        let data = regression_data(2 * MICRO_BATCH).unwrap();
+        let fp32 = train_accelerated(ProcessGroup::single_process().unwrap(), &data, MixedPrecision::No).unwrap();
+        let bf16 = train_accelerated(ProcessGroup::single_process().unwrap(), &data, MixedPrecision::Bf16).unwrap();
+        let diff = fp32.iter().zip(&bf16).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(diff > 1e-4, "bf16 autocast rounds the products: the weights differ from fp32's ({diff:e})");
+    }
 
     #[test]
     fn table_lists_every_check() {

@@ -524,7 +524,8 @@ impl Accelerator {
     /// Errors: batch size 0, or with `split_batches` a batch size not divisible by the data-parallel size.
     pub fn prepare_data_loader<D: Dataset>(&self, loader: DataLoader<D>) -> Result<DataLoader<D>> {
         let loader = self.shard_loader(loader)?;
-        lock(&self.inner.prepared).data_loaders.push(loader.state_handle());
+        let handle = loader.state_handle().for_accelerator(self.gradient_accumulation_steps(), self.is_main_process());
+        lock(&self.inner.prepared).data_loaders.push(handle);
         Ok(loader)
     }
 
@@ -916,18 +917,23 @@ impl Accelerator {
             .ok()
             .flatten()
             .map_or(1, |e| e.world_size / e.local_world_size.max(1));
-        ddp_core::launcher::RunBanner {
-            config: ddp_core::launcher::RunBanner::config_from_env(),
-            processes: self.world_size(),
+        let shape = self.mesh().shape();
+        let resolved = crate::ParallelismConfig {
+            dp_replicate_size: shape.dp_replicate,
+            dp_shard_size: shape.dp_shard,
+            tp_size: shape.tp,
+            pp_size: shape.pp,
+            ..self.inner.parallelism.clone()
+        };
+        crate::banner::run_banner(
+            ddp_core::launcher::RunBanner::config_from_env(),
+            self.world_size(),
             machines,
-            layout: self.mesh().shape(),
-            auto_layout: None,
-            sharding: self.inner.parallelism.sharding_string(),
-            pipeline: self.inner.parallelism.pipeline_string(),
-            mixed_precision: self.mixed_precision().to_string(),
-            gradient_accumulation_steps: self.gradient_accumulation_steps(),
-            backend: self.inner.pg.backend_name().to_string(),
-        }
+            &resolved,
+            self.mixed_precision(),
+            self.gradient_accumulation_steps(),
+            self.inner.pg.backend_name(),
+        )
     }
 
     /// Prints the [run banner](Self::run_banner) once, on the main process, as `{program}: config … | …`: before

@@ -26,7 +26,7 @@
 //! ```
 //!
 //! Modules: [`Accelerator`] (prepare, backward, accumulation, clipping, collectives, process control),
-//! [`config`], [`config_errors`] (the messages of config-file readers), [`parallelism`] (the dp / tp / pp sizes and the device mesh they give), [`optim`] (SGD, AdamW with saveable state), [`mixed_precision`] (fp16 loss scaling), `data`
+//! [`config`], [`parallelism`] (the dp / tp / pp sizes and the device mesh they give), [`optim`] (SGD, AdamW with saveable state), [`mixed_precision`] (fp16 loss scaling), `data`
 //! (datasets, sharded loaders), `state` (checkpoints), `tracking` (JSONL / TensorBoard), `scheduler` (LR schedules).
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -34,8 +34,8 @@
 mod accelerator;
 pub mod activation_checkpoint;
 pub mod auto_layout;
+pub mod banner;
 pub mod config;
-pub mod config_errors;
 pub mod error;
 pub mod logging;
 pub mod mixed_precision;
@@ -91,10 +91,9 @@ const _: () = {
     }
 };
 
-/// The workspace's one mutex helper (poisoning ignored: a panicking rank takes the job down anyway). Hidden: it is
-/// shared with the Trainer, which depends on this crate only, and is no part of the Accelerator's API.
-#[doc(hidden)]
-pub use ddp_core::sync::lock;
+/// ddp-core's mutex helper (poisoning ignored: a panicking rank takes the job down anyway), for this crate's own
+/// locks; no part of the Accelerator's API.
+pub(crate) use ddp_core::sync::lock;
 
 /// The level-1 pieces a user of the Accelerator or the Trainer reaches without depending on ddp-core: the
 /// process group the Accelerator hands out and its reduce ops, the job layout (`env`), ddp-core's error (what
@@ -104,5 +103,5 @@ pub use ddp_core::sync::lock;
 pub mod dist {
     pub use ddp_core::launcher::{self, launch, LaunchConfig};
     pub use ddp_core::store::{MemoryStore, Store};
-    pub use ddp_core::{env, DdpError, DeviceMesh, GroupOptions, ProcessGroup, ReduceOp};
+    pub use ddp_core::{env, DdpError, DeviceMesh, GroupOptions, ProcessGroup, ReduceOp, RunToken};
 }

@@ -16,6 +16,18 @@ pub const AGENT_STORE_ENV: &str = "ACCEL_USE_AGENT_STORE";
 pub const TIMEOUT_ENV: &str = "ACCEL_TIMEOUT";
 /// Environment variable: backend name (`cpu`, `nccl`, `mpi`, `auto`).
 pub const BACKEND_ENV: &str = "ACCEL_BACKEND";
+/// Environment variable: how many times the worker group has been restarted (0 on the first run; an elastic job's
+/// round), like torchrun's TORCHELASTIC_RESTART_COUNT. Set by the launcher; process groups namespace their store
+/// keys by it.
+pub const RESTART_COUNT_ENV: &str = "ACCEL_RESTART_COUNT";
+/// Environment variable: the launch's `max_restarts`, like torchrun's TORCHELASTIC_MAX_RESTARTS.
+pub const MAX_RESTARTS_ENV: &str = "ACCEL_MAX_RESTARTS";
+/// Environment variable: an elastic job's `MIN:MAX` machines (set for its workers; unset in a static job), as
+/// torchrun's `--nnodes MIN:MAX`. A program that keeps its global batch across sizes reads it (the Trainer does).
+pub const ELASTIC_NNODES_ENV: &str = "ACCEL_ELASTIC_NNODES";
+/// Default timeout of a collective: 30 min, as PyTorch's non-NCCL backends (ACCEL_TIMEOUT or
+/// [`crate::InitOptions::timeout`] change it).
+pub const DEFAULT_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 /// Default MASTER_ADDR.
 pub const DEFAULT_MASTER_ADDR: &str = "127.0.0.1";
 /// Default MASTER_PORT (as torchrun).
@@ -392,7 +404,7 @@ pub fn init_options_from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<
     let env = DistEnv::from_lookup(&get)?;
     let get = |k: &str| get(k).map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
     let timeout = match get(TIMEOUT_ENV) {
-        None => crate::DEFAULT_COLLECTIVE_TIMEOUT,
+        None => DEFAULT_COLLECTIVE_TIMEOUT,
         Some(v) => {
             let secs = v.parse::<f64>().ok().filter(|s| s.is_finite() && *s > 0.0).ok_or_else(|| DdpError::Env {
                 var: TIMEOUT_ENV.into(),

@@ -22,6 +22,7 @@
 //! Anything a worker leaves running in its process group is killed when the group ends.
 
 mod banner;
+mod elastic;
 mod error_report;
 mod group;
 mod output;
@@ -43,11 +44,9 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-/// Environment variable: how many times the worker group has been restarted (0 on the first run), like
-/// torchrun's TORCHELASTIC_RESTART_COUNT.
-pub const RESTART_COUNT_ENV: &str = "ACCEL_RESTART_COUNT";
-/// Environment variable: the launch's `max_restarts`, like torchrun's TORCHELASTIC_MAX_RESTARTS.
-pub const MAX_RESTARTS_ENV: &str = "ACCEL_MAX_RESTARTS";
+pub use crate::env::{ELASTIC_NNODES_ENV, MAX_RESTARTS_ENV, RESTART_COUNT_ENV};
+/// Default of [`LaunchConfig::last_call`] (torchrun's `last_call_timeout`).
+pub const DEFAULT_LAST_CALL: Duration = Duration::from_secs(30);
 /// Default of [`LaunchConfig::progress_interval`].
 pub const DEFAULT_PROGRESS_INTERVAL: Duration = Duration::from_secs(15);
 
@@ -56,8 +55,12 @@ pub const DEFAULT_PROGRESS_INTERVAL: Duration = Duration::from_secs(15);
 pub struct LaunchConfig {
     /// Workers on this machine.
     pub nproc_per_node: usize,
-    /// Machines in the job.
+    /// Machines in the job; in an elastic job (`min_nnodes` set), the most it trains on.
     pub nnodes: usize,
+    /// Elastic membership (torchrun's `--nnodes MIN:MAX`): the fewest machines the job trains on. A lost machine
+    /// (other than machine 0, which hosts the rendezvous) or an arriving one re-forms the job at the new size,
+    /// its workers restarted to resume from their newest checkpoint. `None`: exactly `nnodes` machines.
+    pub min_nnodes: Option<usize>,
     /// This machine's rank (0 hosts the store).
     pub node_rank: usize,
     /// Store address (workers connect here; node 0 binds it).
@@ -83,6 +86,10 @@ pub struct LaunchConfig {
     pub rdzv_timeout: Duration,
     /// Multi-machine jobs: how often a launcher still waiting for machines prints which ones (default 15 s).
     pub progress_interval: Duration,
+    /// Elastic jobs: once `min_nnodes` machines are there, how much longer a round waits for the others before
+    /// it starts without them ([`DEFAULT_LAST_CALL`], torchrun's `last_call_timeout`). A round that every
+    /// machine of the round before has rejoined starts at once.
+    pub last_call: Duration,
 }
 
 impl LaunchConfig {
@@ -91,6 +98,7 @@ impl LaunchConfig {
         LaunchConfig {
             nproc_per_node: n,
             nnodes: 1,
+            min_nnodes: None,
             node_rank: 0,
             master_addr: crate::env::DEFAULT_MASTER_ADDR.into(),
             master_port: 0,
@@ -101,8 +109,9 @@ impl LaunchConfig {
             tee: true,
             max_restarts: 0,
             stop_grace: Duration::from_secs(5),
-            rdzv_timeout: crate::process_group::DEFAULT_COLLECTIVE_TIMEOUT,
+            rdzv_timeout: crate::env::DEFAULT_COLLECTIVE_TIMEOUT,
             progress_interval: DEFAULT_PROGRESS_INTERVAL,
+            last_call: DEFAULT_LAST_CALL,
         }
     }
 }
@@ -127,6 +136,20 @@ impl LaunchConfig {
                 "launch: node_rank {} is out of range for {} machine(s) (use 0..{})",
                 self.node_rank, self.nnodes, self.nnodes
             ));
+        }
+        if let Some(min) = self.min_nnodes {
+            if min == 0 || min > self.nnodes {
+                return bad(format!(
+                    "launch: an elastic job's machines MIN:MAX = {min}:{} need 1 <= MIN <= MAX",
+                    self.nnodes
+                ));
+            }
+            if self.master_port == 0 {
+                return bad(format!(
+                    "launch: an elastic job ({min}:{} machines) needs a fixed master_port, which machines that                      join later can know; use e.g. {DEFAULT_MASTER_PORT}",
+                    self.nnodes
+                ));
+            }
         }
         if self.nnodes > 1 && self.master_port == 0 {
             return bad(format!(
@@ -177,6 +200,8 @@ impl LaunchConfig {
     /// again unless set, MIMALLOC_PURGE_DELAY=-1: a worker whose global allocator is mimalloc keeps the memory a
     /// step frees for the next step instead of returning it to the kernel and faulting it in again (char-GPT:
     /// 105–216 page faults per step → 0); resident memory then stays at its peak. Ignored by any other allocator.
+    /// And, unless set, RUST_LIB_BACKTRACE=0: an error a worker returns from `main` prints its chain without a
+    /// backtrace on every rank, even under RUST_BACKTRACE=1 (which still gives a panic its backtrace).
     pub fn worker_env(
         &self,
         local_rank: usize,
@@ -223,6 +248,11 @@ impl LaunchConfig {
         // mimalloc's purge of idle pages: see the doc comment; measured in docs/benchmarks.md, "Allocator".
         if !user_set("MIMALLOC_PURGE_DELAY") {
             set("MIMALLOC_PURGE_DELAY", "-1".into());
+        }
+        // An error a worker returns from `main` is printed as its chain, not with a backtrace per rank (anyhow and
+        // std's `Backtrace::capture` read this before RUST_BACKTRACE, which still gives panics theirs).
+        if !user_set("RUST_LIB_BACKTRACE") {
+            set("RUST_LIB_BACKTRACE", "0".into());
         }
         env
     }
@@ -385,11 +415,13 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
     let token = cfg.run_token().inspect_err(|e| fail_the_other_machines(cfg, e))?;
     let signals =
         signals::SignalGuard::install().map_err(|e| DdpError::io("installing the launcher's signal handlers", e))?;
-    let first_rank = cfg.node_rank * cfg.nproc_per_node;
-    let sinks = output::Sinks::open(first_rank, cfg.nproc_per_node, cfg.log_dir.as_deref(), cfg.tee)?;
-
     static LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let launch_id = LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    if let Some(min) = cfg.min_nnodes {
+        return launch_elastic(cfg, min, token, &signals, launch_id);
+    }
+    let first_rank = cfg.node_rank * cfg.nproc_per_node;
+    let sinks = output::Sinks::open(first_rank, cfg.nproc_per_node, cfg.log_dir.as_deref(), cfg.tee, false)?;
     let mut restart = 0;
     loop {
         // A fresh store per attempt: keys of a failed generation must not leak into the next.
@@ -418,33 +450,12 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
             host_port(&cfg.master_addr, port),
             if restart > 0 { format!(", restart {restart} of {}", cfg.max_restarts) } else { String::new() }
         );
-        let reports = ErrorFiles::create(launch_id, restart)?;
-        let commands = (0..cfg.nproc_per_node)
-            .map(|local_rank| {
-                let mut cmd = Command::new(&cfg.program);
-                cmd.args(&cfg.args).envs(cfg.worker_env(local_rank, port, &token, restart));
-                cmd.env(ERROR_FILE_ENV, reports.path(local_rank));
-                cmd
-            })
-            .collect();
-        let spec = GroupSpec { commands, first_rank, stop_grace: cfg.stop_grace };
-        let outcome = group::run_group(spec, &sinks, &signals)?;
+        let outcome = run_workers(cfg, port, &token, restart, launch_id, &sinks, &signals, &mut || None)?;
         drop(server);
-        if let GroupOutcome::Failed { local_rank, .. } = outcome {
-            reports.print(local_rank, &sinks);
-        }
         match outcome {
             GroupOutcome::Success => return Ok(()),
-            GroupOutcome::Interrupted { signal } => {
-                return Err(DdpError::Interrupted {
-                    signal,
-                    context: format!(
-                        "launcher interrupted by {}; its {} worker(s) were stopped",
-                        signal_name(signal).unwrap_or("a signal"),
-                        cfg.nproc_per_node
-                    ),
-                })
-            }
+            GroupOutcome::Interrupted { signal } => return Err(interrupted(signal, cfg.nproc_per_node)),
+            GroupOutcome::Stopped { reason } => return Err(DdpError::Rendezvous(reason)), // a static launch has no watch
             GroupOutcome::Failed { local_rank, status } => {
                 let err =
                     DdpError::WorkerFailed { rank: first_rank + local_rank, local_rank, status: status.to_string() };
@@ -462,4 +473,122 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
             }
         }
     }
+}
+
+/// An elastic launch ([`LaunchConfig::min_nnodes`]): machine 0 hosts one store for the whole launch; every
+/// launcher joins round after round ([`elastic`]), running one generation of workers per round with the
+/// round's world size and ranks, until its workers succeed or the job fails.
+fn launch_elastic(
+    cfg: &LaunchConfig,
+    min: usize,
+    token: RunToken,
+    signals: &signals::SignalGuard,
+    launch_id: u64,
+) -> Result<()> {
+    let server = match cfg.node_rank {
+        0 => Some(TcpStoreServer::bind(&host_port(&cfg.master_addr, cfg.master_port), token)?),
+        _ => None,
+    };
+    let addr = host_port(&cfg.master_addr, cfg.master_port);
+    let mut agent = elastic::Elastic::connect(cfg, min, &addr, token, signals, launch_id)?;
+    let mut number = agent.first_round()?;
+    let mut previous: Option<elastic::Round> = None;
+    loop {
+        let round = agent.join(number, previous.as_ref(), signals)?;
+        let node_rank = round.node_rank(cfg.node_rank).expect("join returns a round this machine is in");
+        let mut here = cfg.clone();
+        here.nnodes = round.machines.len();
+        here.node_rank = node_rank;
+        here.min_nnodes = None;
+        here.env.push((ELASTIC_NNODES_ENV.into(), format!("{min}:{}", cfg.nnodes)));
+        let first_rank = node_rank * cfg.nproc_per_node;
+        // Said once on every machine: what changed, and where this machine's workers now stand.
+        eprintln!(
+            "[launcher] machine {}: round {}: {}; {} machine(s), {} processes (this machine: ranks {}..{})",
+            cfg.node_rank,
+            round.number,
+            round.change,
+            here.nnodes,
+            here.world_size(),
+            first_rank,
+            first_rank + cfg.nproc_per_node
+        );
+        let sinks =
+            output::Sinks::open(first_rank, cfg.nproc_per_node, cfg.log_dir.as_deref(), cfg.tee, previous.is_some())?;
+        sinks.note(&format!("round {}: {}", round.number, round.change));
+        let attempt = round.number as usize;
+        let outcome = run_workers(&here, cfg.master_port, &token, attempt, launch_id, &sinks, signals, &mut || {
+            agent.should_stop(&round)
+        })?;
+        match outcome {
+            GroupOutcome::Success => {
+                drop(server);
+                return Ok(());
+            }
+            GroupOutcome::Interrupted { signal } => {
+                let name = signal_name(signal).unwrap_or("a signal");
+                if cfg.node_rank == 0 {
+                    agent.abort_and_linger(
+                        &format!(
+                            "machine 0's launcher was interrupted by {name}; the elastic job ends with it (machine                              0 hosts its rendezvous)"
+                        ),
+                        round.machines.len(),
+                    );
+                } else {
+                    let reason = format!("machine {}'s launcher was interrupted by {name}", cfg.node_rank);
+                    agent.request_stop(round.number, elastic::StopKind::Left, &reason);
+                }
+                return Err(interrupted(signal, cfg.nproc_per_node));
+            }
+            GroupOutcome::Failed { local_rank, status } => {
+                let reason =
+                    format!("machine {}: worker rank {} failed ({status})", cfg.node_rank, first_rank + local_rank);
+                agent.request_stop(round.number, elastic::StopKind::Failure, &reason);
+            }
+            GroupOutcome::Stopped { .. } => {}
+        }
+        number = round.number + 1;
+        previous = Some(round);
+    }
+}
+
+/// The error of a launch a signal interrupted.
+fn interrupted(signal: i32, workers: usize) -> DdpError {
+    DdpError::Interrupted {
+        signal,
+        context: format!(
+            "launcher interrupted by {}; its {workers} worker(s) were stopped",
+            signal_name(signal).unwrap_or("a signal")
+        ),
+    }
+}
+
+/// Runs one generation of this machine's workers for `cfg`'s layout, their store at `port`, until they end
+/// or `watch` asks them to stop; prints the first failing worker's error report.
+#[allow(clippy::too_many_arguments)]
+fn run_workers(
+    cfg: &LaunchConfig,
+    port: u16,
+    token: &RunToken,
+    attempt: usize,
+    launch_id: u64,
+    sinks: &output::Sinks,
+    signals: &signals::SignalGuard,
+    watch: &mut dyn FnMut() -> Option<String>,
+) -> Result<GroupOutcome> {
+    let reports = ErrorFiles::create(launch_id, attempt)?;
+    let commands = (0..cfg.nproc_per_node)
+        .map(|local_rank| {
+            let mut cmd = Command::new(&cfg.program);
+            cmd.args(&cfg.args).envs(cfg.worker_env(local_rank, port, token, attempt));
+            cmd.env(ERROR_FILE_ENV, reports.path(local_rank));
+            cmd
+        })
+        .collect();
+    let spec = GroupSpec { commands, first_rank: cfg.node_rank * cfg.nproc_per_node, stop_grace: cfg.stop_grace };
+    let outcome = group::run_group(spec, sinks, signals, watch)?;
+    if let GroupOutcome::Failed { local_rank, .. } = outcome {
+        reports.print(local_rank, sinks);
+    }
+    Ok(outcome)
 }

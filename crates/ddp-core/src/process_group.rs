@@ -11,8 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// Default timeout of a collective: 30 min, as PyTorch's non-NCCL backends.
-pub const DEFAULT_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+pub use crate::env::DEFAULT_COLLECTIVE_TIMEOUT;
 
 /// Explicit options for [`ProcessGroup::init`]. [`InitOptions::from_env`] fills them from the environment.
 #[derive(Debug, Clone)]
@@ -192,7 +191,11 @@ impl ProcessGroup {
             tracing::info!(addr = %s.local_addr(), "rank {} hosts the store", opts.rank);
             server = Some(Arc::new(s));
         }
-        let tcp = TcpStore::connect(&addr, token, opts.timeout)?;
+        // A request the store leaves unanswered for half the collective timeout counts as failed: a collective that
+        // asks the store whether a peer aborted (a cut link) then ends within 1.5 × the timeout, not the store's
+        // default grace (60 s) past it.
+        let tcp = TcpStore::connect(&addr, token, opts.timeout)?
+            .with_answer_grace((opts.timeout / 2).min(Duration::from_secs(60)));
         let advertise = match std::env::var(crate::cpu::ADVERTISE_HOST_ENV) {
             Ok(h) if !h.trim().is_empty() => h.trim().to_string(),
             _ => tcp.local_ip().to_string(),
@@ -245,7 +248,7 @@ impl ProcessGroup {
         // Every rank of a world arrives before any rank of the next world on the same store can (forming a
         // group blocks until all its ranks are there), so arrival order numbers the worlds consistently.
         // A restarted worker group (launcher `max_restarts`) reuses the store: count its worlds afresh.
-        let attempt = std::env::var(crate::launcher::RESTART_COUNT_ENV).ok().and_then(|v| v.trim().parse::<u64>().ok());
+        let attempt = std::env::var(crate::env::RESTART_COUNT_ENV).ok().and_then(|v| v.trim().parse::<u64>().ok());
         let base = format!("ddp/attempt{}/", attempt.unwrap_or(0));
         let arrival = store.add(&format!("{base}world_arrivals"), 1)?;
         let generation = (arrival - 1).max(0) as usize / world_size;

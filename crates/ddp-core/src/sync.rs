@@ -1,4 +1,4 @@
-//! Locking shared by every ddp-core module (public so that `accel` and `trainer` can use the same policy).
+//! Locking shared by every ddp-core module (public so that `accel` can use the same policy).
 
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;

@@ -1,11 +1,11 @@
 //! Reading the Trainer's YAML / JSON files (`--config train.yaml`, a hyperparameter-search file) into typed structs,
 //! with errors as strict and as plain as the `accel` CLI's: the file and the position once, the key a misspelling
 //! was meant to be, what a key expects (`num_train_epochs: expected a number …, got `two``), the line where an
-//! unclosed `[` opens. The message texts come from [`accel::config_errors`], shared with the CLI.
+//! unclosed `[` opens. The message texts come from the `config-errors` crate, shared with the CLI.
 
 use std::path::Path;
 
-use accel::config_errors::{clean_parser_message, key_and_value_at, unclosed_bracket_hint, unknown_key};
+use config_errors::{clean_parser_message, key_and_value_at, unclosed_bracket_hint, unknown_key};
 use serde::de::DeserializeOwned;
 
 use crate::error::TrainerError;

@@ -47,6 +47,7 @@ pub mod output_dir;
 #[cfg(feature = "plots")]
 #[cfg_attr(docsrs, doc(cfg(feature = "plots")))]
 pub mod plot;
+pub mod restarts;
 pub mod state;
 pub mod trainer;
 
@@ -70,3 +71,9 @@ pub use losses::LossOutput;
 pub use metrics::{EvalPrediction, Metrics};
 pub use state::{CallbackState, LogEntry, LossTallyState, TrainerState};
 pub use trainer::{TrainOutput, Trainer};
+
+/// Locks `mutex`, ignoring poisoning: a panic while a lock was held ends the run anyway (the launcher stops every
+/// rank), and every critical section here leaves its data consistent, so no second panic is added to the first.
+pub(crate) fn lock<T: ?Sized>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}

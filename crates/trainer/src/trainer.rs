@@ -55,6 +55,7 @@ use crate::losses::Loss;
 use crate::metrics::{EvalPrediction, Metrics};
 use crate::optimizer::TrainerOptimizer;
 use crate::output_dir;
+use crate::restarts;
 use crate::state::{LogEntry, LossTallyState, TrainerState, TRAINER_STATE_NAME};
 
 /// Builds the model from a `VarBuilder` (device, dtype and seeded initialisation chosen by the trainer).
@@ -464,9 +465,12 @@ where
                 cfg.auto_layout = Some(self.auto_layout_request(&cfg, world_size)?);
             }
             cfg.gradient_accumulation_steps = 1;
-        } else if let Some(plan) = self.args.fsdp_plan()? {
-            let fsdp = self.args.fsdp.clone().unwrap_or_default();
-            cfg.parallelism = plan.apply(&cfg.parallelism, world_size, &fsdp)?;
+        } else {
+            if let Some(plan) = self.args.fsdp_plan()? {
+                let fsdp = self.args.fsdp.clone().unwrap_or_default();
+                cfg.parallelism = plan.apply(&cfg.parallelism, world_size, &fsdp)?;
+            }
+            self.keep_the_global_batch(&mut cfg, world_size)?;
         }
         self.args.mixed_precision = cfg.mixed_precision;
         self.args.gradient_accumulation_steps = cfg.gradient_accumulation_steps;
@@ -507,7 +511,11 @@ where
         };
         let model = describe(cfg.parallelism.tp_plan.clone(), seq_len)?;
         let args = &self.args;
-        let global = args.per_device_train_batch_size * world_size * args.gradient_accumulation_steps.max(1);
+        // An elastic job re-chooses its layout at each size, for the global batch it started with.
+        let global = match self.elastic_global_batch()? {
+            Some((saved, _)) => saved as usize,
+            None => args.per_device_train_batch_size * world_size * args.gradient_accumulation_steps.max(1),
+        };
         if global > self.train_dataset.len() {
             return Err(TrainerError::invalid(
                 "per_device_train_batch_size",
@@ -597,7 +605,9 @@ where
     fn claim_output_dir(&self, acc: &Accelerator) -> Result<Option<output_dir::OutputDirLock>> {
         let local = if acc.is_main_process() {
             output_dir::lock_output_dir(&self.args.output_dir).and_then(|lock| {
-                let resuming = self.args.resume_from_checkpoint.is_some();
+                // A restarted launch's earlier attempt may have left files before its first checkpoint: its own.
+                let restarts = restarts::restarts_possible();
+                let resuming = self.resumes()? || (restarts && restarts::written_by_this_launch(&self.args.output_dir));
                 let removed = output_dir::check_output_dir(
                     &self.args.output_dir,
                     &self.args.tracker_dir(),
@@ -606,6 +616,16 @@ where
                 )?;
                 for path in removed {
                     acc.print(format!("overwrite_output_dir: deleted {} of the previous run", path.display()));
+                }
+                if restarts {
+                    restarts::mark_output_dir(&self.args.output_dir)?;
+                    if self.args.save_strategy == SaveStrategy::No || self.args.resume_from_checkpoint.is_none() {
+                        acc.print(
+                            "the launcher restarts this job's workers after a failure (max_restarts, or an elastic \
+                             job), but this run does not both save checkpoints and resume the newest \
+                             (--save-strategy steps --resume-from-checkpoint latest): a restart starts over",
+                        );
+                    }
                 }
                 Ok(Some(lock))
             })
@@ -629,12 +649,20 @@ where
         // Resume: validate and restore everything, then skip what was already trained (HF's arithmetic). Nothing
         // is written before the checkpoint has been verified and loaded: a failed resume changes no file.
         let from = match self.args.resume_from_checkpoint.clone() {
-            Some(spec) => self.resume(rt, &plan, &spec)?,
+            Some(spec) if self.resumes()? => self.resume(rt, &plan, &spec)?,
+            Some(_) => {
+                rt.acc.print(format!(
+                    "resume_from_checkpoint is \"latest\" and {} holds no checkpoint yet: training from the start \
+                     (the launcher restarts this job's workers, which then resume from the newest one)",
+                    self.args.output_dir.display()
+                ));
+                StartPoint::default()
+            }
             None => StartPoint::default(),
         };
         self.write_training_args(rt)?;
         {
-            let lr = accel::lock(&scheduler).lr();
+            let lr = crate::lock(&scheduler).lr();
             rt.optimizer.set_learning_rate(lr);
         }
         self.control = TrainerControl::default();
@@ -644,6 +672,62 @@ where
         let mut progress = Progress { since_log: from.since_log, last_grad_norm: None };
         self.run_epochs(rt, &plan, from.epochs_trained, from.skip_micro, &mut progress)?;
         self.finish_training(rt, &plan, start, start_step, progress.since_log)
+    }
+
+    /// Whether this run resumes a checkpoint: it asks to, and — when it asks for the newest under a launcher that
+    /// restarts its workers (whose first attempt has none yet) — there is one.
+    fn resumes(&self) -> Result<bool> {
+        Ok(match &self.args.resume_from_checkpoint {
+            None => false,
+            Some(_) if self.args.resume_latest() && restarts::restarts_possible() => {
+                checkpoint::latest_checkpoint(&self.args.output_dir)?.is_some()
+            }
+            Some(_) => true,
+        })
+    }
+
+    /// Under an elastic launch, the global batch of the checkpoint this run resumes (what every size keeps), and
+    /// the checkpoint; `None` outside one, when nothing is resumed, or for a checkpoint that did not record it.
+    fn elastic_global_batch(&self) -> Result<Option<(u64, PathBuf)>> {
+        if restarts::elastic_nnodes().is_none() || !self.resumes()? {
+            return Ok(None);
+        }
+        let Some(dir) = checkpoint::latest_checkpoint(&self.args.output_dir)? else { return Ok(None) };
+        let saved = TrainerState::load_from_json(&dir.join(TRAINER_STATE_NAME))?;
+        Ok(saved.global_batch_size.map(|g| (g, dir)))
+    }
+
+    /// An elastic job restarted at another size keeps the global batch of the checkpoint it resumes: the
+    /// gradient accumulation (else the per-device batch) of `cfg` and the arguments are set to what keeps it at
+    /// this job's data-parallel size, said once; refused naming the sizes that would keep it.
+    fn keep_the_global_batch(&mut self, cfg: &mut AcceleratorConfig, world_size: usize) -> Result<()> {
+        if cfg.split_batches {
+            return Ok(());
+        }
+        let Some((global, dir)) = self.elastic_global_batch()? else { return Ok(()) };
+        let machines = restarts::elastic_nnodes().unwrap_or_default();
+        let resolved = cfg.parallelism.resolve(world_size)?;
+        let dp = resolved.dp_replicate_size * resolved.dp_shard_size;
+        let (per_device, accumulation) = (self.args.per_device_train_batch_size, cfg.gradient_accumulation_steps);
+        let max_machines = machines.split(':').nth(1).and_then(|m| m.trim().parse::<usize>().ok()).unwrap_or(1);
+        // At MAX machines the data-parallel size is at most this many times today's (at least one machine now).
+        let max_dp = dp * max_machines;
+        let (per_device_kept, accumulation_kept) =
+            restarts::keep_global_batch(global, dp, per_device, accumulation, max_dp).map_err(|e| {
+                TrainerError::checkpoint(&dir, format!("elastic restart at {world_size} processes: {e}"))
+            })?;
+        if (per_device_kept, accumulation_kept) != (per_device, accumulation) {
+            if accel::dist::env::DistEnv::detect_from_env()?.is_none_or(|env| env.rank == 0) {
+                eprintln!(
+                    "elastic ({machines} machines): keeping the checkpoint's global batch of {global} samples at \
+                     {dp} data-parallel process(es): per-device batch {per_device_kept}, gradient_accumulation_steps \
+                     {accumulation_kept} (the arguments say {per_device} and {accumulation})"
+                );
+            }
+            self.args.per_device_train_batch_size = per_device_kept;
+            cfg.gradient_accumulation_steps = accumulation_kept;
+        }
+        Ok(())
     }
 
     /// Refuses an evaluation strategy without an eval dataset (before anything else runs).
@@ -1474,7 +1558,7 @@ fn optimizer_step<M, D>(rt: &mut Runtime<M, D>) -> Result<()> {
     if stepped {
         // Only real optimizer steps move the schedule (not fp16-skipped ones).
         if let Some(s) = &rt.scheduler {
-            let mut s = accel::lock(s);
+            let mut s = crate::lock(s);
             s.step();
             rt.optimizer.set_learning_rate(s.lr());
         }

@@ -177,26 +177,38 @@ fn text_path(args: &Args) -> PathBuf {
     }
 }
 
-/// `, 1F1B over 4 micro-batches, rank 0 holds stage 0 (blocks 0-1)` under pp; empty otherwise.
-fn pipeline_summary(acc: &Accelerator, stages: &[accel::pipeline::Stage]) -> String {
-    match acc.pipeline_schedule() {
-        None => String::new(),
-        Some(s) => {
-            let blocks = |r: &std::ops::Range<usize>| match r.len() {
-                0 => "no blocks".to_string(),
-                1 => format!("block {}", r.start),
-                _ => format!("blocks {}-{}", r.start, r.end - 1),
-            };
-            let held: Vec<String> = stages.iter().map(|st| format!("{} ({})", st.index, blocks(&st.layers))).collect();
-            format!(
-                ", {} over {} micro-batches, rank {} holds stage {}",
-                acc.parallelism_config().pp_schedule,
-                s.microbatches,
-                acc.rank(),
-                held.join(" and ")
-            )
+/// `, 1F1B over 4 micro-batches, stages 0 (blocks 0-1), 1 (blocks 2-4) (uneven), rank 0 holds stage 0` under pp;
+/// empty otherwise. The whole split is said once by the main process, so an uneven one is visible whichever rank
+/// holds the larger stage.
+fn pipeline_summary(
+    acc: &Accelerator,
+    stages: &[accel::pipeline::Stage],
+    n_layer: usize,
+    list: Option<&[usize]>,
+) -> String {
+    let Some(s) = acc.pipeline_schedule() else { return String::new() };
+    let blocks = |r: &std::ops::Range<usize>| match r.len() {
+        0 => "no blocks".to_string(),
+        1 => format!("block {}", r.start),
+        _ => format!("blocks {}-{}", r.start, r.end - 1),
+    };
+    let total = acc.mesh().pp().world_size() * acc.parallelism_config().pp_stages_per_rank();
+    let split = match accel::pipeline::split_layers(n_layer, total, list) {
+        Ok(ranges) => {
+            let uneven = ranges.iter().any(|r| r.len() != ranges[0].len());
+            let all: Vec<String> = ranges.iter().enumerate().map(|(i, r)| format!("{i} ({})", blocks(r))).collect();
+            format!(", stages {}{}", all.join(", "), if uneven { " (uneven)" } else { "" })
         }
-    }
+        Err(_) => String::new(), // the model's build refused it already
+    };
+    let held: Vec<String> = stages.iter().map(|st| st.index.to_string()).collect();
+    format!(
+        ", {} over {} micro-batches{split}, rank {} holds stage {}",
+        acc.parallelism_config().pp_schedule,
+        s.microbatches,
+        acc.rank(),
+        held.join(" and ")
+    )
 }
 
 const MIB: f64 = 1024.0 * 1024.0;
@@ -361,7 +373,7 @@ fn train(args: &Args) -> anyhow::Result<()> {
          global batch {} sequences = {} tokens per optimizer step, {} batches per replica per epoch",
         acc.world_size(),
         tp.size(),
-        pipeline_summary(&acc, &stages),
+        pipeline_summary(&acc, &stages, gpt_cfg.n_layer, args.layers_per_stage.as_deref()),
         gpt_cfg.num_parameters(),
         gpt_cfg.d_model,
         gpt_cfg.n_head,

@@ -118,12 +118,9 @@ fn train(cli: &Cli) -> Result<()> {
             config: ddp_core::launcher::RunBanner::config_from_env(),
             processes: world,
             machines,
-            layout: ddp_core::MeshShape::new(1, world, 1, 1)?,
-            auto_layout: None,
-            sharding: None,
-            pipeline: None,
-            mixed_precision: "no".into(),
-            gradient_accumulation_steps: 1,
+            layout: ddp_core::launcher::RunBanner::mesh_layout(&ddp_core::MeshShape::new(1, world, 1, 1)?),
+            // What `accel launch` announces for a run without them, so that a launched run says it once.
+            details: vec!["mixed precision no".into(), "gradient accumulation 1".into()],
             backend: pg.backend_name().into(),
         };
         if let Some(line) = banner.worker_line("ddp_mnist") {

@@ -66,6 +66,15 @@ fn crate_dependencies_point_down_the_layers() {
     assert_eq!(of("ddp-core"), set(&[]), "ddp-core depends on candle only");
     assert_eq!(of("accel"), set(&["accel-nn", "ddp-core"]));
     assert_eq!(of("trainer"), set(&["accel"]), "the Trainer reaches the lower levels through accel only");
+    // The words of a wrong config file: a leaf, used by the two readers of config files only.
+    let workspace = ["accel-nn", "ddp-core", "accel", "trainer", "accel-cli", "config-errors"];
+    assert!(dependencies("crates/config-errors/Cargo.toml").iter().all(|d| !workspace.contains(&d.as_str())));
+    for (krate, uses) in
+        [("accel-nn", false), ("ddp-core", false), ("accel", false), ("trainer", true), ("accel-cli", true)]
+    {
+        let deps = dependencies(&format!("crates/{krate}/Cargo.toml"));
+        assert_eq!(deps.contains("config-errors"), uses, "{krate} and config-errors");
+    }
     // The kernels' dependencies are accel-nn's alone.
     let ddp = dependencies("crates/ddp-core/Cargo.toml");
     for gone in ["gemm", "safetensors", "serde_json"] {
@@ -149,7 +158,18 @@ fn accel_module_graph() -> BTreeMap<String, BTreeSet<String>> {
 #[test]
 fn accel_modules_import_no_circle() {
     let graph = accel_module_graph();
-    // Depth-first search for a back edge; the path to it is the circle.
+    if let Some(circle) = find_circle(&graph) {
+        panic!("accel's modules import each other in a circle: {}", circle.join(" → "));
+    }
+    // The layering the document states: the model and its strategies below the step owner, the step owner
+    // below the Accelerator.
+    assert!(graph["step"].contains("model") && !graph["model"].contains("step"));
+    assert!(graph["accelerator"].contains("step") && !graph["step"].contains("accelerator"));
+    assert!(!graph["model"].contains("accelerator") && !graph["optim"].contains("accelerator"));
+}
+
+/// A circle in `graph` (module → the modules it names), as the path around it; depth-first search for a back edge.
+fn find_circle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
     fn visit(
         m: &str,
         graph: &BTreeMap<String, BTreeSet<String>>,
@@ -165,7 +185,7 @@ fn accel_modules_import_no_circle() {
             return None;
         }
         path.push(m.to_string());
-        for next in &graph[m] {
+        for next in graph.get(m).into_iter().flatten() {
             if let Some(c) = visit(next, graph, path, done) {
                 return Some(c);
             }
@@ -175,16 +195,48 @@ fn accel_modules_import_no_circle() {
         None
     }
     let mut done = BTreeSet::new();
-    for m in graph.keys() {
-        if let Some(circle) = visit(m, &graph, &mut Vec::new(), &mut done) {
-            panic!("accel's modules import each other in a circle: {}", circle.join(" → "));
+    graph.keys().find_map(|m| visit(m, graph, &mut Vec::new(), &mut done))
+}
+
+/// The files of one module directory (`dir/*.rs`, not `mod.rs` or `tests.rs`) → the siblings each names through
+/// `super::` outside its tests.
+fn sibling_graph(dir: &str) -> BTreeMap<String, BTreeSet<String>> {
+    let names: BTreeSet<String> = std::fs::read_dir(root().join(dir))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter_map(|f| f.strip_suffix(".rs").map(str::to_string))
+        .filter(|f| f != "mod" && f != "tests")
+        .collect();
+    names
+        .iter()
+        .map(|from| {
+            let text = read(&format!("{dir}/{from}.rs"));
+            let code = code_of(text.split("#[cfg(test)]").next().unwrap());
+            let to = code
+                .match_indices("super::")
+                .filter_map(|(i, _)| code[i + 7..].split(|c: char| !c.is_alphanumeric() && c != '_').next())
+                .filter(|n| names.contains(*n) && n != from)
+                .map(str::to_string)
+                .collect();
+            (from.clone(), to)
+        })
+        .collect()
+}
+
+#[test]
+fn module_directories_and_ddp_cores_launcher_import_no_circle() {
+    for dir in ["crates/accel/src/auto_layout", "crates/accel/src/model", "crates/ddp-core/src/launcher"] {
+        let graph = sibling_graph(dir);
+        assert!(graph.values().any(|to| !to.is_empty()), "{dir}: the check reads no edge");
+        if let Some(circle) = find_circle(&graph) {
+            panic!("{dir}: modules import each other in a circle: {}", circle.join(" → "));
         }
     }
-    // The layering the document states: the model and its strategies below the step owner, the step owner
-    // below the Accelerator.
-    assert!(graph["step"].contains("model") && !graph["model"].contains("step"));
-    assert!(graph["accelerator"].contains("step") && !graph["step"].contains("accelerator"));
-    assert!(!graph["model"].contains("accelerator") && !graph["optim"].contains("accelerator"));
+    // The launcher and the process group share their constants through `env`, not through each other.
+    let launcher = code_of(&read("crates/ddp-core/src/launcher.rs"));
+    let group = code_of(&read("crates/ddp-core/src/process_group.rs"));
+    assert!(!launcher.contains("process_group::") && !group.contains("launcher::"));
+    assert!(sibling_graph("crates/accel/src/auto_layout")["choose"].contains("candidate"));
 }
 
 #[test]
@@ -195,6 +247,10 @@ fn the_circle_check_sees_a_circle() {
     assert!(graph["accelerator"].contains("model"));
     assert!(graph["step"].contains("model"));
     assert!(graph["optim"].contains("step"), "AcceleratedOptimizer takes its gradients from the step owner");
+    let edge = |a: &str, b: &str| (a.to_string(), BTreeSet::from([b.to_string()]));
+    let circle = BTreeMap::from([edge("a", "b"), edge("b", "c"), edge("c", "a")]);
+    assert_eq!(find_circle(&circle).unwrap(), ["a", "b", "c", "a"]);
+    assert_eq!(find_circle(&BTreeMap::from([edge("a", "b"), edge("b", "c")])), None);
 }
 
 #[test]
@@ -264,4 +320,35 @@ fn fnv_1a_is_written_once() {
         }
     }
     assert_eq!(holders, ["crates/ddp-core/src/fingerprint.rs"], "FNV-1a's offset basis outside ddp_core::fingerprint");
+}
+
+/// The run banner: ddp-core renders what it knows (config, processes × machines, the mesh, the backend) and what a
+/// higher level hands it; the level-2 words are accel's, and accel builds its banner in one place.
+#[test]
+fn the_run_banner_is_built_once_and_ddp_core_knows_no_level_2_words() {
+    let banner = read("crates/ddp-core/src/launcher/banner.rs");
+    let code = code_of(banner.split("#[cfg(test)]").next().unwrap());
+    for word in ["mixed", "accumulation", "sharding", "pipeline", "schedule", "auto"] {
+        assert!(!code.contains(word), "ddp-core's banner.rs says {word:?}: a level-2 word");
+    }
+    let mut builders = Vec::new();
+    for dir in ["crates", "examples/src", "benches/src"] {
+        for file in rust_files(dir) {
+            if file.contains("/tests/") {
+                continue;
+            }
+            let text = read(&file);
+            // A struct literal: `RunBanner {` that is no type (`-> RunBanner {`), impl or definition.
+            let code = code_of(text.split("#[cfg(test)]").next().unwrap());
+            let literal = code.lines().any(|l| {
+                l.contains("RunBanner {") && !l.contains("->") && !l.contains("impl ") && !l.contains("struct ")
+            });
+            if literal {
+                builders.push(file);
+            }
+        }
+    }
+    // accel's one builder, and the level-1 example (which has no Accelerator to ask).
+    let expected = ["crates/accel/src/banner.rs", "examples/src/bin/ddp_mnist.rs"];
+    assert_eq!(builders.iter().map(String::as_str).collect::<BTreeSet<_>>(), expected.into_iter().collect());
 }

@@ -1,4 +1,4 @@
-//! The automatic layout end to end (issue "ND-parallel IV"): `accel_gpt --predict` prints the cost model's peak
+//! The automatic layout end to end: `accel_gpt --predict` prints the cost model's peak
 //! memory per rank for the layout it runs, within ±25 % of the peak RSS the ranks measure, at the char-GPT's
 //! layouts (1 process, dp2, tp2, pp2 1F1B, dp_shard 2 FULL_SHARD; the run-to-run spread of a peak RSS is a few
 //! percent); `--parallelism auto` probes, chooses, prints
@@ -35,8 +35,8 @@ fn the_predicted_peak_memory_is_within_a_quarter_of_the_measured_one() {
         ("dp2", &["--nproc", "2", "--batch-size", "16"]),
         ("tp2", &["--nproc", "2", "--tp-size", "2", "--batch-size", "32"]),
         // One micro-batch per stage (the default). With 4 micro-batches rank 0's peak measures 0.74× the predicted
-        // one (114.5 against 84.3 MiB: as if all 4 were in flight where 1F1B holds 2), an open discrepancy
-        // recorded in docs/benchmarks.md; with 2 and 8 the prediction is within 10 %.
+        // one (114.5 against 84.3 MiB: as if all 4 were in flight where 1F1B holds 2), not explained
+        // yet; with 2 and 8 the prediction is within 10 %.
         ("pp2 1F1B", &["--nproc", "2", "--pp-size", "2", "--batch-size", "32"]),
         (
             "dp_shard 2 FULL_SHARD",

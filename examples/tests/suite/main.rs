@@ -5,6 +5,7 @@ mod architecture;
 mod auto_layout;
 mod bad_inputs;
 mod ddp_mnist;
+mod elastic;
 mod gpt_tp;
 mod guide_diffs;
 mod hp_search;

@@ -1,4 +1,4 @@
-//! Every parallel layout of the char-GPT trains like the single-process model (issue "ND-parallel I"): the same
+//! Every parallel layout of the char-GPT trains like the single-process model: the same
 //! losses and gradient norms step by step at tp2, tp4 and dp2×tp2 — with and without gradient accumulation —
 //! and a tp2 checkpoint loads into one process and into dp2 with the same next-step loss.
 //!

@@ -1,4 +1,4 @@
-//! The char-GPT cut into pipeline stages (issue "ND-parallel II", the executor level): at pp 2 and pp 4, and 4
+//! The char-GPT cut into pipeline stages (the executor level): at pp 2 and pp 4, and 4
 //! stages on 2 ranks interleaved, with GPipe, 1F1B and interleaved 1F1B, every parameter's gradient summed over
 //! the micro-batches is one process's gradient accumulation over the same micro-batches, bit for bit (the same
 //! ops on the same values: each stage builds only its own parameters, from the same per-name streams), and the

@@ -1,4 +1,4 @@
-//! Pipeline parallelism through the Accelerator (issue "ND-parallel II"): the char-GPT trained with
+//! Pipeline parallelism through the Accelerator: the char-GPT trained with
 //! `Accelerator::pipeline_stages` + `pipeline_backward` at pp2 (GPipe, 1F1B, interleaved), pp4, dp2×pp2 and
 //! tp2×pp2, with and without gradient accumulation, gives the single-process losses and clipped-gradient norms
 //! step by step for 5 AdamW steps, and the same weights after them; a pp2 checkpoint loads into one process and
@@ -734,7 +734,7 @@ fn the_gpt_examples_run_pipelined_from_the_command_line() {
     assert_eq!(logged_losses(&pp2), want, "pp2:\n{pp2}");
     assert_eq!(logged_losses(&tp2pp2), want, "tp2 × pp2:\n{tp2pp2}");
     assert!(pp2.contains("× pp 2 (1F1B, 2 micro-batches) |"), "the banner names the schedule:\n{pp2}");
-    assert!(pp2.contains("1F1B over 2 micro-batches, rank 0 holds stage 0 (block 0)"), "{pp2}");
+    assert!(pp2.contains("1F1B over 2 micro-batches, stages 0 (block 0), 1 (block 1), rank 0 holds stage 0"), "{pp2}");
     assert!(pp2.contains("[rank 0] sample (temperature 0.8):\n[rank 0] HAMLET:"), "{pp2}");
     assert!(tp2pp2.contains("rank 3 (pp 1 dp 0 tp 1): peak RSS"), "{tp2pp2}");
 

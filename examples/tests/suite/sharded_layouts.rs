@@ -1,4 +1,4 @@
-//! Sharded data parallelism through the Accelerator (issue "ND-parallel III": `dp_shard_size > 1` with
+//! Sharded data parallelism through the Accelerator (`dp_shard_size > 1` with
 //! SHARD_OPTIM = ZeRO-1, SHARD_GRAD_OP = ZeRO-2, NO_SHARD): the char-GPT at dp_shard 2 and 4, HSDP (dp_replicate 2
 //! × dp_shard 2) and dp_shard 2 × tp 2, with and without gradient accumulation, trains like plain DDP over the
 //! same data-parallel size — the same losses, clipped gradient norms and weights after 5 AdamW steps — with

@@ -338,7 +338,8 @@ fn read_meta(dir: &Path) -> Result<CheckpointMeta> {
 
 /// Checks that the checkpoint fits this job. Another number of processes is accepted at an optimizer-step boundary:
 /// the weights and the optimizer state are whole tensors, the step counters global, a prepared loader's position is
-/// counted in global samples (it refuses another global batch itself), dropout masks are addressed by the
+/// counted in global samples (at another global batch it continues only from a whole number of the new batches, and
+/// warns), dropout masks are addressed by the
 /// single-process coordinates; only each rank's `Accelerator::rng` is per rank, and it is derived anew
 /// ([`restore_rng`]). A checkpoint taken inside an accumulation window holds each rank's partial gradients: it is
 /// refused at another process count. Warns when the mesh layout or the gradient accumulation differs.
@@ -376,7 +377,7 @@ fn check_layout(acc: &Accelerator, dir: &Path, meta: &CheckpointMeta) -> Result<
     if meta.world_size == acc.world_size() && roles(saved_mesh) != roles(mesh_sizes(acc)) {
         // Weights and optimizer states are full tensors and load into any layout; what is per rank is not.
         // Once (the main process), and what it means: weights, optimizer state and the data position are
-        // layout-free (the loader refuses a position whose global batch differs); only the per-rank RNG is not.
+        // layout-free (the loader places its position in samples); only the per-rank RNG is not.
         if acc.is_main_process() {
             tracing::warn!(
                 "checkpoint {} was written by the layout [pp, dp_replicate, dp_shard, tp] = {saved_mesh:?}, this \
@@ -388,8 +389,8 @@ fn check_layout(acc: &Accelerator, dir: &Path, meta: &CheckpointMeta) -> Result<
             );
         }
     }
-    // Once, and what it changes: with the global batch kept (a prepared data loader refuses a position saved at
-    // another), each optimizer step sees the same samples in other micro-batches.
+    // Once, and what it changes: with the global batch kept, each optimizer step sees the same samples in other
+    // micro-batches (at another global batch the loader says the steps differ).
     if meta.gradient_accumulation_steps != acc.gradient_accumulation_steps() && acc.is_main_process() {
         tracing::warn!(
             "checkpoint {} was written with gradient_accumulation_steps = {}, this run uses {}: with the same global \

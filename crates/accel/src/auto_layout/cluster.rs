@@ -3,7 +3,7 @@
 //! model, as Galvatron's and Colossal-AI's profilers fit them): a message of `n` bytes takes `α + n/β` seconds.
 //! Machines may differ (an uneven cluster): memory, FLOP/s, process count and the link inside each.
 
-use super::error::AutoLayoutError;
+use super::invalid::InvalidSpec;
 use super::units;
 
 /// An α–β link: `α` seconds per message (latency), `β` bytes per second (bandwidth).
@@ -28,9 +28,13 @@ impl Link {
 }
 
 impl std::fmt::Display for Link {
-    /// `α 5 µs, β 10.0 GB/s`.
+    /// `α 5.0 µs, β 10.0 GB/s`; a latency of exactly 0 is one the start-up probe could not tell from 0 (its
+    /// ping-pong fit gave none), and says so rather than "0 s".
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "α {}, β {}", units::seconds(self.alpha), units::bandwidth(self.beta))
+        match self.alpha {
+            0.0 => write!(f, "α below the probe's resolution, β {}", units::bandwidth(self.beta)),
+            alpha => write!(f, "α {}, β {}", units::seconds(alpha), units::bandwidth(self.beta)),
+        }
     }
 }
 
@@ -118,8 +122,8 @@ impl ClusterSpec {
 
     /// Checks: at least one machine, each with ≥ 1 process, memory, positive finite FLOP/s and links (α ≥ 0,
     /// β > 0).
-    pub fn validate(&self) -> Result<(), AutoLayoutError> {
-        let bad = |what: String| Err(AutoLayoutError::InvalidSpec(what));
+    pub fn validate(&self) -> Result<(), InvalidSpec> {
+        let bad = |what: String| Err(InvalidSpec(what));
         if self.machines.is_empty() {
             return bad("the cluster has no machine".into());
         }

@@ -2,7 +2,7 @@
 //! with no layout at all for the model and batch (and why, and which global batch would have one), or layouts that
 //! all need more memory than the processes have (and how much would do, or how many more processes).
 
-use super::choose::Candidate;
+use super::candidate::Candidate;
 use super::units;
 
 /// Why no layout was chosen (see the module documentation).

@@ -71,7 +71,7 @@ impl std::fmt::Display for ClusterProbe {
         write!(f, "measured in {}:", units::seconds(self.seconds))?;
         for (i, m) in self.spec.machines.iter().enumerate() {
             let link = match &self.intra[i] {
-                Some(_) => format!(", all-reduce link {}", measured_link(&m.intra)),
+                Some(_) => format!(", all-reduce link {}", m.intra),
                 None => String::new(),
             };
             let sync = match &self.intra[i] {
@@ -94,7 +94,7 @@ impl std::fmt::Display for ClusterProbe {
             )?;
         }
         if self.inter.is_some() {
-            write!(f, "; across machines (ping-pong) {}", measured_link(&self.spec.inter))?;
+            write!(f, "; across machines (ping-pong) {}", self.spec.inter)?;
         }
         write!(f, "; resident memory before the model {}", units::bytes(self.baseline_rss))
     }
@@ -102,13 +102,6 @@ impl std::fmt::Display for ClusterProbe {
 
 /// A measured link as the probe prints it: a latency of 0 is the fit's floor (the measured times grew with the
 /// bytes alone, the fixed cost below what the probe resolves), said as such rather than printed as "0 s".
-fn measured_link(link: &Link) -> String {
-    match link.alpha {
-        0.0 => format!("α below the probe's resolution, β {}", units::bandwidth(link.beta)),
-        _ => link.to_string(),
-    }
-}
-
 /// The f64s each rank all-gathers (RankFacts' from `cgroup_limit` on).
 const FACTS: usize = 7;
 
@@ -554,13 +547,13 @@ pub fn parse_memory(value: &str) -> Result<u64> {
 
 #[cfg(test)]
 mod tests {
-    use super::{measured_link, parse_memory};
+    use super::parse_memory;
     use crate::auto_layout::Link;
 
     #[test]
     fn a_latency_the_fit_floored_at_zero_is_said_as_such() {
-        assert_eq!(measured_link(&Link::new(0.0, 12.7e6)), "α below the probe's resolution, β 12.7 MB/s");
-        assert_eq!(measured_link(&Link::new(5e-6, 511.9e6)), "α 5.0 µs, β 511.9 MB/s");
+        assert_eq!(Link::new(0.0, 12.7e6).to_string(), "α below the probe's resolution, β 12.7 MB/s");
+        assert_eq!(Link::new(5e-6, 511.9e6).to_string(), "α 5.0 µs, β 511.9 MB/s");
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! The automatic layout's cost model and chooser (issue 26, "ND-parallel IV"): for a world of processes on given
+//! The automatic layout's cost model and chooser: for a world of processes on given
 //! machines, which `dp_replicate × dp_shard × tp × pp`, which sharding stage, which pipeline schedule, how many
 //! micro-batches of which size — predicted memory per rank and time per optimizer step for every candidate, the
 //! fastest that fits chosen, and why.
@@ -83,11 +83,13 @@
 //! slowest link.
 
 mod assumptions;
+mod candidate;
 mod choose;
 mod cluster;
 mod decide;
 mod enumerate;
 mod error;
+mod invalid;
 mod layout;
 mod measure;
 mod memory;
@@ -109,6 +111,7 @@ pub use cluster::{ClusterSpec, Link, Machine};
 pub use decide::{completed_request, decide, predict};
 pub use enumerate::{enumerate, Rejections};
 pub use error::AutoLayoutError;
+pub use invalid::InvalidSpec;
 pub use layout::Layout;
 pub use measure::{memory_from_env, parse_memory, probe_cluster, ClusterProbe, FLOPS_PROBE_SECONDS, MEMORY_ENV};
 pub use memory::{in_flight_chunks, MemoryBreakdown};

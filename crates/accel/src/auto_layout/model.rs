@@ -20,7 +20,7 @@
 //! embeddings, the last the final norm and the head — with tied embeddings the head reads the token embedding, so
 //! at pp > 1 the last stage holds a copy of it (as accel does), at pp 1 nothing more.
 
-use super::error::AutoLayoutError;
+use super::invalid::InvalidSpec;
 use crate::nn::{ActivationSpec, ShapedParam};
 
 /// A decoder-only transformer (see the module documentation for the parameter count).
@@ -162,10 +162,10 @@ impl ModelSpec {
     ///   which omits what runs between layers (activation functions, products) — an estimate.
     ///
     /// Errors: a staged model of 0 blocks, `seq_len` 0, a model without parameters.
-    pub fn from_shape(shape: &crate::nn::ModelShape, seq_len: usize) -> Result<Self, AutoLayoutError> {
+    pub fn from_shape(shape: &crate::nn::ModelShape, seq_len: usize) -> Result<Self, InvalidSpec> {
         use crate::nn::{LayerKind, ModelPart};
         use crate::plan::ParallelStyle;
-        let invalid = |what: String| Err(AutoLayoutError::InvalidSpec(what));
+        let invalid = |what: String| Err(InvalidSpec(what));
         if seq_len == 0 {
             return invalid(
                 "the sequence length is 0; it is at least 1 (1 for a model whose sample is one row)".into(),
@@ -312,9 +312,9 @@ impl ModelSpec {
     /// that division (fewer than `n_layer` parameters) is counted with the first stage's embeddings.
     ///
     /// Errors: a total smaller than the embeddings, norm and head plus 6h per block; a spec read from a model.
-    pub fn with_total_params(mut self, total: u64) -> Result<Self, AutoLayoutError> {
+    pub fn with_total_params(mut self, total: u64) -> Result<Self, InvalidSpec> {
         if self.measured.is_some() {
-            return Err(AutoLayoutError::InvalidSpec(
+            return Err(InvalidSpec(
                 "this spec was read from the built model (ModelSpec::of_model): its parameters are counted already"
                     .into(),
             ));
@@ -330,7 +330,7 @@ impl ModelSpec {
                 self.remainder_given = blocks % n;
                 Ok(self)
             }
-            _ => Err(AutoLayoutError::InvalidSpec(format!(
+            _ => Err(InvalidSpec(format!(
                 "{total} parameters are too few for this shape: the embeddings, final norm and head alone hold \
                  {outside}, and each of the {} blocks at least {} (its layer norms and row-parallel biases)",
                 self.n_layer,
@@ -340,7 +340,7 @@ impl ModelSpec {
     }
 
     /// Checks the shape: no size 0, `n_head` dividing `d_model`.
-    pub fn validate(&self) -> Result<(), AutoLayoutError> {
+    pub fn validate(&self) -> Result<(), InvalidSpec> {
         if self.measured.is_some() {
             // Read from a built model: its sizes are what they are (from_shape checked what it needs).
             return Ok(());
@@ -354,13 +354,10 @@ impl ModelSpec {
             ("seq_len", self.seq_len),
         ];
         if let Some((name, _)) = sizes.iter().find(|(_, n)| *n == 0) {
-            return Err(AutoLayoutError::InvalidSpec(format!("the model's {name} is 0; every size is at least 1")));
+            return Err(InvalidSpec(format!("the model's {name} is 0; every size is at least 1")));
         }
         if !self.d_model.is_multiple_of(self.n_head) {
-            return Err(AutoLayoutError::InvalidSpec(format!(
-                "n_head {} does not divide d_model {}",
-                self.n_head, self.d_model
-            )));
+            return Err(InvalidSpec(format!("n_head {} does not divide d_model {}", self.n_head, self.d_model)));
         }
         Ok(())
     }

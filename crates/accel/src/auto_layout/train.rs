@@ -2,7 +2,7 @@
 //! it accumulates gradients, the precision and optimizer (and so the bytes of each training state per parameter,
 //! [`StateBytes`]), activation checkpointing, and which parallel forms the program supports.
 
-use super::error::AutoLayoutError;
+use super::invalid::InvalidSpec;
 use crate::pipeline::ScheduleKind;
 use crate::sharding::ShardingStrategy;
 
@@ -252,18 +252,18 @@ impl TrainSpec {
     }
 
     /// Checks: a global batch ≥ 1, at least one micro-batch size, none 0.
-    pub fn validate(&self) -> Result<(), AutoLayoutError> {
+    pub fn validate(&self) -> Result<(), InvalidSpec> {
         if self.global_batch == 0 {
-            return Err(AutoLayoutError::InvalidSpec("the global batch is 0 sequences; it is at least 1".into()));
+            return Err(InvalidSpec("the global batch is 0 sequences; it is at least 1".into()));
         }
         if self.micro_batch_sizes.is_empty() || self.micro_batch_sizes.contains(&0) {
-            return Err(AutoLayoutError::InvalidSpec(format!(
+            return Err(InvalidSpec(format!(
                 "micro-batch sizes {:?}: give at least one, each at least 1 sequence",
                 self.micro_batch_sizes
             )));
         }
         if self.fixed.contains(&Some(0)) {
-            return Err(AutoLayoutError::InvalidSpec(format!(
+            return Err(InvalidSpec(format!(
                 "fixed sizes {:?} (dp_replicate, dp_shard, tp, pp): a fixed size is at least 1",
                 self.fixed
             )));

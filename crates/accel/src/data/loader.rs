@@ -276,7 +276,7 @@ impl<D: Dataset> DataLoader<D> {
     /// A handle to the position that implements [`Stateful`], shared with this loader (and its clones made by
     /// `Accelerator::prepare_data_loader`): what `save_state` writes to `data_loader_{i}.json`.
     pub fn state_handle(&self) -> LoaderStateHandle {
-        LoaderStateHandle { state: Arc::clone(&self.state), layout: LoaderLayout::of(self) }
+        LoaderStateHandle { state: Arc::clone(&self.state), layout: LoaderLayout::of(self), announce: true }
     }
 
     /// The sample order of `epoch` over the whole data set (before sharding): `0..N`, or the seeded shuffle.
@@ -481,6 +481,14 @@ struct LoaderLayout {
     num_batches: usize,
     shuffle: bool,
     seed: u64,
+    /// Micro-batches per optimizer step of the Accelerator that prepared the loader (1 for a loader of its own,
+    /// and in checkpoints written before it was recorded): with `total_batch_size`, the global batch.
+    #[serde(default = "one")]
+    accumulation: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl LoaderLayout {
@@ -491,7 +499,13 @@ impl LoaderLayout {
             num_batches: l.len(),
             shuffle: l.cfg.shuffle,
             seed: l.cfg.seed,
+            accumulation: 1,
         }
+    }
+
+    /// Samples of one optimizer step over all processes.
+    fn global_batch(&self) -> usize {
+        self.total_batch_size * self.accumulation
     }
 }
 
@@ -501,9 +515,19 @@ impl LoaderLayout {
 pub struct LoaderStateHandle {
     state: Arc<Mutex<PositionState>>,
     layout: LoaderLayout,
+    /// Whether this process says what a resume changes (the main process; every rank loads the same position).
+    announce: bool,
 }
 
 impl LoaderStateHandle {
+    /// The handle of a loader prepared by an Accelerator that accumulates `accumulation` micro-batches per
+    /// optimizer step; `announce` on its main process only.
+    pub(crate) fn for_accelerator(mut self, accumulation: usize, announce: bool) -> Self {
+        self.layout.accumulation = accumulation;
+        self.announce = announce;
+        self
+    }
+
     /// The loader's current position.
     pub fn position(&self) -> LoaderPosition {
         lock(&self.state).position
@@ -533,15 +557,18 @@ impl Stateful for LoaderStateHandle {
             let samples = batches_consumed * saved.total_batch_size;
             if samples.is_multiple_of(here.total_batch_size) && samples / here.total_batch_size <= here.num_batches {
                 let batches = samples / here.total_batch_size;
-                // The data goes on where it stopped; the optimizer steps do not repeat the original's.
-                tracing::warn!(
-                    "the checkpoint's data loader read batches of {} samples over all processes, this run reads {}: \
-                     the data continues at sample {samples} of epoch {epoch}, but each optimizer step now sees \
-                     another global batch, so the run does not continue the original's updates (keep the global \
-                     batch to continue them exactly)",
-                    saved.total_batch_size,
-                    here.total_batch_size
-                );
+                // The data goes on where it stopped. With the global batch kept (another accumulation), so do the
+                // optimizer steps, which the Accelerator says; with another, they do not repeat the original's.
+                if self.announce && saved.global_batch() != here.global_batch() {
+                    tracing::warn!(
+                        "the checkpoint's optimizer steps read {} samples over all processes, this run's read {}: \
+                         the data continues at sample {samples} of epoch {epoch}, but each optimizer step now sees \
+                         another global batch, so the run does not continue the original's updates (keep the \
+                         global batch to continue them exactly)",
+                        saved.global_batch(),
+                        here.global_batch()
+                    );
+                }
                 let mut st = lock(&self.state);
                 st.position = LoaderPosition { epoch, batches_consumed: batches };
                 st.pending_skip = Some(batches);
@@ -555,7 +582,8 @@ impl Stateful for LoaderStateHandle {
                 saved.total_batch_size, here.total_batch_size
             )));
         }
-        if layout != self.layout {
+        // The accumulation alone does not move the position (the micro-batches are the same).
+        if (LoaderLayout { accumulation: 1, ..layout.clone() }) != (LoaderLayout { accumulation: 1, ..here.clone() }) {
             // Name what differs; the global batch first (a change of data-parallel size changes it).
             let what = if saved.dataset_len != here.dataset_len {
                 format!(

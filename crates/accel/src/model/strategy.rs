@@ -32,13 +32,13 @@
 //! reduce over the model-parallel group whatever the layouts (every stage holds different parameters), and its
 //! `reduce` adds one all-reduce of a tied weight's gradient over the stages holding it.
 
-use super::sharded::FlatChunk;
 use crate::tensor_parallel::ParamLayout;
 use crate::Result;
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use ddp_core::functional::{BackwardGuard, ShardGradient};
 use ddp_core::segments::BackwardSegments;
+use ddp_core::zero::FlatChunk;
 use ddp_core::{DistributedDataParallel, ProcessGroup, ReduceOp};
 
 /// Adds one segment's gradients (taken out of the `GradStore`) into a group's slots; returns the slot indices it

@@ -177,7 +177,7 @@ fn train_saving_after_micro_batch(r: &mut Run, until: u64, save: Option<(u64, &P
 
 /// A checkpoint taken inside an accumulation window (after micro-batch 8 with GA = 2, on 2 ranks whose partial
 /// sums differ; epoch 0 has 5 micro-batches, so this is the first half of epoch 1's second window) carries each rank's partial gradients, so the resumed run ends bit-identical to the
-/// uninterrupted one (issue: it used to drop them and every parameter differed).
+/// uninterrupted one (dropping them would change every parameter).
 #[test]
 fn resume_from_a_checkpoint_inside_an_accumulation_window() {
     let cfg = AcceleratorConfig { gradient_accumulation_steps: 2, ..Default::default() };

@@ -1,4 +1,4 @@
-//! Sharded data parallelism on an MLP (issue "ND-parallel III": the stages' equivalence on 2 and 4 ranks for the
+//! Sharded data parallelism on an MLP (the stages' equivalence on 2 and 4 ranks for the
 //! MLP as for the char-GPT, whose tests are in `examples/tests/suite/sharded_layouts.rs`): an MLP whose weights
 //! come from a `ParamBuilder` — 6 → 16 → 3 with a 1-element bias, so one parameter has fewer elements than the
 //! group has ranks — trained 5 AdamW steps with clipping under ZeRO-1, ZeRO-2 and FULL_SHARD on 2 and 4 ranks gives

@@ -68,8 +68,8 @@ pub struct CpuTuning {
     pub shared_memory: bool,
     /// all_reduce of more than this many bytes uses the pipelined shared-memory all_reduce when available
     /// (default 64 KiB, where the slot exchange ends: at 128–512 KiB it is 3–5× faster than the TCP ring on an
-    /// idle 2-core machine and no slower on a loaded one; docs/benchmarks.md, "Collectives through shared
-    /// memory").
+    /// idle 2-core machine and no slower on a loaded one; docs/benchmarks.md, "What the backend
+    /// does").
     pub shm_min_bytes: usize,
     /// Pipeline block of the shared-memory all_reduce, bytes (default 1 MiB).
     pub shm_block_bytes: usize,

@@ -4,7 +4,7 @@
 //!
 //! Why: on loopback every byte crosses the kernel's TCP stack twice (copy in, copy out) and its packet
 //! processing runs in softirq context, which the kernel defers to `ksoftirqd` under CPU pressure, so on a busy
-//! machine the transfer stalls (docs/benchmarks.md, section "What the backend does, and what each step bought").
+//! machine the transfer stalls (docs/benchmarks.md, section "What the backend does").
 //! Through shared memory the same all_reduce is plain memory copies and reductions done by the ranks themselves.
 //!
 //! Setup (once per group, through the store): rank 0 creates a file in `/dev/shm` (O_EXCL, random name),

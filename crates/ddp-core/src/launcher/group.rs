@@ -35,6 +35,9 @@ pub(crate) enum GroupOutcome {
     Failed { local_rank: usize, status: WorkerExit },
     /// The launcher got SIGINT/SIGTERM; the workers were stopped.
     Interrupted { signal: i32 },
+    /// The launch's watch asked for a stop (an elastic job's membership changed, or another machine failed);
+    /// the workers were stopped.
+    Stopped { reason: String },
 }
 
 /// What to start: `commands[local_rank]`, fully configured except for stdio.
@@ -50,9 +53,17 @@ struct Worker {
     exited: Option<WorkerExit>,
 }
 
-/// Spawns the group and waits until it succeeds, a worker fails, or a signal arrives. Always returns with
-/// every worker reaped.
-pub(crate) fn run_group(spec: GroupSpec, sinks: &Sinks, signals: &SignalGuard) -> Result<GroupOutcome> {
+/// How often the wait loop asks the launch's watch whether to stop (it may ask a store over the network).
+const WATCH_EVERY: Duration = Duration::from_millis(250);
+
+/// Spawns the group and waits until it succeeds, a worker fails, a signal arrives or `watch` returns a reason to
+/// stop (asked every [`WATCH_EVERY`]; a static launch's never does). Always returns with every worker reaped.
+pub(crate) fn run_group(
+    spec: GroupSpec,
+    sinks: &Sinks,
+    signals: &SignalGuard,
+    watch: &mut dyn FnMut() -> Option<String>,
+) -> Result<GroupOutcome> {
     let (tx, rx) = std::sync::mpsc::channel::<(usize, WorkerExit)>();
     let mut workers: Vec<Worker> = Vec::with_capacity(spec.commands.len());
     let mut pumps = Pumps::new();
@@ -114,6 +125,7 @@ pub(crate) fn run_group(spec: GroupSpec, sinks: &Sinks, signals: &SignalGuard) -
     }
     drop(tx);
 
+    let mut last_watch = Instant::now();
     let outcome = loop {
         if let Some(signal) = signals.received() {
             // Info: the launch's error says it once ("launcher interrupted by SIGINT; its N worker(s) were stopped").
@@ -151,7 +163,16 @@ pub(crate) fn run_group(spec: GroupSpec, sinks: &Sinks, signals: &SignalGuard) -
                     break GroupOutcome::Success;
                 }
             }
-            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Timeout) => {
+                if last_watch.elapsed() >= WATCH_EVERY {
+                    last_watch = Instant::now();
+                    if let Some(reason) = watch() {
+                        tracing::info!("launcher: stopping {} worker(s): {reason}", workers.len());
+                        stop(&mut workers, &rx, libc::SIGTERM, spec.stop_grace, signals);
+                        break GroupOutcome::Stopped { reason };
+                    }
+                }
+            }
             Err(RecvTimeoutError::Disconnected) => break GroupOutcome::Success, // no workers at all
         }
     };

@@ -35,8 +35,9 @@ pub(crate) struct Sinks {
 
 impl Sinks {
     /// Sinks for global ranks `first_rank..first_rank + n`. With `log_dir`, creates it and truncates
-    /// `log_dir/rank{r}.log`; the console gets the output when there is no `log_dir` or `tee` is set.
-    pub(crate) fn open(first_rank: usize, n: usize, log_dir: Option<&Path>, tee: bool) -> Result<Self> {
+    /// `log_dir/rank{r}.log` (appends instead when `append`: an elastic job's later rounds, whose ranks may have
+    /// been another machine's before); the console gets the output when there is no `log_dir` or `tee` is set.
+    pub(crate) fn open(first_rank: usize, n: usize, log_dir: Option<&Path>, tee: bool, append: bool) -> Result<Self> {
         if let Some(dir) = log_dir {
             std::fs::create_dir_all(dir)
                 .map_err(|e| DdpError::io(format!("creating the log directory {}", dir.display()), e))?;
@@ -47,7 +48,12 @@ impl Sinks {
                     None => None,
                     Some(dir) => {
                         let path = log_path(dir, rank);
-                        let f = File::create(&path)
+                        let f = std::fs::OpenOptions::new()
+                            .create(true)
+                            .write(true)
+                            .append(append)
+                            .truncate(!append)
+                            .open(&path)
                             .map_err(|e| DdpError::io(format!("creating the log file {}", path.display()), e))?;
                         Some(Arc::new(Mutex::new(f)))
                     }

@@ -27,9 +27,9 @@ pub(crate) const ABORT_KEY: &str = "accel/launch/abort";
 /// Counter of the launchers that have seen every machine's view agree with theirs.
 const READY_KEY: &str = "accel/launch/ready";
 /// Counter of the launchers that have read [`ABORT_KEY`].
-const ABORT_SEEN_KEY: &str = "accel/launch/abort_seen";
+pub(super) const ABORT_SEEN_KEY: &str = "accel/launch/abort_seen";
 /// How long machine 0's launcher keeps its store up after an abort, for the other launchers to read why.
-const ABORT_LINGER: Duration = Duration::from_secs(3);
+pub(super) const ABORT_LINGER: Duration = Duration::from_secs(3);
 /// How often a waiting launcher looks at the store.
 const POLL: Duration = Duration::from_millis(100);
 
@@ -47,10 +47,16 @@ impl JobView {
             .rev()
             .find(|(k, _)| k == crate::env::BACKEND_ENV)
             .map_or_else(|| "default".to_string(), |(_, v)| v.trim().to_ascii_lowercase());
+        // An elastic job's size changes from round to round: its machines agree on the processes per machine and
+        // the range instead.
+        let (processes, machines) = match cfg.min_nnodes {
+            Some(min) => (("nproc_per_node", cfg.nproc_per_node), format!("{min}:{}", cfg.nnodes)),
+            None => (("num_processes", cfg.world_size()), cfg.nnodes.to_string()),
+        };
         JobView {
             fields: vec![
-                ("num_processes", cfg.world_size().to_string()),
-                ("num_machines", cfg.nnodes.to_string()),
+                (processes.0, processes.1.to_string()),
+                ("num_machines", machines),
                 ("backend", backend),
                 ("program", cfg.program.display().to_string()),
                 ("accel-rs version", env!("CARGO_PKG_VERSION").to_string()),
@@ -58,11 +64,11 @@ impl JobView {
         }
     }
 
-    fn encode(&self) -> Vec<u8> {
+    pub(super) fn encode(&self) -> Vec<u8> {
         self.fields.iter().map(|(k, v)| format!("{k}={v}\n")).collect::<String>().into_bytes()
     }
 
-    fn decode(bytes: &[u8]) -> Vec<(String, String)> {
+    pub(super) fn decode(bytes: &[u8]) -> Vec<(String, String)> {
         String::from_utf8_lossy(bytes)
             .lines()
             .filter_map(|l| l.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())))
@@ -72,7 +78,12 @@ impl JobView {
     /// The message for the first field where machine `theirs_rank` (with `theirs`) differs from machine
     /// `ours_rank` (with this view); `None` when they agree. The higher machine rank is named first, so that
     /// every launcher words the same disagreement the same way.
-    fn disagreement(&self, ours_rank: usize, theirs_rank: usize, theirs: &[(String, String)]) -> Option<String> {
+    pub(super) fn disagreement(
+        &self,
+        ours_rank: usize,
+        theirs_rank: usize,
+        theirs: &[(String, String)],
+    ) -> Option<String> {
         for (name, ours) in &self.fields {
             let other = theirs.iter().find(|(k, _)| k == name).map_or("(not given)", |(_, v)| v.as_str());
             if other == ours {
@@ -85,6 +96,7 @@ impl JobView {
             };
             let fix = match *name {
                 "num_processes" => "pass the same -n/--num-processes on every machine (the TOTAL over all machines)",
+                "nproc_per_node" => "pass the same --nproc-per-node on every machine",
                 "num_machines" => "pass the same --num-machines on every machine",
                 "backend" => "pass the same --backend (ACCEL_BACKEND) on every machine",
                 "program" => "launch the same program on every machine",
@@ -211,7 +223,13 @@ const CONNECT_SLICE: Duration = Duration::from_secs(1);
 
 /// Connects to machine 0's store, waiting for it up to `cfg.rdzv_timeout` from `start`: in slices, so that a
 /// signal (Ctrl-C) ends the wait at once and the user sees every `progress_interval` what is being waited for.
-fn connect(cfg: &LaunchConfig, addr: &str, token: RunToken, signals: &SignalGuard, start: Instant) -> Result<TcpStore> {
+pub(super) fn connect(
+    cfg: &LaunchConfig,
+    addr: &str,
+    token: RunToken,
+    signals: &SignalGuard,
+    start: Instant,
+) -> Result<TcpStore> {
     // The first failed attempt is reported at once (machine 0 usually is just not up yet: say what we wait for).
     let mut last_progress: Option<Instant> = None;
     loop {
@@ -241,7 +259,7 @@ fn connect(cfg: &LaunchConfig, addr: &str, token: RunToken, signals: &SignalGuar
 }
 
 /// The error of a rendezvous a signal ended, if one arrived.
-fn interrupted(signals: &SignalGuard, waiting: &str) -> Option<DdpError> {
+pub(super) fn interrupted(signals: &SignalGuard, waiting: &str) -> Option<DdpError> {
     signals.received().map(|sig| {
         DdpError::Rendezvous(format!(
             "interrupted by {} while {waiting}; no worker was started",
@@ -251,7 +269,7 @@ fn interrupted(signals: &SignalGuard, waiting: &str) -> Option<DdpError> {
 }
 
 /// A progress line on the user's console (where the launcher's other messages go; tracing may be off).
-fn progress(me: usize, waiting: &str) {
+pub(super) fn progress(me: usize, waiting: &str) {
     eprintln!("[launcher] machine {me}: {waiting}");
 }
 
@@ -277,7 +295,7 @@ fn list(items: &[usize]) -> String {
 }
 
 /// This machine's host name ("unknown host" when it cannot be read).
-fn hostname() -> String {
+pub(super) fn hostname() -> String {
     let mut buf = [0u8; 256];
     // SAFETY: gethostname writes at most `len` bytes into `buf`.
     let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };

@@ -26,6 +26,8 @@ pub struct TcpStore {
     addr: String,
     token: RunToken,
     timeout: Duration,
+    /// How long past its own wait a request may take to be answered before the server counts as unreachable.
+    answer_grace: Duration,
     local_ip: IpAddr,
     server_addr: SocketAddr,
     idle: Mutex<Vec<TcpStream>>,
@@ -50,7 +52,15 @@ impl TcpStore {
         let stream = open_connection(addr, &token, timeout, true)?;
         let local_ip = stream.local_addr().map_err(|e| DdpError::io(format!("store connection to {addr}"), e))?.ip();
         let server_addr = stream.peer_addr().map_err(|e| DdpError::io(format!("store connection to {addr}"), e))?;
-        Ok(TcpStore { addr: addr.to_string(), token, timeout, local_ip, server_addr, idle: Mutex::new(vec![stream]) })
+        Ok(TcpStore {
+            addr: addr.to_string(),
+            token,
+            timeout,
+            answer_grace: ANSWER_GRACE,
+            local_ip,
+            server_addr,
+            idle: Mutex::new(vec![stream]),
+        })
     }
 
     /// The same client with another timeout for blocking calls.
@@ -59,9 +69,17 @@ impl TcpStore {
         self
     }
 
+    /// The same client, failing a request that the server has not answered within `grace` past the request's
+    /// own wait (default 60 s): an unreachable server (a cut link) then fails it within `grace`.
+    pub fn with_answer_grace(mut self, grace: Duration) -> Self {
+        self.answer_grace = grace;
+        self
+    }
+
     /// A second, independent client of the same server (its own connections), with the same token and timeout.
     pub fn try_clone_connection(&self) -> Result<TcpStore> {
-        TcpStore::connect(&self.addr, self.token, EXTRA_CONNECTION_TIMEOUT).map(|s| s.with_timeout(self.timeout))
+        TcpStore::connect(&self.addr, self.token, EXTRA_CONNECTION_TIMEOUT)
+            .map(|s| s.with_timeout(self.timeout).with_answer_grace(self.answer_grace))
     }
 
     /// The address this client was asked to connect to (`host:port`).
@@ -92,7 +110,7 @@ impl TcpStore {
     fn request(&self, req: Request<'_>) -> Result<Response> {
         let frame = req.encode_frame()?;
         let mut conn = self.take_connection()?;
-        let answer_timeout = req.server_wait().saturating_add(ANSWER_GRACE);
+        let answer_timeout = req.server_wait().saturating_add(self.answer_grace);
         let result = (|| -> std::io::Result<Option<Vec<u8>>> {
             conn.set_read_timeout(Some(answer_timeout))?;
             protocol::write_frame(&mut conn, &frame)?;

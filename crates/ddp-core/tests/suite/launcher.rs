@@ -46,7 +46,7 @@ fn three_workers_succeed_and_see_torchrun_variables() {
     let mut cfg = with_out(
         sh(
             3,
-            r#"echo "$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK $ROLE_RANK $MASTER_ADDR $ACCEL_USE_AGENT_STORE ${#ACCEL_RUN_TOKEN} $ACCEL_RESTART_COUNT $EXTRA $1" > "$OUT/rank$RANK"; echo "$MASTER_PORT" > "$OUT/port$RANK"; echo "${OMP_NUM_THREADS-unset}" > "$OUT/omp$RANK"; echo "${RAYON_NUM_THREADS-unset}" > "$OUT/rayon$RANK"; echo "${CANDLE_NUM_THREADS-unset}" > "$OUT/candle$RANK"; echo "${MIMALLOC_PURGE_DELAY-unset}" > "$OUT/mimalloc$RANK""#,
+            r#"echo "$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK $ROLE_RANK $MASTER_ADDR $ACCEL_USE_AGENT_STORE ${#ACCEL_RUN_TOKEN} $ACCEL_RESTART_COUNT $EXTRA $1" > "$OUT/rank$RANK"; echo "$MASTER_PORT" > "$OUT/port$RANK"; echo "${OMP_NUM_THREADS-unset}" > "$OUT/omp$RANK"; echo "${RAYON_NUM_THREADS-unset}" > "$OUT/rayon$RANK"; echo "${CANDLE_NUM_THREADS-unset}" > "$OUT/candle$RANK"; echo "${MIMALLOC_PURGE_DELAY-unset}" > "$OUT/mimalloc$RANK"; echo "${RUST_LIB_BACKTRACE-unset}" > "$OUT/backtrace$RANK""#,
         ),
         dir.path(),
     );
@@ -82,6 +82,11 @@ fn three_workers_succeed_and_see_torchrun_variables() {
         match std::env::var_os("MIMALLOC_PURGE_DELAY") {
             None => assert_eq!(purge.trim(), "-1", "mimalloc keeps freed memory unless the user sets it"),
             Some(v) => assert_eq!(purge.trim(), v.to_str().unwrap(), "a user's MIMALLOC_PURGE_DELAY is kept"),
+        }
+        let backtrace = read(dir.path().join(format!("backtrace{r}")));
+        match std::env::var_os("RUST_LIB_BACKTRACE") {
+            None => assert_eq!(backtrace.trim(), "0", "a returned error prints no backtrace unless the user asks"),
+            Some(v) => assert_eq!(backtrace.trim(), v.to_str().unwrap(), "a user's RUST_LIB_BACKTRACE is kept"),
         }
     }
     assert!(ports[0] != 0 && ports.iter().all(|p| *p == ports[0]), "{ports:?}");
@@ -582,6 +587,7 @@ fn zz_child_entry() {
         "store-worker" => store_worker(),
         "launcher" => launcher_child(),
         "pg-worker" => pg_worker(),
+        "elastic-worker" => elastic_worker(),
         other => panic!("unknown {MODE_ENV} {other}"),
     };
     std::process::exit(code);
@@ -629,6 +635,44 @@ fn pg_worker() -> i32 {
     }
 }
 
+/// A worker of an elastic job: records its round, place and pid, then all-reduces every 100 ms until every rank
+/// of its round sees `$OUT/finish` (exit 0), a collective fails (a peer is gone) or `$OUT` is gone (exit 1).
+fn elastic_worker() -> i32 {
+    let out = std::path::PathBuf::from(std::env::var("OUT").unwrap());
+    let env = DistEnv::from_env().unwrap();
+    let round = std::env::var("ACCEL_RESTART_COUNT").unwrap();
+    let line = format!(
+        "world {} group_rank {} machine {} elastic {}",
+        env.world_size,
+        env.node_rank,
+        std::env::var("MACHINE").unwrap(),
+        std::env::var("ACCEL_ELASTIC_NNODES").unwrap()
+    );
+    std::fs::write(out.join(format!("pid{round}.rank{}", env.rank)), std::process::id().to_string()).unwrap();
+    std::fs::write(out.join(format!("round{round}.rank{}", env.rank)), line).unwrap();
+    let pg = match ddp_core::ProcessGroup::init_from_env() {
+        Ok(pg) => pg,
+        Err(e) => {
+            eprintln!("init failed: {e}");
+            return 1;
+        }
+    };
+    loop {
+        if !out.exists() {
+            return 1; // the test ended (its temporary directory is gone): do not outlive it
+        }
+        let mut done = [f32::from(u8::from(out.join("finish").exists()))];
+        if let Err(e) = pg.all_reduce(&mut done, ddp_core::ReduceOp::Sum) {
+            eprintln!("collective failed: {e}");
+            return 1;
+        }
+        if done[0] as usize == env.world_size {
+            return 0;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// A launcher run from outside, so that the test can read its console and send it signals.
 fn launcher_child() -> i32 {
     let n: usize = std::env::var("LAUNCH_N").unwrap().parse().unwrap();
@@ -643,7 +687,21 @@ fn launcher_child() -> i32 {
         cfg.master_port = w[4].parse().unwrap();
         cfg.rdzv_timeout = Duration::from_millis(w[6].parse().unwrap());
         cfg.progress_interval = Duration::from_millis(w[8].parse().unwrap());
-        cfg.env.push(("ACCEL_RUN_TOKEN".into(), RunToken::generate().unwrap().to_hex()));
+        let token = std::env::var("LAUNCH_TOKEN").unwrap_or_else(|_| RunToken::generate().unwrap().to_hex());
+        cfg.env.push(("ACCEL_RUN_TOKEN".into(), token));
+    }
+    if let Ok(e) = std::env::var("LAUNCH_ELASTIC") {
+        // "<min> max-restarts <n> last-call-ms <ms>": an elastic job of real process-group workers (this binary).
+        let w: Vec<&str> = e.split(' ').collect();
+        cfg.min_nnodes = Some(w[0].parse().unwrap());
+        cfg.max_restarts = w[2].parse().unwrap();
+        cfg.last_call = Duration::from_millis(w[4].parse().unwrap());
+        cfg.program = std::env::current_exe().unwrap();
+        cfg.args = self_exe_args();
+        cfg.env.push((MODE_ENV.into(), "elastic-worker".into()));
+        cfg.env.push(("MACHINE".into(), cfg.node_rank.to_string()));
+        let timeout = std::env::var("LAUNCH_COLLECTIVE_TIMEOUT").unwrap_or_else(|_| "20".into());
+        cfg.env.push(("ACCEL_TIMEOUT".into(), timeout));
     }
     let result = launch(&cfg);
     // One write, after the workers' output threads are done.
@@ -668,4 +726,136 @@ fn a_killed_worker_is_named_before_a_peer_that_exited_with_an_error() {
         Err(DdpError::WorkerFailed { rank: 0, status, .. }) => assert_eq!(status, "killed by signal 9 (SIGKILL)"),
         other => panic!("expected rank 0 killed by SIGKILL, got {other:?}"),
     }
+}
+
+/// Machine `rank` of an elastic loopback job (`1:2` machines, one worker each) as a launcher process of its own.
+fn elastic_machine(rank: usize, port: u16, token: &RunToken, out: &Path, max_restarts: usize) -> std::process::Child {
+    elastic_machine_with(rank, port, token, out, max_restarts, &[])
+}
+
+fn elastic_machine_with(
+    rank: usize,
+    port: u16,
+    token: &RunToken,
+    out: &Path,
+    max_restarts: usize,
+    env: &[(&str, &str)],
+) -> std::process::Child {
+    Command::new(std::env::current_exe().unwrap())
+        .envs(env.iter().copied())
+        .args(self_exe_args())
+        .env(MODE_ENV, "launcher")
+        .env("LAUNCH_N", "1")
+        .env("LAUNCH_SCRIPT", "unused")
+        .env("LAUNCH_MACHINE", format!("{rank} of 2 port {port} timeout-ms 60000 progress-ms 60000"))
+        .env("LAUNCH_TOKEN", token.to_hex())
+        .env("LAUNCH_ELASTIC", format!("1 max-restarts {max_restarts} last-call-ms 1500"))
+        .env("OUT", out)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits (up to 60 s) until `path` exists.
+fn wait_for_file(path: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !path.exists() {
+        assert!(Instant::now() < deadline, "{} never appeared", path.display());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// torchrun's `--nnodes 1:2`: machine 1 is lost (its launcher and workers killed), machine 0 goes on alone in a
+/// new round, machine 1 comes back and joins the round after; each change is said on every machine.
+#[test]
+fn an_elastic_job_goes_on_without_a_lost_machine_and_takes_it_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port, token) = (free_port(), RunToken::generate().unwrap());
+    let m0 = elastic_machine(0, port, &token, dir.path(), 3);
+    let mut m1 = elastic_machine(1, port, &token, dir.path(), 3);
+    wait_for_file(&dir.path().join("round0.rank1"));
+    // Lose machine 1: its launcher dies at once, its worker with it (PR_SET_PDEATHSIG).
+    m1.kill().unwrap();
+    let _ = m1.wait();
+    wait_for_file(&dir.path().join("round1.rank0"));
+    let m1 = elastic_machine(1, port, &token, dir.path(), 3);
+    wait_for_file(&dir.path().join("round2.rank1"));
+    std::fs::write(dir.path().join("finish"), "").unwrap();
+    let (o0, o1) = (m0.wait_with_output().unwrap(), m1.wait_with_output().unwrap());
+    let (out0, err0) = (String::from_utf8_lossy(&o0.stdout), String::from_utf8_lossy(&o0.stderr));
+    let err1 = String::from_utf8_lossy(&o1.stderr);
+    assert!(out0.contains("LAUNCH_RESULT ok"), "machine 0:\n{out0}\n{err0}");
+    assert!(String::from_utf8_lossy(&o1.stdout).contains("LAUNCH_RESULT ok"), "machine 1:\n{err1}");
+    let round = |name: &str| read(dir.path().join(name));
+    assert_eq!(round("round0.rank0"), "world 2 group_rank 0 machine 0 elastic 1:2");
+    assert_eq!(round("round0.rank1"), "world 2 group_rank 1 machine 1 elastic 1:2");
+    assert_eq!(round("round1.rank0"), "world 1 group_rank 0 machine 0 elastic 1:2");
+    assert!(!dir.path().join("round1.rank1").exists(), "round 1 is machine 0 alone");
+    assert_eq!(round("round2.rank0"), "world 2 group_rank 0 machine 0 elastic 1:2");
+    assert_eq!(round("round2.rank1"), "world 2 group_rank 1 machine 1 elastic 1:2");
+    assert!(err0.contains("machine 0: round 0: started with machine(s) 0, 1; 2 machine(s), 2 processes"), "{err0}");
+    assert!(
+        err0.contains("machine 0: round 1: machine(s) 1 left (the round before ended: machine 0: worker rank 0 failed"),
+        "{err0}"
+    );
+    assert!(err0.contains("machine 0: round 2: machine(s) 1 joined (the round before ended: machine 1 asks to join)"));
+    assert!(err1.contains("machine 1: round 2: machine(s) 1 joined"), "{err1}");
+}
+
+/// Failures past `max_restarts` end every machine of an elastic job with the same words.
+#[test]
+fn an_elastic_job_past_max_restarts_fails_every_machine_naming_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port, token) = (free_port(), RunToken::generate().unwrap());
+    let m0 = elastic_machine(0, port, &token, dir.path(), 0);
+    let mut m1 = elastic_machine(1, port, &token, dir.path(), 0);
+    wait_for_file(&dir.path().join("round0.rank1"));
+    m1.kill().unwrap();
+    let _ = m1.wait();
+    let o0 = m0.wait_with_output().unwrap();
+    let out0 = String::from_utf8_lossy(&o0.stdout);
+    assert!(
+        out0.contains("LAUNCH_RESULT err rendezvous") || out0.contains("LAUNCH_RESULT err"),
+        "{out0}\n{}",
+        String::from_utf8_lossy(&o0.stderr)
+    );
+    assert!(out0.contains("round 0 ended: machine 0: worker rank 0 failed"), "{out0}");
+    assert!(out0.contains("no restarts left (max_restarts = 0"), "{out0}");
+    assert!(!dir.path().join("round1.rank0").exists(), "no round after the last restart");
+}
+
+/// A stalled worker (SIGSTOP, past the collective timeout) on machine 1: machine 0's worker times out and the round
+/// ends for every machine; machine 1's launcher kills its stopped worker (SIGTERM cannot reach it: SIGKILL after the
+/// 5 s grace), which takes longer than the last call, so machine 0 trains alone for a round and machine 1 joins the
+/// one after. Nothing hangs.
+#[test]
+fn a_stalled_worker_ends_the_round_and_its_machine_joins_the_next() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port, token) = (free_port(), RunToken::generate().unwrap());
+    let fast = [("LAUNCH_COLLECTIVE_TIMEOUT", "2")];
+    let m0 = elastic_machine_with(0, port, &token, dir.path(), 3, &fast);
+    let m1 = elastic_machine_with(1, port, &token, dir.path(), 3, &fast);
+    wait_for_file(&dir.path().join("round0.rank1"));
+    let pid: i32 = read(dir.path().join("pid0.rank1")).trim().parse().unwrap();
+    // SAFETY: plain syscall on the worker this test's launcher started.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let stalled = Instant::now();
+    wait_for_file(&dir.path().join("round2.rank1"));
+    let recovered = stalled.elapsed();
+    std::fs::write(dir.path().join("finish"), "").unwrap();
+    let (o0, o1) = (m0.wait_with_output().unwrap(), m1.wait_with_output().unwrap());
+    let (out0, err0) = (String::from_utf8_lossy(&o0.stdout), String::from_utf8_lossy(&o0.stderr));
+    assert!(out0.contains("LAUNCH_RESULT ok"), "machine 0:\n{out0}\n{err0}");
+    assert!(String::from_utf8_lossy(&o1.stdout).contains("LAUNCH_RESULT ok"));
+    assert!(process_gone(pid), "the stalled worker was killed");
+    assert_eq!(read(dir.path().join("round1.rank0")), "world 1 group_rank 0 machine 0 elastic 1:2");
+    assert_eq!(read(dir.path().join("round2.rank1")), "world 2 group_rank 1 machine 1 elastic 1:2");
+    assert!(
+        err0.contains("machine 0: round 1: machine(s) 1 left (the round before ended: machine 0: worker rank 0 failed"),
+        "{err0}"
+    );
+    assert!(err0.contains("machine 0: round 2: machine(s) 1 joined"), "{err0}");
+    // The 2 s collective timeout (×1.5 at most, the store's grace), the last call, the 5 s SIGTERM grace, start-up.
+    assert!(recovered < Duration::from_secs(30), "{recovered:?}");
 }

@@ -34,7 +34,7 @@ impl ConsoleWriter {
     /// Prints `line` followed by a newline.
     pub fn println(&self, line: &str) {
         #[cfg(feature = "progress")]
-        if let Some(b) = accel::lock(&self.bar).as_ref().filter(|b| !b.is_hidden()) {
+        if let Some(b) = crate::lock(&self.bar).as_ref().filter(|b| !b.is_hidden()) {
             b.println(line);
             return;
         }
@@ -43,7 +43,7 @@ impl ConsoleWriter {
 
     #[cfg(feature = "progress")]
     fn attach(&self, bar: Option<ProgressBar>) {
-        *accel::lock(&self.bar) = bar;
+        *crate::lock(&self.bar) = bar;
     }
 }
 

@@ -70,7 +70,7 @@ pub(super) fn release_on_signal(path: &Path, content: &[u8]) -> Release {
     if content.len() > MAX_CONTENT {
         return unprotected("the lock's content is unexpectedly long");
     }
-    let mut installed = accel::lock(&INSTALLED);
+    let mut installed = crate::lock(&INSTALLED);
     let Some(slot) = HELD.iter().position(|s| s.load(Ordering::SeqCst).is_null()) else {
         return unprotected(&format!("this process already holds {SLOTS} output-directory locks"));
     };
@@ -86,7 +86,7 @@ pub(super) fn release_on_signal(path: &Path, content: &[u8]) -> Release {
 impl Drop for Release {
     fn drop(&mut self) {
         let Some(slot) = self.slot else { return };
-        let mut installed = accel::lock(&INSTALLED);
+        let mut installed = crate::lock(&INSTALLED);
         HELD[slot].store(std::ptr::null_mut(), Ordering::SeqCst);
         installed.count -= 1;
         if installed.count == 0 {
