@@ -144,9 +144,10 @@ impl<'de> Deserialize<'de> for DistributedType {
     }
 }
 
-/// Accelerate's `parallelism_config` block (Accelerate ≥ 1.10, plus our `parallelism_config_pp_size`): the
-/// library's type, so the file, `accel launch`'s flags and the workers' [`accel::AcceleratorConfig`] agree on keys
-/// and rules.
+pub use crate::parallelism_block::PARALLELISM_KEYS;
+/// Accelerate's `parallelism_config` block (Accelerate ≥ 1.10, plus our `parallelism_config_pp_size`), read into
+/// the library's type ([`crate::parallelism_block`]), so the file, `accel launch`'s flags and the workers'
+/// [`accel::AcceleratorConfig`] agree on the rules.
 pub use accel::ParallelismConfig;
 
 fn one() -> usize {
@@ -207,7 +208,7 @@ pub struct AccelerateConfig {
     #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "num_processes")]
     pub num_processes: Option<usize>,
     /// Layout over data / tensor / pipeline / context parallelism (Accelerate ≥ 1.10; pp is ours).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none", with = "crate::parallelism_block::optional")]
     pub parallelism_config: Option<ParallelismConfig>,
     /// torchrun rendezvous backend (`static`, `c10d`); accel's launcher always uses its own TCP store.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -294,31 +295,11 @@ pub const TYPED_KEYS: &[&str] = &[
     "use_cpu",
 ];
 
-/// Keys of the `parallelism_config` block ([`ParallelismConfig`]): Accelerate's, our `parallelism_config_pp_size`
-/// and `pipeline_parallel_{microbatches,schedule,virtual_stages}`, and the aliases `data_parallel_size`,
-/// `pipeline_parallel_size`, `tensor_parallel_size` (kept equal to [`accel::parallelism::YAML_KEYS`] +
-/// [`accel::parallelism::ALIAS_KEYS`] by a unit test).
-pub const PARALLELISM_KEYS: &[&str] = &[
-    "parallelism_config_cp_comm_strategy",
-    "parallelism_config_cp_size",
-    "parallelism_config_dp_replicate_size",
-    "parallelism_config_dp_shard_size",
-    "parallelism_config_pp_size",
-    "parallelism_config_tp_plan",
-    "parallelism_config_tp_size",
-    "pipeline_parallel_microbatches",
-    "pipeline_parallel_schedule",
-    "pipeline_parallel_virtual_stages",
-    "data_parallel_size",
-    "pipeline_parallel_size",
-    "tensor_parallel_size",
-];
-
 /// Accelerate's `fsdp_config` block, key by key as the file has it (sorted when written, as PyYAML's `safe_dump`).
 pub type FsdpConfig = BTreeMap<String, serde_json::Value>;
 
 /// The `fsdp_config` key accel reads for what dp_shard shards (FSDP's names, `SHARD_OPTIM`, or torch's numbers).
-pub const FSDP_SHARDING_STRATEGY_KEY: &str = accel::parallelism::SHARDING_STRATEGY_KEY;
+pub const FSDP_SHARDING_STRATEGY_KEY: &str = "fsdp_sharding_strategy";
 /// FSDP2's spelling of the strategy (Accelerate ≥ 1.6): `true` = FULL_SHARD, `false` = SHARD_GRAD_OP; FSDP1 files
 /// may hold a strategy name here instead.
 pub const FSDP_RESHARD_AFTER_FORWARD_KEY: &str = "fsdp_reshard_after_forward";
@@ -1087,13 +1068,21 @@ mod tests {
     }
 
     #[test]
-    fn parallelism_keys_are_the_librarys() {
-        let mut lib: Vec<&str> =
-            accel::parallelism::YAML_KEYS.iter().chain(accel::parallelism::ALIAS_KEYS).copied().collect();
-        let mut ours = PARALLELISM_KEYS.to_vec();
-        lib.sort_unstable();
-        ours.sort_unstable();
-        assert_eq!(ours, lib);
+    fn parallelism_keys_are_the_ones_the_block_reads() {
+        for key in PARALLELISM_KEYS {
+            let value = match *key {
+                k if k.ends_with("comm_strategy") => "allgather",
+                k if k.ends_with("tp_plan") => "{}",
+                k if k.ends_with("schedule") => "1F1B",
+                _ => "1",
+            };
+            let text = format!("parallelism_config:\n  {key}: {value}\n");
+            AccelerateConfig::parse(&text, Path::new("x.yaml")).unwrap_or_else(|e| panic!("{key}: {e}"));
+        }
+        let e = AccelerateConfig::parse("parallelism_config:\n  parallelism_config_xp_size: 1\n", Path::new("x.yaml"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("parallelism_config_xp_size"), "{e}");
     }
 
     #[test]

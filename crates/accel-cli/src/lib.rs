@@ -26,6 +26,8 @@ pub mod error;
 pub mod hardware;
 #[doc(hidden)]
 pub mod launch;
+/// Accelerate's `parallelism_config` YAML block, to and from accel's `ParallelismConfig`.
+pub mod parallelism_block;
 #[doc(hidden)]
 pub mod questionnaire;
 #[doc(hidden)]

@@ -57,7 +57,6 @@ use crate::pipeline::ScheduleKind;
 use crate::sharding::ShardingStrategy;
 use crate::{AccelError, Result};
 use ddp_core::MeshShape;
-use serde::{Deserialize, Serialize};
 
 /// Environment variable: data-parallel replicas (Accelerate's name).
 pub const DP_REPLICATE_SIZE_ENV: &str = "PARALLELISM_CONFIG_DP_REPLICATE_SIZE";
@@ -84,148 +83,41 @@ pub const PP_VIRTUAL_STAGES_ENV: &str = "PARALLELISM_CONFIG_PP_VIRTUAL_STAGES";
 /// Environment variable: what the dp_shard group shards ([`ShardingStrategy`]; the name `accelerate launch` sets
 /// for FSDP runs). Written by [`ParallelismConfig::env_vars`] only when dp_shard > 1.
 pub const SHARDING_STRATEGY_ENV: &str = "FSDP_SHARDING_STRATEGY";
-/// The config key that sets the sharding strategy, in Accelerate's `fsdp_config` block (also `accel launch`'s flag
-/// `--fsdp-sharding-strategy`).
-pub const SHARDING_STRATEGY_KEY: &str = "fsdp_sharding_strategy";
-
-/// Keys of the YAML `parallelism_config` block, Accelerate's and ours (sorted; the aliases are in
-/// [`ALIAS_KEYS`]).
-pub const YAML_KEYS: &[&str] = &[
-    "parallelism_config_cp_comm_strategy",
-    "parallelism_config_cp_size",
-    "parallelism_config_dp_replicate_size",
-    "parallelism_config_dp_shard_size",
-    "parallelism_config_pp_size",
-    "parallelism_config_tp_plan",
-    "parallelism_config_tp_size",
-    "pipeline_parallel_microbatches",
-    "pipeline_parallel_schedule",
-    "pipeline_parallel_virtual_stages",
-];
-
-/// Other spellings accepted in the YAML block: `data_parallel_size` (= dp_replicate), `tensor_parallel_size`,
-/// `pipeline_parallel_size`.
-pub const ALIAS_KEYS: &[&str] = &["data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size"];
-
 /// The parallel sizes of a job (see the module documentation). `Default`: every size 1, i.e. data parallelism
-/// over all processes.
-///
-/// Serialised as Accelerate's `parallelism_config` block (keys in alphabetical order, as PyYAML writes them;
-/// `parallelism_config_pp_size` only when it is not 1 and the `pipeline_parallel_*` keys only when set, so a file
-/// without pipeline stays loadable by Python Accelerate). Unknown keys are refused.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// over all processes. The `accel` CLI reads and writes it as Accelerate's `parallelism_config` YAML block.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ParallelismConfig {
     /// Context-parallel communication strategy (`allgather` / `alltoall`), kept verbatim for round trips.
-    #[serde(rename = "parallelism_config_cp_comm_strategy", default, skip_serializing_if = "Option::is_none")]
     pub cp_comm_strategy: Option<String>,
     /// Context-parallel size. Only 1 is accepted: context parallelism is not implemented.
-    #[serde(rename = "parallelism_config_cp_size", default = "one")]
     pub cp_size: usize,
     /// Data-parallel replicas (DDP): ranks holding the same model piece and seeing different data.
-    #[serde(
-        rename = "parallelism_config_dp_replicate_size",
-        alias = "data_parallel_size",
-        default = "one",
-        deserialize_with = "size_or_auto",
-        serialize_with = "write_size"
-    )]
     pub dp_replicate_size: usize,
     /// Sharded data parallelism (ZeRO / FSDP's shard dimension): what it shards is [`Self::sharding_strategy`].
-    #[serde(
-        rename = "parallelism_config_dp_shard_size",
-        default = "one",
-        deserialize_with = "size_or_auto",
-        serialize_with = "write_size"
-    )]
     pub dp_shard_size: usize,
     /// Pipeline ranks (ours; Accelerate has none): the model is cut into pp × [`Self::pp_stages_per_rank`]
     /// stages, run in the schedule [`Self::pp_schedule`]. The program must split its model into stages (as
     /// `accel_gpt` does).
-    #[serde(
-        rename = "parallelism_config_pp_size",
-        alias = "pipeline_parallel_size",
-        default = "one",
-        skip_serializing_if = "is_one",
-        deserialize_with = "size_or_auto",
-        serialize_with = "write_size"
-    )]
     pub pp_size: usize,
     /// Tensor-parallel size (Megatron-style layers split over neighbouring ranks).
-    #[serde(
-        rename = "parallelism_config_tp_size",
-        alias = "tensor_parallel_size",
-        default = "one",
-        deserialize_with = "size_or_auto",
-        serialize_with = "write_size"
-    )]
     pub tp_size: usize,
     /// Micro-batches each optimizer step's batch is split into for the pipeline (`pipeline_parallel_microbatches`,
     /// torchtitan's `num_pp_microbatches`); `None`: one per stage (pp × virtual stages). Only read when pp > 1.
-    #[serde(rename = "pipeline_parallel_microbatches", default, skip_serializing_if = "Option::is_none")]
     pub pp_microbatches: Option<usize>,
     /// Pipeline schedule (`pipeline_parallel_schedule`, torchtitan's key): GPipe, 1F1B (default) or
     /// Interleaved1F1B. Only read when pp > 1.
-    #[serde(rename = "pipeline_parallel_schedule", default, skip_serializing_if = "is_default_schedule")]
     pub pp_schedule: ScheduleKind,
     /// Stages per pp rank (`pipeline_parallel_virtual_stages`, Megatron's virtual pipeline size); `None`: 2 for
     /// Interleaved1F1B, 1 otherwise. Only read when pp > 1.
-    #[serde(rename = "pipeline_parallel_virtual_stages", default, skip_serializing_if = "Option::is_none")]
     pub pp_virtual_stages: Option<usize>,
     /// What the dp_shard group shards (FSDP's names: [`ShardingStrategy`]); only read when dp_shard > 1. Not a
     /// key of this block: Accelerate keeps it in `fsdp_config` (`fsdp_sharding_strategy`), and
     /// `accel launch` passes it as `FSDP_SHARDING_STRATEGY` ([`SHARDING_STRATEGY_ENV`]).
-    #[serde(skip)]
     pub sharding_strategy: ShardingStrategy,
     /// The tensor-parallel plan (`parallelism_config_tp_plan`: a map from module-path patterns to styles, as
     /// transformers writes a `tp_plan`; [`crate::plan`]), which replaces the model's default plan in
     /// [`crate::Accelerator::builder`]; `None`: the model's own. Carried to workers as [`TP_PLAN_ENV`] (JSON).
-    #[serde(rename = "parallelism_config_tp_plan", default, skip_serializing_if = "Option::is_none")]
     pub tp_plan: Option<crate::plan::ParallelPlan>,
-}
-
-/// A size from a config file: a whole number ≥ 1, or `auto` ([`ParallelismConfig::AUTO`]).
-fn size_or_auto<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<usize, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Size {
-        Number(u64),
-        Word(String),
-    }
-    let invalid = |v: &dyn std::fmt::Display| {
-        serde::de::Error::custom(format!(
-            "invalid size {v}: expected a whole number ≥ 1 (1 = that dimension is off) or `auto` (chosen at start-up)"
-        ))
-    };
-    match Size::deserialize(d)? {
-        Size::Number(n) if n >= 1 => usize::try_from(n).map_err(|_| invalid(&n)),
-        Size::Number(n) => Err(invalid(&n)),
-        Size::Word(w) if w.trim().eq_ignore_ascii_case("auto") => Ok(ParallelismConfig::AUTO),
-        Size::Word(w) => match w.trim().parse::<usize>() {
-            Ok(n) if n >= 1 => Ok(n),
-            _ => Err(invalid(&format!("{w:?}"))),
-        },
-    }
-}
-
-/// Writes a size as [`size_or_auto`] reads it: the number, or `auto`.
-fn write_size<S: serde::Serializer>(n: &usize, s: S) -> std::result::Result<S::Ok, S::Error> {
-    match *n {
-        ParallelismConfig::AUTO => s.serialize_str("auto"),
-        n => s.serialize_u64(n as u64),
-    }
-}
-
-fn is_default_schedule(s: &ScheduleKind) -> bool {
-    *s == ScheduleKind::default()
-}
-
-fn one() -> usize {
-    1
-}
-
-fn is_one(n: &usize) -> bool {
-    *n == 1
 }
 
 impl Default for ParallelismConfig {
@@ -438,7 +330,7 @@ impl ParallelismConfig {
         if let Some(s) = &self.cp_comm_strategy {
             env.push((CP_COMM_STRATEGY_ENV.to_string(), s.clone()));
         }
-        if !is_default_schedule(&self.pp_schedule) {
+        if self.pp_schedule != ScheduleKind::default() {
             env.push((PP_SCHEDULE_ENV.to_string(), self.pp_schedule.to_string()));
         }
         if let Some(m) = self.pp_microbatches {
@@ -770,18 +662,8 @@ mod tests {
             .unwrap();
         assert_eq!(again, p);
         assert_eq!(ParallelismConfig::auto().fixed_sizes(), [None; 4]);
-        // A config file: `auto`, numbers, numbers as strings; 0 and other words refused with the fix.
-        let json = serde_json::to_string(&ParallelismConfig::auto()).unwrap();
-        assert!(json.contains(r#""parallelism_config_tp_size":"auto""#), "{json}");
-        assert_eq!(serde_json::from_str::<ParallelismConfig>(&json).unwrap(), ParallelismConfig::auto());
-        let read = |text: &str| serde_json::from_str::<ParallelismConfig>(text);
-        let p = read(r#"{"parallelism_config_tp_size": "auto", "parallelism_config_pp_size": "2"}"#).unwrap();
-        assert_eq!(p.fixed_sizes(), [Some(1), Some(1), None, Some(2)]);
-        for bad in [r#""parallelism_config_tp_size": 0"#, r#""parallelism_config_tp_size": "some""#] {
-            let e = read(&format!("{{{bad}}}")).unwrap_err().to_string();
-            assert!(e.contains("expected a whole number ≥ 1 (1 = that dimension is off) or `auto`"), "{e}");
-        }
         // Only the Accelerator, which chooses, can lay out auto sizes.
+        let p = ParallelismConfig { tp_size: ParallelismConfig::AUTO, pp_size: 2, ..ParallelismConfig::default() };
         let e = p.resolve(4).unwrap_err().to_string();
         assert!(e.contains("some sizes are `auto`") && e.contains("AcceleratorConfig::auto_layout"), "{e}");
         assert!(p.validate_sizes().is_ok());
@@ -1105,58 +987,5 @@ mod tests {
             ParallelismConfig::data_parallel(2).layout_with_pipeline(),
             "dp_replicate 2 × dp_shard 1 × tp 1 × pp 1"
         );
-    }
-
-    #[test]
-    fn serde_uses_accelerates_keys_and_the_aliases() {
-        use serde_json::{from_value, json, to_value};
-        let p: ParallelismConfig = from_value(json!({
-            "parallelism_config_dp_replicate_size": 2,
-            "parallelism_config_tp_size": 2,
-        }))
-        .unwrap();
-        assert_eq!(p, ParallelismConfig::data_parallel(2).with_tp_size(2));
-        let p: ParallelismConfig =
-            from_value(json!({"data_parallel_size": 2, "tensor_parallel_size": 4, "pipeline_parallel_size": 3}))
-                .unwrap();
-        assert_eq!((p.dp_replicate_size, p.tp_size, p.pp_size, p.dp_shard_size, p.cp_size), (2, 4, 3, 1, 1));
-        let e = from_value::<ParallelismConfig>(json!({"parallelism_config_tp_sise": 2})).unwrap_err().to_string();
-        assert!(e.contains("unknown field `parallelism_config_tp_sise`"), "{e}");
-        // pp is written only when it is not 1, so Python Accelerate can read what we write.
-        let v = to_value(ParallelismConfig::data_parallel(2)).unwrap();
-        assert_eq!(
-            v,
-            json!({"parallelism_config_cp_size": 1, "parallelism_config_dp_replicate_size": 2,
-                   "parallelism_config_dp_shard_size": 1, "parallelism_config_tp_size": 1})
-        );
-        let v = to_value(ParallelismConfig::default().with_pp_size(2)).unwrap();
-        assert_eq!(v["parallelism_config_pp_size"], json!(2));
-        assert!(v.get("pipeline_parallel_schedule").is_none(), "the default 1F1B is not written: {v}");
-    }
-
-    #[test]
-    fn serde_reads_and_writes_the_pipeline_keys_in_alphabetical_order() {
-        use serde_json::{from_value, json};
-        let p: ParallelismConfig = from_value(json!({
-            "parallelism_config_pp_size": 2,
-            "pipeline_parallel_schedule": "interleaved1f1b",
-            "pipeline_parallel_microbatches": 8,
-            "pipeline_parallel_virtual_stages": 2,
-        }))
-        .unwrap();
-        assert_eq!(p, pipeline(2, ScheduleKind::Interleaved1F1B).with_pp_microbatches(8).with_pp_virtual_stages(2));
-        let text = serde_json::to_string(&p).unwrap();
-        assert_eq!(
-            text,
-            "{\"parallelism_config_cp_size\":1,\"parallelism_config_dp_replicate_size\":1,\
-             \"parallelism_config_dp_shard_size\":1,\"parallelism_config_pp_size\":2,\"parallelism_config_tp_size\":1,\
-             \"pipeline_parallel_microbatches\":8,\"pipeline_parallel_schedule\":\"Interleaved1F1B\",\
-             \"pipeline_parallel_virtual_stages\":2}"
-        );
-        let mut sorted = YAML_KEYS.to_vec();
-        sorted.sort_unstable();
-        assert_eq!(sorted, YAML_KEYS, "YAML_KEYS is kept sorted");
-        let e = from_value::<ParallelismConfig>(json!({"pipeline_parallel_schedule": "zigzag"})).unwrap_err();
-        assert!(e.to_string().contains("expected one of GPipe, 1F1B, Interleaved1F1B"), "{e}");
     }
 }

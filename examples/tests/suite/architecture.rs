@@ -352,3 +352,21 @@ fn the_run_banner_is_built_once_and_ddp_core_knows_no_level_2_words() {
     let expected = ["crates/accel/src/banner.rs", "examples/src/bin/ddp_mnist.rs"];
     assert_eq!(builders.iter().map(String::as_str).collect::<BTreeSet<_>>(), expected.into_iter().collect());
 }
+
+/// Only accel-cli knows Accelerate's config file: the library's `ParallelismConfig` has no serde form, and no key of
+/// the file's `parallelism_config` or `fsdp_config` blocks is written in the library's code.
+#[test]
+fn only_accel_cli_knows_accelerates_yaml() {
+    for file in rust_files("crates/accel/src") {
+        let code = code_of(&read(&file));
+        for word in
+            ["rename = \"parallelism_config_", "\"fsdp_sharding_strategy\"", "\"data_parallel_size\"", "YAML_KEYS"]
+        {
+            assert!(!code.contains(word), "{file} has {word}: Accelerate's YAML is accel-cli's");
+        }
+    }
+    let parallelism = code_of(&read("crates/accel/src/parallelism.rs"));
+    assert!(!parallelism.contains("Deserialize"), "ParallelismConfig is read from YAML by accel-cli only");
+    let block = read("crates/accel-cli/src/parallelism_block.rs");
+    assert!(block.contains("impl From<ParallelismBlock> for ParallelismConfig"));
+}
