@@ -279,7 +279,8 @@ fn run() -> anyhow::Result<()> {
     train(&args)
 }
 
-fn train(args: &Args) -> anyhow::Result<()> {
+/// The Accelerator's configuration: the launcher's environment, then this program's flags.
+fn accelerator_config(args: &Args) -> anyhow::Result<AcceleratorConfig> {
     let auto = args.auto.is_auto();
     if !auto {
         accel_examples::apply_layout(&args.layout.layout())?; // the flags, unless the launcher set PARALLELISM_CONFIG_*
@@ -302,6 +303,54 @@ fn train(args: &Args) -> anyhow::Result<()> {
         cfg.total_limit = Some(args.save_total_limit);
         cfg.async_checkpointing = args.async_checkpointing;
     }
+    Ok(cfg)
+}
+
+/// The run: the Accelerator, the model on it, its optimizer and data, and what the reports need of them.
+struct Run {
+    acc: Accelerator,
+    gpt_cfg: GptConfig,
+    vocab: CharVocab,
+    model: CharGpt,
+    prepared: accel::PreparedModel,
+    opt: accel::AcceleratedOptimizer<AdamW>,
+    loader: DataLoader<TextDataset>,
+    stages: Vec<accel::pipeline::Stage>,
+    /// Rows per training step on each data-parallel replica.
+    batch_size: usize,
+    /// This rank's share of the model (its stages' blocks, split over tp), before any sharding: ZeRO's Ψ.
+    held_parameters: usize,
+}
+
+fn train(args: &Args) -> anyhow::Result<()> {
+    let Some(mut run) = set_up(args)? else { return Ok(()) };
+    announce(args, &run);
+    let mut meters = Meters::new(&run.acc, &run.prepared);
+    let progress = run_steps(args, &mut run, &mut meters)?;
+    report(args, &run, &meters, &progress)?;
+    if args.sample_len > 0 {
+        let prompt = run.vocab.encode(&args.prompt).context("--prompt")?;
+        // The same seed on every rank: the tp peers draw the same characters and stay in step.
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed);
+        let acc = &run.acc;
+        let out = run.model.sample(
+            &run.prepared,
+            acc.is_main_process(),
+            &prompt,
+            args.sample_len,
+            args.temperature,
+            &mut rng,
+        )?;
+        if let Some(out) = out {
+            acc.print(format!("sample (temperature {}):\n{}{}", args.temperature, args.prompt, run.vocab.decode(&out)));
+        }
+    }
+    Ok(())
+}
+
+/// Builds the run (resuming it with `--resume`); `None` when a resumed checkpoint is already at `--steps`.
+fn set_up(args: &Args) -> anyhow::Result<Option<Run>> {
+    let mut cfg = accelerator_config(args)?;
     let path = text_path(args);
     let data = TextDataset::from_file(&path, args.block_size).with_context(|| format!("loading {}", path.display()))?;
     let vocab: CharVocab = data.vocab().clone();
@@ -317,7 +366,6 @@ fn train(args: &Args) -> anyhow::Result<()> {
     let request = args.auto.request(model, args.batch_size, world);
     cfg.auto_layout = Some(request.clone());
     let acc = Accelerator::new(cfg)?; // accel: process group, mesh (pp × dp × tp), device, precision
-    let tp = acc.tensor_parallel().clone(); // accel: this rank's tp group
     let dp = acc.data_parallel_size();
     // Rows per training step: the automatic layout's, or the flag's.
     let batch_size = auto_args::batch_size(&acc, args.batch_size);
@@ -341,14 +389,13 @@ fn train(args: &Args) -> anyhow::Result<()> {
     }
     let model = CharGpt::new(gpt_cfg, &vb)?;
     let stages: Vec<accel::pipeline::Stage> = model.stages().into_iter().cloned().collect();
-    // This rank's share of the model (its stages' blocks, split over tp), before any sharding: ZeRO's Ψ below.
     let held_parameters: usize = varmap.all_vars().iter().map(|v| v.elem_count()).sum();
     let opt = AdamW::new(AdamWConfig { lr: args.lr, weight_decay: 0.1, ..Default::default() })?;
     // accel: gradient sync over dp, fp32 masters (sharded over dp_shard); under FULL_SHARD the layers gather their
     // weights at each use from here on
     let prepared = acc.prepare_model(&varmap)?;
-    let mut opt = acc.prepare_optimizer(&prepared, opt)?;
-    let mut loader = acc.prepare_data_loader(DataLoader::new(data, loader_cfg))?; // accel: sharded by the dp rank
+    let opt = acc.prepare_optimizer(&prepared, opt)?;
+    let loader = acc.prepare_data_loader(DataLoader::new(data, loader_cfg))?; // accel: sharded by the dp rank
     if loader.is_empty() {
         bail!("--batch-size {batch_size} leaves no full batch per replica ({n_windows} windows, dp {dp})");
     }
@@ -358,22 +405,26 @@ fn train(args: &Args) -> anyhow::Result<()> {
         acc.print(format!("resumed from {} at step {}", dir.display(), acc.optimizer_step_count()));
         if acc.optimizer_step_count() >= args.steps {
             acc.print(format!("--steps {}: the checkpoint is there already, nothing to train", args.steps));
-            return Ok(());
+            return Ok(None);
         }
     }
 
-    let ga = acc.gradient_accumulation_steps();
-    let pp = acc.mesh().pp().world_size();
-    let layers_here: usize = stages.iter().map(|s| s.layers.len()).sum();
-    let tokens_per_step = (batch_size * args.block_size * dp * ga) as f64;
+    Ok(Some(Run { acc, gpt_cfg, vocab, model, prepared, opt, loader, stages, batch_size, held_parameters }))
+}
+
+/// The run's one line before training: processes and layout, the model, precision, accumulation, batch.
+fn announce(args: &Args, run: &Run) {
+    let (acc, gpt_cfg) = (&run.acc, &run.gpt_cfg);
+    let tp = acc.tensor_parallel().size();
+    let (dp, ga) = (acc.data_parallel_size(), acc.gradient_accumulation_steps());
     acc.print_banner("accel_gpt"); // accel: config, processes, layout, precision, accumulation, backend (once)
     acc.print(format!(
-        "accel_gpt: {} process(es) = pp {pp} × dp {dp} × tp {}{}, model {} parameters (d_model {}, {} heads, {} \
+        "accel_gpt: {} process(es) = pp {} × dp {dp} × tp {tp}{}, model {} parameters (d_model {}, {} heads, {} \
          layers, context {}, d_ff {}, vocabulary {} padded to {}), mixed precision {}, gradient accumulation {ga}, \
          global batch {} sequences = {} tokens per optimizer step, {} batches per replica per epoch",
         acc.world_size(),
-        tp.size(),
-        pipeline_summary(&acc, &stages, gpt_cfg.n_layer, args.layers_per_stage.as_deref()),
+        acc.mesh().pp().world_size(),
+        pipeline_summary(acc, &run.stages, gpt_cfg.n_layer, args.layers_per_stage.as_deref()),
         gpt_cfg.num_parameters(),
         gpt_cfg.d_model,
         gpt_cfg.n_head,
@@ -381,49 +432,101 @@ fn train(args: &Args) -> anyhow::Result<()> {
         gpt_cfg.block_size,
         gpt_cfg.d_ff,
         gpt_cfg.vocab_size,
-        gpt_cfg.vocab_size.div_ceil(tp.size()) * tp.size(),
+        gpt_cfg.vocab_size.div_ceil(tp) * tp,
         acc.mixed_precision(),
-        batch_size * dp * ga,
-        tokens_per_step,
-        loader.len()
+        run.batch_size * dp * ga,
+        tokens_per_step(args, run),
+        run.loader.len()
     ));
+}
 
-    let start = Instant::now();
-    // Throughput is measured after the first logged interval (allocation, first-touch and thread-pool start-up).
-    let mut measured: Option<(Instant, u64)> = None;
-    // The tp group's collective payload (ddp_core::traffic counters): from the start of training, and from the end
-    // of the first logged interval (the measured window, like the throughput).
-    let tp_traffic_at_run_start = acc.mesh().tp().traffic();
-    let mut tp_traffic_at_start = tp_traffic_at_run_start;
-    // The data-parallel groups' collectives (the gradient reduction, ZeRO's reduce-scatter and all-gathers).
-    // Each with its size; FULL_SHARD's prefetch thread gathers over a communicator of its own (dp_shard ranks).
-    let dp_groups = data_parallel_groups(&acc);
-    let shard_size = acc.parallelism_config().dp_shard_size;
-    let dp_traffic = || {
-        let mut all: Vec<(ddp_core::TrafficStats, usize)> =
-            dp_groups.iter().map(|g| (g.traffic(), g.world_size())).collect();
-        all.extend(prepared.prefetch_traffic().map(|t| (t, shard_size)));
+/// Tokens of one optimizer step over all data-parallel replicas.
+fn tokens_per_step(args: &Args, run: &Run) -> f64 {
+    let acc = &run.acc;
+    (run.batch_size * args.block_size * acc.data_parallel_size() * acc.gradient_accumulation_steps()) as f64
+}
+
+/// The counters the reports read, each taken at the start of training and again at the end of the first logged
+/// interval (the warm-up: allocation, first touch, thread-pool start-up), so that a report covers the steps after it.
+struct Meters {
+    /// When the warm-up ended, and at which step.
+    measured: Option<(Instant, u64)>,
+    /// The tp group's collective payload (ddp_core::traffic counters).
+    tp_at_run_start: ddp_core::TrafficStats,
+    tp_at_start: ddp_core::TrafficStats,
+    /// The data-parallel groups' collectives (the gradient reduction, ZeRO's reduce-scatter and all-gathers), each
+    /// with its size; FULL_SHARD's prefetch thread gathers over a communicator of its own (dp_shard ranks).
+    dp_groups: Vec<ddp_core::ProcessGroup>,
+    dp_at_start: Vec<(ddp_core::TrafficStats, usize)>,
+    /// This rank's busy and elapsed time in the pipeline's steps (the measured bubble).
+    pipeline_at_run_start: Option<accel::pipeline::PipelineTiming>,
+    pipeline_at_start: Option<accel::pipeline::PipelineTiming>,
+}
+
+impl Meters {
+    fn new(acc: &Accelerator, prepared: &accel::PreparedModel) -> Self {
+        let mut m = Meters {
+            measured: None,
+            tp_at_run_start: acc.mesh().tp().traffic(),
+            tp_at_start: acc.mesh().tp().traffic(),
+            dp_groups: data_parallel_groups(acc),
+            dp_at_start: Vec::new(),
+            pipeline_at_run_start: acc.pipeline_timing(),
+            pipeline_at_start: acc.pipeline_timing(),
+        };
+        m.dp_at_start = m.dp_traffic(acc, prepared);
+        m
+    }
+
+    fn dp_traffic(&self, acc: &Accelerator, prepared: &accel::PreparedModel) -> Vec<(ddp_core::TrafficStats, usize)> {
+        let mut all: Vec<_> = self.dp_groups.iter().map(|g| (g.traffic(), g.world_size())).collect();
+        all.extend(prepared.prefetch_traffic().map(|t| (t, acc.parallelism_config().dp_shard_size)));
         all
-    };
-    let mut dp_traffic_at_start = dp_traffic();
-    // This rank's busy and elapsed time in the pipeline's steps (the measured bubble), from the same window.
-    let pipeline_at_run_start = acc.pipeline_timing();
-    let mut pipeline_at_start = pipeline_at_run_start;
-    // What this rank holds for the model when it steps (the last step's): its gradient slots.
-    let mut gradient_bytes = 0usize;
-    // Where the run starts: step 0, or the resumed checkpoint's step and epoch (the loader skips what it consumed).
+    }
+
+    /// The warm-up ended at `step`: the measured window starts here.
+    fn end_warm_up(&mut self, acc: &Accelerator, prepared: &accel::PreparedModel, step: u64) {
+        self.measured = Some((Instant::now(), step));
+        self.tp_at_start = acc.mesh().tp().traffic();
+        self.dp_at_start = self.dp_traffic(acc, prepared);
+        self.pipeline_at_start = acc.pipeline_timing();
+    }
+
+    /// The first step after the warm-up, when the run went past it.
+    fn window_start(&self, step: u64) -> Option<u64> {
+        self.measured.map(|(_, s0)| s0).filter(|s0| step > *s0)
+    }
+}
+
+/// Where training ended.
+struct Progress {
+    step: u64,
+    last_loss: f64,
+    seconds: f64,
+    /// This rank's gradient slots when it last stepped, bytes.
+    gradient_bytes: usize,
+}
+
+/// The training loop: from step 0 or the resumed checkpoint's step and epoch (the loader skips what it consumed)
+/// to `--steps`, logging every `--log-every` and saving every `--save-every`.
+fn run_steps(args: &Args, run: &mut Run, meters: &mut Meters) -> anyhow::Result<Progress> {
+    let Run { acc, model, prepared, opt, loader, .. } = run;
+    let (acc, model, prepared) = (&*acc, &*model, &*prepared);
+    let tokens_per_step =
+        (run.batch_size * args.block_size * acc.data_parallel_size() * acc.gradient_accumulation_steps()) as f64;
+    let start = Instant::now();
     let (mut step, mut epoch) = (acc.optimizer_step_count(), loader.epoch());
     let (mut loss_sum, mut loss_count) = (0f64, 0usize);
-    let mut last_loss = f64::NAN;
+    let (mut last_loss, mut gradient_bytes) = (f64::NAN, 0usize);
     'training: while step < args.steps {
         loader.set_epoch(epoch);
-        for batch in &loader {
+        for batch in &*loader {
             let batch = batch?;
             let loss = acc.accumulate(|| -> anyhow::Result<Tensor> {
                 // accel: forward, vocab-parallel cross entropy (f32) and backward in one call, at any pp: at pp 1
                 // the dp all-reduce starts during the backward pass at the cuts CharGpt marks before each block;
                 // under pp the micro-batches run through the schedule.
-                Ok(acc.pipeline_backward(&model, &batch.inputs, &batch.targets, |logits, y| model.loss_of(logits, y))?)
+                Ok(acc.pipeline_backward(model, &batch.inputs, &batch.targets, |logits, y| model.loss_of(logits, y))?)
             })?;
             loss_sum += f64::from(loss.to_scalar::<f32>()?);
             loss_count += 1;
@@ -433,7 +536,7 @@ fn train(args: &Args) -> anyhow::Result<()> {
             if args.max_grad_norm > 0.0 {
                 acc.clip_grad_norm(args.max_grad_norm)?; // accel: each parameter counted once over dp × tp
             }
-            gradient_bytes = acc.gradients(&prepared).0.iter().flatten().map(tensor_bytes).sum();
+            gradient_bytes = acc.gradients(prepared).0.iter().flatten().map(tensor_bytes).sum();
             opt.step()?;
             step += 1;
             if args.save_every > 0 && step % args.save_every == 0 {
@@ -444,7 +547,7 @@ fn train(args: &Args) -> anyhow::Result<()> {
                 // The mean over the interval's micro-batches and the data-parallel replicas (tp peers agree).
                 let mean = Tensor::new(&[(loss_sum / loss_count.max(1) as f64) as f32], acc.device())?;
                 last_loss = f64::from(acc.reduce(&mean, ReduceKind::Mean)?.to_vec1::<f32>()?[0]);
-                let speed = match measured {
+                let speed = match meters.measured {
                     Some((t0, s0)) => format!(
                         "{:.0} tokens/s",
                         (step - s0) as f64 * tokens_per_step / t0.elapsed().as_secs_f64().max(1e-9)
@@ -456,11 +559,8 @@ fn train(args: &Args) -> anyhow::Result<()> {
                     args.steps,
                     start.elapsed().as_secs_f64()
                 ));
-                if measured.is_none() {
-                    measured = Some((Instant::now(), step));
-                    tp_traffic_at_start = acc.mesh().tp().traffic();
-                    dp_traffic_at_start = dp_traffic();
-                    pipeline_at_start = acc.pipeline_timing();
+                if meters.measured.is_none() {
+                    meters.end_warm_up(acc, prepared, step);
                 }
                 (loss_sum, loss_count) = (0.0, 0);
             }
@@ -471,100 +571,133 @@ fn train(args: &Args) -> anyhow::Result<()> {
         epoch += 1;
     }
     acc.wait_for_checkpoint()?; // accel: a checkpoint still being written belongs to the run
-    let elapsed = start.elapsed().as_secs_f64();
+    Ok(Progress { step, last_loss, seconds: start.elapsed().as_secs_f64(), gradient_bytes })
+}
+
+/// What the run measured: throughput, the pipeline bubble, the tp and data-parallel traffic per step, the memory
+/// this rank holds, every rank's peak RSS.
+fn report(args: &Args, run: &Run, meters: &Meters, progress: &Progress) -> anyhow::Result<()> {
+    let acc = &run.acc;
+    let (step, tp) = (progress.step, acc.tensor_parallel().size());
+    let (pp, dp) = (acc.mesh().pp().world_size(), acc.data_parallel_size());
     // Counted over the steps after warm-up; a run that ends with its first logged interval has none, and is
     // counted whole instead (a counter never reports a window it did not see).
-    let (tp_traffic, measured_steps, window) = match measured {
-        Some((_, s0)) if step > s0 => (
-            acc.mesh().tp().traffic() - tp_traffic_at_start,
+    let throughput = match (meters.measured, meters.window_start(step)) {
+        (Some((t0, s0)), Some(_)) => {
+            (step - s0) as f64 * tokens_per_step(args, run) / t0.elapsed().as_secs_f64().max(1e-9)
+        }
+        _ => step as f64 * tokens_per_step(args, run) / progress.seconds.max(1e-9),
+    };
+    acc.print(format!(
+        "accel_gpt done: {step} steps in {:.1} s, final loss {:.4}, {throughput:.0} tokens/s (pp {pp} × dp {dp} × tp \
+         {tp})",
+        progress.seconds, progress.last_loss
+    ));
+    report_pipeline_bubble(acc, meters);
+    if tp > 1 {
+        report_tp_traffic(args, run, meters, step);
+    }
+    if dp > 1 {
+        report_dp_traffic(run, meters, step);
+    }
+    report_memory(run, progress)
+}
+
+/// Every rank's own idle share of its pipeline steps, beside the schedule's (p − 1)/(m + p − 1) ÷ v (Narayanan et
+/// al. 2021), which assumes equal stages and free sends.
+fn report_pipeline_bubble(acc: &Accelerator, meters: &Meters) {
+    let (Some(now), Some(then), Some(schedule)) =
+        (acc.pipeline_timing(), meters.pipeline_at_start, acc.pipeline_schedule())
+    else {
+        return;
+    };
+    // As the traffic: the steps after warm-up, or every step when the run ended with its first interval.
+    let (t, warm_up) = match now.since(&then) {
+        t if t.steps > 0 => (t, ""),
+        _ => (now.since(&meters.pipeline_at_run_start.unwrap_or(then)), ", warm-up included"),
+    };
+    println!(
+        "rank {}: pipeline bubble measured {:.1} % of the step over {} steps{warm_up} (the schedule's {:.1} %)",
+        acc.rank(),
+        100.0 * t.bubble(),
+        t.steps,
+        100.0 * accel::auto_layout::bubble_fraction(schedule.pp, schedule.microbatches, schedule.virtual_stages)
+    );
+}
+
+/// The tp group's payload per optimizer step beside Megatron-LM's count (Shoeybi et al. 2019, §3): per layer and
+/// micro-batch, two all-reduces of the [b, s, h] activations forward (after attention and after the MLP) and two
+/// backward (the input gradients of their column-parallel layers) = 4·b·s·h·bytes of all-reduce payload. The
+/// embedding (forward), the head (backward), the vocab-parallel loss and the gradient norm add the rest.
+fn report_tp_traffic(args: &Args, run: &Run, meters: &Meters, step: u64) {
+    let acc = &run.acc;
+    let (tp_traffic, measured_steps, window) = match meters.window_start(step) {
+        Some(s0) => (
+            acc.mesh().tp().traffic() - meters.tp_at_start,
             step - s0,
             format!("the {} steps after warm-up", step - s0),
         ),
-        _ => (
-            acc.mesh().tp().traffic() - tp_traffic_at_run_start,
+        None => (
+            acc.mesh().tp().traffic() - meters.tp_at_run_start,
             step.max(1),
             format!("all {step} steps, warm-up included"),
         ),
     };
-    let throughput = match measured {
-        Some((t0, s0)) if step > s0 => (step - s0) as f64 * tokens_per_step / t0.elapsed().as_secs_f64().max(1e-9),
-        _ => step as f64 * tokens_per_step / elapsed.max(1e-9),
-    };
+    let bytes = acc.compute_dtype().size_in_bytes();
+    let per_layer = 4 * run.batch_size * args.block_size * run.gpt_cfg.d_model * bytes;
+    let layers_here: usize = run.stages.iter().map(|s| s.layers.len()).sum();
+    let ga = acc.gradient_accumulation_steps();
     acc.print(format!(
-        "accel_gpt done: {step} steps in {elapsed:.1} s, final loss {last_loss:.4}, {throughput:.0} tokens/s \
-         (pp {pp} × dp {dp} × tp {})",
-        tp.size()
+        "tp traffic per optimizer step (rank {}, over {window}): {} B of all-reduce payload in {} calls, {} B of \
+         all-gather; \
+         formula 4·b·s·h·bytes per layer per batch × {} layers (this rank's) × {ga} batches = {} B, plus \
+         2·b·s·h·bytes for the embedding (forward) and the head (backward), 3·b·s·4 for the vocab-parallel \
+         loss and 8 for the gradient norm",
+        acc.rank(),
+        tp_traffic.all_reduce.bytes / measured_steps,
+        tp_traffic.all_reduce.calls / measured_steps,
+        tp_traffic.all_gather.bytes / measured_steps,
+        layers_here,
+        per_layer * layers_here * ga
     ));
-    if let (Some(now), Some(then), Some(schedule)) = (acc.pipeline_timing(), pipeline_at_start, acc.pipeline_schedule())
-    {
-        // Every rank's own idle share of its pipeline steps, beside the schedule's (p − 1)/(m + p − 1) ÷ v
-        // (Narayanan et al. 2021), which assumes equal stages and free sends.
-        // As the traffic: the steps after warm-up, or every step when the run ended with its first interval.
-        let (t, warm_up) = match now.since(&then) {
-            t if t.steps > 0 => (t, ""),
-            _ => (now.since(&pipeline_at_run_start.unwrap_or(then)), ", warm-up included"),
+}
+
+/// The data-parallel payload per group (what the ranks pass in) and what ring algorithms send, next to ZeRO's
+/// per-step volumes (§7: 2Ψ for DDP, ZeRO-1 and ZeRO-2 without accumulation, 3Ψ for FULL_SHARD; × (n−1)/n).
+fn report_dp_traffic(run: &Run, meters: &Meters, step: u64) {
+    let acc = &run.acc;
+    let dp = acc.data_parallel_size();
+    let psi = 4 * run.held_parameters; // this rank's fp32 share of the model, bytes
+    let (steps, window) = match meters.window_start(step) {
+        Some(s0) => (step - s0, meters.dp_at_start.clone()),
+        None => (step.max(1), Vec::new()),
+    };
+    let (mut payload, mut ring) = (0u64, 0u64);
+    for (k, (now, size)) in meters.dp_traffic(acc, &run.prepared).into_iter().enumerate() {
+        let t = match window.get(k) {
+            Some((w, _)) => now - *w,
+            None => now,
         };
-        println!(
-            "rank {}: pipeline bubble measured {:.1} % of the step over {} steps{warm_up} (the schedule's {:.1} %)",
-            acc.rank(),
-            100.0 * t.bubble(),
-            t.steps,
-            100.0 * accel::auto_layout::bubble_fraction(schedule.pp, schedule.microbatches, schedule.virtual_stages)
-        );
+        payload += t.total_bytes();
+        ring += t.ring_bytes(size);
     }
-    if tp.size() > 1 {
-        // Megatron-LM (Shoeybi et al. 2019, §3): per layer and micro-batch, two all-reduces of the [b, s, h]
-        // activations forward (after attention and after the MLP) and two backward (the input gradients of their
-        // column-parallel layers) = 4·b·s·h·bytes of all-reduce payload. The embedding (forward), the head
-        // (backward), the vocab-parallel loss and the gradient norm add the rest.
-        let bytes = acc.compute_dtype().size_in_bytes();
-        let per_layer = 4 * batch_size * args.block_size * gpt_cfg.d_model * bytes;
-        acc.print(format!(
-            "tp traffic per optimizer step (rank {}, over {window}): {} B of all-reduce payload in {} calls, {} B of \
-             all-gather; \
-             formula 4·b·s·h·bytes per layer per batch × {} layers (this rank's) × {ga} batches = {} B, plus \
-             2·b·s·h·bytes for the embedding (forward) and the head (backward), 3·b·s·4 for the vocab-parallel \
-             loss and 8 for the gradient norm",
-            acc.rank(),
-            tp_traffic.all_reduce.bytes / measured_steps,
-            tp_traffic.all_reduce.calls / measured_steps,
-            tp_traffic.all_gather.bytes / measured_steps,
-            layers_here,
-            per_layer * layers_here * ga
-        ));
-    }
-    if dp > 1 {
-        // Payload per group (what the ranks pass in), and what ring algorithms send, next to ZeRO's per-step
-        // volumes (§7: 2Ψ for DDP, ZeRO-1 and ZeRO-2 without accumulation, 3Ψ for FULL_SHARD; times (n−1)/n).
-        let psi = 4 * held_parameters; // this rank's fp32 share of the model, bytes
-        let steps = match measured {
-            Some((_, s0)) if step > s0 => step - s0,
-            _ => step.max(1),
-        };
-        let window = if measured.is_some_and(|(_, s0)| step > s0) { dp_traffic_at_start.clone() } else { Vec::new() };
-        let (mut payload, mut ring) = (0u64, 0u64);
-        for (k, (now, size)) in dp_traffic().into_iter().enumerate() {
-            let t = match window.get(k) {
-                Some((w, _)) => now - *w,
-                None => now,
-            };
-            payload += t.total_bytes();
-            ring += t.ring_bytes(size);
-        }
-        let n = dp as f64;
-        acc.print(format!(
-            "data-parallel traffic per optimizer step (rank {}): {} B of payload, {} B sent by ring algorithms = \
-             {:.2} Ψ·(n−1)/n with Ψ = {psi} B (this rank's fp32 model share), n = {dp}",
-            acc.rank(),
-            payload / steps,
-            ring / steps,
-            (ring / steps) as f64 / (psi as f64 * (n - 1.0) / n)
-        ));
-    }
-    // What this rank holds, measured: its parameters (the prepared Vars, and the fp32 masters where they are
-    // separate copies: fp16, not bf16 on the CPU, which computes over the f32 parameters), its gradients when it
-    // steps (reduced: chunks at every sharded stage, ZeRO-1 included; between micro-batches ZeRO-1 holds them
-    // whole), and its optimizer state.
+    let n = dp as f64;
+    acc.print(format!(
+        "data-parallel traffic per optimizer step (rank {}): {} B of payload, {} B sent by ring algorithms = {:.2} \
+         Ψ·(n−1)/n with Ψ = {psi} B (this rank's fp32 model share), n = {dp}",
+        acc.rank(),
+        payload / steps,
+        ring / steps,
+        (ring / steps) as f64 / (psi as f64 * (n - 1.0) / n)
+    ));
+}
+
+/// What this rank holds, measured: its parameters (the prepared Vars, and the fp32 masters where they are separate
+/// copies: fp16, not bf16 on the CPU, which computes over the f32 parameters), its gradients when it steps
+/// (reduced: chunks at every sharded stage, ZeRO-1 included; between micro-batches ZeRO-1 holds them whole), its
+/// optimizer state; then every rank's peak RSS (the launcher prefixes the lines with [rank r]).
+fn report_memory(run: &Run, progress: &Progress) -> anyhow::Result<()> {
+    let (acc, prepared) = (&run.acc, &run.prepared);
     let held: std::collections::HashSet<_> = prepared.parameters().iter().map(|v| v.as_tensor().id()).collect();
     let param_bytes: usize = prepared.parameters().iter().map(|v| tensor_bytes(v.as_tensor())).sum::<usize>()
         + prepared
@@ -574,35 +707,23 @@ fn train(args: &Args) -> anyhow::Result<()> {
             .map(|m| tensor_bytes(m.as_tensor()))
             .sum::<usize>();
     let optimizer_bytes: usize =
-        accel::Optimizer::state_dict(&*opt.optimizer())?.tensors.values().map(tensor_bytes).sum();
+        accel::Optimizer::state_dict(&*run.opt.optimizer())?.tensors.values().map(tensor_bytes).sum();
     println!(
         "rank {}: parameters {:.1} MiB, gradients when it steps {:.1} MiB, optimizer state {:.1} MiB",
         acc.rank(),
         param_bytes as f64 / MIB,
-        gradient_bytes as f64 / MIB,
+        progress.gradient_bytes as f64 / MIB,
         optimizer_bytes as f64 / MIB
     );
     acc.wait_for_everyone()?;
-    // Every rank reports its own peak; the launcher prefixes the lines with [rank r].
     println!(
         "rank {} (pp {} dp {} tp {}): peak RSS {:.1} MiB",
         acc.rank(),
         acc.mesh().pp().rank(),
         acc.data_parallel_rank(),
-        tp.rank(),
+        acc.tensor_parallel().rank(),
         accel_examples::peak_rss_mib()
     );
     acc.wait_for_everyone()?;
-
-    if args.sample_len > 0 {
-        let prompt = vocab.encode(&args.prompt).context("--prompt")?;
-        // The same seed on every rank: the tp peers draw the same characters and stay in step.
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed);
-        let out =
-            model.sample(&prepared, acc.is_main_process(), &prompt, args.sample_len, args.temperature, &mut rng)?;
-        if let Some(out) = out {
-            acc.print(format!("sample (temperature {}):\n{}{}", args.temperature, args.prompt, vocab.decode(&out)));
-        }
-    }
     Ok(())
 }
