@@ -659,10 +659,16 @@ pub mod docs {
     pub struct Guide00Levels;
     #[doc = include_str!("../../docs/guide/01-ddp.md")]
     pub struct Guide01Ddp;
+    #[doc = include_str!("../../docs/guide/01-ddp-zero.md")]
+    pub struct Guide01DdpZero;
     #[doc = include_str!("../../docs/guide/02-accel.md")]
     pub struct Guide02Accel;
     #[doc = include_str!("../../docs/guide/03-trainer.md")]
     pub struct Guide03Trainer;
+    #[doc = include_str!("../../docs/guide/03-trainer-checkpoints.md")]
+    pub struct Guide03TrainerCheckpoints;
+    #[doc = include_str!("../../docs/guide/03-trainer-hpsearch.md")]
+    pub struct Guide03TrainerHpsearch;
     #[doc = include_str!("../../docs/guide/04-nd-parallel.md")]
     pub struct Guide04NdParallel;
     #[doc = include_str!("../../docs/guide/05-your-model.md")]

@@ -125,10 +125,8 @@ pub fn run_schedule(
         )));
     }
     let me = links.rank();
-    let last = schedule.num_stages() - 1;
-    let params = model.parameters();
-    let t0 = Instant::now();
     std::thread::scope(|scope| -> Result<PipelineStep> {
+        // Sends go out on a thread of their own, so that a stage computes while its last output travels.
         let (tx, rx) = std::sync::mpsc::channel::<(Tensor, usize, Action)>();
         let sender = scope.spawn(move || -> Result<()> {
             for (t, peer, action) in rx {
@@ -137,141 +135,28 @@ pub fn run_schedule(
             }
             Ok(())
         });
-        let mut stash: HashMap<(usize, usize), Stash> = HashMap::new();
-        let mut inbox: HashMap<Action, Tensor> = HashMap::new(); // received, not yet used
-        let mut local: HashMap<Action, Tensor> = HashMap::new(); // sent to a stage on this rank
-        let mut step = PipelineStep { losses: Vec::new(), gradients: vec![None; params.len()], timeline: Vec::new() };
-        let mut input_grads: HashMap<(usize, usize), Tensor> = HashMap::new();
-        let run = (|| -> Result<()> {
-            for &action in &schedule.ranks[me] {
-                let (stage, mb) = action.at();
-                match action {
-                    Action::RecvActivation { .. } | Action::RecvGradient { .. } => {
-                        let (from_stage, sent) = match action {
-                            Action::RecvActivation { .. } => {
-                                (stage - 1, Action::SendActivation { stage: stage - 1, microbatch: mb })
-                            }
-                            _ => (stage + 1, Action::SendGradient { stage: stage + 1, microbatch: mb }),
-                        };
-                        let peer = schedule.rank_of(from_stage);
-                        let t = if peer == me {
-                            local.remove(&sent).ok_or_else(|| missing(action))?
-                        } else {
-                            let (group, src) = links.from(peer).ok_or_else(|| no_link("receive from", peer))?;
-                            let (shape, dtype) = match action {
-                                Action::RecvActivation { .. } => match shapes.received.get(&stage) {
-                                    Some(known) => known.clone(),
-                                    None => {
-                                        let h = group
-                                            .recv_tensor(HEADER_LEN, DType::I64, src)
-                                            .map_err(|e| failed(links, action, me, peer, e))?;
-                                        let agreed = read_header(&h)?;
-                                        shapes.received.insert(stage, agreed.clone());
-                                        agreed
-                                    }
-                                },
-                                _ => {
-                                    let out = &stash.get(&(stage, mb)).ok_or_else(|| missing(action))?.output;
-                                    (out.shape().clone(), out.dtype())
-                                }
-                            };
-                            group.recv_tensor(shape, dtype, src).map_err(|e| failed(links, action, me, peer, e))?
-                        };
-                        inbox.insert(action, t);
-                    }
-                    Action::Forward { .. } => {
-                        let start = t0.elapsed().as_secs_f64();
-                        let input = match stage {
-                            0 => None,
-                            _ => {
-                                let t = inbox
-                                    .remove(&Action::RecvActivation { stage, microbatch: mb })
-                                    .ok_or_else(|| missing(action))?;
-                                Some(Var::from_tensor(&t)?)
-                            }
-                        };
-                        let input_tensor = input.as_ref().map(Var::as_tensor);
-                        // Activation checkpointing: the forward recorded, so its checkpointed blocks keep no
-                        // activations (the backward recomputes them, segment by segment).
-                        let (output, segments) = if crate::activation_checkpoint::enabled() {
-                            let (o, cuts) = ddp_core::segments::record(|| model.forward(stage, mb, input_tensor))?;
-                            (o, Some(cuts))
-                        } else {
-                            (model.forward(stage, mb, input_tensor)?, None)
-                        };
-                        let loss = if stage == last { Some(model.loss(mb, &output)?) } else { None };
-                        if let Some(l) = &loss {
-                            step.losses.push(l.to_dtype(DType::F64)?.to_scalar::<f64>()?);
-                        }
-                        stash.insert((stage, mb), Stash { input, output, loss, segments });
-                        step.timeline.push((action, start, t0.elapsed().as_secs_f64()));
-                    }
-                    Action::Backward { .. } => {
-                        let start = t0.elapsed().as_secs_f64();
-                        let mut s = stash.remove(&(stage, mb)).ok_or_else(|| missing(action))?;
-                        let grad = match &s.loss {
-                            Some(_) => None,
-                            None => Some(
-                                inbox
-                                    .remove(&Action::RecvGradient { stage, microbatch: mb })
-                                    .ok_or_else(|| missing(action))?,
-                            ),
-                        };
-                        // The gradients of the stage's parameters (summed into the step's, in fp32 whatever the
-                        // compute dtype, as the step owner's slots) and of its input, from one store or, under
-                        // activation checkpointing, from each segment's.
-                        let mut input_grad: Option<Tensor> = None;
-                        let mut absorb = |store: GradStore| -> Result<()> {
-                            for (slot, p) in step.gradients.iter_mut().zip(&params) {
-                                if let Some(g) = store.get(p.as_tensor()) {
-                                    add_into(slot, g.to_dtype(DType::F32)?)?;
-                                }
-                            }
-                            if let Some(g) = s.input.as_ref().and_then(|i| store.get(i.as_tensor())) {
-                                add_into(&mut input_grad, g.clone())?;
-                            }
-                            Ok(())
-                        };
-                        match (s.segments.take(), &s.loss, &grad) {
-                            (None, Some(loss), _) => absorb(loss.backward()?)?,
-                            (None, None, Some(grad)) => absorb(ddp_core::segments::backward_from(&s.output, grad)?)?,
-                            (Some(cuts), Some(loss), _) => cuts.backward(loss, |_, store| absorb(store))?,
-                            (Some(cuts), None, Some(grad)) => {
-                                cuts.backward_from(&s.output, grad, |_, store| absorb(store))?
-                            }
-                            (_, None, None) => return Err(missing(action)),
-                        }
-                        if let Some(input) = &s.input {
-                            let g = match input_grad {
-                                Some(g) => g,
-                                None => input.zeros_like()?,
-                            };
-                            input_grads.insert((stage, mb), g);
-                        }
-                        step.timeline.push((action, start, t0.elapsed().as_secs_f64()));
-                    }
-                    Action::SendActivation { .. } | Action::SendGradient { .. } => {
-                        let (t, to_stage) = match action {
-                            Action::SendActivation { .. } => {
-                                (stash.get(&(stage, mb)).ok_or_else(|| missing(action))?.output.clone(), stage + 1)
-                            }
-                            _ => (input_grads.remove(&(stage, mb)).ok_or_else(|| missing(action))?, stage - 1),
-                        };
-                        let peer = schedule.rank_of(to_stage);
-                        if peer == me {
-                            local.insert(action, t);
-                        } else {
-                            // The sender thread is gone only if a send failed: its error is returned below.
-                            if matches!(action, Action::SendActivation { .. }) && shapes.sent.insert(to_stage) {
-                                let _ = tx.send((shape_header(&t)?, peer, action));
-                            }
-                            let _ = tx.send((t.detach(), peer, action));
-                        }
-                    }
-                }
-            }
-            Ok(())
-        })();
+        let params = model.parameters();
+        let mut rank = RankStep {
+            schedule,
+            links,
+            shapes,
+            me,
+            t0: Instant::now(),
+            step: PipelineStep { losses: Vec::new(), gradients: vec![None; params.len()], timeline: Vec::new() },
+            params,
+            tx,
+            stash: HashMap::new(),
+            inbox: HashMap::new(),
+            local: HashMap::new(),
+            input_grads: HashMap::new(),
+        };
+        let run = schedule.ranks[me].iter().try_for_each(|&action| match action {
+            Action::RecvActivation { .. } | Action::RecvGradient { .. } => rank.receive(action),
+            Action::Forward { .. } => rank.forward(action, model),
+            Action::Backward { .. } => rank.backward(action),
+            Action::SendActivation { .. } | Action::SendGradient { .. } => rank.send(action),
+        });
+        let RankStep { step, tx, .. } = rank;
         drop(tx);
         let sent =
             sender.join().map_err(|_| AccelError::InvalidArgument("pipeline: the sender thread panicked".into()))?;
@@ -279,6 +164,171 @@ pub fn run_schedule(
         sent?;
         Ok(step)
     })
+}
+
+/// One rank's part of one pipeline step while it runs its actions: what it has received, computed and still has
+/// to send.
+struct RankStep<'a> {
+    schedule: &'a PipelineSchedule,
+    links: &'a PipelineLinks,
+    shapes: &'a mut ShapeBook,
+    /// This rank in the pp group.
+    me: usize,
+    t0: Instant,
+    /// The step's losses, gradient sums and timeline, returned at the end.
+    step: PipelineStep,
+    params: Vec<Var>,
+    /// To the sender thread: (tensor, peer, the send action).
+    tx: std::sync::mpsc::Sender<(Tensor, usize, Action)>,
+    /// Each (stage, micro-batch) forward's input, output and loss, until its backward.
+    stash: HashMap<(usize, usize), Stash>,
+    /// Received, not yet used.
+    inbox: HashMap<Action, Tensor>,
+    /// Sent to a stage on this rank.
+    local: HashMap<Action, Tensor>,
+    /// Each backward's gradient of its stage input, until it is sent.
+    input_grads: HashMap<(usize, usize), Tensor>,
+}
+
+impl RankStep<'_> {
+    /// A received activation (from the stage before) or gradient (from the stage after), into the inbox.
+    fn receive(&mut self, action: Action) -> Result<()> {
+        let (stage, mb) = action.at();
+        let (from_stage, sent) = match action {
+            Action::RecvActivation { .. } => (stage - 1, Action::SendActivation { stage: stage - 1, microbatch: mb }),
+            _ => (stage + 1, Action::SendGradient { stage: stage + 1, microbatch: mb }),
+        };
+        let (me, links) = (self.me, self.links);
+        let peer = self.schedule.rank_of(from_stage);
+        let t = if peer == me {
+            self.local.remove(&sent).ok_or_else(|| missing(action))?
+        } else {
+            let (group, src) = links.from(peer).ok_or_else(|| no_link("receive from", peer))?;
+            let (shape, dtype) = match action {
+                // An activation's shape is sent once per stage, before the first one.
+                Action::RecvActivation { .. } => match self.shapes.received.get(&stage) {
+                    Some(known) => known.clone(),
+                    None => {
+                        let h = group
+                            .recv_tensor(HEADER_LEN, DType::I64, src)
+                            .map_err(|e| failed(links, action, me, peer, e))?;
+                        let agreed = read_header(&h)?;
+                        self.shapes.received.insert(stage, agreed.clone());
+                        agreed
+                    }
+                },
+                // A gradient has the shape of the output it is the gradient of.
+                _ => {
+                    let out = &self.stash.get(&(stage, mb)).ok_or_else(|| missing(action))?.output;
+                    (out.shape().clone(), out.dtype())
+                }
+            };
+            group.recv_tensor(shape, dtype, src).map_err(|e| failed(links, action, me, peer, e))?
+        };
+        self.inbox.insert(action, t);
+        Ok(())
+    }
+
+    /// A stage's forward on its received input (the data, at stage 0), its loss at the last stage; stashed.
+    fn forward(&mut self, action: Action, model: &mut dyn PipelineModel) -> Result<()> {
+        let (stage, mb) = action.at();
+        let start = self.t0.elapsed().as_secs_f64();
+        let input = match stage {
+            0 => None,
+            _ => {
+                let t = self
+                    .inbox
+                    .remove(&Action::RecvActivation { stage, microbatch: mb })
+                    .ok_or_else(|| missing(action))?;
+                Some(Var::from_tensor(&t)?)
+            }
+        };
+        let input_tensor = input.as_ref().map(Var::as_tensor);
+        // Activation checkpointing: the forward recorded, so its checkpointed blocks keep no activations (the
+        // backward recomputes them, segment by segment).
+        let (output, segments) = if crate::activation_checkpoint::enabled() {
+            let (o, cuts) = ddp_core::segments::record(|| model.forward(stage, mb, input_tensor))?;
+            (o, Some(cuts))
+        } else {
+            (model.forward(stage, mb, input_tensor)?, None)
+        };
+        let loss = if stage == self.schedule.num_stages() - 1 { Some(model.loss(mb, &output)?) } else { None };
+        if let Some(l) = &loss {
+            self.step.losses.push(l.to_dtype(DType::F64)?.to_scalar::<f64>()?);
+        }
+        self.stash.insert((stage, mb), Stash { input, output, loss, segments });
+        self.step.timeline.push((action, start, self.t0.elapsed().as_secs_f64()));
+        Ok(())
+    }
+
+    /// A stage's backward from its loss (last stage) or its output's received gradient: the parameters'
+    /// gradients summed into the step's, its input's kept for the send.
+    fn backward(&mut self, action: Action) -> Result<()> {
+        let (stage, mb) = action.at();
+        let start = self.t0.elapsed().as_secs_f64();
+        let mut s = self.stash.remove(&(stage, mb)).ok_or_else(|| missing(action))?;
+        let grad = match &s.loss {
+            Some(_) => None,
+            None => Some(
+                self.inbox.remove(&Action::RecvGradient { stage, microbatch: mb }).ok_or_else(|| missing(action))?,
+            ),
+        };
+        // The gradients of the stage's parameters (summed into the step's, in fp32 whatever the compute dtype, as
+        // the step owner's slots) and of its input, from one store or, under activation checkpointing, from each
+        // segment's.
+        let mut input_grad: Option<Tensor> = None;
+        let (gradients, params) = (&mut self.step.gradients, &self.params);
+        let mut absorb = |store: GradStore| -> Result<()> {
+            for (slot, p) in gradients.iter_mut().zip(params) {
+                if let Some(g) = store.get(p.as_tensor()) {
+                    add_into(slot, g.to_dtype(DType::F32)?)?;
+                }
+            }
+            if let Some(g) = s.input.as_ref().and_then(|i| store.get(i.as_tensor())) {
+                add_into(&mut input_grad, g.clone())?;
+            }
+            Ok(())
+        };
+        match (s.segments.take(), &s.loss, &grad) {
+            (None, Some(loss), _) => absorb(loss.backward()?)?,
+            (None, None, Some(grad)) => absorb(ddp_core::segments::backward_from(&s.output, grad)?)?,
+            (Some(cuts), Some(loss), _) => cuts.backward(loss, |_, store| absorb(store))?,
+            (Some(cuts), None, Some(grad)) => cuts.backward_from(&s.output, grad, |_, store| absorb(store))?,
+            (_, None, None) => return Err(missing(action)),
+        }
+        if let Some(input) = &s.input {
+            let g = match input_grad {
+                Some(g) => g,
+                None => input.zeros_like()?,
+            };
+            self.input_grads.insert((stage, mb), g);
+        }
+        self.step.timeline.push((action, start, self.t0.elapsed().as_secs_f64()));
+        Ok(())
+    }
+
+    /// A stage's output to the next stage, or its input's gradient to the one before: kept when that stage is on
+    /// this rank, else handed to the sender thread (with the shape first, once per stage, for an activation).
+    fn send(&mut self, action: Action) -> Result<()> {
+        let (stage, mb) = action.at();
+        let (t, to_stage) = match action {
+            Action::SendActivation { .. } => {
+                (self.stash.get(&(stage, mb)).ok_or_else(|| missing(action))?.output.clone(), stage + 1)
+            }
+            _ => (self.input_grads.remove(&(stage, mb)).ok_or_else(|| missing(action))?, stage - 1),
+        };
+        let peer = self.schedule.rank_of(to_stage);
+        if peer == self.me {
+            self.local.insert(action, t);
+        } else {
+            // The sender thread is gone only if a send failed: its error is returned at the end of the step.
+            if matches!(action, Action::SendActivation { .. }) && self.shapes.sent.insert(to_stage) {
+                let _ = self.tx.send((shape_header(&t)?, peer, action));
+            }
+            let _ = self.tx.send((t.detach(), peer, action));
+        }
+        Ok(())
+    }
 }
 
 /// Adds `g` to the sum in `slot`.
