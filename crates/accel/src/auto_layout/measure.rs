@@ -100,8 +100,6 @@ impl std::fmt::Display for ClusterProbe {
     }
 }
 
-/// A measured link as the probe prints it: a latency of 0 is the fit's floor (the measured times grew with the
-/// bytes alone, the fixed cost below what the probe resolves), said as such rather than printed as "0 s".
 /// The f64s each rank all-gathers (RankFacts' from `cgroup_limit` on).
 const FACTS: usize = 7;
 
@@ -180,70 +178,13 @@ pub fn probe_cluster(
         ],
     )?;
     let machine_keys: Vec<i64> = (0..world).map(|r| ints[2 * r]).collect();
-    // Machines in order of their first rank; each machine's ranks must be consecutive.
-    let mut machine_of = vec![0usize; world];
-    let mut first_rank: Vec<usize> = Vec::new();
-    for r in 0..world {
-        match first_rank.iter().position(|&f| machine_keys[f] == machine_keys[r]) {
-            Some(m) if m + 1 == first_rank.len() => machine_of[r] = m,
-            Some(m) => {
-                return Err(AccelError::InvalidArgument(format!(
-                    "auto layout: rank {r} is on machine {m} but the ranks before it are on machine {}; the layout \
-                     places groups by rank, so each machine's ranks must be consecutive (as torchrun and accel launch \
-                     number them); set the sizes instead of auto",
-                    first_rank.len() - 1
-                )))
-            }
-            None => {
-                machine_of[r] = first_rank.len();
-                first_rank.push(r);
-            }
-        }
-    }
+    let (machine_of, first_rank) = place_machines(&machine_keys)?;
     let n_machines = first_rank.len();
     let fact = |r: usize, k: usize| floats[FACTS * r + k];
 
-    // Memory per process and its source, per machine: the smallest rank's.
-    let mut memory = vec![u64::MAX; n_machines];
-    let mut memory_source = vec![String::new(); n_machines];
     let machine_of = &machine_of;
     let ranks_on = |m: usize| (0..world).filter(move |&r| machine_of[r] == m);
-    for r in 0..world {
-        let m = machine_of[r];
-        let local = ranks_on(m).count();
-        let (bytes, why) = match fact(r, 2) as u8 {
-            2 => (fact(r, 1), format!("given by {MEMORY_ENV} or the program")),
-            1 => (fact(r, 1), format!("device memory {}", units::bytes(fact(r, 1) as u64))),
-            _ => {
-                let share = fact(r, 1) / local as f64;
-                let sharing = ranks_on(m).filter(|&q| ints[2 * q + 1] == ints[2 * r + 1]).count();
-                let limit = fact(r, 0) / sharing as f64;
-                if limit < share {
-                    let total = units::bytes(fact(r, 0) as u64);
-                    (
-                        limit,
-                        format!(
-                            "memory cgroup limit {total} shared by {}",
-                            units::plural(sharing, "process", "processes")
-                        ),
-                    )
-                } else {
-                    let total = units::bytes(fact(r, 1) as u64);
-                    (share, format!("RAM {total} shared by {}", units::plural(local, "process", "processes")))
-                }
-            }
-        };
-        if (bytes as u64) < memory[m] {
-            memory[m] = bytes as u64;
-            memory_source[m] = why;
-        }
-    }
-    if let Some(m) = memory.iter().position(|&b| b == 0) {
-        return Err(AccelError::InvalidArgument(format!(
-            "auto layout: the memory of machine {m}'s processes could not be read (no /proc/meminfo); set \
-             {MEMORY_ENV} (e.g. 8GiB per process)"
-        )));
-    }
+    let (memory, memory_source) = memory_per_machine(machine_of, n_machines, &ints, &floats)?;
     let flops_of = |m: usize| ranks_on(m).map(|r| fact(r, 4)).fold(f64::INFINITY, f64::min);
     let op_latency_of = |m: usize| ranks_on(m).map(|r| fact(r, 5)).fold(0.0, f64::max);
     let bandwidth_of = |m: usize| ranks_on(m).map(|r| fact(r, 6)).fold(f64::INFINITY, f64::min);
@@ -281,21 +222,7 @@ pub fn probe_cluster(
         })
         .collect();
 
-    // Across machines: ping-pong between machine 0's first rank and each other machine's first rank; the slowest.
-    let mut inter: Option<LinkEstimate> = None;
-    let mut slowest = [f64::NAN, f64::NAN];
-    for &other in first_rank.iter().skip(1) {
-        if let Some(e) = probe::ping_pong(pg, first_rank[0], other, &probe::DEFAULT_SIZES, probe::DEFAULT_REPEATS)? {
-            // A message of 1 MiB decides which link is slower (latency and bandwidth both count).
-            if slowest[0].is_nan() || e.message_time(1048576.0) > slowest[0] + 1048576.0 / slowest[1] {
-                slowest = [e.alpha, e.beta];
-            }
-        }
-    }
-    if n_machines > 1 {
-        pg.broadcast(&mut slowest, first_rank[0])?;
-        inter = Some(LinkEstimate { alpha: slowest[0], beta: slowest[1], samples: Vec::new() });
-    }
+    let inter = link_across_machines(pg, &first_rank)?;
 
     let to_link = |e: &LinkEstimate| Link::new(e.alpha, e.beta);
     // A machine with one process has no link inside it that any group uses; it gets the fastest measured one.
@@ -320,6 +247,103 @@ pub fn probe_cluster(
     let spec = ClusterSpec { machines, inter: inter.as_ref().map(to_link).unwrap_or(fallback) };
     spec.validate().map_err(|e| AccelError::InvalidArgument(format!("auto layout probe: {e}")))?;
     Ok(ClusterProbe { spec, memory_source, intra, inter, baseline_rss, seconds: start.elapsed().as_secs_f64() })
+}
+
+/// Each rank's machine (machines numbered in order of their first rank) and each machine's first rank, from every
+/// rank's machine key; refused when a machine's ranks are not consecutive.
+fn place_machines(machine_keys: &[i64]) -> Result<(Vec<usize>, Vec<usize>)> {
+    let world = machine_keys.len();
+    let mut machine_of = vec![0usize; world];
+    let mut first_rank: Vec<usize> = Vec::new();
+    for r in 0..world {
+        match first_rank.iter().position(|&f| machine_keys[f] == machine_keys[r]) {
+            Some(m) if m + 1 == first_rank.len() => machine_of[r] = m,
+            Some(m) => {
+                return Err(AccelError::InvalidArgument(format!(
+                    "auto layout: rank {r} is on machine {m} but the ranks before it are on machine {}; the layout \
+                     places groups by rank, so each machine's ranks must be consecutive (as torchrun and accel launch \
+                     number them); set the sizes instead of auto",
+                    first_rank.len() - 1
+                )))
+            }
+            None => {
+                machine_of[r] = first_rank.len();
+                first_rank.push(r);
+            }
+        }
+    }
+    Ok((machine_of, first_rank))
+}
+
+/// Memory per process and where it came from, per machine: its smallest rank's (given, a device's, the RAM's share
+/// or a memory cgroup's limit shared by the processes in it), from the gathered facts (`ints`: 2 per rank, `floats`:
+/// [`FACTS`] per rank).
+fn memory_per_machine(
+    machine_of: &[usize],
+    n_machines: usize,
+    ints: &[i64],
+    floats: &[f64],
+) -> Result<(Vec<u64>, Vec<String>)> {
+    let world = machine_of.len();
+    let fact = |r: usize, k: usize| floats[FACTS * r + k];
+    let ranks_on = |m: usize| (0..world).filter(move |&r| machine_of[r] == m);
+    let mut memory = vec![u64::MAX; n_machines];
+    let mut memory_source = vec![String::new(); n_machines];
+    for r in 0..world {
+        let m = machine_of[r];
+        let local = ranks_on(m).count();
+        let (bytes, why) = match fact(r, 2) as u8 {
+            2 => (fact(r, 1), format!("given by {MEMORY_ENV} or the program")),
+            1 => (fact(r, 1), format!("device memory {}", units::bytes(fact(r, 1) as u64))),
+            _ => {
+                let share = fact(r, 1) / local as f64;
+                let sharing = ranks_on(m).filter(|&q| ints[2 * q + 1] == ints[2 * r + 1]).count();
+                let limit = fact(r, 0) / sharing as f64;
+                if limit < share {
+                    let total = units::bytes(fact(r, 0) as u64);
+                    (
+                        limit,
+                        format!(
+                            "memory cgroup limit {total} shared by {}",
+                            units::plural(sharing, "process", "processes")
+                        ),
+                    )
+                } else {
+                    let total = units::bytes(fact(r, 1) as u64);
+                    (share, format!("RAM {total} shared by {}", units::plural(local, "process", "processes")))
+                }
+            }
+        };
+        if (bytes as u64) < memory[m] {
+            memory[m] = bytes as u64;
+            memory_source[m] = why;
+        }
+    }
+    if let Some(m) = memory.iter().position(|&b| b == 0) {
+        return Err(AccelError::InvalidArgument(format!(
+            "auto layout: the memory of machine {m}'s processes could not be read (no /proc/meminfo); set \
+             {MEMORY_ENV} (e.g. 8GiB per process)"
+        )));
+    }
+    Ok((memory, memory_source))
+}
+
+/// The slowest link across machines: a ping-pong between machine 0's first rank and each other machine's first
+/// rank (a message of 1 MiB decides which is slower: latency and bandwidth both count); `None` on one machine.
+fn link_across_machines(pg: &ProcessGroup, first_rank: &[usize]) -> Result<Option<LinkEstimate>> {
+    let mut slowest = [f64::NAN, f64::NAN];
+    for &other in first_rank.iter().skip(1) {
+        if let Some(e) = probe::ping_pong(pg, first_rank[0], other, &probe::DEFAULT_SIZES, probe::DEFAULT_REPEATS)? {
+            if slowest[0].is_nan() || e.message_time(1048576.0) > slowest[0] + 1048576.0 / slowest[1] {
+                slowest = [e.alpha, e.beta];
+            }
+        }
+    }
+    if first_rank.len() <= 1 {
+        return Ok(None);
+    }
+    pg.broadcast(&mut slowest, first_rank[0])?;
+    Ok(Some(LinkEstimate { alpha: slowest[0], beta: slowest[1], samples: Vec::new() }))
 }
 
 /// Every rank's `mine`, concatenated in rank order.
