@@ -72,41 +72,19 @@ pub fn enumerate(model: &ModelSpec, world: usize, train: &TrainSpec) -> (Vec<Lay
     let mut schedules = train.schedules.clone();
     schedules.sort_by_key(|k| k.as_str());
     schedules.dedup();
-    let b_global = train.global_batch;
 
     for pp in divisors(world) {
-        if pp > 1 && !train.pipeline {
-            why.add("pipeline not allowed", || format!("pp {pp}: the program has no pipeline stages"));
-            continue;
-        }
-        if pp > 1 && !model.has_stages() {
-            why.add("the model has no pipeline blocks", || {
-                format!("pp {pp}: the model is not declared as blocks (accel::nn::staged)")
-            });
-            continue;
-        }
-        if pp > model.n_layer {
-            why.add("more pp ranks than blocks", || format!("pp {pp} > {} blocks", model.n_layer));
+        if !pp_fits(model, train, pp, &mut why) {
             continue;
         }
         for tp in divisors(world / pp) {
-            if tp > 1 && !train.tensor_parallel {
-                why.add("tensor parallelism not allowed", || format!("tp {tp}: the program has no tp layers"));
-                continue;
-            }
-            if let Some(misfit) = model.tp_misfit(tp) {
-                why.add("tp does not split the model", || misfit);
+            if !tp_fits(model, train, tp, &mut why) {
                 continue;
             }
             let dp = world / (pp * tp);
             for shard in divisors(dp) {
                 let rep = dp / shard;
-                let sizes_now = [rep, shard, tp, pp];
-                if let Some(k) = (0..4).find(|&k| train.fixed[k].is_some_and(|n| n != sizes_now[k])) {
-                    why.add("a size is fixed by the config", || {
-                        let names = ["dp_replicate", "dp_shard", "tp", "pp"];
-                        format!("{} {} where the config sets {}", names[k], sizes_now[k], train.fixed[k].unwrap_or(0))
-                    });
+                if !sizes_fit_the_config(train, [rep, shard, tp, pp], &mut why) {
                     continue;
                 }
                 let stage_options: Vec<ShardingStrategy> =
@@ -115,54 +93,14 @@ pub fn enumerate(model: &ModelSpec, world: usize, train: &TrainSpec) -> (Vec<Lay
                     why.add("no sharding strategy allowed", || format!("dp_shard {shard}"));
                 }
                 for &sharding in &stage_options {
-                    let pipelines: Vec<(Option<ScheduleKind>, usize)> = if pp == 1 {
-                        vec![(None, 1)]
-                    } else {
-                        schedules
-                            .iter()
-                            .flat_map(|&kind| match kind {
-                                ScheduleKind::Interleaved1F1B => {
-                                    (2..=model.n_layer / pp).map(|v| (Some(kind), v)).collect()
-                                }
-                                _ => vec![(Some(kind), 1)],
-                            })
-                            .collect()
-                    };
-                    for (schedule, v) in pipelines {
+                    for (schedule, v) in pipeline_options(&schedules, pp, model.n_layer) {
                         for &b in &sizes {
-                            if !b_global.is_multiple_of(dp * b) {
-                                why.add("global batch does not split", || {
-                                    format!("{b_global} sequences over dp {dp} × micro-batch {b}")
-                                });
+                            let Some((microbatches, accumulation_steps)) =
+                                split_batch(train, dp, b, pp, (schedule, v), &mut why)
+                            else {
                                 continue;
-                            }
-                            let n = b_global / (dp * b);
-                            let (microbatches, accumulation_steps) = if pp == 1 { (1, n) } else { (n, 1) };
-                            if pp == 1 && n > 1 && !train.gradient_accumulation {
-                                why.add("accumulation not allowed", || {
-                                    format!("dp {dp} × micro-batch {b} needs {n} accumulation steps")
-                                });
-                                continue;
-                            }
-                            if pp > 1 && n < pp * v {
-                                why.add("fewer micro-batches than stages", || {
-                                    format!("{n} micro-batches of {b} for pp {pp} × {v} stages per rank")
-                                });
-                                continue;
-                            }
-                            if schedule == Some(ScheduleKind::Interleaved1F1B) && !n.is_multiple_of(pp) {
-                                why.add("interleaving needs a multiple of pp micro-batches", || {
-                                    format!("{n} micro-batches at pp {pp}")
-                                });
-                                continue;
-                            }
-                            let can_checkpoint = sharding != ShardingStrategy::FullShard;
-                            let checkpointing: &[bool] = match (train.checkpointing, can_checkpoint) {
-                                (Checkpointing::Off, _) | (_, false) => &[false],
-                                (Checkpointing::On, true) => &[true],
-                                (Checkpointing::Auto, true) => &[false, true],
                             };
-                            for &activation_checkpointing in checkpointing {
+                            for &activation_checkpointing in checkpointing_options(train, sharding) {
                                 out.push(Layout {
                                     dp_replicate: rep,
                                     dp_shard: shard,
@@ -185,4 +123,104 @@ pub fn enumerate(model: &ModelSpec, world: usize, train: &TrainSpec) -> (Vec<Lay
         }
     }
     (out, why)
+}
+
+/// Whether `pp` pipeline ranks are possible for the model and the program (else the reason is recorded).
+fn pp_fits(model: &ModelSpec, train: &TrainSpec, pp: usize, why: &mut Rejections) -> bool {
+    if pp > 1 && !train.pipeline {
+        why.add("pipeline not allowed", || format!("pp {pp}: the program has no pipeline stages"));
+        return false;
+    }
+    if pp > 1 && !model.has_stages() {
+        why.add("the model has no pipeline blocks", || {
+            format!("pp {pp}: the model is not declared as blocks (accel::nn::staged)")
+        });
+        return false;
+    }
+    if pp > model.n_layer {
+        why.add("more pp ranks than blocks", || format!("pp {pp} > {} blocks", model.n_layer));
+        return false;
+    }
+    true
+}
+
+/// Whether `tp` tensor-parallel ranks are possible for the model and the program (else the reason is recorded).
+fn tp_fits(model: &ModelSpec, train: &TrainSpec, tp: usize, why: &mut Rejections) -> bool {
+    if tp > 1 && !train.tensor_parallel {
+        why.add("tensor parallelism not allowed", || format!("tp {tp}: the program has no tp layers"));
+        return false;
+    }
+    if let Some(misfit) = model.tp_misfit(tp) {
+        why.add("tp does not split the model", || misfit);
+        return false;
+    }
+    true
+}
+
+/// Whether `[dp_replicate, dp_shard, tp, pp]` keeps every size the config fixed (else the reason is recorded).
+fn sizes_fit_the_config(train: &TrainSpec, sizes: [usize; 4], why: &mut Rejections) -> bool {
+    let Some(k) = (0..4).find(|&k| train.fixed[k].is_some_and(|n| n != sizes[k])) else { return true };
+    why.add("a size is fixed by the config", || {
+        let names = ["dp_replicate", "dp_shard", "tp", "pp"];
+        format!("{} {} where the config sets {}", names[k], sizes[k], train.fixed[k].unwrap_or(0))
+    });
+    false
+}
+
+/// The pipeline schedules to try at `pp` and their stages per rank: none at pp 1; `Interleaved1F1B` with every
+/// stage count from 2 to the blocks per pp rank.
+fn pipeline_options(schedules: &[ScheduleKind], pp: usize, n_layer: usize) -> Vec<(Option<ScheduleKind>, usize)> {
+    if pp == 1 {
+        return vec![(None, 1)];
+    }
+    schedules
+        .iter()
+        .flat_map(|&kind| match kind {
+            ScheduleKind::Interleaved1F1B => (2..=n_layer / pp).map(|v| (Some(kind), v)).collect(),
+            _ => vec![(Some(kind), 1)],
+        })
+        .collect()
+}
+
+/// The global batch split over `dp` replicas in micro-batches of `b`: (pipeline micro-batches, accumulation
+/// steps), or `None` (the reason recorded) when it does not split, needs accumulation the program does not do, or
+/// leaves the pipeline's stages idle.
+fn split_batch(
+    train: &TrainSpec,
+    dp: usize,
+    b: usize,
+    pp: usize,
+    (schedule, v): (Option<ScheduleKind>, usize),
+    why: &mut Rejections,
+) -> Option<(usize, usize)> {
+    let b_global = train.global_batch;
+    if !b_global.is_multiple_of(dp * b) {
+        why.add("global batch does not split", || format!("{b_global} sequences over dp {dp} × micro-batch {b}"));
+        return None;
+    }
+    let n = b_global / (dp * b);
+    if pp == 1 && n > 1 && !train.gradient_accumulation {
+        why.add("accumulation not allowed", || format!("dp {dp} × micro-batch {b} needs {n} accumulation steps"));
+        return None;
+    }
+    if pp > 1 && n < pp * v {
+        why.add("fewer micro-batches than stages", || {
+            format!("{n} micro-batches of {b} for pp {pp} × {v} stages per rank")
+        });
+        return None;
+    }
+    if schedule == Some(ScheduleKind::Interleaved1F1B) && !n.is_multiple_of(pp) {
+        why.add("interleaving needs a multiple of pp micro-batches", || format!("{n} micro-batches at pp {pp}"));
+        return None;
+    }
+    Some(if pp == 1 { (1, n) } else { (n, 1) })
+}
+
+/// Activation checkpointing off, on, or both to compare, as the training asks; never under FULL_SHARD.
+fn checkpointing_options(train: &TrainSpec, sharding: ShardingStrategy) -> &'static [bool] {
+    match (train.checkpointing, sharding != ShardingStrategy::FullShard) {
+        (Checkpointing::Off, _) | (_, false) => &[false],
+        (Checkpointing::On, true) => &[true],
+        (Checkpointing::Auto, true) => &[false, true],
+    }
 }
