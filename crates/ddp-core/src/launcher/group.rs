@@ -67,61 +67,11 @@ pub(crate) fn run_group(
     let (tx, rx) = std::sync::mpsc::channel::<(usize, WorkerExit)>();
     let mut workers: Vec<Worker> = Vec::with_capacity(spec.commands.len());
     let mut pumps = Pumps::new();
-    let parent = std::process::id() as libc::pid_t;
-
-    for (local_rank, mut cmd) in spec.commands.into_iter().enumerate() {
-        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
-        // SAFETY: the closure runs between fork and exec and only makes async-signal-safe calls.
-        unsafe {
-            cmd.pre_exec(move || {
-                #[cfg(target_os = "linux")]
-                {
-                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    // The launcher may have died between fork and prctl: then nobody would reap us.
-                    if libc::getppid() != parent {
-                        libc::_exit(1);
-                    }
-                }
-                #[cfg(not(target_os = "linux"))]
-                let _ = parent;
-                Ok(())
-            });
-        }
-        let rank = spec.first_rank + local_rank;
-        let mut child = match cmd.spawn() {
-            Ok(c) => c,
-            Err(e) => {
-                stop(&mut workers, &rx, libc::SIGTERM, spec.stop_grace, signals);
-                reap(&mut workers);
-                pumps.finish(DRAIN_WAIT);
-                return Err(DdpError::io(
-                    format!(
-                        "starting worker rank {rank}: {:?} (is the path right and the program built? a bare name \
-                         is looked up on PATH)",
-                        cmd.get_program()
-                    ),
-                    e,
-                ));
-            }
-        };
-        let pid = child.id() as libc::pid_t;
-        let sink = sinks.rank(local_rank);
-        if let Some(out) = child.stdout.take() {
-            pumps.start(out, sink.clone(), Stream::Stdout)?;
-        }
-        if let Some(err) = child.stderr.take() {
-            pumps.start(err, sink.clone(), Stream::Stderr)?;
-        }
-        let tx = tx.clone();
-        std::thread::Builder::new()
-            .name(format!("launcher-wait-{rank}"))
-            .spawn(move || {
-                let _ = tx.send((local_rank, wait_without_reaping(pid)));
-            })
-            .map_err(|e| DdpError::io("starting a worker watcher thread", e))?;
-        workers.push(Worker { child, pid, exited: None });
+    if let Err(e) = spawn_workers(spec.commands, spec.first_rank, sinks, &tx, &mut workers, &mut pumps) {
+        stop(&mut workers, &rx, libc::SIGTERM, spec.stop_grace, signals);
+        reap(&mut workers);
+        pumps.finish(DRAIN_WAIT);
+        return Err(e);
     }
     drop(tx);
 
@@ -183,6 +133,69 @@ pub(crate) fn run_group(
     reap(&mut workers);
     pumps.finish(DRAIN_WAIT);
     Ok(outcome)
+}
+
+/// Starts each command as a worker in its own process group (killed with the launcher: `PR_SET_PDEATHSIG`), its
+/// output pumped into its rank's sink, and a watcher thread that reports its exit on `tx` without reaping it. On an
+/// error the workers started so far are in `workers`, for the caller to stop.
+fn spawn_workers(
+    commands: Vec<Command>,
+    first_rank: usize,
+    sinks: &Sinks,
+    tx: &std::sync::mpsc::Sender<(usize, WorkerExit)>,
+    workers: &mut Vec<Worker>,
+    pumps: &mut Pumps,
+) -> Result<()> {
+    let parent = std::process::id() as libc::pid_t;
+    for (local_rank, mut cmd) in commands.into_iter().enumerate() {
+        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
+        // SAFETY: the closure runs between fork and exec and only makes async-signal-safe calls.
+        unsafe {
+            cmd.pre_exec(move || {
+                #[cfg(target_os = "linux")]
+                {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    // The launcher may have died between fork and prctl: then nobody would reap us.
+                    if libc::getppid() != parent {
+                        libc::_exit(1);
+                    }
+                }
+                #[cfg(not(target_os = "linux"))]
+                let _ = parent;
+                Ok(())
+            });
+        }
+        let rank = first_rank + local_rank;
+        let mut child = cmd.spawn().map_err(|e| {
+            DdpError::io(
+                format!(
+                    "starting worker rank {rank}: {:?} (is the path right and the program built? a bare name is \
+                     looked up on PATH)",
+                    cmd.get_program()
+                ),
+                e,
+            )
+        })?;
+        let pid = child.id() as libc::pid_t;
+        let sink = sinks.rank(local_rank);
+        if let Some(out) = child.stdout.take() {
+            pumps.start(out, sink.clone(), Stream::Stdout)?;
+        }
+        if let Some(err) = child.stderr.take() {
+            pumps.start(err, sink.clone(), Stream::Stderr)?;
+        }
+        let tx = tx.clone();
+        std::thread::Builder::new()
+            .name(format!("launcher-wait-{rank}"))
+            .spawn(move || {
+                let _ = tx.send((local_rank, wait_without_reaping(pid)));
+            })
+            .map_err(|e| DdpError::io("starting a worker watcher thread", e))?;
+        workers.push(Worker { child, pid, exited: None });
+    }
+    Ok(())
 }
 
 /// Waits up to `limit` for the running workers to exit by themselves (no signal sent); stops early on a new
