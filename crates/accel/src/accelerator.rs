@@ -848,10 +848,9 @@ impl Accelerator {
         self.inner.step.scaler().map(|s| lock(s).scale())
     }
 
-    /// The fp16 loss scaler itself, `None` unless mixed precision is fp16. Hidden: the scaler is the step
-    /// owner's; tests reach through this handle to replace it with another configuration or to force an
-    /// overflow. Read the scale with [`Accelerator::loss_scale`].
-    #[doc(hidden)]
+    /// The fp16 loss scaler itself (Accelerate's `accelerator.scaler`), `None` unless mixed precision is fp16:
+    /// to replace it with another configuration or to inspect its state. Read the scale with
+    /// [`Accelerator::loss_scale`].
     pub fn grad_scaler(&self) -> Option<Arc<Mutex<GradScaler>>> {
         self.inner.step.scaler().cloned()
     }
