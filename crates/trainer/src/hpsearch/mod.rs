@@ -244,7 +244,7 @@ impl HyperparameterSearch {
             launch: Launch::Subprocess { program: None, args: None },
             enqueued: Vec::new(),
             keep_only_best_checkpoint: true,
-            plots: true,
+            plots: cfg!(feature = "plots"),
             verbose: true,
         }
     }
@@ -345,8 +345,8 @@ impl HyperparameterSearch {
         self
     }
 
-    /// Whether `hp_search.{png,svg}` is written (default true; nothing is plotted in a build without the feature
-    /// `plots`).
+    /// Whether `hp_search.{png,svg}` is written (default: when the crate is built with its feature `plots`; asking
+    /// for plots in a build without it is an error when the search starts).
     pub fn plots(mut self, yes: bool) -> Self {
         self.plots = yes;
         self
@@ -439,6 +439,12 @@ impl HyperparameterSearch {
     {
         let started = Instant::now();
         self.config.space.validate()?;
+        if self.plots && !cfg!(feature = "plots") {
+            return Err(TrainerError::invalid(
+                "plots",
+                "built without feature `plots` of crate trainer: enable it in Cargo.toml, or set plots(false)",
+            ));
+        }
         let study_dir = self.create_study_dir()?;
         let journal = Journal::new(study_dir.join(STUDY_FILE));
         let view = self.open_journal(&journal)?;
