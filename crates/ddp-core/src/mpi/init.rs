@@ -142,10 +142,14 @@ fn host_store(opts: &InitOptions, layout: &MpiLayout) -> Result<(TcpStoreServer,
         },
     };
     let explicit_addr = crate::env::explicit_master_addr();
-    let bind_host = match (&opts.store_bind_addr, layout.single_node) {
-        (Some(b), _) => b.clone(),
-        (None, true) => "127.0.0.1".to_string(),
-        (None, false) => "0.0.0.0".to_string(),
+    // Where the user says: the bind address given, else MASTER_ADDR (what the peers connect to), else on one node
+    // loopback; only a multi-node job that names no address listens on every interface (the peers find rank 0 by
+    // its host name, whose address this process cannot tell reliably), the run token still proven by every peer.
+    let bind_host = match (&opts.store_bind_addr, &explicit_addr, layout.single_node) {
+        (Some(b), _, _) => b.clone(),
+        (None, _, true) => "127.0.0.1".to_string(),
+        (None, Some(addr), false) => addr.clone(),
+        (None, None, false) => "0.0.0.0".to_string(),
     };
     let server = TcpStoreServer::bind(&format!("{bind_host}:0"), token)?;
     let port = server.port();
