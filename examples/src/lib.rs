@@ -671,6 +671,10 @@ pub mod docs {
     pub struct Guide03TrainerHpsearch;
     #[doc = include_str!("../../docs/guide/04-nd-parallel.md")]
     pub struct Guide04NdParallel;
+    #[doc = include_str!("../../docs/guide/04-nd-parallel-sharded.md")]
+    pub struct Guide04NdParallelSharded;
+    #[doc = include_str!("../../docs/guide/04-nd-parallel-auto-layout.md")]
+    pub struct Guide04NdParallelAutoLayout;
     #[doc = include_str!("../../docs/guide/05-your-model.md")]
     pub struct Guide05YourModel;
     #[doc = include_str!("../../docs/guide/cli.md")]

@@ -140,7 +140,7 @@ fn accel_llama_chooses_its_layout_from_the_model() {
     assert!(out.contains("auto_layout flags: --tp-size"), "{out}");
     assert_eq!(logged_losses(&out).len(), 2, "{out}");
     // The choice depends on what the probe measures (a loaded machine picks pipelines of micro-batch 1, whose
-    // fixed costs the memory model under-counts by up to about a third: docs/guide/04-nd-parallel.md).
+    // fixed costs the memory model under-counts by up to about a third: docs/guide/04-nd-parallel-auto-layout.md).
     let (predicted, measured) = crate::auto_layout::predicted_and_measured(&out);
     assert!((predicted / measured - 1.0).abs() <= 0.4, "predicted {predicted} MiB, measured {measured} MiB:\n{out}");
     assert!(out_dir.join("model.safetensors").is_file());

@@ -12,7 +12,7 @@ pub struct Assumptions {
     pub memory_margin: f64,
     /// Bytes a process holds besides the model's tensors (the runtime, communication buffers, the data loader).
     /// Default 128 MiB: a 1-process char-GPT run with activation checkpointing peaks at 102 MiB of RSS with about
-    /// 20 MiB of tensors (docs/guide/04-nd-parallel.md, "Activation checkpointing"); a GPU's context is more, and
+    /// 20 MiB of tensors (docs/guide/04-nd-parallel-sharded.md, Activation checkpointing); a GPU's context is more, and
     /// the probe is expected to measure it.
     pub runtime_overhead_bytes: u64,
     /// How many runners-up a [`super::Choice`] reports (the fastest fitting layout of each other shape). Default 4.

@@ -7,7 +7,7 @@
 //! out ([`choose`], [`evaluate`]). Around it, [`probe_cluster`] measures the machines on the real backend and
 //! [`decide`] runs probe → choose for the Accelerator, which does so when a size of its config is `auto`
 //! ([`crate::ParallelismConfig::AUTO`]) and the program described its model ([`AutoLayoutRequest`]); the guide
-//! (docs/guide/04-nd-parallel.md, "The automatic layout") writes the cost model down.
+//! (docs/guide/04-nd-parallel-auto-layout.md, "The automatic layout") writes the cost model down.
 //!
 //! ```
 //! use accel::auto_layout::{choose, Assumptions, ClusterSpec, Link, ModelSpec, Precision, TrainSpec};
