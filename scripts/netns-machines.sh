@@ -393,7 +393,7 @@ wait_for_file() {
 # An elastic job (`--num_machines 1:2`, the Trainer's train_gpt resuming from its newest checkpoint) across the two
 # machines: machine 1's link is cut mid-run. Machine 0 must go on alone from the newest checkpoint (its workers'
 # collectives time out after ACCEL_TIMEOUT) with the global batch kept, and end at its step count with the losses of
-# one process at that global batch; machine 1's launcher, cut off, must end on its own within a minute saying it
+# one process at that global batch; machine 1's launcher, cut off, must end on its own within 30 s saying it
 # lost machine 0 (no hang). (A machine that comes back and joins: examples/tests/suite/elastic.rs, on one host.)
 # Appends to the caller's `failed`.
 check_elastic() {
@@ -413,7 +413,7 @@ check_elastic() {
     ip -n "$(machine_ns 1)" link set eth0 down
     t_cut=$(now_ms)
     local deadline=$((SECONDS + 120))
-    until grep -q 'round 1: machine(s) 1 left' "$log_dir/elastic0.log"; do
+    until grep -q 'round 1: machine 1 left' "$log_dir/elastic0.log"; do
         ((SECONDS < deadline)) || { failed+=("elastic: machine 0 did not go on alone within 120 s"); return; }
         sleep 0.1
     done
@@ -424,7 +424,7 @@ check_elastic() {
     ip -n "$(machine_ns 1)" link set eth0 up
     grep -q "lost machine 0's store" "$log_dir/elastic1.log" ||
         failed+=("elastic: machine 1's launcher did not say it lost machine 0: $(tail -n 3 "$log_dir/elastic1.log")")
-    ((m1_ms < 60000)) || failed+=("elastic: machine 1's launcher took $(secs "$m1_ms") to end after the cut")
+    ((m1_ms < 30000)) || failed+=("elastic: machine 1's launcher took $(secs "$m1_ms") to end after the cut")
     grep -h '^\[launcher\] machine .: round' "$log_dir"/elastic[01].log || true
     echo "elastic: from the cut to training again on machine 0 alone: $(secs "$alone_ms"); machine 1's launcher" \
         "ended $(secs "$m1_ms") after the cut"

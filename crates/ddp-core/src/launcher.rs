@@ -503,16 +503,23 @@ fn launch_elastic(
         here.env.push((ELASTIC_NNODES_ENV.into(), format!("{min}:{}", cfg.nnodes)));
         let first_rank = node_rank * cfg.nproc_per_node;
         // Said once on every machine: what changed, and where this machine's workers now stand.
+        let count = |n: usize, one: &str, many: &str| format!("{n} {}", if n == 1 { one } else { many });
+        let ranks = match cfg.nproc_per_node {
+            1 => format!("rank {first_rank}"),
+            n => format!("ranks {first_rank}-{}", first_rank + n - 1),
+        };
         eprintln!(
-            "[launcher] machine {}: round {}: {}; {} machine(s), {} processes (this machine: ranks {}..{})",
+            "[launcher] machine {}: round {}: {}; {}, {} (this machine: {ranks})",
             cfg.node_rank,
             round.number,
             round.change,
-            here.nnodes,
-            here.world_size(),
-            first_rank,
-            first_rank + cfg.nproc_per_node
+            count(here.nnodes, "machine", "machines"),
+            count(here.world_size(), "process", "processes"),
         );
+        if here.nnodes != cfg.nnodes {
+            // The launcher's banner described the job at its most machines: this round's workers say their own.
+            here.env.retain(|(k, _)| k != LAUNCH_BANNER_ENV);
+        }
         let sinks =
             output::Sinks::open(first_rank, cfg.nproc_per_node, cfg.log_dir.as_deref(), cfg.tee, previous.is_some())?;
         sinks.note(&format!("round {}: {}", round.number, round.change));
@@ -530,7 +537,8 @@ fn launch_elastic(
                 if cfg.node_rank == 0 {
                     agent.abort_and_linger(
                         &format!(
-                            "machine 0's launcher was interrupted by {name}; the elastic job ends with it (machine                              0 hosts its rendezvous)"
+                            "machine 0's launcher was interrupted by {name}; the elastic job ends with it \
+                             (machine 0 hosts its rendezvous)"
                         ),
                         round.machines.len(),
                     );

@@ -464,9 +464,13 @@ where
         let from = match self.args.resume_from_checkpoint.clone() {
             Some(spec) if self.resumes()? => self.resume(rt, &plan, &spec)?,
             Some(_) => {
+                let then = match self.args.save_strategy {
+                    SaveStrategy::No => "",
+                    _ => " (the launcher restarts this job's workers, which then resume from the newest one)",
+                };
                 rt.acc.print(format!(
-                    "resume_from_checkpoint is \"latest\" and {} holds no checkpoint yet: training from the start \
-                     (the launcher restarts this job's workers, which then resume from the newest one)",
+                    "resume_from_checkpoint is \"latest\" and {} holds no checkpoint yet: training from the \
+                     start{then}",
                     self.args.output_dir.display()
                 ));
                 StartPoint::default()

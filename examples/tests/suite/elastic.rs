@@ -125,7 +125,7 @@ fn an_elastic_trainer_job_loses_a_machine_goes_on_and_takes_it_back() {
     let text0 = format!("{}{}", String::from_utf8_lossy(&o0.stdout), String::from_utf8_lossy(&o0.stderr));
     let text1 = format!("{}{}", String::from_utf8_lossy(&o1.stdout), String::from_utf8_lossy(&o1.stderr));
     assert!(o0.status.success() && o1.status.success(), "machine 0:\n{text0}\nmachine 1:\n{text1}");
-    assert!(text0.contains("round 1: machine(s) 1 left"), "{text0}");
+    assert!(text0.contains("round 1: machine 1 left"), "{text0}");
     assert!(
         text0.contains(
             "keeping the checkpoint's global batch of 8 samples at 1 data-parallel process(es): per-device batch 4, \
@@ -133,8 +133,8 @@ fn an_elastic_trainer_job_loses_a_machine_goes_on_and_takes_it_back() {
         ),
         "{text0}"
     );
-    assert!(text0.contains("round 2: machine(s) 1 joined"), "{text0}");
-    assert!(text1.contains("round 2: machine(s) 1 joined"), "{text1}");
+    assert!(text0.contains("round 2: machine 1 joined"), "{text0}");
+    assert!(text1.contains("round 2: machine 1 joined"), "{text1}");
     // The global batch was kept at every size: nothing says the updates differ from the original run's.
     let warned = |t: &str| t.contains("now sees another global batch");
     assert!(!warned(&text0) && !warned(&text1), "{text0}\n{text1}");

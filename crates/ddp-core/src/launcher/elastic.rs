@@ -34,11 +34,19 @@ use crate::{DdpError, Result};
 use std::time::{Duration, Instant};
 
 const PREFIX: &str = "accel/elastic/";
+/// Set by machine 0's launcher of an elastic job (its `MIN:MAX`): a static launcher that reaches its store says
+/// the machines disagree instead of waiting for a rendezvous that never comes.
+pub(super) const ELASTIC_MARK: &str = "accel/elastic/min_max";
 /// How often a waiting launcher looks at the store.
 const POLL: Duration = Duration::from_millis(100);
 /// How long a store request may go unanswered before machine 0 counts as lost (a cut link, a dead machine): a
 /// launcher cut off from the job then ends within a few of these, saying so, instead of the store's default 60 s.
 const ANSWER_GRACE: Duration = Duration::from_secs(10);
+
+/// The key under which machine `m` asks to join round `number`.
+pub(super) fn join_key(number: u64, m: usize) -> String {
+    format!("{PREFIX}round{number}/join/{m}")
+}
 
 /// Why a round ended, as the first launcher to see it wrote it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,6 +130,9 @@ impl<'a> Elastic<'a> {
     ) -> Result<Self> {
         let store = rendezvous::connect(cfg, addr, token, signals, Instant::now())?.with_answer_grace(ANSWER_GRACE);
         let holder = format!("{} (pid {}, launch {launch_id})", rendezvous::hostname(), std::process::id());
+        if cfg.node_rank == 0 {
+            store.set(ELASTIC_MARK, format!("{min}:{}", cfg.nnodes).as_bytes())?;
+        }
         Ok(Elastic {
             cfg,
             min,
@@ -147,6 +158,8 @@ impl<'a> Elastic<'a> {
     /// machine (it arrived as the round started) is followed by the next, which its arrival brings about.
     pub(crate) fn join(&mut self, mut number: u64, previous: Option<&Round>, signals: &SignalGuard) -> Result<Round> {
         let me = self.cfg.node_rank;
+        // Known lost: say so now (a request would first wait for a connection that cannot come).
+        self.lost_machine_0(Ok(()))?;
         loop {
             self.claim(number)?;
             let round = if me == 0 { self.close(number, previous, signals)? } else { self.wait(number, signals)? };
@@ -173,7 +186,8 @@ impl<'a> Elastic<'a> {
             return;
         }
         let value = format!("{}\n{reason}", kind.tag());
-        let _ = self.store.compare_set(&format!("{PREFIX}round{round}/stop"), b"", value.as_bytes());
+        // A failure here (machine 0 gone) is remembered: the next join says so at once instead of waiting again.
+        let _ = self.reachable(self.store.compare_set(&format!("{PREFIX}round{round}/stop"), b"", value.as_bytes()));
     }
 
     /// Ends the whole job on every machine with `message` (machine 0 leaving, or no restarts left).
@@ -197,8 +211,15 @@ impl<'a> Elastic<'a> {
     /// stopped it, the job was aborted, or — on machine 0 — a machine asks to join the next round. `None` when
     /// the store cannot be reached: the workers go on, and their own collectives say whether the job is intact.
     pub(crate) fn should_stop(&self, round: &Round) -> Option<String> {
+        if self.unreachable.get() {
+            return None; // said already; the workers are being stopped
+        }
         let stop_key = format!("{PREFIX}round{}/stop", round.number);
-        if self.reachable(self.store.check(&[&stop_key]))? {
+        let Some(stopped) = self.reachable(self.store.check(&[&stop_key])) else {
+            // Machine 0 does not answer (gone, stopped, or cut off): the job cannot re-form without it.
+            return Some(format!("machine 0's store at {} does not answer", self.addr));
+        };
+        if stopped {
             let value = self.reachable(self.store.get(&stop_key))?;
             return Some(String::from_utf8_lossy(&value).split_once('\n').map_or("", |(_, r)| r).to_string());
         }
@@ -207,13 +228,50 @@ impl<'a> Elastic<'a> {
         }
         if self.cfg.node_rank == 0 {
             let next = round.number + 1;
-            let arrived = (0..self.cfg.nnodes)
-                .find(|m| self.store.check(&[&format!("{PREFIX}round{next}/join/{m}")]).unwrap_or(false))?;
-            let reason = format!("machine {arrived} asks to join");
-            self.request_stop(round.number, StopKind::Arrival, &reason);
-            return Some(reason);
+            for m in 0..self.cfg.nnodes {
+                let key = join_key(next, m);
+                if !self.store.check(&[&key]).unwrap_or(false) {
+                    continue;
+                }
+                // A machine that may not join is turned away without disturbing the running round.
+                if let Some(refusal) = self.refusal(round, m, &key) {
+                    self.refuse(next, m, &key, &refusal);
+                    continue;
+                }
+                let reason = format!("machine {m} asks to join");
+                self.request_stop(round.number, StopKind::Arrival, &reason);
+                return Some(reason);
+            }
         }
         None
+    }
+
+    /// Why machine `m`, asking (under `key`) to join the round after `round`, may not: it has the rank of a machine
+    /// that is running (`round`'s member), or it disagrees about the job. `None` when it may.
+    fn refusal(&self, round: &Round, m: usize, key: &str) -> Option<String> {
+        let value = self.store.get(key).ok()?;
+        let text = String::from_utf8_lossy(&value);
+        let (holder, view) = text.split_once('\n').unwrap_or((&text, ""));
+        let stopping = self.store.check(&[&format!("{PREFIX}round{}/stop", round.number)]).unwrap_or(false);
+        if round.machines.contains(&m) && !stopping {
+            // (A member whose round just ended asks for the next one after saying so: not a second machine.)
+            return Some(format!(
+                "machine rank {m} is already running in round {} of this job; {holder} was turned away: give every \
+                 machine its own --machine-rank (0..{})",
+                round.number, self.cfg.nnodes
+            ));
+        }
+        self.view.disagreement(0, m, &JobView::decode(view.as_bytes()))
+    }
+
+    /// Turns the launcher that asked under `key` away from round `number` with `why`, and frees the place it
+    /// claimed (the rank's rightful machine claims it later).
+    fn refuse(&self, number: u64, m: usize, key: &str, why: &str) {
+        let holder =
+            self.store.get(key).ok().map(|v| String::from_utf8_lossy(&v).lines().next().unwrap_or("").to_string());
+        let value = format!("{}\n{why}", holder.unwrap_or_default());
+        let _ = self.store.set(&format!("{PREFIX}round{number}/refused/{m}"), value.as_bytes());
+        let _ = self.store.delete_key(key);
     }
 
     /// The value of a store request made while the workers run; `None` (and machine 0 counted as lost) when it
@@ -229,7 +287,7 @@ impl<'a> Elastic<'a> {
     fn claim(&self, number: u64) -> Result<()> {
         let me = self.cfg.node_rank;
         let value = format!("{}\n{}", self.holder, String::from_utf8_lossy(&self.view.encode()));
-        let key = format!("{PREFIX}round{number}/join/{me}");
+        let key = join_key(number, me);
         let claimed = self.lost_machine_0(self.store.compare_set(&key, b"", value.as_bytes()))?;
         if claimed != value.as_bytes() {
             let claimed = String::from_utf8_lossy(&claimed);
@@ -268,7 +326,7 @@ impl<'a> Elastic<'a> {
         loop {
             let mut joined = Vec::new();
             for m in 0..max {
-                let key = format!("{PREFIX}round{number}/join/{m}");
+                let key = join_key(number, m);
                 if !self.store.check(&[&key])? {
                     continue;
                 }
@@ -276,6 +334,11 @@ impl<'a> Elastic<'a> {
                 let text = String::from_utf8_lossy(&value);
                 let theirs = JobView::decode(text.split_once('\n').map_or("", |(_, v)| v).as_bytes());
                 if let Some(message) = self.view.disagreement(0, m, &theirs) {
+                    if number > 0 && !before.contains(&m) {
+                        // A machine arriving with another job in mind: turned away, the others go on.
+                        self.refuse(number, m, &key, &message);
+                        continue;
+                    }
                     self.abort_and_linger(&message, max);
                     return Err(DdpError::Rendezvous(message));
                 }
@@ -336,8 +399,25 @@ impl<'a> Elastic<'a> {
                 let _ = self.store.add(rendezvous::ABORT_SEEN_KEY, 1);
                 return Err(DdpError::Rendezvous(message));
             }
+            let refused = format!("{PREFIX}round{number}/refused/{me}");
+            if self.lost_machine_0(self.store.check(&[&refused]))? {
+                let value = self.lost_machine_0(self.store.get(&refused))?;
+                let text = String::from_utf8_lossy(&value);
+                if let Some((holder, why)) = text.split_once('\n') {
+                    if holder == self.holder {
+                        return Err(DdpError::Rendezvous(why.to_string()));
+                    }
+                }
+            }
             if self.lost_machine_0(self.store.check(&[&key]))? {
                 return Ok(Round::decode(number, &self.lost_machine_0(self.store.get(&key))?));
+            }
+            if self.lost_machine_0(self.store.check(&[&rendezvous::view_key(0)]))? {
+                return Err(DdpError::Rendezvous(format!(
+                    "machine 0 launched with num_machines {} (a static job) but machine {me} with {}:{} (an \
+                     elastic job); pass the same --nnodes on every machine",
+                    self.cfg.nnodes, self.min, self.cfg.nnodes
+                )));
             }
             let waiting = format!("waiting for machine 0 to start round {number} at {}", self.addr);
             if start.elapsed() >= self.cfg.rdzv_timeout {
@@ -396,17 +476,18 @@ impl<'a> Elastic<'a> {
 
 /// What changed between two rounds' members, and why the earlier round ended.
 fn describe_change(before: &[usize], after: &[usize], ended_by: Option<&str>) -> String {
+    let machines = |ms: &[usize]| format!("machine{} {}", if ms.len() == 1 { "" } else { "s" }, list(ms));
     if before.is_empty() {
-        return format!("started with machine(s) {}", list(after));
+        return format!("started with {}", machines(after));
     }
     let left: Vec<usize> = before.iter().copied().filter(|m| !after.contains(m)).collect();
     let arrived: Vec<usize> = after.iter().copied().filter(|m| !before.contains(m)).collect();
     let mut parts = Vec::new();
     if !left.is_empty() {
-        parts.push(format!("machine(s) {} left", list(&left)));
+        parts.push(format!("{} left", machines(&left)));
     }
     if !arrived.is_empty() {
-        parts.push(format!("machine(s) {} joined", list(&arrived)));
+        parts.push(format!("{} joined", machines(&arrived)));
     }
     if parts.is_empty() {
         parts.push("restarted with the same machines".into());
@@ -432,9 +513,9 @@ mod tests {
     fn a_round_survives_the_store_and_says_what_changed() {
         let round = Round { number: 3, machines: vec![0, 2], change: describe_change(&[0, 1], &[0, 2], Some("x")) };
         assert_eq!(Round::decode(3, &round.encode()), round);
-        assert_eq!(round.change, "machine(s) 1 left, machine(s) 2 joined (the round before ended: x)");
+        assert_eq!(round.change, "machine 1 left, machine 2 joined (the round before ended: x)");
         assert_eq!((round.node_rank(2), round.node_rank(1)), (Some(1), None));
-        assert_eq!(describe_change(&[], &[0, 1], None), "started with machine(s) 0, 1");
+        assert_eq!(describe_change(&[], &[0, 1], None), "started with machines 0, 1");
         assert_eq!(describe_change(&[0], &[0], None), "restarted with the same machines");
     }
 }

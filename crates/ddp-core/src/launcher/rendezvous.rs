@@ -58,6 +58,7 @@ impl JobView {
                 (processes.0, processes.1.to_string()),
                 ("num_machines", machines),
                 ("backend", backend),
+                ("max_restarts", cfg.max_restarts.to_string()),
                 ("program", cfg.program.display().to_string()),
                 ("accel-rs version", env!("CARGO_PKG_VERSION").to_string()),
             ],
@@ -99,6 +100,7 @@ impl JobView {
                 "nproc_per_node" => "pass the same --nproc-per-node on every machine",
                 "num_machines" => "pass the same --num-machines on every machine",
                 "backend" => "pass the same --backend (ACCEL_BACKEND) on every machine",
+                "max_restarts" => "pass the same --max-restarts on every machine",
                 "program" => "launch the same program on every machine",
                 _ => "install the same accel-rs build on every machine",
             };
@@ -106,6 +108,11 @@ impl JobView {
         }
         None
     }
+}
+
+/// The key under which machine `m`'s launcher publishes its view of a static job.
+pub(super) fn view_key(m: usize) -> String {
+    format!("{PREFIX}machine{m}/view")
 }
 
 /// Runs the launchers' rendezvous of `cfg` (nnodes > 1) against the store at `addr`; `server` is machine 0's
@@ -141,8 +148,17 @@ pub(crate) fn rendezvous(
         )));
     }
 
+    // Machine 0 runs an elastic job: say so before publishing a view it will never read.
+    if store.check(&[super::elastic::ELASTIC_MARK])? {
+        let min_max = String::from_utf8_lossy(&store.get(super::elastic::ELASTIC_MARK)?).into_owned();
+        return Err(DdpError::Rendezvous(format!(
+            "machine {me} launched with num_machines {} (a static job) but machine 0 with {min_max} (an elastic \
+             job); pass the same --nnodes on every machine",
+            cfg.nnodes
+        )));
+    }
     let view = JobView::of(cfg);
-    store.set(&format!("{PREFIX}machine{me}/view"), &view.encode())?;
+    store.set(&view_key(me), &view.encode())?;
     let mut joined = vec![false; cfg.nnodes];
     joined[me] = true;
     let mut last_progress = Instant::now();
@@ -169,8 +185,18 @@ pub(crate) fn rendezvous(
                 ),
             ));
         }
+        if let Some(m) = (1..cfg.nnodes).find(|m| store.check(&[&super::elastic::join_key(0, *m)]).unwrap_or(false)) {
+            return Err(abort(
+                &store,
+                format!(
+                    "machine {m} launched an elastic job (--nnodes MIN:MAX) but machine {me} a static one of {} \
+                     machines; pass the same --nnodes on every machine",
+                    cfg.nnodes
+                ),
+            ));
+        }
         for (m, joined) in joined.iter_mut().enumerate().filter(|(_, j)| !**j) {
-            let key = format!("{PREFIX}machine{m}/view");
+            let key = view_key(m);
             if !store.check(&[&key])? {
                 continue;
             }

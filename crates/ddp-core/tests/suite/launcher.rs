@@ -690,7 +690,7 @@ fn launcher_child() -> i32 {
         let token = std::env::var("LAUNCH_TOKEN").unwrap_or_else(|_| RunToken::generate().unwrap().to_hex());
         cfg.env.push(("ACCEL_RUN_TOKEN".into(), token));
     }
-    if let Ok(e) = std::env::var("LAUNCH_ELASTIC") {
+    if let Some(e) = std::env::var("LAUNCH_ELASTIC").ok().filter(|e| e != "static") {
         // "<min> max-restarts <n> last-call-ms <ms>": an elastic job of real process-group workers (this binary).
         let w: Vec<&str> = e.split(' ').collect();
         cfg.min_nnodes = Some(w[0].parse().unwrap());
@@ -742,7 +742,6 @@ fn elastic_machine_with(
     env: &[(&str, &str)],
 ) -> std::process::Child {
     Command::new(std::env::current_exe().unwrap())
-        .envs(env.iter().copied())
         .args(self_exe_args())
         .env(MODE_ENV, "launcher")
         .env("LAUNCH_N", "1")
@@ -751,6 +750,7 @@ fn elastic_machine_with(
         .env("LAUNCH_TOKEN", token.to_hex())
         .env("LAUNCH_ELASTIC", format!("1 max-restarts {max_restarts} last-call-ms 1500"))
         .env("OUT", out)
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -794,13 +794,13 @@ fn an_elastic_job_goes_on_without_a_lost_machine_and_takes_it_back() {
     assert!(!dir.path().join("round1.rank1").exists(), "round 1 is machine 0 alone");
     assert_eq!(round("round2.rank0"), "world 2 group_rank 0 machine 0 elastic 1:2");
     assert_eq!(round("round2.rank1"), "world 2 group_rank 1 machine 1 elastic 1:2");
-    assert!(err0.contains("machine 0: round 0: started with machine(s) 0, 1; 2 machine(s), 2 processes"), "{err0}");
+    assert!(err0.contains("machine 0: round 0: started with machines 0, 1; 2 machines, 2 processes"), "{err0}");
     assert!(
-        err0.contains("machine 0: round 1: machine(s) 1 left (the round before ended: machine 0: worker rank 0 failed"),
+        err0.contains("machine 0: round 1: machine 1 left (the round before ended: machine 0: worker rank 0 failed"),
         "{err0}"
     );
-    assert!(err0.contains("machine 0: round 2: machine(s) 1 joined (the round before ended: machine 1 asks to join)"));
-    assert!(err1.contains("machine 1: round 2: machine(s) 1 joined"), "{err1}");
+    assert!(err0.contains("machine 0: round 2: machine 1 joined (the round before ended: machine 1 asks to join)"));
+    assert!(err1.contains("machine 1: round 2: machine 1 joined"), "{err1}");
 }
 
 /// Failures past `max_restarts` end every machine of an elastic job with the same words.
@@ -852,10 +852,93 @@ fn a_stalled_worker_ends_the_round_and_its_machine_joins_the_next() {
     assert_eq!(read(dir.path().join("round1.rank0")), "world 1 group_rank 0 machine 0 elastic 1:2");
     assert_eq!(read(dir.path().join("round2.rank1")), "world 2 group_rank 1 machine 1 elastic 1:2");
     assert!(
-        err0.contains("machine 0: round 1: machine(s) 1 left (the round before ended: machine 0: worker rank 0 failed"),
+        err0.contains("machine 0: round 1: machine 1 left (the round before ended: machine 0: worker rank 0 failed"),
         "{err0}"
     );
-    assert!(err0.contains("machine 0: round 2: machine(s) 1 joined"), "{err0}");
+    assert!(err0.contains("machine 0: round 2: machine 1 joined"), "{err0}");
     // The 2 s collective timeout (×1.5 at most, the store's grace), the last call, the 5 s SIGTERM grace, start-up.
     assert!(recovered < Duration::from_secs(30), "{recovered:?}");
+}
+
+/// Launchers that may not join a running elastic job are turned away without disturbing it: one with another view
+/// of the job (processes per machine), one with the rank of a running machine; and a static launcher on an elastic
+/// job's store fails at once, naming both kinds.
+#[test]
+fn a_running_elastic_job_turns_wrong_launchers_away_and_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port, token) = (free_port(), RunToken::generate().unwrap());
+    let m0 = elastic_machine(0, port, &token, dir.path(), 3);
+    wait_for_file(&dir.path().join("round0.rank0")); // machine 0 alone after the last call
+    let output = |c: std::process::Child| {
+        let o = c.wait_with_output().unwrap();
+        format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+    };
+    let wrong = output(elastic_machine_with(1, port, &token, dir.path(), 3, &[("LAUNCH_N", "2")]));
+    assert!(
+        wrong.contains("LAUNCH_RESULT err")
+            && wrong.contains("machine 1 launched with nproc_per_node 2 but machine 0 with 1"),
+        "{wrong}"
+    );
+    let twin = output(elastic_machine_with(0, port, &token, dir.path(), 3, &[]));
+    assert!(twin.contains("LAUNCH_RESULT err"), "{twin}");
+    let stat = output(elastic_machine_with(1, port, &token, dir.path(), 3, &[("LAUNCH_ELASTIC", "static")]));
+    assert!(stat.contains("(a static job) but machine 0 with 1:2 (an elastic job)"), "{stat}");
+    // A second machine 1 that may join does, and the job ends well.
+    let m1 = elastic_machine(1, port, &token, dir.path(), 3);
+    wait_for_file(&dir.path().join("round1.rank1"));
+    std::fs::write(dir.path().join("finish"), "").unwrap();
+    let (o0, o1) = (output(m0), output(m1));
+    assert!(o0.contains("LAUNCH_RESULT ok") && o1.contains("LAUNCH_RESULT ok"), "{o0}\n{o1}");
+    assert!(o0.contains("machine 0: round 1: machine 1 joined"), "{o0}");
+    assert!(!dir.path().join("round2.rank0").exists(), "the turned-away launchers did not restart the job");
+}
+
+/// A second launcher with the rank of a running machine is turned away; the running one is not disturbed.
+#[test]
+fn a_second_launcher_with_a_running_machines_rank_is_turned_away() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port, token) = (free_port(), RunToken::generate().unwrap());
+    let m0 = elastic_machine(0, port, &token, dir.path(), 3);
+    let m1 = elastic_machine(1, port, &token, dir.path(), 3);
+    wait_for_file(&dir.path().join("round0.rank1"));
+    let o = elastic_machine(1, port, &token, dir.path(), 3).wait_with_output().unwrap();
+    let twin = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(twin.contains("machine rank 1 is already running in round 0 of this job"), "{twin}");
+    std::fs::write(dir.path().join("finish"), "").unwrap();
+    for m in [m0, m1] {
+        let o = m.wait_with_output().unwrap();
+        assert!(
+            String::from_utf8_lossy(&o.stdout).contains("LAUNCH_RESULT ok"),
+            "{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    assert!(!dir.path().join("round1.rank0").exists(), "the running round was not restarted");
+}
+
+/// Machine 0 stopped (SIGSTOP: its store still accepts connections but answers nothing): machine 1's launcher stops
+/// its workers and ends naming machine 0, within the store's 10 s answer grace, not the collective timeout.
+#[test]
+fn a_stopped_machine_0_ends_the_other_machines_within_seconds() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port, token) = (free_port(), RunToken::generate().unwrap());
+    let mut m0 = elastic_machine(0, port, &token, dir.path(), 3);
+    let m1 = elastic_machine(1, port, &token, dir.path(), 3);
+    wait_for_file(&dir.path().join("round0.rank1"));
+    let worker: i32 = read(dir.path().join("pid0.rank0")).trim().parse().unwrap();
+    // SAFETY: plain syscalls on processes this test started.
+    unsafe {
+        libc::kill(m0.id() as i32, libc::SIGSTOP);
+        libc::kill(worker, libc::SIGSTOP);
+    }
+    let stopped = Instant::now();
+    let o1 = m1.wait_with_output().unwrap();
+    let waited = stopped.elapsed();
+    let _ = m0.kill();
+    // SAFETY: as above.
+    unsafe { libc::kill(worker, libc::SIGKILL) };
+    let _ = m0.wait();
+    let out1 = format!("{}{}", String::from_utf8_lossy(&o1.stdout), String::from_utf8_lossy(&o1.stderr));
+    assert!(out1.contains("LAUNCH_RESULT err rendezvous: lost machine 0's store"), "{out1}");
+    assert!(waited < Duration::from_secs(30), "{waited:?} (the collective timeout is 20 s, the answer grace 10 s)");
 }
