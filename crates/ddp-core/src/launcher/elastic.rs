@@ -25,7 +25,9 @@
 //! world size and ranks, and ACCEL_ELASTIC_NNODES=`MIN:MAX`; they resume from the newest checkpoint themselves
 //! (the Trainer does with `resume_from_checkpoint: latest`, keeping the global batch).
 
-use super::rendezvous::{self, JobView, ABORT_KEY};
+use super::rendezvous::{
+    self, elastic_join_key as join_key, JobView, ABORT_KEY, ELASTIC_MARK, ELASTIC_PREFIX as PREFIX,
+};
 use super::signals::SignalGuard;
 use super::LaunchConfig;
 use crate::store::{Store, TcpStore};
@@ -33,20 +35,11 @@ use crate::token::RunToken;
 use crate::{DdpError, Result};
 use std::time::{Duration, Instant};
 
-const PREFIX: &str = "accel/elastic/";
-/// Set by machine 0's launcher of an elastic job (its `MIN:MAX`): a static launcher that reaches its store says
-/// the machines disagree instead of waiting for a rendezvous that never comes.
-pub(super) const ELASTIC_MARK: &str = "accel/elastic/min_max";
 /// How often a waiting launcher looks at the store.
 const POLL: Duration = Duration::from_millis(100);
 /// How long a store request may go unanswered before machine 0 counts as lost (a cut link, a dead machine): a
 /// launcher cut off from the job then ends within a few of these, saying so, instead of the store's default 60 s.
 const ANSWER_GRACE: Duration = Duration::from_secs(10);
-
-/// The key under which machine `m` asks to join round `number`.
-pub(super) fn join_key(number: u64, m: usize) -> String {
-    format!("{PREFIX}round{number}/join/{m}")
-}
 
 /// Why a round ended, as the first launcher to see it wrote it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

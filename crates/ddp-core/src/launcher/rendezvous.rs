@@ -22,6 +22,11 @@ use std::time::{Duration, Instant};
 
 /// Key prefix of the launchers' rendezvous (apart from the workers' `ddp/` keys).
 const PREFIX: &str = "accel/launch/";
+/// Key prefix of an elastic job's rounds ([`super::elastic`]); a static and an elastic launcher on one store read
+/// each other's front door (this module is the one both use) to say at once that the machines disagree.
+pub(super) const ELASTIC_PREFIX: &str = "accel/elastic/";
+/// Set by machine 0's launcher of an elastic job (its `MIN:MAX`).
+pub(super) const ELASTIC_MARK: &str = "accel/elastic/min_max";
 /// Key holding the message of the first launcher that found the job inconsistent.
 pub(crate) const ABORT_KEY: &str = "accel/launch/abort";
 /// Counter of the launchers that have seen every machine's view agree with theirs.
@@ -110,6 +115,11 @@ impl JobView {
     }
 }
 
+/// The key under which machine `m` asks to join round `number` of an elastic job.
+pub(super) fn elastic_join_key(number: u64, m: usize) -> String {
+    format!("{ELASTIC_PREFIX}round{number}/join/{m}")
+}
+
 /// The key under which machine `m`'s launcher publishes its view of a static job.
 pub(super) fn view_key(m: usize) -> String {
     format!("{PREFIX}machine{m}/view")
@@ -149,8 +159,8 @@ pub(crate) fn rendezvous(
     }
 
     // Machine 0 runs an elastic job: say so before publishing a view it will never read.
-    if store.check(&[super::elastic::ELASTIC_MARK])? {
-        let min_max = String::from_utf8_lossy(&store.get(super::elastic::ELASTIC_MARK)?).into_owned();
+    if store.check(&[ELASTIC_MARK])? {
+        let min_max = String::from_utf8_lossy(&store.get(ELASTIC_MARK)?).into_owned();
         return Err(DdpError::Rendezvous(format!(
             "machine {me} launched with num_machines {} (a static job) but machine 0 with {min_max} (an elastic \
              job); pass the same --nnodes on every machine",
@@ -185,7 +195,7 @@ pub(crate) fn rendezvous(
                 ),
             ));
         }
-        if let Some(m) = (1..cfg.nnodes).find(|m| store.check(&[&super::elastic::join_key(0, *m)]).unwrap_or(false)) {
+        if let Some(m) = (1..cfg.nnodes).find(|m| store.check(&[&elastic_join_key(0, *m)]).unwrap_or(false)) {
             return Err(abort(
                 &store,
                 format!(
