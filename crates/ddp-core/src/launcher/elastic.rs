@@ -7,8 +7,10 @@
 //! host of torchrun's c10d rendezvous endpoint). In the store, under `accel/elastic/`:
 //!
 //! - `round{r}/join/{m}`: machine `m` asks to train in round `r` (its launcher, then its view of the job, which
-//!   every machine must share: processes per machine, `MIN:MAX`, backend, program, accel-rs version). Claimed
-//!   with `compare_set`, so two launchers with one machine rank are refused naming the holder.
+//!   every machine must share: processes per machine, `MIN:MAX`, `max_restarts`, backend, program, accel-rs
+//!   version). Claimed with `compare_set`, so two launchers with one machine rank are refused naming the holder.
+//! - `round{r}/refused/{m}`: machine 0 turned the launcher that asked for `round{r}/join/{m}` away (its view
+//!   disagrees, or its rank is a running machine's), and freed the place; the running round goes on.
 //! - `round{r}/members`: written by machine 0 when it closes round `r`: the members, then one line saying what
 //!   changed. It closes a round when every machine has joined (`MAX`), or at least `MIN` have and either every
 //!   member of the previous round is back (a restart or an arrival: nobody to wait for) or `last_call` has passed
@@ -18,6 +20,10 @@
 //!   `r` runs (machine 0 sees it). Every launcher watches it and stops its workers at once, so all of them
 //!   meet at round `r + 1` within a second or two instead of each waiting for a collective to time out.
 //! - `latest`: the newest closed round; a launcher that starts late joins the round after it.
+//! - `min_max` (machine 0, at start): a static launcher that reaches this store fails naming both kinds of job.
+//!
+//! A machine whose store requests to machine 0 go unanswered for [`ANSWER_GRACE`] counts machine 0 as lost: it
+//! stops its workers and ends, saying so.
 //!
 //! A round ended by a failure counts against `max_restarts` (machine 0 counts; past it, it fails every
 //! machine with the reason); one ended by an arrival does not, as in torchrun. The workers of each round get
