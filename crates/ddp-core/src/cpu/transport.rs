@@ -129,32 +129,61 @@ pub(crate) fn execute(
     watch: &Watch<'_>,
 ) -> Result<(), Failure> {
     let world = peers.len();
-    let mut tx: Vec<Tx> = (0..world)
-        .map(|_| Tx { queue: Vec::new(), next: 0, active: false, header: [0; HEADER_LEN], written: 0 })
-        .collect();
-    let mut rx: Vec<Rx> = (0..world)
-        .map(|_| Rx { queue: Vec::new(), next: 0, header: [0; HEADER_LEN], got: 0, checked: false })
-        .collect();
+    let mut run = Streams {
+        tx: (0..world)
+            .map(|_| Tx { queue: Vec::new(), next: 0, active: false, header: [0; HEADER_LEN], written: 0 })
+            .collect(),
+        rx: (0..world)
+            .map(|_| Rx { queue: Vec::new(), next: 0, header: [0; HEADER_LEN], got: 0, checked: false })
+            .collect(),
+        recv_done: vec![false; plan.recvs.len()],
+        left: plan.sends.len() + plan.recvs.len(),
+    };
     for (i, s) in plan.sends.iter().enumerate() {
-        tx[s.peer].queue.push(i);
+        run.tx[s.peer].queue.push(i);
     }
     for (i, r) in plan.recvs.iter().enumerate() {
-        rx[r.peer].queue.push(i);
+        run.rx[r.peer].queue.push(i);
     }
-    let mut recv_done = vec![false; plan.recvs.len()];
-    let mut left = plan.sends.len() + plan.recvs.len();
     let fd = |p: usize| -> RawFd { peers[p].as_ref().expect("plans only name connected peers").as_raw_fd() };
     let mut pollfds: Vec<libc::pollfd> = Vec::with_capacity(world);
-
-    while left > 0 {
-        let mut progressed = false;
+    while run.left > 0 {
         // Sends first: a just-completed receive may have unblocked a forward.
-        for p in 0..world {
-            let t = &mut tx[p];
+        let sent = run.send(plan, bufs, &fd, tx_mid_frame)?;
+        let received = run.receive(plan, bufs, &fd)?;
+        if run.left == 0 || sent || received {
+            continue;
+        }
+        run.wait(plan, &fd, &mut pollfds, watch)?;
+    }
+    Ok(())
+}
+
+/// Where each stream of a running plan is: the frames queued per peer, how far each is written or read, which
+/// receives are done (a send may wait on one), and how many units are left.
+struct Streams {
+    tx: Vec<Tx>,
+    rx: Vec<Rx>,
+    recv_done: Vec<bool>,
+    left: usize,
+}
+
+impl Streams {
+    /// Writes what each peer's socket takes now, in queue order (a send gated on a receive waits for it).
+    /// Returns whether any byte went out.
+    fn send(
+        &mut self,
+        plan: &Plan,
+        bufs: &Buffers<'_>,
+        fd: &dyn Fn(usize) -> RawFd,
+        tx_mid_frame: &mut [bool],
+    ) -> Result<bool, Failure> {
+        let mut progressed = false;
+        for (p, t) in self.tx.iter_mut().enumerate() {
             while let Some(&u) = t.queue.get(t.next) {
                 let unit = &plan.sends[u];
                 if !t.active {
-                    if unit.after_recv.is_some_and(|d| !recv_done[d]) {
+                    if unit.after_recv.is_some_and(|d| !self.recv_done[d]) {
                         break;
                     }
                     t.header = Header::data(plan.call, t.next as u32, unit.range.len()).encode();
@@ -173,7 +202,7 @@ pub(crate) fn execute(
                 if t.written == HEADER_LEN + payload.len() {
                     t.active = false;
                     t.next += 1;
-                    left -= 1;
+                    self.left -= 1;
                     tx_mid_frame[p] = false;
                 } else {
                     tx_mid_frame[p] = t.written > 0;
@@ -181,7 +210,14 @@ pub(crate) fn execute(
                 }
             }
         }
-        for (p, r) in rx.iter_mut().enumerate() {
+        Ok(progressed)
+    }
+
+    /// Reads what each peer's socket holds now, checks each frame's header once, and reduces a completed
+    /// receive into the work buffer when the plan says so. Returns whether any byte came in.
+    fn receive(&mut self, plan: &Plan, bufs: &mut Buffers<'_>, fd: &dyn Fn(usize) -> RawFd) -> Result<bool, Failure> {
+        let mut progressed = false;
+        for (p, r) in self.rx.iter_mut().enumerate() {
             while let Some(&u) = r.queue.get(r.next) {
                 let unit = &plan.recvs[u];
                 let dest = match unit.buf {
@@ -212,27 +248,34 @@ pub(crate) fn execute(
                         divide_in_place(dtype, &mut bufs.work[into.clone()], *n);
                     }
                 }
-                recv_done[u] = true;
+                self.recv_done[u] = true;
                 r.next += 1;
                 r.got = 0;
                 r.checked = false;
-                left -= 1;
+                self.left -= 1;
             }
         }
-        if left == 0 || progressed {
-            continue;
-        }
+        Ok(progressed)
+    }
 
-        // Nothing moved: sleep until a socket is ready, waking on ticks for the deadline / abort checks.
+    /// Nothing moved: sleeps until a socket is ready, waking on ticks for the deadline and the abort check.
+    fn wait(
+        &self,
+        plan: &Plan,
+        fd: &dyn Fn(usize) -> RawFd,
+        pollfds: &mut Vec<libc::pollfd>,
+        watch: &Watch<'_>,
+    ) -> Result<(), Failure> {
+        let world = self.tx.len();
         pollfds.clear();
         for p in 0..world {
             let mut events: libc::c_short = 0;
-            if let Some(&u) = tx[p].queue.get(tx[p].next) {
-                if tx[p].active || plan.sends[u].after_recv.is_none_or(|d| recv_done[d]) {
+            if let Some(&u) = self.tx[p].queue.get(self.tx[p].next) {
+                if self.tx[p].active || plan.sends[u].after_recv.is_none_or(|d| self.recv_done[d]) {
                     events |= libc::POLLOUT;
                 }
             }
-            if rx[p].next < rx[p].queue.len() {
+            if self.rx[p].next < self.rx[p].queue.len() {
                 events |= libc::POLLIN;
             }
             if events != 0 {
@@ -250,8 +293,8 @@ pub(crate) fn execute(
         let now = Instant::now();
         if now >= watch.deadline {
             let peer = (0..world)
-                .find(|&p| rx[p].next < rx[p].queue.len())
-                .or_else(|| (0..world).find(|&p| tx[p].next < tx[p].queue.len()));
+                .find(|&p| self.rx[p].next < self.rx[p].queue.len())
+                .or_else(|| (0..world).find(|&p| self.tx[p].next < self.tx[p].queue.len()));
             return Err(Failure::Timeout { peer, waited: now - watch.started });
         }
         let wait = TICK.min(watch.deadline - now);
@@ -264,8 +307,8 @@ pub(crate) fn execute(
                 return Err(f);
             }
         }
+        Ok(())
     }
-    Ok(())
 }
 
 /// Validates a received header against what this rank expects; turns abort frames into failures.
