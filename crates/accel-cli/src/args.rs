@@ -104,6 +104,10 @@ pub struct LaunchArgs {
     /// Rendezvous port on machine 0 (single machine default: a free port; several machines: 29500).
     #[arg(long, visible_alias = "master-port", aliases = ["main_process_port", "master_port"], value_name = "PORT")]
     pub main_process_port: Option<u16>,
+    /// torchrun's `--rdzv-endpoint HOST:PORT`: machine 0's address and port in one flag (the same as
+    /// `--main-process-ip HOST --main-process-port PORT`).
+    #[arg(long, alias = "rdzv_endpoint", value_name = "HOST:PORT", conflicts_with_all = ["main_process_ip", "main_process_port"])]
+    pub rdzv_endpoint: Option<String>,
     /// Compute precision passed to the workers (ACCELERATE_MIXED_PRECISION).
     #[arg(long, alias = "mixed_precision", value_name = "MODE", value_parser = ["no", "fp16", "bf16"])]
     pub mixed_precision: Option<String>,

@@ -431,6 +431,18 @@ fn resolve_rdzv_conf(conf: Option<&str>) -> CliResult<(Option<Duration>, Option<
     Ok((last_call, join))
 }
 
+/// torchrun's `--rdzv-endpoint`: `HOST:PORT` (`[v6]:PORT` for an IPv6 literal).
+fn parse_endpoint(text: &str) -> CliResult<(String, u16)> {
+    let bad = || CliError::invalid("rdzv_endpoint", text, "HOST:PORT, e.g. 10.0.0.1:29500");
+    let (host, port) = text.trim().rsplit_once(':').ok_or_else(bad)?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let port = port.parse::<u16>().map_err(|_| bad())?;
+    if host.is_empty() {
+        return Err(bad());
+    }
+    Ok((host.to_string(), port))
+}
+
 /// The store's address and port: several machines need machine 0's address and a fixed port every machine is
 /// told; one machine defaults to the local address and a free port (so concurrent jobs never collide).
 fn resolve_rendezvous(
@@ -438,8 +450,13 @@ fn resolve_rendezvous(
     file: Option<&AccelerateConfig>,
     num_machines: usize,
 ) -> CliResult<(String, u16)> {
-    let ip = flags.main_process_ip.clone().or_else(|| file.and_then(|f| f.main_process_ip.clone()));
-    let port = flags.main_process_port.or(file.and_then(|f| f.main_process_port));
+    let endpoint = flags.rdzv_endpoint.as_deref().map(parse_endpoint).transpose()?;
+    let ip = endpoint
+        .as_ref()
+        .map(|(h, _)| h.clone())
+        .or_else(|| flags.main_process_ip.clone())
+        .or_else(|| file.and_then(|f| f.main_process_ip.clone()));
+    let port = endpoint.map(|(_, p)| p).or(flags.main_process_port).or(file.and_then(|f| f.main_process_port));
     // An elastic job (even of one machine at most) needs a port that machines joining later can be told.
     let elastic = flags.num_machines.is_some_and(|c| c.min.is_some());
     if num_machines == 1 {
@@ -1414,5 +1431,14 @@ mod elastic_tests {
             assert!(MachineCount::parse(bad).is_err(), "{bad}");
         }
         assert!(MachineCount::parse("2:1").unwrap_err().contains("1 <= MIN <= MAX"));
+        // torchrun's spelling of machine 0's address and port.
+        f.rdzv_conf = None;
+        f.main_process_ip = None;
+        f.rdzv_endpoint = Some("10.0.0.7:29611".into());
+        let plan = LaunchPlan::resolve(&f, None).unwrap();
+        assert_eq!((plan.main_process_ip.as_str(), plan.main_process_port), ("10.0.0.7", 29611));
+        f.rdzv_endpoint = Some("10.0.0.7".into());
+        let e = LaunchPlan::resolve(&f, None).unwrap_err().to_string();
+        assert!(e.contains("rdzv_endpoint") && e.contains("HOST:PORT"), "{e}");
     }
 }
