@@ -510,10 +510,9 @@ struct Progress {
 /// The training loop: from step 0 or the resumed checkpoint's step and epoch (the loader skips what it consumed)
 /// to `--steps`, logging every `--log-every` and saving every `--save-every`.
 fn run_steps(args: &Args, run: &mut Run, meters: &mut Meters) -> anyhow::Result<Progress> {
+    let tokens_per_step = tokens_per_step(args, run);
     let Run { acc, model, prepared, opt, loader, .. } = run;
     let (acc, model, prepared) = (&*acc, &*model, &*prepared);
-    let tokens_per_step =
-        (run.batch_size * args.block_size * acc.data_parallel_size() * acc.gradient_accumulation_steps()) as f64;
     let start = Instant::now();
     let (mut step, mut epoch) = (acc.optimizer_step_count(), loader.epoch());
     let (mut loss_sum, mut loss_count) = (0f64, 0usize);

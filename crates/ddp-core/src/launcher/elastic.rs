@@ -32,7 +32,7 @@
 //! (the Trainer does with `resume_from_checkpoint: latest`, keeping the global batch).
 
 use super::rendezvous::{
-    self, elastic_join_key as join_key, JobView, ABORT_KEY, ELASTIC_MARK, ELASTIC_PREFIX as PREFIX,
+    self, elastic_join_key as join_key, list, JobView, ABORT_KEY, ELASTIC_MARK, ELASTIC_PREFIX as PREFIX,
 };
 use super::signals::SignalGuard;
 use super::LaunchConfig;
@@ -190,7 +190,7 @@ impl<'a> Elastic<'a> {
     }
 
     /// Ends the whole job on every machine with `message` (machine 0 leaving, or no restarts left).
-    pub(crate) fn abort(&self, message: &str) {
+    fn abort(&self, message: &str) {
         let _ = self.store.compare_set(ABORT_KEY, b"", message.as_bytes());
     }
 
@@ -497,11 +497,6 @@ fn describe_change(before: &[usize], after: &[usize], ended_by: Option<&str>) ->
 
 fn parse_number(bytes: &[u8]) -> u64 {
     String::from_utf8_lossy(bytes).trim().parse().unwrap_or(0)
-}
-
-/// `1, 2, 3`.
-fn list(items: &[usize]) -> String {
-    items.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")
 }
 
 #[cfg(test)]

@@ -326,7 +326,7 @@ fn linger(store: &TcpStore, nnodes: usize) {
 }
 
 /// `1, 2, 3`.
-fn list(items: &[usize]) -> String {
+pub(super) fn list(items: &[usize]) -> String {
     items.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")
 }
 
